@@ -1,0 +1,52 @@
+# kvkeep: every target does its own set-up, so `make test` works on a fresh machine.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+APT_PACKAGES := etcd-server etcd-client redis-server redis-tools
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+
+.PHONY: test setup system-deps venv lint typecheck pytest bench clean
+
+## test: install everything needed (apt, venv, pip), lint, type-check, run the whole suite
+test: setup lint typecheck pytest
+
+## setup: system packages (etcd, redis) and the project venv with its test extras
+setup: system-deps $(STAMP)
+
+system-deps:
+	@if ! command -v etcd >/dev/null || ! command -v redis-server >/dev/null; then \
+		export DEBIAN_FRONTEND=noninteractive; \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update -q && \
+		$$SUDO apt-get install -y -q --no-install-recommends $(APT_PACKAGES); \
+	fi
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch 2.13.0 (CPU) comes from the machine's local wheel folder through pip's find-links;
+	# asking for it first keeps pip from resolving a multi-GB CUDA build.
+	$(PY) -m pip install -q "torch==2.13.0"
+	$(PY) -m pip install -q -e '.[test]'
+	rm -f $(VENV)/.installed-*
+	touch $(STAMP)
+
+## lint: ruff over the whole tree
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+## typecheck: mypy --strict on our packages
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
+
+## pytest: the test suite only (assumes setup)
+pytest: $(STAMP)
+	$(PY) -m pytest -q
+
+## bench: the quick benchmarks, JSON into bench-results/
+bench: setup
+	mkdir -p bench-results
+	$(PY) -m benchmarks.store --quick --json bench-results/store.json
+
+clean:
+	rm -rf $(VENV) bench-results .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""kvstore: a tiered, checksummed, model-fingerprinted store of LLM KV-cache blocks."""
