@@ -1,0 +1,130 @@
+"""The machine's own ceilings, measured in the same run as what they are compared with.
+
+These machines are noisy, so every benchmark reports ratios against these figures rather than
+absolute times. Each function returns GB/s (10^9 bytes per second), the median of `repeats`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["median_gbps", "memcpy_gbps", "disk_write_fsync_gbps", "disk_cold_read_gbps",
+           "tcp_loopback_gbps", "drop_file_cache"]
+
+
+def median_gbps(nbytes: int, run: Callable[[], None], repeats: int = 5) -> float:
+    """Median throughput of `run`, which moves `nbytes` per call."""
+    rates = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        rates.append(nbytes / (time.perf_counter() - start) / 1e9)
+    return statistics.median(rates)
+
+
+def memcpy_gbps(nbytes: int = 256 << 20, repeats: int = 5) -> float:
+    """np.copyto into an already-touched buffer: the ceiling for any in-RAM copy."""
+    src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)  # touch every page once so page faults are not measured
+    return median_gbps(nbytes, lambda: np.copyto(dst, src), repeats)
+
+
+def drop_file_cache(path: Path) -> None:
+    """Evict one file's pages from the page cache, so the next read comes from the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def disk_write_fsync_gbps(directory: Path, block_bytes: int = 4 << 20, blocks: int = 64,
+                          repeats: int = 3) -> float:
+    """Write `blocks` files of `block_bytes` each, fsync each: what a durable block put costs."""
+    payload = memoryview(np.random.default_rng(1).integers(0, 255, block_bytes, dtype=np.uint8))
+    with tempfile.TemporaryDirectory(dir=directory) as tmp:
+        counter = [0]
+
+        def run() -> None:
+            for _ in range(blocks):
+                counter[0] += 1
+                fd = os.open(Path(tmp) / f"b{counter[0]}", os.O_WRONLY | os.O_CREAT, 0o644)
+                try:
+                    os.write(fd, payload)
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+
+        return median_gbps(block_bytes * blocks, run, repeats)
+
+
+def disk_cold_read_gbps(directory: Path, block_bytes: int = 4 << 20, blocks: int = 64,
+                        repeats: int = 3) -> float:
+    """Read `blocks` files after evicting them from the page cache."""
+    payload = np.random.default_rng(2).integers(0, 255, block_bytes, dtype=np.uint8).tobytes()
+    out = bytearray(block_bytes)
+    with tempfile.TemporaryDirectory(dir=directory) as tmp:
+        paths = [Path(tmp) / f"r{i}" for i in range(blocks)]
+        for path in paths:
+            path.write_bytes(payload)
+        os.sync()
+
+        def run() -> None:
+            for path in paths:
+                drop_file_cache(path)
+            start_view = memoryview(out)
+            for path in paths:
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.preadv(fd, [start_view], 0)
+                finally:
+                    os.close(fd)
+
+        # Dropping caches is part of `run` but costs microseconds against the reads.
+        return median_gbps(block_bytes * blocks, run, repeats)
+
+
+def tcp_loopback_gbps(message_bytes: int = 4 << 20, messages: int = 64, repeats: int = 3) -> float:
+    """One TCP stream over 127.0.0.1, sender and receiver in two threads, reused buffers."""
+    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    port = server.getsockname()[1]
+    total = message_bytes * messages
+
+    def receive(conn: socket.socket) -> None:
+        buf = bytearray(message_bytes)
+        view = memoryview(buf)
+        remaining = total
+        while remaining:
+            n = conn.recv_into(view, min(len(view), remaining))
+            if n == 0:
+                break
+            remaining -= n
+
+    client = socket.create_connection(("127.0.0.1", port))
+    conn, _ = server.accept()
+    payload = memoryview(bytearray(os.urandom(message_bytes)))
+    try:
+        def run() -> None:
+            receiver = threading.Thread(target=receive, args=(conn,))
+            receiver.start()
+            for _ in range(messages):
+                client.sendall(payload)
+            receiver.join()
+
+        return median_gbps(total, run, repeats)
+    finally:
+        client.close()
+        conn.close()
+        server.close()
