@@ -41,7 +41,7 @@ _DIGEST_BYTES = 16
 
 
 def validate_name(value: str, what: str = "name") -> str:
-    """Validate a tenant, salt or node name: 1-64 of [A-Za-z0-9._-], not starting with '.' or '-'."""
+    """Validate a tenant, salt or node name: 1-64 of [A-Za-z0-9._-], starting alphanumeric."""
     if not isinstance(value, str) or _NAME_RE.fullmatch(value) is None:
         raise InvalidKey(f"invalid {what} {value!r}: 1-64 chars of [A-Za-z0-9._-], starting alnum")
     return value
@@ -186,9 +186,8 @@ class SessionKey:
         object.__setattr__(
             self,
             "digest",
-            _digest(
-                b"session", self.fingerprint, self.namespace.label.encode(), self.session_id.encode()
-            ),
+            _digest(b"session", self.fingerprint, self.namespace.label.encode(),
+                    self.session_id.encode()),
         )
 
     @classmethod
