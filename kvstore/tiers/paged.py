@@ -1,0 +1,307 @@
+"""What the memory tiers (host RAM, device HBM) share: an LRU index of paged blocks with pinning.
+
+A block's frame is copied into pages from a `SlabPool`; the parsed `FrameHeader` is kept beside
+it, so a layer-range read copies only the bytes of the segments asked for. Subclasses supply
+the storage (an arena type) and the two copies (into pages, out of pages).
+
+Concurrency: one lock guards the index, the pool and the counters, and is held only for
+bookkeeping, never while bytes move. A reader pins the block (a pin count) before it copies
+outside the lock; eviction skips pinned blocks, and a block deleted while pinned gives its pages
+back only when the last pin goes. A writer reserves pages, copies into them outside the lock and
+publishes the block only when the copy is complete, so no reader ever sees a partial block. A
+put of a key that is already present is a no-op (frames are content-addressed by their key), so
+a block is never overwritten under a reader.
+
+Eviction is LRU. ARC would resist one-off scans better, but the store's access pattern (a
+session's prefix read back in order, soon after it was written) is LRU-friendly and LRU keeps
+pinning simple; the policy lives in `_reserve` should that change.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from kvstore.errors import DeadlineExceeded, InvalidFrame, TierError, TierUnavailable
+from kvstore.frame import BlockRead, FrameHeader, LayerRange
+from kvstore.keys import BlockKey, SessionKey
+from kvstore.manifest import SessionManifest
+from kvstore.tiers.base import Buffer, TierStats
+from kvstore.tiers.slabs import DEFAULT_ARENA_BYTES, DEFAULT_PAGE_BYTES, SlabPool
+
+__all__ = ["PagedTier", "byte_view"]
+
+A = TypeVar("A")
+
+
+def byte_view(buf: bytes | bytearray | memoryview, *, writable: bool = False) -> memoryview:
+    """A flat unsigned-byte view of `buf` (any C-contiguous buffer), for slice assignment."""
+    view = memoryview(buf)
+    if view.format != "B" or view.ndim != 1:
+        if not view.c_contiguous:
+            raise TierError("buffer is not C-contiguous")
+        view = view.cast("B")
+    if writable and view.readonly:
+        raise TierError("output buffer is read-only")
+    return view
+
+
+@dataclass(slots=True, eq=False)
+class _Entry:
+    """One stored block; mutable and private to the tier (pins change under the lock)."""
+
+    pages: list[int]
+    size: int
+    header: FrameHeader
+    pins: int = 0
+    dead: bool = False  # deleted while pinned: pages go back when the last pin is released
+
+
+class PagedTier(ABC, Generic[A]):
+    """A byte-budgeted LRU tier over pages of arenas of type `A` (see the module docstring)."""
+
+    def __init__(self, name: str, byte_budget: int, *, page_bytes: int = DEFAULT_PAGE_BYTES,
+                 arena_bytes: int = DEFAULT_ARENA_BYTES) -> None:
+        self._name = name
+        self._pool: SlabPool[A] = SlabPool(byte_budget, self._new_arena, page_bytes=page_bytes,
+                                           arena_bytes=arena_bytes)
+        self._lock = threading.Lock()
+        self._index: OrderedDict[BlockKey, _Entry] = OrderedDict()  # LRU first, MRU last
+        self._manifests: dict[SessionKey, SessionManifest] = {}
+        self._closed = False
+        self._hits = 0
+        self._misses = 0
+        self._puts = 0
+        self._rejected = 0
+        self._evictions = 0
+
+    # -- the Tier protocol --------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
+        with self._lock:
+            self._check_open()
+            found = []
+            for key in keys:
+                hit = key in self._index
+                if hit:
+                    # A lookup usually precedes a load: keep what was just asked for from being
+                    # the next victim.
+                    self._index.move_to_end(key)
+                found.append(hit)
+            return found
+
+    def get(self, key: BlockKey, layers: LayerRange | None = None, *,
+            out: Buffer | None = None, deadline: float | None = None) -> BlockRead | None:
+        if deadline is not None and time.monotonic() >= deadline:
+            raise DeadlineExceeded(f"{self._name}: deadline passed before the read")
+        with self._lock:
+            self._check_open()
+            entry = self._index.get(key)
+            if entry is None:
+                self._misses += 1
+                return None
+            self._index.move_to_end(key)
+            entry.pins += 1
+            self._hits += 1
+        try:
+            want = layers if layers is not None else entry.header.all_layers
+            start, stop = entry.header.span(want)
+            if out is None:
+                return BlockRead(entry.header, want, self._read_bytes(entry.pages, start, stop))
+            dst = byte_view(out, writable=True)
+            if len(dst) < stop - start:
+                raise TierError(f"{self._name}: output buffer holds {len(dst)} bytes, the read "
+                                f"needs {stop - start}")
+            dst = dst[: stop - start]
+            self._read_into(entry.pages, start, stop, dst)
+            return BlockRead(entry.header, want, dst)
+        finally:
+            with self._lock:
+                self._unpin(entry)
+
+    def put(self, key: BlockKey, frame: bytes | bytearray | memoryview) -> bool:
+        src = byte_view(frame)
+        # Parsing verifies the header checksum; segments are verified by readers, on every read.
+        header = FrameHeader.unpack(src)
+        if header.frame_size != len(src):
+            raise InvalidFrame(f"frame is {len(src)} bytes, its header says {header.frame_size}")
+        if header.key_digest != key.digest:
+            raise InvalidFrame("frame is bound to a different key")
+        npages = self._pool.pages_for(len(src))
+        with self._lock:
+            self._check_open()
+            if key in self._index:
+                self._index.move_to_end(key)
+                return True
+            pages = self._reserve(npages)
+            if pages is None:
+                self._rejected += 1
+                return False
+        try:
+            self._write_pages(pages, src)
+        except BaseException:
+            with self._lock:
+                self._free_pages(pages)
+            raise
+        with self._lock:
+            if self._closed:
+                return False
+            if key in self._index:  # a concurrent put of the same key published first
+                self._free_pages(pages)
+                return True
+            self._index[key] = _Entry(pages, len(src), header)
+            self._puts += 1
+            return True
+
+    def delete(self, keys: Sequence[BlockKey]) -> int:
+        removed = 0
+        with self._lock:
+            self._check_open()
+            for key in keys:
+                entry = self._index.pop(key, None)
+                if entry is None:
+                    continue
+                removed += 1
+                if entry.pins:
+                    entry.dead = True
+                else:
+                    self._free_pages(entry.pages)
+        return removed
+
+    def put_manifest(self, manifest: SessionManifest) -> None:
+        with self._lock:
+            self._check_open()
+            current = self._manifests.get(manifest.key)
+            # Equal generations are a rewrite by the same writer; only a newer one may win.
+            if current is None or current.generation <= manifest.generation:
+                self._manifests[manifest.key] = manifest
+
+    def get_manifest(self, key: SessionKey) -> SessionManifest | None:
+        with self._lock:
+            self._check_open()
+            return self._manifests.get(key)
+
+    def delete_manifest(self, key: SessionKey) -> bool:
+        with self._lock:
+            self._check_open()
+            return self._manifests.pop(key, None) is not None
+
+    def stats(self) -> TierStats:
+        with self._lock:
+            return TierStats(
+                name=self._name,
+                blocks=len(self._index),
+                bytes_used=self._pool.pages_in_use * self._pool.page_bytes,
+                bytes_budget=self._pool.capacity_pages * self._pool.page_bytes,
+                hits=self._hits,
+                misses=self._misses,
+                puts=self._puts,
+                rejected_puts=self._rejected,
+            )
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._index.clear()
+            self._manifests.clear()
+            # Readers still copying hold their own references to the arenas they read.
+            self._pool.release()
+
+    # -- state beyond the protocol (tests, benchmarks, metrics) -------------------------------
+
+    @property
+    def evictions(self) -> int:
+        return self._evictions
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Arena bytes allocated so far; stays flat once the tier is warm."""
+        with self._lock:
+            return self._pool.allocated_bytes
+
+    @property
+    def arena_allocations(self) -> int:
+        with self._lock:
+            return self._pool.arena_allocations
+
+    @property
+    def pinned_blocks(self) -> int:
+        with self._lock:
+            return sum(1 for entry in self._index.values() if entry.pins)
+
+    @property
+    def page_bytes(self) -> int:
+        return self._pool.page_bytes
+
+    # -- storage hooks ------------------------------------------------------------------------
+
+    @abstractmethod
+    def _new_arena(self, nbytes: int) -> A:
+        """Allocate one arena (called under the lock, rarely)."""
+
+    @abstractmethod
+    def _write_pages(self, pages: Sequence[int], src: memoryview) -> None:
+        """Copy `src` into `pages` in order, page_bytes per page (the last one partly)."""
+
+    @abstractmethod
+    def _read_into(self, pages: Sequence[int], start: int, stop: int, dst: memoryview) -> None:
+        """Copy frame bytes [start, stop) of a block stored in `pages` into `dst`."""
+
+    @abstractmethod
+    def _read_bytes(self, pages: Sequence[int], start: int, stop: int) -> bytes:
+        """Frame bytes [start, stop) of a block stored in `pages`, as a fresh bytes object."""
+
+    def _page_runs(self, pages: Sequence[int], start: int, stop: int
+                   ) -> list[tuple[int, int, int]]:
+        """(page, offset in page, length) pieces covering frame bytes [start, stop)."""
+        page_bytes = self._pool.page_bytes
+        runs = []
+        pos = start
+        while pos < stop:
+            index, offset = divmod(pos, page_bytes)
+            length = min(page_bytes - offset, stop - pos)
+            runs.append((pages[index], offset, length))
+            pos += length
+        return runs
+
+    def _locate(self, page: int) -> tuple[A, int]:
+        return self._pool.locate(page)
+
+    # -- helpers (callers hold the lock) ------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TierUnavailable(f"{self._name} tier is closed")
+
+    def _reserve(self, npages: int) -> list[int] | None:
+        if npages > self._pool.capacity_pages:
+            return None
+        while True:
+            pages = self._pool.allocate(npages)
+            if pages is not None:
+                return pages
+            victim = next((k for k, e in self._index.items() if e.pins == 0), None)
+            if victim is None:  # everything left is pinned or being written
+                return None
+            self._free_pages(self._index.pop(victim).pages)
+            self._evictions += 1
+
+    def _unpin(self, entry: _Entry) -> None:
+        entry.pins -= 1
+        if entry.pins == 0 and entry.dead:
+            self._free_pages(entry.pages)
+
+    def _free_pages(self, pages: list[int]) -> None:
+        if not self._closed:  # after close the pool was released wholesale
+            self._pool.free(pages)
