@@ -22,7 +22,9 @@ __all__ = ["median_gbps", "memcpy_gbps", "disk_write_fsync_gbps", "disk_cold_rea
 
 
 def median_gbps(nbytes: int, run: Callable[[], None], repeats: int = 5) -> float:
-    """Median throughput of `run`, which moves `nbytes` per call."""
+    """Median throughput of `run`, which moves `nbytes` per call, after one untimed warm-up
+    (the first run pays for page faults, file creation and readahead state)."""
+    run()
     rates = []
     for _ in range(repeats):
         start = time.perf_counter()
