@@ -273,12 +273,8 @@ def build_frame(
         offset += len(data)
     header = _pack_header(codec, dtype, layout_id, token_count, layer_shape, key_digest, infos)
     assert len(header) == header_size
-    out = bytearray(offset)
-    out[:header_size] = header
-    view = memoryview(out)
-    for info, (data, _, _) in zip(infos, segments, strict=True):
-        view[info.offset: info.offset + info.length] = data
-    return bytes(out)
+    # One allocation and one copy of each segment: join sizes the result first.
+    return b"".join([header, *(data for data, _, _ in segments)])
 
 
 def _header_size(layout_len: int, ndim: int, num_layers: int) -> int:
