@@ -8,11 +8,9 @@ GPU and CPU-only hosts alike.
 
 from __future__ import annotations
 
-import importlib
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import cast
 
 from kvstore.errors import ConfigError
 from kvstore.tiers.base import Tier
@@ -51,15 +49,11 @@ def _hbm(spec: TierSpec) -> Tier:
 
 
 def _nvme(spec: TierSpec) -> Tier:
+    from kvstore.tiers.nvme import NvmeTier
+
     if not spec.path:
         raise ConfigError("an nvme tier needs a path (its data directory)")
-    # Imported by name: the nvme tier is developed separately and may be absent in a build.
-    try:
-        module = importlib.import_module("kvstore.tiers.nvme")
-    except ImportError as exc:
-        raise ConfigError(f"the nvme tier is not available: {exc}") from exc
-    factory = cast(Callable[..., Tier], module.NvmeTier)
-    return factory(spec.path, spec.byte_budget, name=spec.name or "nvme")
+    return NvmeTier(spec.path, spec.byte_budget, name=spec.name or "nvme")
 
 
 TIER_KINDS: dict[str, Callable[[TierSpec], Tier]] = {"hbm": _hbm, "host": _host, "nvme": _nvme}
