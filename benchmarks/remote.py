@@ -1,0 +1,283 @@
+"""The remote tier against its baselines, all on loopback in one run.
+
+    python -m benchmarks.remote --quick --json OUT.json
+
+Measures, in the same run: raw loopback TCP (the ceiling of any network store here), redis-py +
+hiredis GET/SET against a local redis-server (the side-by-side baseline), and the remote tier
+(`RemoteTier` -> one `kvkeep store serve` daemon subprocess) get/put at 1, 4 and 16 MiB blocks,
+plus the p99 latency of a batched lookup of 1,000 keys. Writes::
+
+    {"baseline": {"tcp_loopback_gbps": f,
+                  "redis_get_gbps": {"1MiB": f, "4MiB": f, "16MiB": f}, "redis_set_gbps": {...}},
+     "remote":   {"get_gbps": {...}, "put_gbps": {...}, "lookup_p99_ms": f}}
+
+GB/s are 10^9 bytes of frame per second, sequential calls from one client thread, median of
+several runs. Gets copy into a caller-provided, already-touched buffer, as the connector does.
+The process re-executes itself once with the glibc allocator settings the daemon also uses
+(see kvstore/commands.py), so redis-py and the gRPC client get the same treatment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from benchmarks.baselines import tcp_loopback_gbps
+from kvstore.commands import MALLOC_ENV
+from kvstore.frame import CodecId, Compression, DType, build_frame
+from kvstore.keys import BlockKey, ModelFingerprint, Namespace
+from kvstore.tiers.daemon_client import DaemonClient
+from kvstore.tiers.remote import RemoteConfig, RemoteTier
+
+__all__ = ["main", "run"]
+
+SIZES = {"1MiB": 1 << 20, "4MiB": 4 << 20, "16MiB": 16 << 20}
+_LAYERS = 32
+_FINGERPRINT = ModelFingerprint("bench/model", "w", "float16", _LAYERS, 8, 128, 32, "nhd", "raw")
+_NAMESPACE = Namespace("bench")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 20.0) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args!r} exited with {proc.returncode}")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+            return
+        time.sleep(0.02)
+    raise TimeoutError(f"nothing listening on port {port}")
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@contextlib.contextmanager
+def _redis_server(tmp: Path) -> Iterator[int]:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise RuntimeError("redis-server is not installed (make setup)")
+    port = _free_port()
+    proc = subprocess.Popen([binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "",
+                             "--appendonly", "no", "--dir", str(tmp),
+                             "--proto-max-bulk-len", "1gb"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_port(port, proc)
+        yield port
+    finally:
+        _stop(proc)
+
+
+@contextlib.contextmanager
+def _daemon(tmp: Path) -> Iterator[str]:
+    port = _free_port()
+    env = {**os.environ, **MALLOC_ENV}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvstore.daemon", "--listen", f"127.0.0.1:{port}",
+         "--data-dir", str(tmp / "daemon"), "--mem-budget", "3GiB", "--disk-budget", "8GiB",
+         "--node-id", "bench"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_port(port, proc)
+        probe = DaemonClient("bench", f"127.0.0.1:{port}")
+        end = time.monotonic() + 20
+        while time.monotonic() < end:
+            with contextlib.suppress(Exception):
+                if probe.health(timeout=1) == "SERVING":
+                    break
+            time.sleep(0.05)
+        probe.close()
+        yield f"127.0.0.1:{port}"
+    finally:
+        _stop(proc)
+
+
+_PAYLOAD: dict[int, bytes] = {}
+
+
+def _frame(key: BlockKey, size: int) -> bytes:
+    """A frame of about `size` bytes bound to `key`: 32 layers of random (incompressible) bytes,
+    the same random bytes for every key of one size so that building frames stays cheap."""
+    seg = max((size - 4096) // _LAYERS, 16)
+    if seg not in _PAYLOAD:
+        _PAYLOAD[seg] = os.urandom(seg)
+    segments = [(_PAYLOAD[seg], Compression.NONE, seg) for _ in range(_LAYERS)]
+    return build_frame(segments, codec=CodecId.RAW, dtype=DType.FLOAT16, layout_id="nhd",
+                       token_count=32, layer_shape=(8, seg // 16), key_digest=key.digest)
+
+
+def _key(tag: str, i: int) -> BlockKey:
+    return BlockKey.of(_FINGERPRINT, _NAMESPACE, f"{tag}-{i}".encode())
+
+
+class _Rates:
+    """Throughput samples per measurement name; medians at the end."""
+
+    def __init__(self) -> None:
+        self.samples: dict[str, list[float]] = {}
+
+    def time(self, name: str, nbytes: int, work: Callable[[], None], record: bool) -> None:
+        started = time.perf_counter()
+        work()
+        elapsed = time.perf_counter() - started
+        if record:
+            self.samples.setdefault(name, []).append(nbytes / elapsed / 1e9)
+
+    def median(self, name: str) -> float:
+        return statistics.median(self.samples[name])
+
+
+def _measure(redis_port: int, address: str, total: int, repeats: int
+             ) -> tuple[_Rates, float, float]:
+    """Redis and remote interleaved round by round, so that both see the same machine load
+    (these machines are noisy: a run of one after the other compares two different moments)."""
+    import redis
+
+    rates = _Rates()
+    client = redis.Redis(host="127.0.0.1", port=redis_port)
+    tier = RemoteTier.from_addresses({"bench": address}, RemoteConfig(
+        replicas=1, extra_ranks=0, call_timeout=30.0, lookup_timeout=5.0))
+    tcp_samples: list[float] = []
+    try:
+        for label, size in SIZES.items():
+            count = max(total // size, 4)
+            value = os.urandom(size)
+            names = [f"bench:{label}:{i}" for i in range(count)]
+            frame_bytes = len(_frame(_key(label, 0), size))
+            out = bytearray(b"\1" * frame_bytes)  # touched once, reused for every get
+            for r in range(repeats + 1):  # round 0 warms up, unrecorded
+                keys = [_key(f"{label}-{r}", i) for i in range(count)]
+                frames = [(k, _frame(k, size)) for k in keys]
+
+                def redis_set(names: list[str] = names, value: bytes = value) -> None:
+                    for name in names:
+                        client.set(name, value)
+
+                def redis_get(names: list[str] = names) -> None:
+                    for name in names:
+                        if client.get(name) is None:
+                            raise RuntimeError("redis lost a value")
+
+                def remote_put(frames: list[tuple[BlockKey, bytes]] = frames) -> None:
+                    for key, frame in frames:
+                        if not tier.put(key, frame):
+                            raise RuntimeError("the daemon did not admit a block")
+
+                def remote_get(keys: list[BlockKey] = keys, out: bytearray = out) -> None:
+                    for key in keys:
+                        if tier.get(key, out=out) is None:
+                            raise RuntimeError("a stored block was not found")
+
+                record = r > 0
+                rates.time(f"redis_set/{label}", size * count, redis_set, record)
+                rates.time(f"put/{label}", frame_bytes * count, remote_put, record)
+                rates.time(f"redis_get/{label}", size * count, redis_get, record)
+                rates.time(f"get/{label}", frame_bytes * count, remote_get, record)
+                if record and label == "4MiB":
+                    tcp_samples.append(tcp_loopback_gbps(4 << 20, 16, 1))
+                tier.delete(keys)
+                client.delete(*names)
+        # A batched lookup of 1,000 keys, all present.
+        keys = [_key("lookup", i) for i in range(1000)]
+        tier.put_many([(k, _frame(k, 4096)) for k in keys])
+        samples = []
+        for _ in range(300):
+            started = time.perf_counter()
+            found = tier.contains(keys)
+            samples.append((time.perf_counter() - started) * 1e3)
+            if not all(found):
+                raise RuntimeError("lookup missed stored keys")
+        p99 = statistics.quantiles(samples[20:], n=100)[98]
+    finally:
+        tier.close()
+        client.close()
+    return rates, statistics.median(tcp_samples), p99
+
+
+def run(quick: bool) -> dict[str, object]:
+    total = (64 << 20) if quick else (512 << 20)
+    repeats = 3 if quick else 5
+    with tempfile.TemporaryDirectory(prefix="kvkeep-bench-") as tmp_name:
+        tmp = Path(tmp_name)
+        with _redis_server(tmp) as port, _daemon(tmp) as address:
+            rates, tcp, p99 = _measure(port, address, total, repeats)
+    return {
+        "baseline": {"tcp_loopback_gbps": tcp,
+                     "redis_get_gbps": {s: rates.median(f"redis_get/{s}") for s in SIZES},
+                     "redis_set_gbps": {s: rates.median(f"redis_set/{s}") for s in SIZES}},
+        "remote": {"get_gbps": {s: rates.median(f"get/{s}") for s in SIZES},
+                   "put_gbps": {s: rates.median(f"put/{s}") for s in SIZES},
+                   "lookup_p99_ms": p99},
+    }
+
+
+def _print_table(result: dict[str, object]) -> None:
+    base = result["baseline"]
+    remote = result["remote"]
+    assert isinstance(base, dict) and isinstance(remote, dict)
+    tcp = base["tcp_loopback_gbps"]
+    print(f"loopback TCP: {tcp:.2f} GB/s")
+    print(f"{'size':>6} {'get':>7} {'redis get':>10} {'ratio':>6} {'put':>7} "
+          f"{'redis set':>10} {'ratio':>6} {'get/tcp':>8}")
+    for label in SIZES:
+        g, rg = remote["get_gbps"][label], base["redis_get_gbps"][label]
+        p, rs = remote["put_gbps"][label], base["redis_set_gbps"][label]
+        print(f"{label:>6} {g:7.2f} {rg:10.2f} {g / rg:6.2f} {p:7.2f} {rs:10.2f} {p / rs:6.2f} "
+              f"{g / tcp:8.2f}")
+    print(f"lookup of 1,000 keys: p99 {remote['lookup_p99_ms']:.2f} ms")
+
+
+def _reexec_with_allocator_settings() -> None:
+    if os.environ.get("KVKEEP_NO_MALLOC_TUNING") == "1":
+        return
+    if all(os.environ.get(k) == v for k, v in MALLOC_ENV.items()):
+        return
+    os.execve(sys.executable, [sys.executable, "-m", "benchmarks.remote", *sys.argv[1:]],
+              {**os.environ, **MALLOC_ENV})
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer bytes and repeats (<60 s)")
+    parser.add_argument("--json", type=Path, default=None, help="write the figures here")
+    args = parser.parse_args(argv)
+    if argv is None:
+        _reexec_with_allocator_settings()
+    started = time.monotonic()
+    result = run(args.quick)
+    _print_table(result)
+    print(f"({time.monotonic() - started:.1f} s)")
+    if args.json:
+        tmp = args.json.with_suffix(args.json.suffix + ".tmp")
+        tmp.write_text(json.dumps(result, indent=2) + "\n")
+        tmp.replace(args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

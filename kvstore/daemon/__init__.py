@@ -1,0 +1,8 @@
+"""The kvstore daemon: one per node, serving KV blocks over gRPC (`kvkeep store serve`)."""
+
+from __future__ import annotations
+
+from kvstore.daemon.config import DaemonConfig
+from kvstore.daemon.server import Daemon, run_daemon
+
+__all__ = ["Daemon", "DaemonConfig", "run_daemon"]

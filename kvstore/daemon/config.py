@@ -1,0 +1,108 @@
+"""The daemon's configuration: one frozen value built from the command line, checked up front."""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvstore.errors import ConfigError
+from kvstore.keys import validate_name
+from kvstore.tiers.discovery import DEFAULT_PREFIX
+
+__all__ = ["DaemonConfig", "parse_size", "split_host_port", "is_loopback"]
+
+_SIZE_RE = re.compile(r"(?i)\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*")
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """`512MiB`, `4G`, `1.5GiB`, `1048576` -> bytes (binary units either way)."""
+    match = _SIZE_RE.fullmatch(text)
+    if match is None:
+        raise ConfigError(f"bad size {text!r}: use e.g. 512MiB, 4GiB or a byte count")
+    value = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    if value <= 0:
+        raise ConfigError(f"size {text!r} must be positive")
+    return value
+
+
+def split_host_port(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ConfigError(f"address {address!r} is not HOST:PORT")
+    return host, int(port)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True, slots=True)
+class DaemonConfig:
+    """Everything `kvkeep store serve` needs.
+
+    advertise: the host:port registered in etcd for clients to dial; defaults to `listen`
+    (with a wildcard host replaced by this machine's hostname).
+    peer_token: the token used to push blocks to peers during re-replication; defaults to the
+    first all-tenant (`*`) token in the token file.
+    """
+
+    listen: str
+    data_dir: Path
+    mem_budget: int
+    disk_budget: int
+    node_id: str
+    etcd: str | None = None
+    advertise: str | None = None
+    etcd_prefix: str = DEFAULT_PREFIX
+    lease_ttl: int = 5
+    token_file: Path | None = None
+    peer_token: str | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_ca: Path | None = None
+    replicas: int = 2
+    rereplicate_after: float = 30.0
+    drain_timeout: float = 15.0
+    workers: int = 4
+
+    def __post_init__(self) -> None:
+        validate_name(self.node_id, "node id")
+        host, _ = split_host_port(self.listen)
+        if self.token_file is None and not is_loopback(host):
+            raise ConfigError(
+                f"refusing to listen on {host}: without --token-file the daemon serves "
+                "loopback only (give a token file, and preferably mTLS, to serve a network)")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError("--tls-cert and --tls-key go together")
+        if self.tls_ca is not None and self.tls_cert is None:
+            raise ConfigError("--tls-ca (client verification) needs --tls-cert/--tls-key")
+        if self.replicas < 1 or self.lease_ttl < 1 or self.workers < 1:
+            raise ConfigError("--replicas, --lease-ttl and --workers must be >= 1")
+        if self.rereplicate_after < 0 or self.drain_timeout < 0:
+            raise ConfigError("--rereplicate-after and --drain-timeout cannot be negative")
+
+    @property
+    def auth_enabled(self) -> bool:
+        return self.token_file is not None
+
+    @property
+    def tls_enabled(self) -> bool:
+        return self.tls_cert is not None
+
+    def advertised_address(self, bound_port: int) -> str:
+        if self.advertise:
+            return self.advertise
+        host, _ = split_host_port(self.listen)
+        if host in ("0.0.0.0", "::", ""):
+            host = socket.gethostname()
+        return f"{host}:{bound_port}"

@@ -1,0 +1,174 @@
+"""Re-replication: after membership changes, every block regains its R copies.
+
+Each daemon knows the keys it holds (its `KeyCatalog`) and sees the live daemons (etcd). Once
+membership has been stable for `grace` seconds and differs from what the last pass saw, a
+daemon walks its keys: for each one it computes the R best live daemons by rendezvous hashing
+and pushes its copy to those of them that lack it (one batched Lookup per peer per 1,000 keys,
+then batched Puts). So when a node leaves for good, each of its blocks is copied from a surviving
+replica to the node that now ranks in its top R; when a node joins, it receives the blocks it
+now ranks for; a node that comes back within `grace` causes no traffic at all.
+
+Two survivors of one block may both push it to the same new owner; puts are idempotent, so the
+cost is bandwidth, never a wrong block. Pushes go through the same verified Put path as client
+writes, so the receiver checks every frame.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from kvstore.daemon.catalog import KeyCatalog
+from kvstore.daemon.service import store_contains
+from kvstore.errors import KVKeepError
+from kvstore.keys import BlockKey
+from kvstore.store import TieredStore
+from kvstore.tiers.daemon_client import ClientTLS, DaemonClient
+from kvstore.tiers.discovery import DaemonInfo
+from kvstore.tiers.placement import place
+from kvstore.wire import CHUNK_BYTES, Scope, scope_of
+
+__all__ = ["Rereplicator", "RepairReport"]
+
+_log = logging.getLogger(__name__)
+_LOOKUP_BATCH = 1000
+_PUT_BATCH_BYTES = 4 * CHUNK_BYTES
+
+
+@dataclass(frozen=True, slots=True)
+class RepairReport:
+    keys_checked: int
+    blocks_pushed: int
+    failed_peers: tuple[str, ...]
+    seconds: float
+
+
+class Rereplicator:
+    """Runs repair passes when membership settles (see the module docstring)."""
+
+    def __init__(self, node_id: str, store: TieredStore, catalog: KeyCatalog,
+                 members: Callable[[], Mapping[str, DaemonInfo]], *, replicas: int,
+                 grace: float, executor: ThreadPoolExecutor, peer_token: str | None,
+                 tls: ClientTLS | None, call_timeout: float = 30.0,
+                 on_pushed: Callable[[int], None] | None = None) -> None:
+        self._node_id = node_id
+        self._store = store
+        self._catalog = catalog
+        self._members = members
+        self._replicas = replicas
+        self._grace = grace
+        self._executor = executor
+        self._token = peer_token
+        self._tls = tls
+        self._timeout = call_timeout
+        self._on_pushed = on_pushed
+        self._changed = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.last_report: RepairReport | None = None
+        self.passes = 0
+
+    def membership_changed(self, _members: Mapping[str, DaemonInfo] | None = None) -> None:
+        """A listener for the membership watcher; safe to call from any thread."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._changed.set)
+
+    async def run(self) -> None:
+        """Forever: wait for membership to settle, repair if it differs from the last pass."""
+        self._loop = asyncio.get_running_loop()
+        seen: frozenset[tuple[str, str]] | None = None
+        self._changed.set()  # the first pass (after start-up) repairs what changed while down
+        while True:
+            await self._changed.wait()
+            # Debounce: wait until nothing changed for `grace` seconds.
+            while True:
+                self._changed.clear()
+                try:
+                    # asyncio.timeout, not wait_for: see kvstore/daemon/registration.py.
+                    async with asyncio.timeout(self._grace):
+                        await self._changed.wait()
+                except TimeoutError:
+                    break
+            members = dict(self._members())
+            snapshot = frozenset((n, i.address) for n, i in members.items())
+            if snapshot == seen or self._node_id not in members:
+                continue
+            report = await asyncio.get_running_loop().run_in_executor(
+                self._executor, self.repair_pass, members)
+            self.last_report = report
+            self.passes += 1
+            # A peer that failed keeps the pass "not done": try again after another grace.
+            seen = snapshot if not report.failed_peers else None
+            if report.failed_peers:
+                self._changed.set()
+            _log.info("repair pass: %s", report)
+
+    def repair_pass(self, members: Mapping[str, DaemonInfo]) -> RepairReport:
+        """Push every locally held block to the top-R live daemons that lack it (blocking)."""
+        start = time.monotonic()
+        keys = self._catalog.keys()
+        present = store_contains(self._store, keys) if keys else []
+        held = [k for k, p in zip(keys, present, strict=True) if p]
+        if len(held) != len(keys):
+            self._catalog.retain(held)  # evicted since they were cataloged
+        nodes = list(members)
+        wanted: dict[str, list[BlockKey]] = defaultdict(list)
+        for key in held:
+            for node in place(key.digest, nodes, self._replicas):
+                if node != self._node_id:
+                    wanted[node].append(key)
+        pushed = 0
+        failed: list[str] = []
+        for node, node_keys in wanted.items():
+            client = DaemonClient(node, members[node].address, token=self._token, tls=self._tls)
+            try:
+                pushed += self._push_missing(client, node_keys)
+            except KVKeepError as exc:
+                _log.warning("re-replication to %s failed: %s", node, exc)
+                failed.append(node)
+            finally:
+                client.close()
+        if pushed and self._on_pushed is not None:
+            self._on_pushed(pushed)
+        return RepairReport(len(held), pushed, tuple(failed), time.monotonic() - start)
+
+    def _push_missing(self, client: DaemonClient, keys: list[BlockKey]) -> int:
+        by_scope: dict[Scope, list[BlockKey]] = defaultdict(list)
+        for key in keys:
+            by_scope[scope_of(key)].append(key)
+        pushed = 0
+        for scope, scoped in by_scope.items():
+            for i in range(0, len(scoped), _LOOKUP_BATCH):
+                batch = scoped[i:i + _LOOKUP_BATCH]
+                has = client.lookup(scope, [k.block_hash for k in batch], timeout=self._timeout)
+                missing = [k for k, h in zip(batch, has, strict=True) if not h]
+                pushed += self._push(client, scope, missing)
+        return pushed
+
+    def _push(self, client: DaemonClient, scope: Scope, keys: list[BlockKey]) -> int:
+        pushed = 0
+        batch: list[tuple[bytes, bytes]] = []
+        size = 0
+        for key in keys:
+            try:
+                read = self._store.get(key)
+                if read is None:
+                    continue
+                read.verify()
+                read.verify_key(key.digest)
+            except KVKeepError as exc:  # evicted, corrupt or unreadable here: another copy
+                _log.info("not re-replicating %s: %s", key.storage_name, exc)
+                continue
+            frame = read.to_frame()
+            batch.append((key.block_hash, frame))
+            size += len(frame)
+            if size >= _PUT_BATCH_BYTES:
+                pushed += sum(client.put(scope, batch, timeout=self._timeout))
+                batch, size = [], 0
+        if batch:
+            pushed += sum(client.put(scope, batch, timeout=self._timeout))
+        return pushed

@@ -1,0 +1,217 @@
+"""One kvstore daemon: the store, the gRPC server, etcd registration, re-replication, draining.
+
+Lifecycle: open the store (the nvme tier rebuilds its index from disk, so a restarted daemon
+serves what it held) and the key catalog, bind, report SERVING, register in etcd, and start the
+repair loop. On SIGTERM or SIGINT it drains: health NOT_SERVING, revoke the etcd lease (clients
+stop placing blocks here at once), refuse new puts, give in-flight streams `drain_timeout`
+seconds to finish, flush the write-behind queue to disk and close.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import faulthandler
+import logging
+import signal
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import grpc  # type: ignore[import-untyped, unused-ignore]
+
+from kvstore.daemon.auth import TokenTable
+from kvstore.daemon.catalog import KeyCatalog
+from kvstore.daemon.config import DaemonConfig
+from kvstore.daemon.registration import Registrar
+from kvstore.daemon.replication import Rereplicator
+from kvstore.daemon.service import HealthService, KVStoreService, store_contains
+from kvstore.errors import ConfigError, KVKeepError
+from kvstore.keys import BlockKey
+from kvstore.store import StoreConfig, TieredStore
+from kvstore.tiers.daemon_client import ClientTLS
+from kvstore.tiers.discovery import DaemonInfo, MembershipWatcher
+from kvstore.tiers.factory import TierSpec, build_tiers
+from kvstore.wire import GRPC_CHANNEL_OPTIONS
+
+__all__ = ["Daemon", "run_daemon"]
+
+_log = logging.getLogger("kvkeep.daemon")
+_CATALOG_BATCH = 4096
+
+
+def _read(path: Path, what: str) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {what} {path}: {exc}") from exc
+
+
+def _open_store(config: DaemonConfig) -> TieredStore:
+    tiers = build_tiers([
+        TierSpec("host", config.mem_budget),
+        TierSpec("nvme", config.disk_budget, path=str(config.data_dir / "blocks")),
+    ])
+    # A daemon serves remote readers whose own deadlines bound each call; the store's deadline
+    # only has to stop a stuck disk read, and its write-behind queue is deep because puts wait
+    # on it (back-pressure) rather than dropping background writes.
+    return TieredStore(tiers, config=StoreConfig(get_deadline_s=10.0, write_queue_depth=1024,
+                                                 write_batch=16))
+
+
+class Daemon:
+    """A running daemon; `start()`, then `wait_stopped()` or `stop()`."""
+
+    def __init__(self, config: DaemonConfig) -> None:
+        self.config = config
+        self.tokens = TokenTable.load(config.token_file) if config.token_file else None
+        self.peer_token = config.peer_token or self._first_peer_token(config)
+        self.tls = (ClientTLS(config.tls_ca, config.tls_cert, config.tls_key)
+                    if config.tls_ca is not None else None)
+        self.executor = ThreadPoolExecutor(config.workers, thread_name_prefix="kvkeep-io")
+        self.port = 0
+        self._stopped = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._server: Any = None
+        self._registrar: Registrar | None = None
+        self._membership: MembershipWatcher | None = None
+        self.rereplicator: Rereplicator | None = None
+        config.data_dir.mkdir(parents=True, exist_ok=True)
+        self.store = _open_store(config)
+        self.catalog = KeyCatalog(config.data_dir / "keys.log")
+        self._prune_catalog()
+        self.health = HealthService()
+        self.service = KVStoreService(config.node_id, self.store, self.catalog,
+                                      tokens=self.tokens, executor=self.executor)
+
+    async def start(self) -> None:
+        cfg = self.config
+        self._server = grpc.aio.server(options=list(GRPC_CHANNEL_OPTIONS))
+        self._server.add_generic_rpc_handlers((self.service.generic_handler(),
+                                               self.health.generic_handler()))
+        if cfg.tls_enabled:
+            assert cfg.tls_cert is not None and cfg.tls_key is not None
+            creds = grpc.ssl_server_credentials(
+                [(_read(cfg.tls_key, "TLS key"), _read(cfg.tls_cert, "TLS certificate"))],
+                root_certificates=_read(cfg.tls_ca, "TLS CA") if cfg.tls_ca else None,
+                require_client_auth=cfg.tls_ca is not None)
+            self.port = self._server.add_secure_port(cfg.listen, creds)
+        else:
+            self.port = self._server.add_insecure_port(cfg.listen)
+        if not self.port:
+            raise ConfigError(f"cannot listen on {cfg.listen}")
+        await self._server.start()
+        await self.health.set_serving(True)
+        info = DaemonInfo(cfg.node_id, cfg.advertised_address(self.port), time.time())
+        security = ("auth: bearer tokens" if cfg.auth_enabled else
+                    "auth: OFF, loopback only (give --token-file to serve a network)")
+        _log.info("kvkeep store daemon %s serving %s (%d blocks on disk; %s; tls: %s)",
+                  cfg.node_id, info.address, len(self.catalog), security,
+                  "mTLS" if cfg.tls_ca else "on" if cfg.tls_enabled else "off")
+        if cfg.etcd:
+            self._registrar = Registrar(cfg.etcd, info, prefix=cfg.etcd_prefix, ttl=cfg.lease_ttl)
+            self._tasks.append(asyncio.create_task(self._registrar.run(), name="registrar"))
+            self._membership = MembershipWatcher(cfg.etcd, cfg.etcd_prefix)
+            if cfg.auth_enabled and self.peer_token is None:
+                _log.warning("no all-tenant (*) token in the token file: re-replication to "
+                             "peers is disabled")
+            else:
+                self.rereplicator = Rereplicator(
+                    cfg.node_id, self.store, self.catalog, self._membership.members,
+                    replicas=cfg.replicas, grace=cfg.rereplicate_after, executor=self.executor,
+                    peer_token=self.peer_token, tls=self.tls, on_pushed=self._count_repaired)
+                self._membership.subscribe(self.rereplicator.membership_changed)
+                self._tasks.append(asyncio.create_task(self.rereplicator.run(),
+                                                       name="rereplicator"))
+            self._tasks.append(asyncio.create_task(self._membership.run(), name="membership"))
+        else:
+            _log.info("no --etcd: not registering; clients must be given this address")
+
+    async def stop(self) -> None:
+        """Drain and shut down (idempotent)."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        cfg = self.config
+        _log.info("draining %s: refusing new puts, finishing streams (up to %.0fs)",
+                  cfg.node_id, cfg.drain_timeout)
+        await self.health.set_serving(False)
+        self.service.start_draining()
+        if self._registrar is not None:
+            await self._registrar.deregister()
+        for task in self._tasks:
+            task.cancel()
+        if self._tasks:
+            # Bounded: a task that ignores its cancellation must not hold the drain hostage.
+            _, stuck = await asyncio.wait(self._tasks, timeout=5.0)
+            for task in stuck:
+                _log.warning("task %s did not stop within 5s", task.get_name())
+        if self._server is not None:
+            await self._server.stop(cfg.drain_timeout)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self.executor, self.store.close, 30.0)
+        self.catalog.close()
+        self.executor.shutdown(wait=True)
+        _log.info("daemon %s stopped", cfg.node_id)
+
+    async def wait_stopped(self) -> None:
+        await self._stopped.wait()
+
+    # -- private ------------------------------------------------------------------------------
+
+    def _count_repaired(self, blocks: int) -> None:
+        self.service.counters.repaired_blocks += blocks
+
+    def _prune_catalog(self) -> None:
+        """Drop catalog entries for blocks the store no longer holds (lost in a crash, evicted)."""
+        keys = self.catalog.keys()
+        held: list[BlockKey] = []
+        for i in range(0, len(keys), _CATALOG_BATCH):
+            batch = keys[i:i + _CATALOG_BATCH]
+            held.extend(k for k, hit in zip(batch, store_contains(self.store, batch),
+                                            strict=True) if hit)
+        if len(held) != len(keys):
+            _log.info("catalog: %d of %d keys no longer stored", len(keys) - len(held), len(keys))
+            self.catalog.retain(held)
+
+    @staticmethod
+    def _first_peer_token(config: DaemonConfig) -> str | None:
+        if config.token_file is None:
+            return None
+        for raw in _read(config.token_file, "token file").decode().splitlines():
+            parts = raw.split("#", 1)[0].split()
+            if len(parts) == 2 and "*" in parts[1].split(","):
+                return parts[0]
+        return None
+
+
+async def _serve(config: DaemonConfig) -> None:
+    daemon = Daemon(config)
+    loop = asyncio.get_running_loop()
+    stop_requested = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop_requested.set)
+    try:
+        await daemon.start()
+        await stop_requested.wait()
+    finally:
+        await daemon.stop()
+
+
+def run_daemon(config: DaemonConfig) -> int:
+    """Run until SIGTERM/SIGINT; the exit code of `kvkeep store serve`."""
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # `kill -USR1 <pid>` dumps every thread's stack to stderr: how to see what a stuck drain
+    # or a slow call is waiting on in production.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    try:
+        asyncio.run(_serve(config))
+    except ConfigError as exc:
+        _log.error("%s", exc)
+        return 2
+    except KVKeepError as exc:  # e.g. the data dir is locked by another daemon
+        _log.error("daemon failed: %s", exc)
+        return 1
+    return 0

@@ -1,0 +1,320 @@
+"""Which kvstore daemons exist: static lists, or a live view of an etcd prefix.
+
+Each daemon registers `<prefix><node_id>` -> JSON `DaemonInfo` under a lease it refreshes
+(kvstore/daemon/registration.py); the key vanishes when the daemon stops or its lease expires.
+`MembershipWatcher` keeps a snapshot of the prefix by listing it and then watching from the
+listed revision; after any error (etcd restarted, connection reset) it lists again, so a missed
+event can never leave a stale view for longer than one reconnect. It also re-lists every
+`resync_interval` seconds as a safety net against a silently stuck watch stream.
+
+`EtcdDiscovery` runs a watcher on its own thread and event loop for synchronous callers (the
+remote tier); the daemon runs a `MembershipWatcher` directly in its own loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+from urllib.parse import urlsplit
+
+import aetcd  # type: ignore[import-untyped, unused-ignore]
+
+from kvstore.errors import ConfigError, KVKeepError
+from kvstore.keys import validate_name
+
+__all__ = [
+    "DEFAULT_PREFIX",
+    "DaemonInfo",
+    "Discovery",
+    "StaticDiscovery",
+    "MembershipWatcher",
+    "EtcdDiscovery",
+    "parse_etcd_endpoints",
+    "Listener",
+]
+
+DEFAULT_PREFIX = "/kvkeep/stores/"
+_log = logging.getLogger(__name__)
+
+_END = object()  # the watch stream ended
+
+Listener = Callable[[Mapping[str, "DaemonInfo"]], None]
+"""Called with the full new membership after every change (from the discovery's own thread)."""
+
+
+@dataclass(frozen=True, slots=True)
+class DaemonInfo:
+    """What a daemon publishes about itself."""
+
+    node_id: str
+    address: str
+    """host:port that clients dial."""
+    started_at: float = 0.0
+
+    def __post_init__(self) -> None:
+        validate_name(self.node_id, "node id")
+        host, sep, port = self.address.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ConfigError(f"daemon address {self.address!r} is not host:port")
+
+    def encode(self) -> bytes:
+        return json.dumps({"node_id": self.node_id, "address": self.address,
+                           "started_at": self.started_at}, separators=(",", ":")).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> DaemonInfo:
+        """Parse a registration value; raises ConfigError when it is not one of ours."""
+        try:
+            obj = json.loads(raw)
+            return cls(str(obj["node_id"]), str(obj["address"]), float(obj.get("started_at", 0)))
+        except (ValueError, KeyError, TypeError, KVKeepError) as exc:
+            raise ConfigError(f"malformed daemon registration: {exc}") from exc
+
+
+class Discovery(Protocol):
+    """A live view of the daemons; the remote tier asks it, and listens to it."""
+
+    def members(self) -> dict[str, DaemonInfo]: ...
+
+    def subscribe(self, listener: Listener) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class StaticDiscovery:
+    """A fixed set of daemons (benchmarks, tests, single-node setups without etcd)."""
+
+    def __init__(self, daemons: Sequence[DaemonInfo]) -> None:
+        self._members = {d.node_id: d for d in daemons}
+
+    def members(self) -> dict[str, DaemonInfo]:
+        return dict(self._members)
+
+    def subscribe(self, listener: Listener) -> None:
+        listener(self.members())
+
+    def close(self) -> None:
+        pass
+
+
+def parse_etcd_endpoints(url: str) -> list[tuple[str, int]]:
+    """`http://h1:2379,http://h2:2379` -> [(h1, 2379), (h2, 2379)]."""
+    endpoints = []
+    for part in url.split(","):
+        split = urlsplit(part.strip() if "//" in part else f"http://{part.strip()}")
+        if split.hostname is None:
+            raise ConfigError(f"bad etcd endpoint {part!r}")
+        try:
+            port = split.port or 2379
+        except ValueError as exc:
+            raise ConfigError(f"bad etcd endpoint {part!r}") from exc
+        endpoints.append((split.hostname, port))
+    if not endpoints:
+        raise ConfigError("no etcd endpoint given")
+    return endpoints
+
+
+class MembershipWatcher:
+    """Keeps `members` equal to the daemons registered under `prefix` (asyncio, one loop)."""
+
+    def __init__(self, etcd_url: str, prefix: str = DEFAULT_PREFIX, *,
+                 resync_interval: float = 5.0, request_timeout: float = 2.0) -> None:
+        self._endpoints = parse_etcd_endpoints(etcd_url)
+        self._prefix = prefix.encode()
+        self._resync = resync_interval
+        self._timeout = request_timeout
+        self._members: dict[str, DaemonInfo] = {}
+        self._listeners: list[Listener] = []
+        self._lock = threading.Lock()  # members are read from other threads
+        self.synced = asyncio.Event()
+        """Set once the first listing succeeded."""
+
+    def members(self) -> dict[str, DaemonInfo]:
+        with self._lock:
+            return dict(self._members)
+
+    def subscribe(self, listener: Listener) -> None:
+        with self._lock:
+            self._listeners.append(listener)
+
+    async def run(self) -> None:
+        """List and watch forever (cancel to stop); errors only cause a reconnect."""
+        attempt = 0
+        while True:
+            host, port = self._endpoints[attempt % len(self._endpoints)]
+            client = aetcd.Client(host=host, port=port, timeout=self._timeout)
+            try:
+                await self._list_and_watch(client)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # aetcd raises its own tree and raw grpc errors alike
+                _log.info("etcd membership watch on %s:%d broke (%s); re-listing", host, port,
+                          exc)
+            finally:
+                with contextlib.suppress(Exception):
+                    async with asyncio.timeout(self._timeout):
+                        await client.close()
+            attempt += 1
+            await asyncio.sleep(min(0.1 * attempt, 1.0))
+
+    async def _list_and_watch(self, client: Any) -> None:
+        revision = await self._relist(client)
+        watch = await client.watch_prefix(self._prefix, start_revision=revision + 1)
+        # A pump task moves events into a queue, so that waiting for the next event can time
+        # out (to re-list) without cancelling, and so closing, aetcd's event iterator.
+        events: asyncio.Queue[Any] = asyncio.Queue()
+
+        async def pump() -> None:
+            try:
+                async for event in watch:
+                    events.put_nowait(event)
+                events.put_nowait(_END)
+            except Exception as exc:  # the watch broke: hand the error to the reader
+                events.put_nowait(exc)
+
+        pumper = asyncio.create_task(pump())
+        try:
+            while True:
+                try:
+                    # asyncio.timeout, not wait_for (which can swallow a cancellation on 3.11).
+                    async with asyncio.timeout(self._resync):
+                        event = await events.get()
+                except TimeoutError:
+                    revision = await self._relist(client)
+                    continue
+                if event is _END:
+                    return
+                if isinstance(event, Exception):
+                    raise event
+                if event.kv.mod_revision <= revision:
+                    continue  # already in the listing
+                revision = event.kv.mod_revision
+                node_id = event.kv.key[len(self._prefix):].decode(errors="replace")
+                if event.kind == "PUT":
+                    try:
+                        info = DaemonInfo.decode(event.kv.value)
+                    except ConfigError as exc:
+                        _log.warning("ignoring registration %r: %s", event.kv.key, exc)
+                        continue
+                    self._update(_setter(info))
+                else:
+                    self._update(_remover(node_id))
+        finally:
+            pumper.cancel()
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(self._timeout):
+                    await watch.cancel()
+
+    async def _relist(self, client: Any) -> int:
+        listing = await client.get_prefix(self._prefix)
+        members: dict[str, DaemonInfo] = {}
+        for kv in listing:
+            try:
+                info = DaemonInfo.decode(kv.value)
+            except ConfigError as exc:
+                _log.warning("ignoring registration %r: %s", kv.key, exc)
+                continue
+            members[info.node_id] = info
+        self._update(_replacer(members))
+        self.synced.set()
+        return int(listing.header.revision)
+
+    def _update(self, change: Callable[[dict[str, DaemonInfo]], object]) -> None:
+        with self._lock:
+            before = dict(self._members)
+            change(self._members)
+            if before == self._members:
+                return
+            snapshot, listeners = dict(self._members), list(self._listeners)
+        for listener in listeners:
+            try:
+                listener(snapshot)
+            except Exception:  # a listener's bug must not stop discovery
+                _log.exception("membership listener failed")
+
+
+def _setter(info: DaemonInfo) -> Callable[[dict[str, DaemonInfo]], None]:
+    def change(members: dict[str, DaemonInfo]) -> None:
+        members[info.node_id] = info
+    return change
+
+
+def _remover(node_id: str) -> Callable[[dict[str, DaemonInfo]], None]:
+    def change(members: dict[str, DaemonInfo]) -> None:
+        members.pop(node_id, None)
+    return change
+
+
+def _replacer(new: dict[str, DaemonInfo]) -> Callable[[dict[str, DaemonInfo]], None]:
+    def change(members: dict[str, DaemonInfo]) -> None:
+        members.clear()
+        members.update(new)
+    return change
+
+
+class EtcdDiscovery:
+    """`MembershipWatcher` on a background thread, for synchronous users (the remote tier)."""
+
+    def __init__(self, etcd_url: str, prefix: str = DEFAULT_PREFIX, *,
+                 resync_interval: float = 5.0, wait_synced: float = 5.0) -> None:
+        self._watcher = MembershipWatcher(etcd_url, prefix, resync_interval=resync_interval)
+        self._loop = asyncio.new_event_loop()
+        self._task: asyncio.Task[None] | None = None
+        self._started = threading.Event()
+        self._thread = threading.Thread(target=self._main, name="kvkeep-discovery", daemon=True)
+        self._thread.start()
+        self._started.wait()
+        if wait_synced > 0:
+            self.wait_synced(wait_synced)
+
+    def members(self) -> dict[str, DaemonInfo]:
+        return self._watcher.members()
+
+    def subscribe(self, listener: Listener) -> None:
+        self._watcher.subscribe(listener)
+        listener(self._watcher.members())
+
+    def wait_synced(self, timeout: float) -> bool:
+        """Wait until the first listing arrived; False if etcd did not answer in time."""
+        future = asyncio.run_coroutine_threadsafe(self._wait_synced(timeout), self._loop)
+        try:
+            future.result(timeout + 1.0)
+        except TimeoutError:
+            _log.warning("etcd discovery not synced after %.1fs; starting with no daemons",
+                         timeout)
+            return False
+        return True
+
+    async def _wait_synced(self, timeout: float) -> None:
+        async with asyncio.timeout(timeout):
+            await self._watcher.synced.wait()
+
+    def wait_for(self, predicate: Callable[[Mapping[str, DaemonInfo]], bool],
+                 timeout: float) -> bool:
+        """Poll until `predicate(members)` holds (tests, start-up ordering)."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if predicate(self.members()):
+                return True
+            time.sleep(0.02)
+        return predicate(self.members())
+
+    def close(self) -> None:
+        if self._task is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._task.cancel)
+        self._thread.join(5.0)
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._task = self._loop.create_task(self._watcher.run())
+        self._started.set()
+        with contextlib.suppress(asyncio.CancelledError):
+            self._loop.run_until_complete(self._task)
+        self._loop.close()

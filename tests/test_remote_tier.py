@@ -1,0 +1,257 @@
+"""The remote tier over three real daemons (static membership): placement, acknowledgement
+policies, read repair, circuit breakers and deadlines; plus unit tests of its small parts."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvstore.errors import ConfigError, DeadlineExceeded
+from kvstore.frame import BlockRead, LayerRange
+from kvstore.keys import BlockKey
+from kvstore.manifest import SessionManifest
+from kvstore.tiers.base import Tier
+from kvstore.tiers.daemon_client import DaemonClient
+from kvstore.tiers.placement import place, rank, rank_many
+from kvstore.tiers.remote import RemoteConfig, RemoteTier
+from kvstore.tiers.resilience import BreakerState, CircuitBreaker, RetryPolicy
+from kvstore.wire import scope_of
+from tests.blockframes import block_key, make_frame, session_key
+from tests.daemon_process import DaemonProcess, running_daemons
+from tests.services import free_port
+
+T = 10.0
+
+
+@pytest.fixture(scope="module")
+def daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[DaemonProcess]]:
+    with running_daemons(tmp_path_factory.mktemp("remote"), 3) as ds:
+        yield ds
+
+
+def make_tier(daemons: list[DaemonProcess], **config: object) -> RemoteTier:
+    settings = {"replicas": 2, "call_timeout": 2.0, **config}
+    return RemoteTier.from_addresses({d.node_id: d.address for d in daemons},
+                                     RemoteConfig(**settings))  # type: ignore[arg-type]
+
+
+def holders(daemons: list[DaemonProcess], key: BlockKey) -> set[str]:
+    out = set()
+    for d in daemons:
+        c = DaemonClient(d.node_id, d.address)
+        try:
+            if c.lookup(scope_of(key), [key.block_hash], timeout=T) == [True]:
+                out.add(d.node_id)
+        finally:
+            c.close()
+    return out
+
+
+# -- units ------------------------------------------------------------------------------------
+
+
+def test_rendezvous_is_stable_and_moves_only_what_it_must() -> None:
+    nodes = [f"n{i}" for i in range(5)]
+    digests = [block_key(i).digest for i in range(2000)]
+    before = [place(d, nodes, 2) for d in digests]
+    assert before == [place(d, list(reversed(nodes)), 2) for d in digests]  # order-free
+    assert rank_many(digests[:50], nodes, 2) == before[:50]
+    load = Counter(n for owners in before for n in owners)
+    assert max(load.values()) < 1.25 * min(load.values())  # balanced
+    after = [place(d, nodes[:-1], 2) for d in digests]  # n4 leaves
+    for old, new in zip(before, after, strict=True):
+        if "n4" not in old:
+            assert old == new  # untouched by the departure
+        else:
+            kept = [n for n in old if n != "n4"]
+            assert new[: len(kept)] == kept or set(kept) <= set(new)
+    assert rank(digests[0], []) == []
+
+
+def test_retry_policy_and_breaker() -> None:
+    policy = RetryPolicy(attempts=4, base_delay=0.01, max_delay=0.02, jitter=0.5)
+    delays = list(policy.delays())
+    assert len(delays) == 3 and all(0.005 <= d <= 0.02 for d in delays)
+    assert not policy.sleep_within(1.0, time.monotonic() + 0.1)  # never sleeps past a deadline
+    with pytest.raises(ConfigError):
+        RetryPolicy(attempts=0)
+    breaker = CircuitBreaker(failure_threshold=2, cooldown=0.1, max_cooldown=0.4)
+    breaker.record_failure()
+    assert breaker.allow()
+    breaker.record_failure()
+    assert breaker.state == BreakerState.OPEN and not breaker.allow()
+    time.sleep(0.12)
+    assert breaker.allow()  # the one probe
+    assert not breaker.allow()  # no second probe while the first is out
+    breaker.record_failure()  # failed probe: open again, longer
+    time.sleep(0.12)
+    assert not breaker.allow()
+    time.sleep(0.1)
+    assert breaker.allow()
+    breaker.record_success()
+    assert breaker.state == BreakerState.CLOSED and breaker.allow()
+
+
+# -- against daemons --------------------------------------------------------------------------
+
+
+def test_it_is_a_tier_and_places_two_copies(daemons: list[DaemonProcess]) -> None:
+    tier = make_tier(daemons)
+    try:
+        assert isinstance(tier, Tier)
+        keys = [block_key(i) for i in range(100, 130)]
+        frames = {k: make_frame(k, layers=8, segment_bytes=2048) for k in keys}
+        assert tier.put_many(list(frames.items())) == [True] * len(keys)
+        for key in keys[:10]:
+            assert holders(daemons, key) == set(tier.placement(key)[:2])
+        assert tier.contains([*keys, block_key(1)]) == [True] * len(keys) + [False]
+        for key, frame in frames.items():
+            read = tier.get(key)
+            assert read is not None and read.to_frame() == frame
+            part = tier.get(key, LayerRange(3, 5))
+            assert part is not None
+            assert bytes(part.payload) == bytes(BlockRead.from_frame(frame, LayerRange(3, 5))
+                                                .payload)
+        assert tier.delete(keys[:5]) == 5
+        assert tier.contains(keys[:5]) == [False] * 5
+        key = session_key("remote-1")
+        tier.put_manifest(SessionManifest(key, (keys[6].block_hash,), 16, generation=3))
+        got = tier.get_manifest(key)
+        assert got is not None and got.generation == 3
+        assert tier.delete_manifest(key) and tier.get_manifest(key) is None
+    finally:
+        tier.close()
+
+
+def test_ack_one_writes_the_other_copies_in_the_background(daemons: list[DaemonProcess]) -> None:
+    tier = make_tier(daemons, write_ack="one")
+    try:
+        keys = [block_key(i) for i in range(200, 220)]
+        assert tier.put_many([(k, make_frame(k)) for k in keys]) == [True] * len(keys)
+        assert tier.flush(10)
+        for key in keys:
+            assert len(holders(daemons, key)) == 2
+    finally:
+        tier.close()
+
+
+def test_read_repair_of_a_missing_and_a_corrupt_copy(daemons: list[DaemonProcess]) -> None:
+    tier = make_tier(daemons)
+    by_id = {d.node_id: d for d in daemons}
+    try:
+        # Missing: delete the primary's copy behind the tier's back.
+        key = block_key(300)
+        frame = make_frame(key, layers=4, segment_bytes=4096)
+        assert tier.put(key, frame)
+        primary = by_id[tier.placement(key)[0]]
+        DaemonClient("x", primary.address).delete(scope_of(key), [key.block_hash], timeout=T)
+        read = tier.get(key)
+        assert read is not None and read.to_frame() == frame
+        assert tier.flush(10)
+        assert primary.node_id in holders(daemons, key)
+        assert tier.counters().repairs >= 1
+
+        # Corrupt on disk: flip a payload byte in the primary's file, restart it so its RAM
+        # copy is gone; its store drops the bad copy, the tier reads the other and repairs.
+        key = block_key(301)
+        frame = make_frame(key, layers=4, segment_bytes=4096)
+        assert tier.put(key, frame)
+        primary = by_id[tier.placement(key)[0]]
+        time.sleep(0.5)  # the write-behind to disk
+        primary.terminate()
+        (path,) = primary.data_dir.glob(f"blocks/**/{key.digest.hex()}*")
+        data = bytearray(path.read_bytes())
+        data[-10] ^= 0xFF
+        path.write_bytes(bytes(data))
+        primary.spawn()
+        primary.wait_healthy()
+        repairs = tier.counters().repairs
+        deadline = time.monotonic() + 10
+        read = None
+        while time.monotonic() < deadline:  # the restarted daemon's breaker may need a probe
+            read = tier.get(key)
+            if read is not None and tier.flush(5) and tier.counters().repairs > repairs:
+                break
+            time.sleep(0.2)
+        assert read is not None and read.to_frame() == frame
+        good = DaemonClient("x", primary.address).get(scope_of(key), key.block_hash, timeout=T)
+        assert good is not None and good.to_frame() == frame
+    finally:
+        tier.close()
+
+
+def test_a_hung_daemon_costs_one_deadline_then_is_skipped(daemons: list[DaemonProcess]) -> None:
+    tier = make_tier(daemons, call_timeout=0.5, breaker_cooldown=30.0, breaker_max_cooldown=60.0)
+    by_id = {d.node_id: d for d in daemons}
+    keys = [block_key(i) for i in range(400, 460)]
+    frames = {k: make_frame(k) for k in keys}
+    assert tier.put_many(list(frames.items())) == [True] * len(keys)
+    victim = by_id["d1"]
+    led_by_victim = [k for k in keys if tier.placement(k)[0] == "d1"]
+    assert len(led_by_victim) >= 5
+    assert victim.proc is not None
+    os.kill(victim.proc.pid, signal.SIGSTOP)  # alive but silent: the worst kind of failure
+    try:
+        started = time.monotonic()
+        first = tier.get(led_by_victim[0], deadline=time.monotonic() + 5)
+        first_cost = time.monotonic() - started
+        assert first is not None and first.to_frame() == frames[led_by_victim[0]]
+        assert 0.4 < first_cost < 2.0  # one call timeout, then the next replica
+        started = time.monotonic()
+        for key in led_by_victim[1:]:
+            read = tier.get(key)
+            assert read is not None and read.to_frame() == frames[key]
+        assert (time.monotonic() - started) / len(led_by_victim[1:]) < 0.2  # skipped at once
+        assert tier.counters().skipped_open_breaker >= len(led_by_victim) - 1
+        # Writes route around it too: each block still gets two copies, on live daemons.
+        more = [block_key(i) for i in range(500, 510)]
+        assert tier.put_many([(k, make_frame(k)) for k in more]) == [True] * len(more)
+        assert tier.contains(more) == [True] * len(more)
+        # A tight deadline on a key only the hung daemon could answer is a miss, not a hang.
+        alone = make_tier([victim], call_timeout=0.3)
+        started = time.monotonic()
+        with pytest.raises(DeadlineExceeded):
+            alone.get(led_by_victim[0], deadline=time.monotonic() + 0.3)
+        assert time.monotonic() - started < 1.0
+        assert alone.get(led_by_victim[0]) is None  # its breaker is open now: instant miss
+        alone.close()
+    finally:
+        os.kill(victim.proc.pid, signal.SIGCONT)
+        tier.close()
+
+
+def test_no_daemon_reachable_is_a_fast_miss() -> None:
+    tier = RemoteTier.from_addresses({"ghost": f"127.0.0.1:{free_port()}"},
+                                     RemoteConfig(replicas=1, call_timeout=1.0))
+    try:
+        key = block_key(1)
+        started = time.monotonic()
+        assert tier.get(key) is None
+        assert tier.contains([key]) == [False]
+        assert tier.put(key, make_frame(key)) is False
+        assert time.monotonic() - started < 3.0
+    finally:
+        tier.close()
+
+
+def test_refused_tokens_are_config_errors_not_misses(tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text("a-token-of-enough-length tenant-a\n")
+    with running_daemons(tmp_path, 1, token_file=tokens) as (d,):
+        tier = RemoteTier.from_addresses({d.node_id: d.address},
+                                         RemoteConfig(replicas=1, token="wrong-token-000000000"))
+        try:
+            key = block_key(2)
+            assert tier.get(key) is None  # a refusal is counted and reads as a miss ...
+            assert tier.counters().errors >= 1
+            with pytest.raises(ConfigError):  # ... but the client call itself says why
+                DaemonClient(d.node_id, d.address, token="wrong-token-000000000").lookup(
+                    scope_of(key), [key.block_hash], timeout=T)
+        finally:
+            tier.close()
