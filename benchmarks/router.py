@@ -1,0 +1,408 @@
+"""Router benchmarks: decision latency, proxy overhead, and a policy replay.
+
+    python -m benchmarks.router --quick --json OUT.json
+
+- Decision latency: `Scheduler.decide` + `commit` with >= 100,000 bound sessions and >= 64
+  workers carrying load, prefix history and a KV-event index; p50/p99 in microseconds.
+- Proxy overhead: 64 concurrent streams against a fast fake streaming server, straight to it and
+  through a router (separate processes, same run, same client); per-request time to the last
+  byte, p50/p99 in ms. The router path includes everything a real request pays: parsing, the
+  decision, `return_token_ids` asked of the worker and stripped per chunk, SSE relay.
+- Policy replay (not timed): a discrete-event simulation of multi-turn sessions with skewed
+  activity on a few workers, routed by the real `Scheduler` under each policy, reporting mean and
+  p99 TTFT. It reproduces Dynamo's finding that plain stickiness loses to round robin, and
+  shows whether the `kvkeep` policy does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import heapq
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvstore.keys import SessionId
+from router.decision import RouteReason, RouteRequest
+from router.errors import Saturated
+from router.indexer import KVBlockIndex, RoutingHistory, text_prefix_keys
+from router.policy import build_policy
+from router.scheduler import Scheduler
+from router.workers import WorkerId, WorkerInfo, WorkerLoad, WorkerPool
+
+__all__ = ["decision_latency", "proxy_overhead", "replay", "main"]
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+# --- decision latency ------------------------------------------------------------------------
+def decision_latency(sessions: int = 100_000, workers: int = 64, decisions: int = 20_000,
+                     seed: int = 0) -> dict[str, Any]:
+    rng = random.Random(seed)
+    pool = WorkerPool()
+    ids = [WorkerId(f"w{i:03d}") for i in range(workers)]
+    for wid in ids:
+        pool.upsert(WorkerInfo(wid, f"http://{wid}", ("m",))).load = WorkerLoad(
+            rng.randint(0, 30), rng.randint(0, 3), rng.random() * 0.9, 0.0)
+    history, blocks = RoutingHistory(), KVBlockIndex(32)
+    scheduler = Scheduler(pool, build_policy("kvkeep", rng=rng), history=history, blocks=blocks)
+    # Prompts share one of 100 system prompts (~2 KiB) and then diverge.
+    systems = [f"system prompt {k} " * 120 for k in range(100)]
+    bound: dict[SessionId, WorkerId] = {}
+    for i in range(sessions):
+        bound[SessionId(f"s{i}")] = ids[i % workers]
+        if i < 20_000:
+            keys = text_prefix_keys(systems[i % 100] + f"user {i}")
+            history.record(keys, ids[i % workers])
+    for w in ids[:32]:  # KV events: half the workers report their cached blocks
+        tokens = [rng.randrange(1000) for _ in range(32 * 64)]
+        blocks.apply(w, {"type": "BlockStored", "block_hashes": list(range(64)),
+                         "parent_block_hash": None, "token_ids": tokens, "block_size": 32})
+    requests = []
+    for i in range(decisions):
+        sid: SessionId | None = SessionId(f"s{rng.randrange(sessions)}") if i % 4 else None
+        text = systems[rng.randrange(100)] + f"user turn {i}"
+        requests.append((RouteRequest("m", sid, text_prefix_keys(text), (), 600),
+                         bound.get(sid) if sid else None))
+    times = []
+    clock = time.perf_counter_ns
+    for req, b in requests:
+        start = clock()
+        d = scheduler.decide(req, b)
+        scheduler.commit(req, d)
+        times.append((clock() - start) / 1000.0)
+        pool.release(d.worker, req.tokens)
+    return {"p50": round(_pct(times, 0.5), 2), "p99": round(_pct(times, 0.99), 2),
+            "sessions": sessions, "workers": workers}
+
+
+# --- proxy overhead --------------------------------------------------------------------------
+_FAKE_SERVER = r'''
+import asyncio, json, sys
+from aiohttp import web
+CHUNKS = int(sys.argv[2])
+INTERVAL = float(sys.argv[3])
+async def models(request):
+    return web.json_response({"object": "list", "data": [{"id": "fake"}]})
+async def health(request):
+    return web.Response()
+async def metrics(request):
+    return web.Response(text='vllm:num_requests_running{engine="0"} 0\n')
+async def completions(request):
+    body = await request.json()
+    ids = bool(body.get("return_token_ids"))
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    for i in range(CHUNKS):
+        choice = {"index": 0, "text": " tok", "logprobs": None,
+                  "finish_reason": "length" if i == CHUNKS - 1 else None, "stop_reason": None}
+        if ids:
+            choice["token_ids"] = [i]
+            if i == 0:
+                choice["prompt_token_ids"] = list(range(64))
+        chunk = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "fake",
+                 "choices": [choice]}
+        await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        if INTERVAL:
+            await asyncio.sleep(INTERVAL)
+    await resp.write(b"data: [DONE]\n\n")
+    return resp
+app = web.Application()
+app.router.add_get("/v1/models", models)
+app.router.add_get("/health", health)
+app.router.add_get("/metrics", metrics)
+app.router.add_post("/v1/completions", completions)
+web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None, access_log=None)
+'''
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_http(url: str, timeout: float = 30.0) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=1) as resp:
+            if resp.status == 200:
+                return
+        time.sleep(0.05)
+    raise TimeoutError(f"{url} not ready")
+
+
+async def _load(url: str, concurrency: int, total: int, session_ids: bool,
+                stagger_s: float = 0.0) -> tuple[list[float], list[float]]:
+    """`concurrency` clients, each sending its next request when the last ends, until `total`
+    have run; returns (TTFT ms, TTLB ms) per request.
+
+    Each client starts after a random delay in [0, `stagger_s`): with equal stream lengths,
+    clients that all start at once stay in lock-step waves forever, which measures a burst
+    of 64 simultaneous requests rather than 64 concurrent streams.
+    """
+    import aiohttp
+
+    times: list[float] = []
+    firsts: list[float] = []
+    body = {"model": "fake", "prompt": "hello " * 64, "max_tokens": 32, "stream": True,
+            "temperature": 0}
+    rng = random.Random(1)
+    per_client = [total // concurrency + (1 if i < total % concurrency else 0)
+                  for i in range(concurrency)]
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+        async def client(c: int, count: int) -> None:
+            await asyncio.sleep(rng.random() * stagger_s)
+            for k in range(count):
+                headers = {"X-Session-Id": f"s{c}-{k % 8}"} if session_ids else {}
+                start = time.perf_counter()
+                first = None
+                async with http.post(url, json=body, headers=headers) as resp:
+                    async for _ in resp.content:
+                        if first is None:
+                            first = time.perf_counter()
+                end = time.perf_counter()
+                times.append((end - start) * 1000)
+                firsts.append(((first or end) - start) * 1000)
+
+        await asyncio.gather(*(client(c, n) for c, n in enumerate(per_client)))
+    return firsts, times
+
+
+def proxy_overhead(concurrency: int = 64, requests: int = 1280, chunks: int = 32,
+                   interval_ms: float = 10.0, rounds: int = 4) -> dict[str, Any]:
+    """Direct vs routed latency at `concurrency` open streams, alternating rounds so that the
+    machine's drift hits both paths alike.
+
+    The fake worker paces its `chunks` chunks `interval_ms` apart (100 tokens/s per stream,
+    faster than real models decode); it has no compute, so all latency beyond the pacing is
+    HTTP and the router. The `*_ms_*` fields are the time to the last byte of a stream, the
+    `ttft_*` fields the time to its first chunk.
+    """
+    fake_port, router_port = _free_port(), _free_port()
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    procs = [subprocess.Popen([sys.executable, "-c", _FAKE_SERVER, str(fake_port), str(chunks),
+                               str(interval_ms / 1000)], env=env)]
+    try:
+        _wait_http(f"http://127.0.0.1:{fake_port}/health")
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "kvstore.cli", "router", "serve",
+             "--listen", f"127.0.0.1:{router_port}", "--log-level", "WARNING",
+             "--worker", f"fake=http://127.0.0.1:{fake_port}"], env=env))
+        _wait_http(f"http://127.0.0.1:{router_port}/health")
+        _wait_models(f"http://127.0.0.1:{router_port}/v1/models")
+        direct_url = f"http://127.0.0.1:{fake_port}/v1/completions"
+        routed_url = f"http://127.0.0.1:{router_port}/v1/completions"
+        stagger = chunks * interval_ms / 1000
+        asyncio.run(_load(direct_url, concurrency, concurrency * 2, False, stagger))  # warm-up
+        asyncio.run(_load(routed_url, concurrency, concurrency * 2, True, stagger))
+        d_first: list[float] = []
+        d_last: list[float] = []
+        r_first: list[float] = []
+        r_last: list[float] = []
+        for _ in range(rounds):
+            first, last = asyncio.run(_load(direct_url, concurrency, requests // rounds, False,
+                                            stagger))
+            d_first += first
+            d_last += last
+            first, last = asyncio.run(_load(routed_url, concurrency, requests // rounds, True,
+                                            stagger))
+            r_first += first
+            r_last += last
+    finally:
+        for p in reversed(procs):
+            p.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(10)
+            if p.poll() is None:
+                p.kill()
+    return {"direct_ms_p50": round(statistics.median(d_last), 3),
+            "routed_ms_p50": round(statistics.median(r_last), 3),
+            "direct_ms_p99": round(_pct(d_last, 0.99), 3),
+            "routed_ms_p99": round(_pct(r_last, 0.99), 3),
+            "concurrency": concurrency,
+            "direct_ttft_ms_p50": round(statistics.median(d_first), 3),
+            "routed_ttft_ms_p50": round(statistics.median(r_first), 3),
+            "direct_ttft_ms_p99": round(_pct(d_first, 0.99), 3),
+            "routed_ttft_ms_p99": round(_pct(r_first, 0.99), 3),
+            "requests_per_path": len(d_last), "chunks_per_stream": chunks,
+            "chunk_interval_ms": interval_ms}
+
+
+def _wait_models(url: str, timeout: float = 20.0) -> None:
+    """Until the router lists a model: its static worker's agent has registered it."""
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(url, timeout=1) as r:
+            if json.loads(r.read())["data"]:
+                return
+        time.sleep(0.05)
+    raise TimeoutError("router has no worker")
+
+
+# --- policy replay ---------------------------------------------------------------------------
+@dataclass
+class _SimWorker:
+    slots: int
+    running: int = 0
+    queue: list[tuple[float, int]] = field(default_factory=list)
+    cache: OrderedDict[int, int] = field(default_factory=OrderedDict)  # session -> tokens
+    cached_tokens: int = 0
+
+
+def replay(policy: str, *, workers: int = 4, sessions: int = 64, turns: int = 3000,
+           rate_per_s: float = 10.0, slots: int = 8, kv_capacity_tokens: int = 200_000,
+           max_turns: int = 20, store: bool | None = None, seed: int = 0) -> dict[str, Any]:
+    """Simulate multi-turn sessions with Zipf-skewed activity; return TTFT statistics.
+
+    `sessions` conversations run at once; conversation i gets a share of the arrivals
+    proportional to 1 / (i + 1)^1.1, and after `max_turns` turns it is replaced by a new one.
+    Cost model: prefill 20k tokens/s, a KV restore from the store 4x cheaper than prefill, 2 s
+    of decode per request, `slots` concurrent requests per worker, FIFO beyond. A turn adds a
+    400-token question and a 300-token answer to a 2000-token system prompt. `store` (default:
+    on for `kvkeep` only) lets a moved session restore its KV instead of recomputing it.
+    """
+    rng = random.Random(seed)
+    store = policy == "kvkeep" if store is None else store
+    prefill_s, restore_s, decode_s = 1 / 20_000, 1 / 80_000, 2.0
+    pool = WorkerPool()
+    wids = [WorkerId(f"w{i}") for i in range(workers)]
+    sim = {w: _SimWorker(slots) for w in wids}
+    for w in wids:
+        pool.upsert(WorkerInfo(w, f"sim://{w}", ("m",)))
+    scheduler = Scheduler(pool, build_policy(policy, rng=random.Random(seed)),
+                          history=RoutingHistory())
+    weights = [1.0 / (i + 1) ** 1.1 for i in range(sessions)]
+    context = [2000] * sessions  # system prompt
+    generation = [0] * sessions
+    turn = [0] * sessions
+    binding: dict[int, WorkerId] = {}
+    events: list[tuple[float, int, str, Any]] = []
+    seq = 0
+    now = 0.0
+    for _ in range(turns):
+        now += rng.expovariate(rate_per_s)
+        heapq.heappush(events, (now, seq, "arrive", rng.choices(range(sessions), weights)[0]))
+        seq += 1
+    ttft: list[float] = []
+    hits = rejected = 0
+
+    def publish(w: WorkerId) -> None:
+        s = sim[w]
+        pool.update_load(w, WorkerLoad(s.running, len(s.queue),
+                                        min(1.0, s.cached_tokens / kv_capacity_tokens), now))
+
+    def cache_put(s: _SimWorker, sid: int, tokens: int) -> None:
+        s.cached_tokens += tokens - s.cache.pop(sid, 0)
+        s.cache[sid] = tokens
+        while s.cached_tokens > kv_capacity_tokens and s.cache:
+            _, freed = s.cache.popitem(last=False)
+            s.cached_tokens -= freed
+
+    def start(w: WorkerId, arrived: float, sid: int, restore: bool) -> None:
+        nonlocal seq, hits
+        s = sim[w]
+        s.running += 1
+        have = s.cache.get(sid, 0)
+        ctx = context[sid] + 400
+        if have:
+            hits += 1
+            cost = (ctx - have) * prefill_s
+        elif restore and store:
+            cost = context[sid] * restore_s + 400 * prefill_s
+        else:
+            cost = ctx * prefill_s
+        ttft.append(now - arrived + cost)
+        context[sid] = ctx + 300
+        cache_put(s, sid, context[sid])
+        heapq.heappush(events, (now + cost + decode_s, seq, "finish", (w, ctx)))
+        seq += 1
+
+    while events:
+        now, _, kind, arg = heapq.heappop(events)
+        if kind == "arrive":
+            slot = int(arg)
+            turn[slot] += 1
+            if turn[slot] > max_turns:  # the conversation ends; a new one takes its place
+                turn[slot], context[slot] = 1, 2000
+                generation[slot] += 1
+                binding.pop(slot, None)
+            sid = slot
+            # Chunk keys of the conversation so far: what a prefix scorer would match.
+            keys = tuple(hash((slot, generation[slot], k)) & 0xFFFFFFFF
+                         for k in range(context[sid] // 500))
+            req = RouteRequest("m", SessionId(f"s{slot}.{generation[slot]}"), keys,
+                               tokens=context[sid] + 400)
+            try:
+                d = scheduler.decide(req, binding.get(sid))
+            except Saturated:
+                rejected += 1
+                continue
+            scheduler.commit(req, d)
+            binding[sid] = d.worker
+            s = sim[d.worker]
+            restore = d.reason in (RouteReason.MIGRATED, RouteReason.FAILOVER)
+            if s.running < s.slots:
+                start(d.worker, now, sid, restore)
+            else:
+                s.queue.append((now, sid * 2 + int(restore)))
+            publish(d.worker)
+        else:
+            w, tokens = arg
+            pool.release(w, tokens)
+            s = sim[w]
+            s.running -= 1
+            if s.queue:
+                arrived, packed = s.queue.pop(0)
+                start(w, arrived, packed // 2, bool(packed % 2))
+            publish(w)
+    return {"policy": policy, "store": store, "mean_ttft_s": round(statistics.mean(ttft), 3),
+            "p99_ttft_s": round(_pct(ttft, 0.99), 3), "cache_hit_rate": round(hits / turns, 3),
+            "rejected": rejected}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.router", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="fewer requests (about 1 minute)")
+    parser.add_argument("--json", type=Path, default=None, help="write results here")
+    args = parser.parse_args(argv)
+    decisions = 20_000 if args.quick else 100_000
+    requests = 1280 if args.quick else 6400
+    result: dict[str, Any] = {}
+    dl = decision_latency(decisions=decisions)
+    result["decision_us"] = {"p50": dl["p50"], "p99": dl["p99"]}
+    result["sessions"], result["workers"] = dl["sessions"], dl["workers"]
+    result["proxy"] = proxy_overhead(requests=requests)
+    turns = 3000 if args.quick else 10_000
+    result["replay"] = {p: replay(p, turns=turns) for p in
+                        ("round-robin", "session-only", "least-loaded", "llm-d", "kvkeep")}
+    result["replay"]["kvkeep-no-store"] = replay("kvkeep", turns=turns, store=False)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

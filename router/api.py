@@ -1,0 +1,151 @@
+"""Parsing and validating OpenAI completion and chat requests, and the facts routing needs.
+
+Validation is only what the router itself relies on (JSON object, model, prompt or messages,
+stream, n, max_tokens, session id); everything else is the worker's to judge, and its 400s pass
+through unchanged. Router-only fields (`session_id`) are removed before forwarding.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from kvstore.errors import InvalidKey
+from kvstore.keys import SessionId, validate_session_id
+from router.errors import BadRequest, InvalidSessionId
+
+__all__ = ["Endpoint", "ClientRequest", "parse_request", "SESSION_HEADER", "SESSION_FIELD"]
+
+SESSION_HEADER = "X-Session-Id"
+SESSION_FIELD = "session_id"
+# Fields that make a resumed continuation differ from the original stream, or that the
+# completions endpoint a resumption uses cannot carry.
+_NOT_RESUMABLE = ("logprobs", "top_logprobs", "tools", "functions", "response_format",
+                  "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                  "guided_grammar", "suffix", "prompt_logprobs", "echo")
+
+
+class Endpoint(StrEnum):
+    COMPLETIONS = "/v1/completions"
+    CHAT = "/v1/chat/completions"
+
+
+@dataclass(frozen=True, slots=True)
+class ClientRequest:
+    """A parsed client request. `body` is what goes to the worker (router fields removed)."""
+
+    endpoint: Endpoint
+    body: dict[str, Any]
+    model: str
+    stream: bool
+    session_id: SessionId | None
+    wants_token_ids: bool
+    include_usage: bool
+    prompt_text: str
+    prompt_tokens: tuple[int, ...] | None
+    max_tokens: int | None
+    resumable: bool
+
+    @property
+    def estimated_tokens(self) -> int:
+        """Prompt + new tokens, for load accounting (4 characters a token when untokenized)."""
+        prompt = len(self.prompt_tokens) if self.prompt_tokens is not None \
+            else len(self.prompt_text) // 4
+        return prompt + (self.max_tokens if self.max_tokens is not None else 256)
+
+
+def parse_request(endpoint: Endpoint, raw: bytes, header_session: str | None) -> ClientRequest:
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from exc
+    except RecursionError as exc:
+        raise BadRequest("request body is nested too deeply") from exc
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("`model` must be a non-empty string", param="model")
+
+    session_id = _session_id(body.pop(SESSION_FIELD, None), header_session)
+
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise BadRequest("`stream` must be a boolean", param="stream")
+    n = body.get("n", 1)
+    if n is None:
+        n = 1
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise BadRequest("`n` must be a positive integer", param="n")
+
+    max_field = "max_tokens"
+    max_tokens = body.get("max_tokens")
+    if endpoint is Endpoint.CHAT and max_tokens is None:
+        max_field, max_tokens = "max_completion_tokens", body.get("max_completion_tokens")
+    if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)
+                                   or max_tokens < 0):
+        raise BadRequest(f"`{max_field}` must be a non-negative integer", param=max_field)
+
+    if endpoint is Endpoint.CHAT:
+        prompt_text, prompt_tokens = _chat_prompt(body.get("messages")), None
+        single_prompt = True
+    else:
+        prompt_text, prompt_tokens, single_prompt = _completion_prompt(body.get("prompt"))
+
+    options = body.get("stream_options")
+    include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
+    wants_ids = bool(body.get("return_token_ids"))
+    resumable = (stream and n == 1 and single_prompt and not body.get("best_of")
+                 and not any(body.get(k) for k in _NOT_RESUMABLE))
+    return ClientRequest(endpoint, body, model, stream, session_id, wants_ids, include_usage,
+                         prompt_text, prompt_tokens, max_tokens, resumable)
+
+
+def _session_id(from_body: object, from_header: str | None) -> SessionId | None:
+    if from_body is not None and not isinstance(from_body, str):
+        raise InvalidSessionId("`session_id` must be a string", param=SESSION_FIELD)
+    if from_body is not None and from_header is not None and from_body != from_header:
+        raise InvalidSessionId(f"`session_id` and the {SESSION_HEADER} header disagree",
+                               param=SESSION_FIELD)
+    value = from_header if from_header is not None else from_body
+    if value is None:
+        return None
+    try:
+        return validate_session_id(value)
+    except InvalidKey as exc:
+        raise InvalidSessionId(str(exc), param=SESSION_FIELD) from exc
+
+
+def _chat_prompt(messages: object) -> str:
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("`messages` must be a non-empty array", param="messages")
+    parts: list[str] = []
+    for message in messages:
+        if not isinstance(message, dict):
+            raise BadRequest("each message must be an object", param="messages")
+        content = message.get("content")
+        if isinstance(content, list):  # content parts: only text parts shape the prefix
+            content = "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+        parts.append(f"{message.get('role', '')}:{content if content is not None else ''}\n")
+    return "".join(parts)
+
+
+def _completion_prompt(prompt: object) -> tuple[str, tuple[int, ...] | None, bool]:
+    """(text for approximate keys, token ids if given, whether it is a single prompt)."""
+    if isinstance(prompt, str):
+        return prompt, None, True
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            tokens = tuple(prompt)
+            return " ".join(map(str, tokens)), tokens, True
+        if all(isinstance(p, str) for p in prompt):
+            return str(prompt[0]), None, len(prompt) == 1
+        if all(isinstance(p, list) for p in prompt):
+            return "", None, False
+    raise BadRequest("`prompt` must be a string, an array of strings or of token ids",
+                     param="prompt")

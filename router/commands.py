@@ -1,0 +1,193 @@
+"""`kvkeep router serve` and `kvkeep worker`: the router's command-line entry points.
+
+    kvkeep router serve --listen 0.0.0.0:8000 --etcd http://etcd:2379 [--policy kvkeep]
+    kvkeep worker --etcd http://etcd:2379 --url http://vllm-0:8000 [--id w0]
+                  [--kv-events tcp://vllm-0:5557]
+
+Without `--etcd` the router keeps its state in-process (one replica only) and takes its
+workers from `--worker [ID=]URL[,kv-events=ENDPOINT]`, probing them itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import gc
+import logging
+import os
+import signal
+import socket
+from typing import Any
+
+from kvstore.errors import ConfigError
+from router.config import RouterConfig, parse_static_worker
+from router.policy import POLICIES, Thresholds, parse_weights
+from router.workers import WorkerId
+
+__all__ = ["register", "serve_router", "run_worker_agent"]
+
+log = logging.getLogger("kvkeep.router")
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    router = subparsers.add_parser("router", help="the session-aware OpenAI router")
+    router_sub = router.add_subparsers(dest="router_command", required=True)
+    serve = router_sub.add_parser("serve", help="run one router replica")
+    serve.add_argument("--listen", default="127.0.0.1:8000", help="HOST:PORT (default %(default)s)")
+    serve.add_argument("--etcd", default=None, metavar="URL",
+                       help="shared state; without it state is in-process (one replica)")
+    serve.add_argument("--etcd-prefix", default="/kvkeep")
+    serve.add_argument("--worker", action="append", default=[], metavar="[ID=]URL[,kv-events=EP]",
+                       help="a static worker (in-process state only); repeat for more")
+    serve.add_argument("--policy", choices=POLICIES, default="kvkeep")
+    serve.add_argument("--weights", default="", metavar="NAME=W,...",
+                       help="scorer weights, e.g. precise-prefix=3,queue=2,kv-utilization=2")
+    serve.add_argument("--kv-threshold", type=float, default=0.85,
+                       help="KV-cache usage above which a worker starts no new session")
+    serve.add_argument("--max-waiting", type=int, default=64,
+                       help="queued requests that make a worker saturated (all saturated: 429)")
+    serve.add_argument("--migrate-waiting", type=int, default=2,
+                       help="queued requests on a session's worker that make it migrate")
+    serve.add_argument("--migrate-imbalance", type=int, default=4,
+                       help="extra outstanding requests (vs the least loaded) that make a "
+                            "session migrate, together with --migrate-ratio")
+    serve.add_argument("--migrate-ratio", type=float, default=1.5)
+    serve.add_argument("--migrate-cooldown", type=float, default=2.0, metavar="SECONDS",
+                       help="a session bound or moved this recently does not migrate")
+    serve.add_argument("--api-key", action="append", default=[],
+                       help="accepted bearer key (repeatable; also KVKEEP_API_KEYS, comma-sep)")
+    serve.add_argument("--max-body-bytes", type=int, default=8 << 20)
+    serve.add_argument("--session-ttl", type=float, default=3600.0, metavar="SECONDS")
+    serve.add_argument("--stream-idle-timeout", type=float, default=30.0, metavar="SECONDS")
+    serve.add_argument("--block-size", type=int, default=32, help="workers' KV block size")
+    serve.add_argument("--static-ttl", type=float, default=3.0, metavar="SECONDS")
+    serve.add_argument("--replica-id", default=socket.gethostname())
+    serve.add_argument("--log-level", default="INFO")
+    serve.set_defaults(handler=_serve_command)
+
+    worker = subparsers.add_parser("worker", help="register a vLLM server in etcd under a lease")
+    worker.add_argument("--etcd", required=True, metavar="URL")
+    worker.add_argument("--etcd-prefix", default="/kvkeep")
+    worker.add_argument("--url", required=True, help="the vLLM server's base URL")
+    worker.add_argument("--id", default=None, help="worker id (default: host:port of --url)")
+    worker.add_argument("--kv-events", default=None, metavar="ENDPOINT",
+                        help="the server's KV-event ZMQ endpoint as routers should connect")
+    worker.add_argument("--model", action="append", default=None,
+                        help="served model names (default: ask /v1/models)")
+    worker.add_argument("--ttl", type=float, default=3.0, metavar="SECONDS")
+    worker.add_argument("--log-level", default="INFO")
+    worker.set_defaults(handler=_worker_command)
+
+
+def _logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _serve_command(args: argparse.Namespace) -> int:
+    _logging(args.log_level)
+    try:
+        config = config_from_args(args)
+    except ConfigError as exc:
+        log.error("%s", exc)
+        return 2
+    loop_factory = None
+    with contextlib.suppress(ImportError):
+        import uvloop  # the event loop vLLM's own server runs on, when installed
+
+        loop_factory = uvloop.new_event_loop
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        runner.run(serve_router(config))
+    return 0
+
+
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    host, sep, port = str(args.listen).rpartition(":")
+    if not sep or not port.isdigit():
+        raise ConfigError(f"--listen must be HOST:PORT, not {args.listen!r}")
+    keys = set(args.api_key)
+    keys.update(k.strip() for k in os.environ.get("KVKEEP_API_KEYS", "").split(",") if k.strip())
+    thresholds = Thresholds(kv_new_session=args.kv_threshold, max_waiting=args.max_waiting,
+                            migrate_waiting=args.migrate_waiting,
+                            migrate_imbalance=args.migrate_imbalance,
+                            migrate_ratio=args.migrate_ratio,
+                            migrate_cooldown_s=args.migrate_cooldown)
+    return RouterConfig(
+        host=host or "0.0.0.0", port=int(port), etcd_url=args.etcd, etcd_prefix=args.etcd_prefix,
+        policy=args.policy, weights=tuple(parse_weights(args.weights).items()),
+        thresholds=thresholds, api_keys=frozenset(keys), max_body_bytes=args.max_body_bytes,
+        session_ttl_s=args.session_ttl, stream_idle_timeout_s=args.stream_idle_timeout,
+        block_size=args.block_size,
+        static_workers=tuple(parse_static_worker(w, i) for i, w in enumerate(args.worker)),
+        static_ttl_s=args.static_ttl, replica_id=args.replica_id,
+    )
+
+
+async def serve_router(config: RouterConfig) -> None:
+    """Run one replica until SIGTERM or SIGINT."""
+    from aiohttp import web
+
+    from router.proxy import build_app
+    from router.service import RouterService
+
+    service = RouterService(config)
+    runner = web.AppRunner(build_app(service), access_log=None, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port, backlog=1024, reuse_address=True)
+    await site.start()
+    # Everything allocated so far (modules, config, the app) lives for the whole process:
+    # freezing it keeps the cyclic GC from re-walking it on every collection, and a higher
+    # first-generation threshold makes collections rarer; both trim latency spikes.
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 20)
+    log.info("router %s listening on %s:%d (policy %s, state %s)", config.replica_id,
+             config.host, config.port, config.policy, service.backend.name)
+    await _until_signalled()
+    await runner.cleanup()
+
+
+def _worker_command(args: argparse.Namespace) -> int:
+    _logging(args.log_level)
+    from urllib.parse import urlsplit
+
+    url = str(args.url).rstrip("/")
+    parts = urlsplit(url)
+    worker_id = args.id or f"{parts.hostname}:{parts.port or 80}"
+    models = tuple(args.model) if args.model else None
+    asyncio.run(run_worker_agent(args.etcd, args.etcd_prefix, WorkerId(worker_id), url,
+                                 args.kv_events, models, args.ttl))
+    return 0
+
+
+async def run_worker_agent(etcd_url: str, prefix: str, worker_id: WorkerId, url: str,
+                           kv_events: str | None, models: tuple[str, ...] | None,
+                           ttl_s: float) -> None:
+    import aiohttp
+
+    from router.agent import AgentConfig, WorkerAgent
+    from router.state.etcd import EtcdBackend
+
+    backend = EtcdBackend(etcd_url, prefix)
+    await backend.start()
+    async with aiohttp.ClientSession() as http:
+        agent = WorkerAgent(backend, AgentConfig(worker_id, url, ttl_s, kv_events, models), http)
+        task = asyncio.get_running_loop().create_task(agent.run())
+        await _until_signalled(task)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task  # revokes the lease: routers see the worker leave at once
+    await backend.close()
+
+
+async def _until_signalled(task: asyncio.Task[Any] | None = None) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    waiter = loop.create_task(stop.wait())
+    waits: set[asyncio.Future[Any]] = {waiter}
+    if task is not None:
+        waits.add(task)
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    waiter.cancel()

@@ -1,0 +1,82 @@
+"""Router configuration: one frozen object built from the command line (or by tests)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvstore.errors import ConfigError
+from router.policy import POLICIES, Thresholds
+from router.workers import WorkerId
+
+__all__ = ["StaticWorker", "RouterConfig", "parse_static_worker"]
+
+
+@dataclass(frozen=True, slots=True)
+class StaticWorker:
+    """A worker given on the command line (in-process state only): `[ID=]URL[,kv-events=EP]`."""
+
+    worker_id: WorkerId
+    url: str
+    kv_events: str | None = None
+
+
+def parse_static_worker(spec: str, index: int) -> StaticWorker:
+    head, *options = spec.split(",")
+    worker_id, sep, url = head.partition("=")
+    if not sep:
+        worker_id, url = f"w{index}", head
+    if not url.startswith(("http://", "https://")):
+        raise ConfigError(f"worker {spec!r}: URL must start with http:// or https://")
+    kv_events = None
+    for option in options:
+        key, _, value = option.partition("=")
+        if key.strip() != "kv-events" or not value:
+            raise ConfigError(f"worker {spec!r}: unknown option {option!r}")
+        kv_events = value.strip()
+    return StaticWorker(WorkerId(worker_id.strip()), url.rstrip("/"), kv_events)
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    """Everything a router replica needs.
+
+    - `etcd_url` None: in-process state, one replica only.
+    - `session_ttl_s`: a binding unused this long is forgotten.
+    - `stream_idle_timeout_s`: a worker silent this long mid-stream counts as broken (hung, not
+      dead: a SIGSTOPped worker keeps its socket open).
+    - `request_timeout_s`: the whole of a non-streaming request (silent until it is done).
+    - `max_resumes`: how many times one stream may move before the client gets an error event.
+    - `block_size`: tokens per KV block on the workers, for precise prefix keys.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    etcd_url: str | None = None
+    etcd_prefix: str = "/kvkeep"
+    policy: str = "kvkeep"
+    weights: tuple[tuple[str, float], ...] = ()
+    thresholds: Thresholds = field(default_factory=Thresholds)
+    api_keys: frozenset[str] = frozenset()
+    max_body_bytes: int = 8 << 20
+    session_ttl_s: float = 3600.0
+    scrape_interval_s: float = 0.5
+    connect_timeout_s: float = 2.0
+    stream_idle_timeout_s: float = 30.0
+    request_timeout_s: float = 600.0
+    max_attempts: int = 3
+    max_resumes: int = 2
+    block_size: int = 32
+    static_workers: tuple[StaticWorker, ...] = ()
+    static_ttl_s: float = 3.0
+    replica_id: str = ""
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ConfigError(f"unknown policy {self.policy!r}; choose from {POLICIES}")
+        if self.max_body_bytes < 1024:
+            raise ConfigError("max body must be at least 1 KiB")
+        if self.block_size < 1:
+            raise ConfigError("block size must be positive")
+        if self.etcd_url is not None and self.static_workers:
+            raise ConfigError("--worker is for the in-process state; with etcd, run "
+                              "`kvkeep worker` beside each vLLM server")

@@ -1,0 +1,109 @@
+"""Subscribes to each worker's KV events over ZMQ and feeds them to the `KVBlockIndex`.
+
+Wire format (vLLM's `ZmqEventPublisher`): multipart `[topic, 8-byte big-endian sequence,
+msgpack(KVEventBatch)]`, the batch being `[ts, [event, ...], dp_rank]` and each event a map
+with a `type` tag. Workers bind (`tcp://*:PORT`) and register that endpoint; the router
+connects one SUB socket per worker, so it knows who sent what without trusting a topic, and
+any number of router replicas can listen.
+
+A gap in the sequence means lost events (the PUB socket drops on overflow); the index then
+under-reports that worker until its blocks are stored again. That is counted, not repaired:
+vLLM's replay socket is optional and a stale index only costs a weaker prefix score.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack  # type: ignore[import-untyped]
+import zmq
+import zmq.asyncio
+
+from router.indexer.events import KVBlockIndex
+from router.workers import WorkerId
+
+__all__ = ["KVEventSubscriber"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Feed:
+    endpoint: str
+    task: asyncio.Task[None]
+    last_seq: int = -1
+
+
+@dataclass(slots=True)
+class KVEventSubscriber:
+    """One SUB socket and reader task per worker; `follow`/`unfollow` track membership."""
+
+    index: KVBlockIndex
+    gaps: int = 0
+    _ctx: zmq.asyncio.Context = field(default_factory=zmq.asyncio.Context)
+    _feeds: dict[WorkerId, _Feed] = field(default_factory=dict)
+
+    def follow(self, worker: WorkerId, endpoint: str | None) -> None:
+        """Start (or retarget) the feed of `worker`; `None` stops it."""
+        feed = self._feeds.get(worker)
+        if feed is not None and feed.endpoint == endpoint:
+            return
+        self.unfollow(worker, forget=False)
+        if endpoint:
+            task = asyncio.get_running_loop().create_task(self._read(worker, endpoint),
+                                                          name=f"kv-events-{worker}")
+            self._feeds[worker] = _Feed(endpoint, task)
+
+    def unfollow(self, worker: WorkerId, *, forget: bool = True) -> None:
+        feed = self._feeds.pop(worker, None)
+        if feed is not None:
+            feed.task.cancel()
+        if forget:
+            self.index.forget_worker(worker)
+
+    async def close(self) -> None:
+        tasks = [f.task for f in self._feeds.values()]
+        self._feeds.clear()
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._ctx.term()
+
+    async def _read(self, worker: WorkerId, endpoint: str) -> None:
+        sock = self._ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        # A worker that comes back after a restart is a new cache: reconnecting is ZMQ's job.
+        sock.connect(endpoint)
+        try:
+            while True:
+                parts = await sock.recv_multipart()
+                self._handle(worker, parts)
+        finally:
+            sock.close(0)
+
+    def _handle(self, worker: WorkerId, parts: list[bytes]) -> None:
+        if len(parts) < 3:
+            return
+        seq = int.from_bytes(parts[1], "big", signed=True)
+        feed = self._feeds.get(worker)
+        if feed is not None:
+            if feed.last_seq >= 0 and seq != feed.last_seq + 1:
+                self.gaps += 1
+                log.debug("KV events from %s: gap %d -> %d", worker, feed.last_seq, seq)
+            feed.last_seq = seq
+        try:
+            batch: Any = msgpack.unpackb(parts[2], raw=False, strict_map_key=False)
+        except (ValueError, msgpack.UnpackException):
+            log.warning("undecodable KV event batch from %s", worker)
+            return
+        events = batch[1] if isinstance(batch, list | tuple) and len(batch) > 1 else ()
+        for event in events:
+            if isinstance(event, dict):
+                self.index.apply(worker, event)

