@@ -56,6 +56,8 @@ proto: $(STAMP)
 bench: setup
 	mkdir -p bench-results
 	$(PY) -m benchmarks.store --quick --json bench-results/store.json
+	$(PY) -m benchmarks.remote --quick --json bench-results/remote.json
+	$(PY) -m benchmarks.router --quick --json bench-results/router.json
 
 clean:
 	rm -rf $(VENV) bench-results .pytest_cache .mypy_cache .ruff_cache
