@@ -1,0 +1,244 @@
+"""The connector's settings: `kv_connector_extra_config`, parsed and checked once.
+
+Example (every key optional except a store with at least one tier)::
+
+    {"store": {"host_bytes": 4294967296,
+               "nvme": {"path": "/var/lib/kvkeep", "bytes": 107374182400},
+               "remote": {"etcd": "http://etcd:2379", "prefix": "/kvkeep/stores/",
+                          "replicas": 2, "timeout_ms": 1000}},
+     "codec": "raw", "compression": "none",
+     "checkpoint_tokens": 32, "restore_deadline_ms": 2000, "save_timeout_ms": 2000,
+     "load_mode": "sync", "tenant": "default",
+     "model_id": "llama-3-8b", "weights_revision": "abc123"}
+
+Unknown keys are an error, not a shrug: a typo in `checkpoint_tokens` would otherwise silently
+leave a session unprotected.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final, Literal, cast
+
+from kvstore.errors import ConfigError, InvalidKey
+from kvstore.keys import validate_name
+
+__all__ = [
+    "NvmeSpec",
+    "RemoteSpec",
+    "StoreSpec",
+    "ConnectorConfig",
+    "Codec",
+    "Compression",
+    "LoadMode",
+    "LookupMode",
+]
+
+Codec = Literal["raw", "int8"]
+LoadMode = Literal["sync", "async"]
+LookupMode = Literal["auto", "worker"]
+Compression = Literal["none", "auto", "zstd"]
+
+_TOP_KEYS: Final = frozenset({
+    "store", "codec", "compression", "checkpoint_tokens", "restore_deadline_ms",
+    "save_timeout_ms", "load_mode", "tenant", "model_id", "weights_revision",
+    "max_inflight_saves", "lookup",
+})
+_STORE_KEYS: Final = frozenset({"host_bytes", "nvme", "remote", "name"})
+_NVME_KEYS: Final = frozenset({"path", "bytes", "durable"})
+_REMOTE_KEYS: Final = frozenset({"etcd", "prefix", "replicas", "daemons", "timeout_ms"})
+
+
+@dataclass(frozen=True, slots=True)
+class NvmeSpec:
+    path: str
+    byte_budget: int
+    durable: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteSpec:
+    """kvstore daemons, found through etcd (`etcd` + `prefix`) or listed (`daemons`, node id
+    -> host:port)."""
+
+    etcd: str | None
+    prefix: str
+    replicas: int
+    daemons: tuple[tuple[str, str], ...] = ()
+    timeout_s: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class StoreSpec:
+    """The tiers of the store, fastest first. Equal specs share one store per process.
+
+    `name` separates two stores with otherwise equal specs in one process (tests that start a
+    "fresh" engine next to an old one; two engines that must not share host RAM).
+    """
+
+    host_bytes: int = 0
+    nvme: NvmeSpec | None = None
+    remote: RemoteSpec | None = None
+    name: str = "default"
+
+    def __post_init__(self) -> None:
+        if self.host_bytes <= 0 and self.nvme is None and self.remote is None:
+            raise ConfigError("store: configure at least one of host_bytes, nvme, remote")
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorConfig:
+    store: StoreSpec
+    codec: Codec = "raw"
+    compression: Compression = "none"
+    checkpoint_tokens: int | None = None
+    """Save completed blocks every this many computed tokens; None: as each block completes."""
+    restore_deadline_s: float = 2.0
+    """Past this, a lookup reports what it has (or nothing) and a load reports the rest as
+    failed: vLLM computes instead of waiting."""
+    save_timeout_s: float = 2.0
+    """How long `wait_for_save` waits for one step's saves before letting them finish in the
+    background (they are reported when they do)."""
+    load_mode: LoadMode = "sync"
+    tenant: str = "default"
+    model_id: str | None = None
+    weights_revision: str | None = None
+    max_inflight_saves: int = 256
+    """Blocks staged for saving beyond which new saves are skipped (a slow store must not
+    grow memory without bound); skipped blocks are retried at the next checkpoint."""
+    lookup: LookupMode = "auto"
+    """Where the scheduler's lookups run. "auto": in the scheduler's process when the worker
+    shares it (vLLM's in-process executor), else in the worker, one engine step later, via the
+    per-step metadata ("worker", which can also be forced)."""
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
+        """Parse `kv_connector_extra_config`; raises ConfigError on anything malformed."""
+        extra = dict(extra or {})
+        _reject_unknown("kv_connector_extra_config", extra, _TOP_KEYS)
+        if "store" not in extra:
+            raise ConfigError("kv_connector_extra_config needs a 'store'")
+        codec = _choice(extra, "codec", ("raw", "int8"), "raw")
+        compression = _choice(extra, "compression", ("none", "auto", "zstd"), "none")
+        load_mode = _choice(extra, "load_mode", ("sync", "async"), "sync")
+        checkpoint = extra.get("checkpoint_tokens")
+        if checkpoint is not None:
+            checkpoint = _positive_int(checkpoint, "checkpoint_tokens")
+        tenant = _name(extra.get("tenant", "default"), "tenant")
+        model_id = extra.get("model_id")
+        revision = extra.get("weights_revision")
+        return cls(
+            store=_store(extra["store"]),
+            codec=cast(Codec, codec),
+            compression=cast(Compression, compression),
+            checkpoint_tokens=checkpoint,
+            restore_deadline_s=_positive_ms(extra, "restore_deadline_ms", 2000),
+            save_timeout_s=_positive_ms(extra, "save_timeout_ms", 2000),
+            load_mode=cast(LoadMode, load_mode),
+            tenant=tenant,
+            model_id=None if model_id is None else _nonempty_str(model_id, "model_id"),
+            weights_revision=None if revision is None else _nonempty_str(revision,
+                                                                           "weights_revision"),
+            max_inflight_saves=_positive_int(extra.get("max_inflight_saves", 256),
+                                             "max_inflight_saves"),
+            lookup=cast(LookupMode, _choice(extra, "lookup", ("auto", "worker"), "auto")),
+        )
+
+    def checkpoint_interval(self, block_size: int) -> int:
+        """Tokens between decode-time checkpoints; never below one block (blocks are the unit
+        a store holds, so a smaller interval cannot lose less)."""
+        return max(block_size, self.checkpoint_tokens or block_size)
+
+
+def _store(raw: object) -> StoreSpec:
+    if not isinstance(raw, Mapping):
+        raise ConfigError("store must be an object")
+    store = dict(raw)
+    _reject_unknown("store", store, _STORE_KEYS)
+    host = int(store.get("host_bytes", 0) or 0)
+    if host < 0:
+        raise ConfigError("store.host_bytes must not be negative")
+    nvme = None
+    if store.get("nvme") is not None:
+        spec = store["nvme"]
+        if not isinstance(spec, Mapping):
+            raise ConfigError("store.nvme must be an object")
+        _reject_unknown("store.nvme", spec, _NVME_KEYS)
+        if "path" not in spec:
+            raise ConfigError("store.nvme needs a 'path'")
+        nvme = NvmeSpec(_nonempty_str(spec["path"], "store.nvme.path"),
+                        _positive_int(spec.get("bytes", 64 << 30), "store.nvme.bytes"),
+                        bool(spec.get("durable", True)))
+    remote = None
+    if store.get("remote") is not None:
+        spec = store["remote"]
+        if not isinstance(spec, Mapping):
+            raise ConfigError("store.remote must be an object")
+        _reject_unknown("store.remote", spec, _REMOTE_KEYS)
+        listed = spec.get("daemons") or {}
+        if not isinstance(listed, Mapping):
+            raise ConfigError("store.remote.daemons must map node ids to host:port")
+        daemons = tuple(sorted((_nonempty_str(node, "store.remote.daemons key"),
+                                _nonempty_str(addr, "store.remote.daemons value"))
+                               for node, addr in listed.items()))
+        etcd = spec.get("etcd")
+        if (etcd is None) == (not daemons):
+            raise ConfigError("store.remote needs exactly one of 'etcd' and 'daemons'")
+        remote = RemoteSpec(
+            etcd=None if etcd is None else _nonempty_str(etcd, "store.remote.etcd"),
+            prefix=str(spec.get("prefix", "/kvkeep/stores/")),
+            replicas=_positive_int(spec.get("replicas", 1), "store.remote.replicas"),
+            daemons=daemons,
+            timeout_s=_positive_ms(spec, "timeout_ms", 1000),
+        )
+    name = _name(store.get("name", "default"), "store.name")
+    return StoreSpec(host_bytes=host, nvme=nvme, remote=remote, name=name)
+
+
+def _reject_unknown(where: str, mapping: Mapping[str, Any], allowed: frozenset[str]) -> None:
+    unknown = sorted(set(mapping) - allowed)
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(allowed)}")
+
+
+def _choice(extra: Mapping[str, Any], key: str, allowed: tuple[str, ...], default: str) -> str:
+    value = extra.get(key, default)
+    if value not in allowed:
+        raise ConfigError(f"{key} must be one of {list(allowed)}, got {value!r}")
+    return str(value)
+
+
+def _positive_int(value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise ConfigError(f"{what} must be a positive integer, got {value!r}")
+    try:
+        number = int(value)
+    except ValueError:
+        raise ConfigError(f"{what} must be a positive integer, got {value!r}") from None
+    if number <= 0 or (isinstance(value, float) and value != number):
+        raise ConfigError(f"{what} must be a positive integer, got {value!r}")
+    return number
+
+
+def _positive_ms(mapping: Mapping[str, Any], key: str, default_ms: float) -> float:
+    value = mapping.get(key, default_ms)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(f"{key} must be a positive number of milliseconds, got {value!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{key} must be a positive number of milliseconds, got {value!r}")
+    return float(value) / 1000.0
+
+
+def _name(value: object, what: str) -> str:
+    try:
+        return validate_name(str(value), what)
+    except InvalidKey as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _nonempty_str(value: object, what: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{what} must be a non-empty string")
+    return value

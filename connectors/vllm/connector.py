@@ -1,0 +1,221 @@
+"""`KVKeepConnector`: vLLM's KV-connector API, delegating to the scheduler or worker half.
+
+vLLM builds this class twice per engine, once per role. Each instance derives the model
+fingerprint and layout from the config (the same on both sides), takes the process's shared
+store for the configured spec, and builds only the half its role needs.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from connectors.vllm.config import ConnectorConfig
+from connectors.vllm.fingerprint import derive_fingerprint, derive_layout
+from connectors.vllm.metadata import StepMetadata
+from connectors.vllm.scheduler import SchedulerSide
+from connectors.vllm.stats import Counters, CounterSnapshot
+from connectors.vllm.stores import acquire_existing_store, acquire_store, release_store
+from connectors.vllm.worker import WorkerSide
+from kvstore.errors import ConfigError, KVKeepError
+from kvstore.keys import ModelFingerprint
+from kvstore.store import TieredStore
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+__all__ = ["KVKeepConnector"]
+
+log = logging.getLogger(__name__)
+
+
+class KVKeepConnector(KVConnectorBase_V1):
+    """Checkpoints KV blocks to a kvkeep store and restores them, verified, layer by layer."""
+
+    _cache_hit_source = CacheHitSource.EXTERNAL_UNSPECIFIED
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
+            raise ConfigError("kvkeep connector: models with several KV cache groups "
+                              "(hybrid attention) are not supported")
+        self._config = ConnectorConfig.from_extra(
+            self._kv_transfer_config.kv_connector_extra_config)
+        layout = derive_layout(vllm_config)
+        self._fingerprint = derive_fingerprint(vllm_config, self._config, layout)
+        self._counters = Counters()
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        self._store: TieredStore | None = None
+        self._closed = False
+        if role == KVConnectorRole.SCHEDULER:
+            # The worker half is built first: if it runs in this process, its store is here
+            # to share; if it runs in another (vLLM's multiprocess executor), the worker owns
+            # the store and answers lookups through the step metadata.
+            if self._config.lookup == "auto":
+                self._store = acquire_existing_store(self._config.store)
+            self._scheduler = SchedulerSide(
+                config=self._config, fingerprint=self._fingerprint, store=self._store,
+                block_size=layout.block_size, num_layers=self._fingerprint.num_layers,
+                counters=self._counters)
+        else:
+            self._store = acquire_store(self._config.store)
+            self._worker = WorkerSide(config=self._config, fingerprint=self._fingerprint,
+                                      layout=layout, store=self._store, counters=self._counters)
+        log.info("kvkeep connector (%s): model %s fingerprint %s layout %s codec %s",
+                 role.name, self._fingerprint.model_id, self._fingerprint.hex,
+                 layout.layout_id, self._config.codec)
+
+    # -- introspection (tests, benchmarks, operators) ------------------------------------------
+
+    @property
+    def fingerprint(self) -> ModelFingerprint:
+        return self._fingerprint
+
+    @property
+    def config(self) -> ConnectorConfig:
+        return self._config
+
+    def drain_manifests(self, timeout: float = 10.0) -> None:
+        """Wait until this half's queued manifest writes are done (tests, operators)."""
+        if self._scheduler is not None:
+            self._scheduler.drain_manifests(timeout)
+        if self._worker is not None:
+            self._worker.drain_manifests(timeout)
+
+    def counters(self) -> CounterSnapshot:
+        """This half's counters (see `connectors.vllm.stats`), plus the shared store's own
+        (`store_hits`, `store_misses`, `store_corrupt`, `store_errors`, `store_dropped`) and
+        each tier's (`tier_<name>_hits`, `_misses`, `_corrupt`, `_errors`, `_rejected_puts`):
+        tiers absorb their own failures (a dead daemon is a miss), so this is where they show."""
+        mine = self._counters.snapshot().as_dict()
+        if self._store is None:
+            return CounterSnapshot(MappingProxyType(mine))
+        try:
+            stats = self._store.stats()
+        except KVKeepError:
+            return CounterSnapshot(MappingProxyType(mine))
+        mine.update(store_hits=stats.hits, store_misses=stats.misses,
+                    store_corrupt=stats.corrupt, store_errors=stats.errors,
+                    store_dropped=stats.write_behind_dropped)
+        for tier in stats.tiers:
+            mine.update({f"tier_{tier.name}_hits": tier.hits,
+                         f"tier_{tier.name}_misses": tier.misses,
+                         f"tier_{tier.name}_corrupt": tier.corrupt,
+                         f"tier_{tier.name}_errors": tier.errors,
+                         f"tier_{tier.name}_rejected_puts": tier.rejected_puts})
+        return CounterSnapshot(MappingProxyType(mine))
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        # Restores wait per layer and saves gather per layer: both must run between graph
+        # pieces, or a replayed graph would attend to blocks that are still loading.
+        return True
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # A best-effort cache: a dropped save is a future recompute, never a lost hand-off.
+        return False
+
+    # -- worker side ---------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._need_worker().register_kv_caches(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        assert isinstance(connector_metadata, StepMetadata)
+        # Decide the step's saves before the forward pass (save_kv_layer runs inside it).
+        self._need_worker().begin_step(connector_metadata)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, StepMetadata)
+        if meta.loads:
+            self._need_worker().start_load_kv(meta.loads)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self._need_worker().wait_for_layer_load(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
+                      attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
+        self._need_worker().save_kv_layer(layer_name)
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, StepMetadata)
+        self._need_worker().wait_for_save(meta.saves)
+
+    def get_finished(self, finished_req_ids: set[str]
+                     ) -> tuple[set[str] | None, set[str] | None]:
+        return self._need_worker().get_finished()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._need_worker().get_block_ids_with_load_errors()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self._need_worker().take_report()
+
+    # -- scheduler side ------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._need_scheduler().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        self._need_scheduler().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self._need_scheduler().build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._need_scheduler().update_connector_output(connector_output)
+
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._need_scheduler().request_finished(request, block_ids)
+
+    def has_pending_push_work(self) -> bool:
+        return self._scheduler is not None and self._scheduler.has_pending_work()
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
+        if self._store is not None:
+            release_store(self._config.store)
+
+    def _need_worker(self) -> WorkerSide:
+        if self._worker is None:
+            raise RuntimeError("kvkeep: worker-side call on the scheduler-side connector")
+        return self._worker
+
+    def _need_scheduler(self) -> SchedulerSide:
+        if self._scheduler is None:
+            raise RuntimeError("kvkeep: scheduler-side call on the worker-side connector")
+        return self._scheduler

@@ -1,0 +1,213 @@
+"""Where an attention backend keeps one layer's paged KV, and copies to and from frames.
+
+A frame stores each layer of a block in one *canonical* shape whatever the backend:
+`[2, block_size, num_kv_heads, head_size]` (K then V; token, head, head_size last). The codec
+quantizes one scale per leading index over the last axis, so canonical blocks get one scale per
+(K or V, token, head), which is what int8 KV quantization wants. The layouts below know how each
+backend arranges that data in its paged tensor and copy whole blocks between the two with one
+gather or scatter per layer.
+
+Layouts (vLLM 0.32; the tensor `register_kv_caches` hands us per layer):
+
+- `cpu/tnhd`: the CPU backend with its `vec`/`vec16` kernels. `[num_blocks, H, N, 2*D]`
+  ("LBHNC"); inside one block and head the kernel sees `[2*N, D]` rows whose first `N*D`
+  elements are K *transposed* (`[D, N]`) and whose last `N*D` are V (`[N, D]`).
+- `cpu-<isa>/raw`: the CPU backend with any other kernel (AMX prepacks K and V into tiles,
+  the ARM and POWER kernels have their own packing). We do not decode those arrangements; a
+  block is copied verbatim as `[H, 2*N, D]`, which is lossless with the raw codec and a valid
+  (if coarser) grouping for int8. Its own id keeps it from ever meeting a canonical block.
+- `cuda/tnhd`: flash-attention style `[2, num_blocks, N, H, D]` and FlashInfer style
+  `[num_blocks, 2, N, H, D]` (stride order does not matter: indexing is logical).
+
+The layout id goes into the model fingerprint. Canonical content would let a CPU worker read a
+GPU worker's blocks, but their K/V come out of different GEMM kernels: keeping the platform in
+the id keeps "restored output == recomputed output" true on each platform.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final, Literal, Protocol
+
+import torch
+
+from kvstore.errors import ConfigError
+
+__all__ = [
+    "LayoutFamily",
+    "LayoutSpec",
+    "BoundLayout",
+    "CPU_CANONICAL_ISAS",
+    "cpu_layout",
+    "cuda_layout",
+    "SUPPORTED_DTYPES",
+]
+
+LayoutFamily = Literal["cpu-kt", "cpu-raw", "cuda"]
+
+# The CPU kernels whose in-block arrangement we decode (checked against vLLM's own
+# `cpu_attn_reshape_and_cache` in tests/test_connector_layouts.py).
+CPU_CANONICAL_ISAS: Final = frozenset({"vec", "vec16"})
+
+SUPPORTED_DTYPES: Final = frozenset({torch.float16, torch.bfloat16, torch.float32})
+
+
+class BoundLayout(Protocol):
+    """A layout checked against one layer's paged tensor: whole-block gathers and scatters."""
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        """Shape of one block of one layer as frames store it."""
+        ...
+
+    def gather(self, kv_layer: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        """Copy blocks out: a new contiguous `[len(block_ids), *block_shape]` tensor."""
+        ...
+
+    def scatter(self, kv_layer: torch.Tensor, block_ids: torch.Tensor,
+                blocks: torch.Tensor) -> None:
+        """Write `[len(block_ids), *block_shape]` blocks into the paged tensor in place."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class LayoutSpec:
+    """Which layout a worker uses: known from the config on both scheduler and worker side.
+
+    `layout_id` is what the fingerprint and frame headers record. `bind` checks a real paged
+    tensor against the spec; a mismatch is a configuration error, raised at start-up, never a
+    silent wrong copy.
+    """
+
+    layout_id: str
+    family: LayoutFamily
+    num_kv_heads: int
+    head_size: int
+    block_size: int
+
+    def __post_init__(self) -> None:
+        if min(self.num_kv_heads, self.head_size, self.block_size) <= 0:
+            raise ConfigError(f"layout {self.layout_id}: non-positive geometry")
+        if not 0 < len(self.layout_id.encode()) <= 64:
+            raise ConfigError(f"layout id {self.layout_id!r} must be 1-64 bytes")
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        h, n, d = self.num_kv_heads, self.block_size, self.head_size
+        if self.family == "cpu-raw":
+            return (h, 2 * n, d)
+        return (2, n, h, d)
+
+    def with_shard(self, rank: int, world: int) -> LayoutSpec:
+        """The spec of one tensor-parallel shard: its own id, so ranks never read each other's
+        heads. (Callers pass the per-rank head count already.)"""
+        if world <= 1:
+            return self
+        return LayoutSpec(f"{self.layout_id}/tp{rank}of{world}", self.family,
+                          self.num_kv_heads, self.head_size, self.block_size)
+
+    def bind(self, kv_layer: torch.Tensor) -> BoundLayout:
+        if kv_layer.dtype not in SUPPORTED_DTYPES:
+            raise ConfigError(f"KV cache dtype {kv_layer.dtype} is not supported "
+                              f"(need one of float16, bfloat16, float32)")
+        h, n, d = self.num_kv_heads, self.block_size, self.head_size
+        shape = tuple(kv_layer.shape)
+        if self.family in ("cpu-kt", "cpu-raw"):
+            if len(shape) != 4 or shape[1:] != (h, n, 2 * d):
+                raise ConfigError(f"layout {self.layout_id}: expected [blocks, {h}, {n}, "
+                                  f"{2 * d}], got {list(shape)}")
+            if not kv_layer.is_contiguous():
+                raise ConfigError(f"layout {self.layout_id}: paged tensor is not contiguous")
+            if self.family == "cpu-kt":
+                return _CpuTransposedK(h, n, d)
+            return _CpuRaw(h, n, d)
+        if len(shape) == 5 and shape[0] == 2 and shape[2:] == (n, h, d):
+            return _FlashLayout(h, n, d, kv_dim=0)
+        if len(shape) == 5 and shape[1] == 2 and shape[2:] == (n, h, d):
+            return _FlashLayout(h, n, d, kv_dim=1)
+        raise ConfigError(f"layout {self.layout_id}: unknown paged tensor shape {list(shape)} "
+                          f"for {h} heads, block {n}, head size {d}")
+
+
+def cpu_layout(isa: str | None, *, num_kv_heads: int, head_size: int,
+               block_size: int) -> LayoutSpec:
+    """The layout of vLLM's CPU backend for the attention kernel `isa` (None when unknown)."""
+    if isa in CPU_CANONICAL_ISAS:
+        return LayoutSpec("cpu/tnhd", "cpu-kt", num_kv_heads, head_size, block_size)
+    return LayoutSpec(f"cpu-{isa or 'unknown'}/raw", "cpu-raw", num_kv_heads, head_size,
+                      block_size)
+
+
+def cuda_layout(*, num_kv_heads: int, head_size: int, block_size: int) -> LayoutSpec:
+    return LayoutSpec("cuda/tnhd", "cuda", num_kv_heads, head_size, block_size)
+
+
+@dataclass(frozen=True, slots=True)
+class _CpuTransposedK:
+    h: int
+    n: int
+    d: int
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        return (2, self.n, self.h, self.d)
+
+    def gather(self, kv_layer: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        h, n, d = self.h, self.n, self.d
+        # [b, H, N, 2D] is, per block and head, N*D elements of K^T then N*D of V.
+        raw = kv_layer.index_select(0, block_ids).view(-1, h, 2, n * d)
+        k = raw[:, :, 0].view(-1, h, d, n).permute(0, 3, 1, 2)  # [b, N, H, D]
+        v = raw[:, :, 1].view(-1, h, n, d).permute(0, 2, 1, 3)  # [b, N, H, D]
+        return torch.stack((k, v), dim=1)
+
+    def scatter(self, kv_layer: torch.Tensor, block_ids: torch.Tensor,
+                blocks: torch.Tensor) -> None:
+        h, n, d = self.h, self.n, self.d
+        count = blocks.shape[0]
+        raw = torch.empty((count, h, 2, n * d), dtype=kv_layer.dtype, device=kv_layer.device)
+        raw[:, :, 0].view(count, h, d, n).copy_(blocks[:, 0].permute(0, 2, 3, 1))
+        raw[:, :, 1].view(count, h, n, d).copy_(blocks[:, 1].permute(0, 2, 1, 3))
+        kv_layer.index_copy_(0, block_ids, raw.view(count, h, n, 2 * d))
+
+
+@dataclass(frozen=True, slots=True)
+class _CpuRaw:
+    h: int
+    n: int
+    d: int
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        return (self.h, 2 * self.n, self.d)
+
+    def gather(self, kv_layer: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        return kv_layer.index_select(0, block_ids).view(-1, self.h, 2 * self.n, self.d)
+
+    def scatter(self, kv_layer: torch.Tensor, block_ids: torch.Tensor,
+                blocks: torch.Tensor) -> None:
+        kv_layer.index_copy_(0, block_ids,
+                             blocks.reshape(-1, self.h, self.n, 2 * self.d).to(kv_layer.dtype))
+
+
+@dataclass(frozen=True, slots=True)
+class _FlashLayout:
+    h: int
+    n: int
+    d: int
+    kv_dim: int  # 0: [2, blocks, N, H, D]; 1: [blocks, 2, N, H, D]
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        return (2, self.n, self.h, self.d)
+
+    def gather(self, kv_layer: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        if self.kv_dim == 1:
+            return kv_layer.index_select(0, block_ids).contiguous()
+        return kv_layer.index_select(1, block_ids).transpose(0, 1).contiguous()
+
+    def scatter(self, kv_layer: torch.Tensor, block_ids: torch.Tensor,
+                blocks: torch.Tensor) -> None:
+        if self.kv_dim == 1:
+            kv_layer.index_copy_(0, block_ids, blocks.to(kv_layer.dtype))
+        else:
+            kv_layer.index_copy_(1, block_ids, blocks.transpose(0, 1).to(kv_layer.dtype))

@@ -1,0 +1,126 @@
+"""What the scheduler half tells the worker half each step, and what comes back.
+
+Both directions cross a process boundary in vLLM's multiprocess mode (pickled), so these are
+small frozen dataclasses of ints, bytes and strings: no torch, no requests, no stores.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+__all__ = ["BlockRun", "LoadSpec", "SaveSpec", "Probe", "StepMetadata", "SaveReport",
+           "ProbeAnswer", "WorkerReport"]
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRun:
+    """Consecutive full blocks of one request: its block indices `first..first+len-1`, the
+    paged block id each occupies now, and vLLM's chained hash of each."""
+
+    req_id: str
+    namespace: str
+    """`Namespace.label` of the request (tenant and cache salt)."""
+    first: int
+    block_ids: tuple[int, ...]
+    block_hashes: tuple[bytes, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.block_ids) != len(self.block_hashes):
+            raise ValueError("block ids and hashes differ in length")
+
+    def __len__(self) -> int:
+        return len(self.block_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSpec:
+    """Blocks to restore from the store into the paged cache before they are attended to."""
+
+    run: BlockRun
+    is_async: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class SaveSpec:
+    """Completed blocks to save. `flush` marks a finished request whose blocks vLLM keeps
+    until the worker reports it in `finished_sending` (saved outside a forward pass)."""
+
+    run: BlockRun
+    flush: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Probe:
+    """A lookup the scheduler half asks the worker half to run, when the store lives only in
+    the worker's process (vLLM's multiprocess executor): the longest stored prefix of
+    `block_hashes`, which start at block index `first` of the request."""
+
+    req_id: str
+    namespace: str
+    first: int
+    block_hashes: tuple[bytes, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class StepMetadata(KVConnectorMetadata):
+    loads: tuple[LoadSpec, ...] = ()
+    saves: tuple[SaveSpec, ...] = ()
+    probes: tuple[Probe, ...] = ()
+    manifests: tuple[bytes, ...] = ()
+    """Encoded session manifests for the worker to store (when the scheduler has no store)."""
+
+    @property
+    def empty(self) -> bool:
+        return not (self.loads or self.saves or self.probes or self.manifests)
+
+
+@dataclass(frozen=True, slots=True)
+class SaveReport:
+    """The outcome of saving one block: stored (or already present) or not."""
+
+    req_id: str
+    index: int
+    block_hash: bytes
+    ok: bool
+    retry_now: bool = False
+    """For a failed save: the store is fine, retry at the next step (the step's loads failed,
+    so its saves were dropped); otherwise wait for the next checkpoint."""
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeAnswer:
+    req_id: str
+    first: int
+    count: int
+    hit: int
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerReport(KVConnectorWorkerMetadata):
+    """Save outcomes and probe answers of one step, from every worker. With tensor
+    parallelism each rank saves its own shard, so a block counts as saved only when no rank
+    failed it, and a prefix as stored only as far as every rank holds it."""
+
+    saves: tuple[SaveReport, ...] = field(default=())
+    probes: tuple[ProbeAnswer, ...] = field(default=())
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if not isinstance(other, WorkerReport):
+            return self
+        failed = {(s.req_id, s.index, s.block_hash) for s in (*self.saves, *other.saves)
+                  if not s.ok}
+        merged: dict[tuple[str, int, bytes], SaveReport] = {}
+        for report in (*self.saves, *other.saves):
+            key = (report.req_id, report.index, report.block_hash)
+            merged[key] = SaveReport(*key, ok=key not in failed, retry_now=report.retry_now)
+        hits: dict[tuple[str, int, int], int] = {}
+        for answer in (*self.probes, *other.probes):
+            probe = (answer.req_id, answer.first, answer.count)
+            hits[probe] = min(hits.get(probe, answer.hit), answer.hit)
+        return WorkerReport(tuple(merged.values()),
+                            tuple(ProbeAnswer(*probe, hit) for probe, hit in hits.items()))

@@ -1,0 +1,400 @@
+"""The scheduler half: what to restore, what to save, and session manifests. No tensor work.
+
+Per request it keeps where its blocks live and which of them are known saved. Each step it
+
+- answers `get_num_new_matched_tokens` with one batched store lookup of the request's block
+  hashes beyond vLLM's local prefix cache (bounded by the restore deadline). When the store
+  lives only in the worker's process (vLLM's multiprocess executor), the lookup is a `Probe`
+  in the next step's metadata: vLLM is told to ask again (None), and the worker's answer comes
+  back with that step's output;
+- turns the tokens vLLM agreed to load into a `LoadSpec` (block ids + hashes);
+- plans saves of blocks that the step completes: during prefill all of them, during decode once
+  at least `checkpoint_interval` tokens of completed blocks are unsaved;
+- learns from the worker which saves landed, and writes the session manifest (blocks in order,
+  token ids so far) once its saved prefix grows. A manifest names only blocks the worker
+  confirmed stored (a store may still evict them later; a restore then recomputes them).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from connectors.vllm.config import ConnectorConfig
+from connectors.vllm.metadata import (
+    BlockRun,
+    LoadSpec,
+    Probe,
+    SaveSpec,
+    StepMetadata,
+    WorkerReport,
+)
+from connectors.vllm.params import RestoreParams, namespace_for, parse_params
+from connectors.vllm.stats import Counters
+from kvstore.errors import KVKeepError
+from kvstore.keys import BlockHash, BlockKey, ModelFingerprint, Namespace, SessionKey
+from kvstore.manifest import SessionManifest
+from kvstore.store import TieredStore
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+__all__ = ["SchedulerSide"]
+
+log = logging.getLogger(__name__)
+
+# A lookup answer is reused for this long when vLLM asks again about the same request (it does
+# when it could not schedule it); the worker verifies every block anyway.
+_LOOKUP_TTL_S = 1.0
+
+
+@dataclass(slots=True)
+class _Tracked:
+    request: Request
+    namespace: Namespace
+    params: RestoreParams
+    block_ids: list[int] = field(default_factory=list)
+    local_blocks: int = 0
+    lookup: tuple[int, int, int, float] | None = None  # (first, count, hit, at)
+    probe: tuple[int, int, float] | None = None  # (first, count, sent at): awaiting the worker
+    pending_load: LoadSpec | None = None
+    planned: int = 0
+    """Blocks [0, planned) have a save planned, done, or found present."""
+    hold_until_tokens: int = 0
+    """After a failed save, no new plan before this many computed tokens (no hot retry)."""
+    saved: set[int] = field(default_factory=set)
+    saved_prefix: int = 0
+    manifest_blocks: int = 0
+    generation: int = 0
+    finished: bool = False
+    flush: Literal["none", "wanted", "sent"] = "none"
+    """A finished request's last blocks: to be saved before vLLM frees them."""
+    loading_async: bool = False
+
+
+class SchedulerSide:
+    def __init__(self, *, config: ConnectorConfig, fingerprint: ModelFingerprint,
+                 store: TieredStore | None, block_size: int, num_layers: int,
+                 counters: Counters) -> None:
+        """`store` is None when it lives in the worker's process: lookups and manifest writes
+        then travel in the step metadata."""
+        self._config = config
+        self._fp = fingerprint
+        self._store = store
+        self._bs = block_size
+        self._num_layers = num_layers
+        self._interval = config.checkpoint_interval(block_size)
+        self._counters = counters
+        self._reqs: dict[str, _Tracked] = {}
+        self._finished_last_step: list[str] = []
+        self._probes: list[Probe] = []
+        self._manifests: list[bytes] = []
+        # Manifests go through the store (an fsync on nvme): off the scheduler loop, in order.
+        self._manifest_writer = ThreadPoolExecutor(1, thread_name_prefix="kvkeep-manifest")
+
+    # -- vLLM scheduler API --------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        tracked = self._track(request)
+        if not tracked.params.usable_for(self._num_layers):
+            self._counters.add("restore_none" if tracked.params.mode == "none"
+                               else "partial_layer_unusable")
+            return 0, False
+        if request.skip_reading_prefix_cache:
+            return 0, False
+        local = num_computed_tokens // self._bs
+        # vLLM must compute at least one token to sample from: never claim the last one.
+        limit = min(len(request.block_hashes), (request.num_tokens - 1) // self._bs)
+        tracked.local_blocks = local
+        if limit <= local:
+            return 0, False
+        hit = self._lookup(tracked, local, limit - local)
+        if hit is None:
+            return None, False  # the worker answers with the next step's output
+        if hit == 0:
+            return 0, False
+        return hit * self._bs, self._config.load_mode == "async"
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        tracked = self._track(request)
+        tracked.block_ids = list(blocks.get_block_ids()[0])
+        if num_external_tokens <= 0 or tracked.pending_load is not None:
+            return
+        count = num_external_tokens // self._bs
+        first = tracked.local_blocks
+        run = BlockRun(
+            req_id=request.request_id,
+            namespace=tracked.namespace.label,
+            first=first,
+            block_ids=tuple(tracked.block_ids[first:first + count]),
+            block_hashes=tuple(bytes(h) for h in request.block_hashes[first:first + count]),
+        )
+        if len(run) != count:
+            # vLLM allocated fewer blocks than it agreed to load: a broken invariant upstream.
+            raise RuntimeError(f"kvkeep: {request.request_id} has {len(run)} blocks for "
+                               f"{count} external blocks")
+        tracked.pending_load = LoadSpec(run, is_async=self._config.load_mode == "async")
+        tracked.loading_async = tracked.pending_load.is_async
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> StepMetadata:
+        self._purge_finished()
+        loads: list[LoadSpec] = []
+        saves: list[SaveSpec] = []
+        for tracked in self._reqs.values():
+            if tracked.pending_load is not None:
+                loads.append(tracked.pending_load)
+                tracked.pending_load = None
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            fresh = self._reqs.get(new.req_id)
+            if fresh is None:
+                continue
+            fresh.block_ids = list(new.block_ids[0])
+            done = (new.num_computed_tokens + scheduled[new.req_id]
+                    - len(spec_tokens.get(new.req_id, ())))
+            self._plan_saves(fresh, done, saves)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            running = self._reqs.get(req_id)
+            if running is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                running.block_ids = list(new_ids[0]) if new_ids is not None else []
+            elif new_ids is not None:
+                running.block_ids.extend(new_ids[0])
+            done = (cached.num_computed_tokens[i] + scheduled[req_id]
+                    - len(spec_tokens.get(req_id, ())))
+            self._plan_saves(running, done, saves)
+        saves.extend(self._flushes())
+        probes, self._probes = self._probes, []
+        manifests, self._manifests = self._manifests, []
+        return StepMetadata(tuple(loads), tuple(saves), tuple(probes), tuple(manifests))
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        report = output.kv_connector_worker_meta
+        touched: set[str] = set()
+        if isinstance(report, WorkerReport):
+            for answer in report.probes:
+                tracked = self._reqs.get(answer.req_id)
+                if tracked is not None and tracked.probe is not None \
+                        and tracked.probe[:2] == (answer.first, answer.count):
+                    self._counters.add("lookup_hit_blocks", answer.hit)
+                    tracked.lookup = (answer.first, answer.count, answer.hit, time.monotonic())
+                    tracked.probe = None
+            for save in report.saves:
+                tracked = self._reqs.get(save.req_id)
+                if tracked is None:
+                    continue
+                hashes = tracked.request.block_hashes
+                if save.index >= len(hashes) or bytes(hashes[save.index]) != save.block_hash:
+                    continue  # a stale report (the request was preempted and re-planned)
+                if save.ok:
+                    tracked.saved.add(save.index)
+                    touched.add(save.req_id)
+                else:
+                    # Also undoes an earlier "present" in the same report: a block found in
+                    # the store that then failed to load is gone (or bad) and must be saved.
+                    tracked.saved.discard(save.index)
+                    tracked.saved_prefix = min(tracked.saved_prefix, save.index)
+                    tracked.planned = min(tracked.planned, save.index)
+                    if not save.retry_now:  # the store refused: wait for the next checkpoint
+                        tracked.hold_until_tokens = (tracked.request.num_computed_tokens
+                                                     + self._interval)
+        for req_id in touched:
+            tracked = self._reqs[req_id]
+            while tracked.saved_prefix in tracked.saved:
+                tracked.saved_prefix += 1
+            self._maybe_write_manifest(tracked)
+        for req_id in output.finished_sending or ():
+            if (tracked := self._reqs.get(req_id)) is not None:
+                tracked.flush = "none"
+        for req_id in output.finished_recving or ():
+            if (tracked := self._reqs.get(req_id)) is not None:
+                tracked.loading_async = False
+
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        tracked = self._reqs.get(request.request_id)
+        if tracked is None:
+            return False, None
+        tracked.finished = True
+        tracked.block_ids = list(block_ids)
+        done = min(request.num_computed_tokens // self._bs, len(request.block_hashes),
+                   len(block_ids))
+        # Completed blocks that no checkpoint covered yet: save them before vLLM frees them.
+        # Not while an asynchronous load is still filling them: they hold no KV yet.
+        if done > tracked.planned and not tracked.loading_async:
+            tracked.flush = "wanted"
+        return tracked.flush == "wanted", self._response(tracked)
+
+    def has_pending_work(self) -> bool:
+        """Probes or manifests waiting for a step to carry them to the worker (keeps vLLM's
+        engine loop stepping when nothing else runs)."""
+        return bool(self._probes or self._manifests)
+
+    def drain_manifests(self, timeout: float = 10.0) -> None:
+        """Wait until every manifest handed to the writer so far is written (tests, shutdown)."""
+        self._manifest_writer.submit(lambda: None).result(timeout)
+
+    def shutdown(self) -> None:
+        self._manifest_writer.shutdown(wait=True)
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _track(self, request: Request) -> _Tracked:
+        tracked = self._reqs.get(request.request_id)
+        if tracked is not None and tracked.request is request:
+            return tracked
+        try:
+            params = parse_params(request.kv_transfer_params)
+        except ValueError as exc:
+            log.warning("kvkeep: ignoring kv_transfer_params of %s: %s", request.request_id, exc)
+            self._counters.add("bad_params")
+            params = RestoreParams()
+        tracked = _Tracked(request, namespace_for(self._config.tenant, request.cache_salt),
+                           params)
+        self._reqs[request.request_id] = tracked
+        return tracked
+
+    def _lookup(self, tracked: _Tracked, first: int, count: int) -> int | None:
+        """Blocks of [first, first+count) the store holds as a prefix; None: ask again later."""
+        now = time.monotonic()
+        cached = tracked.lookup
+        if cached is not None and cached[:2] == (first, count) and now - cached[3] < _LOOKUP_TTL_S:
+            return cached[2]
+        hashes = tracked.request.block_hashes[first:first + count]
+        if self._store is None:
+            return self._probe(tracked, first, count, now)
+        keys = [BlockKey.of(self._fp, tracked.namespace, bytes(h)) for h in hashes]
+        deadline = now + self._config.restore_deadline_s
+        self._counters.add("lookups")
+        try:
+            hit = self._store.lookup(keys, deadline=deadline)
+        except KVKeepError:
+            log.warning("kvkeep: lookup failed; computing instead", exc_info=True)
+            self._counters.add("lookup_errors")
+            hit = 0
+        if time.monotonic() >= deadline:
+            # The store answered with what it had found in time; report none of it, since a
+            # store this slow would make the load late too.
+            self._counters.add("lookup_deadline")
+            hit = 0
+        self._counters.add("lookup_hit_blocks", hit)
+        tracked.lookup = (first, count, hit, now)
+        return hit
+
+    def _probe(self, tracked: _Tracked, first: int, count: int, now: float) -> int | None:
+        probe = tracked.probe
+        if probe is not None and probe[:2] == (first, count):
+            if now - probe[2] < self._config.restore_deadline_s:
+                return None
+            # The worker did not answer in time (a slow store, a long step): compute.
+            self._counters.add("lookup_deadline")
+            tracked.probe = None
+            tracked.lookup = (first, count, 0, now)
+            return 0
+        self._counters.add("lookups")
+        tracked.probe = (first, count, now)
+        hashes = tracked.request.block_hashes[first:first + count]
+        self._probes.append(Probe(tracked.request.request_id, tracked.namespace.label, first,
+                                  tuple(bytes(h) for h in hashes)))
+        return None
+
+    def _plan_saves(self, tracked: _Tracked, done_tokens: int, out: list[SaveSpec]) -> None:
+        request = tracked.request
+        complete = min(done_tokens // self._bs, len(request.block_hashes),
+                       len(tracked.block_ids))
+        if complete <= tracked.planned or done_tokens < tracked.hold_until_tokens:
+            return
+        in_prefill = done_tokens <= request.num_prompt_tokens
+        if not in_prefill and (complete - tracked.planned) * self._bs < self._interval:
+            return
+        out.append(SaveSpec(self._run(tracked, tracked.planned, complete)))
+        tracked.planned = complete
+
+    def _flushes(self) -> list[SaveSpec]:
+        flushes: list[SaveSpec] = []
+        for tracked in self._reqs.values():
+            if tracked.flush != "wanted":
+                continue
+            request = tracked.request
+            done = min(request.num_computed_tokens // self._bs, len(request.block_hashes),
+                       len(tracked.block_ids))
+            # Even an empty flush is sent: its completion is what lets vLLM free the blocks.
+            first = min(tracked.planned, done)
+            flushes.append(SaveSpec(self._run(tracked, first, done), flush=True))
+            tracked.planned = max(tracked.planned, done)
+            tracked.flush = "sent"
+        return flushes
+
+    def _run(self, tracked: _Tracked, first: int, stop: int) -> BlockRun:
+        request = tracked.request
+        return BlockRun(
+            req_id=request.request_id,
+            namespace=tracked.namespace.label,
+            first=first,
+            block_ids=tuple(tracked.block_ids[first:stop]),
+            block_hashes=tuple(bytes(h) for h in request.block_hashes[first:stop]),
+        )
+
+    def _purge_finished(self) -> None:
+        # Reports for a step arrive in the same update as `request_finished`, so a finished
+        # request is dropped one step later, once they have been read.
+        for req_id in self._finished_last_step:
+            tracked = self._reqs.get(req_id)
+            if tracked is not None and tracked.finished and tracked.flush == "none":
+                del self._reqs[req_id]
+        self._finished_last_step = [r for r, t in self._reqs.items() if t.finished]
+
+    def _maybe_write_manifest(self, tracked: _Tracked) -> None:
+        session = tracked.params.session_id
+        if session is None or tracked.saved_prefix <= tracked.manifest_blocks:
+            return
+        request = tracked.request
+        # Microseconds since the epoch, and always above our last one: a later writer of the
+        # session (the worker that took over) wins, and no read is needed first.
+        tracked.generation = max(tracked.generation + 1, time.time_ns() // 1000)
+        manifest = SessionManifest(
+            key=SessionKey.of(self._fp, tracked.namespace, session),
+            block_hashes=tuple(BlockHash(bytes(h))
+                               for h in request.block_hashes[:tracked.saved_prefix]),
+            token_count=tracked.saved_prefix * self._bs,
+            generation=tracked.generation,
+            token_ids=tuple(request.all_token_ids),
+        )
+        tracked.manifest_blocks = tracked.saved_prefix
+        if self._store is None:
+            self._manifests.append(manifest.encode())
+        else:
+            self._manifest_writer.submit(self._write_manifest, manifest)
+
+    def _write_manifest(self, manifest: SessionManifest) -> None:
+        assert self._store is not None
+        try:
+            self._store.put_manifest(manifest)
+            self._counters.add("manifests_written")
+        except KVKeepError:
+            log.warning("kvkeep: manifest write failed", exc_info=True)
+            self._counters.add("manifest_errors")
+
+    def _response(self, tracked: _Tracked) -> dict[str, Any] | None:
+        if tracked.params.session_id is None:
+            return None
+        return {"session_id": tracked.params.session_id,
+                "checkpointed_tokens": tracked.saved_prefix * self._bs,
+                "manifest_generation": tracked.generation}
+
+    @property
+    def tracked_requests(self) -> Sequence[str]:
+        return tuple(self._reqs)

@@ -1,0 +1,131 @@
+"""Real vLLM engines (CPU, in-process, tiny local model) for the connector tests.
+
+Engines run in the test process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) and are shut down
+explicitly on exit: vLLM keeps the worker-side connector in a process global that a second
+engine would otherwise inherit.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import random
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+# Must be set before vllm is imported anywhere in the process.
+for _name, _value in {"HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                      "OMP_NUM_THREADS": "1", "VLLM_NO_USAGE_STATS": "1",
+                      "TOKENIZERS_PARALLELISM": "false"}.items():
+    os.environ.setdefault(_name, _value)
+
+if TYPE_CHECKING:
+    from vllm import LLM
+
+    from connectors.vllm import KVKeepConnector
+
+BLOCK_SIZE = 32
+ENGINE_DEFAULTS: dict[str, Any] = {
+    "dtype": "bfloat16", "max_model_len": 1024, "block_size": BLOCK_SIZE, "enforce_eager": True,
+    "seed": 0, "kv_cache_memory_bytes": 64 << 20,
+}
+
+
+def kv_transfer_config(store: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    return {"kv_connector": "KVKeepConnector", "kv_connector_module_path": "connectors.vllm",
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"store": store, **extra}}
+
+
+@contextmanager
+def open_engine(model: Path, kv_config: dict[str, Any] | None = None,
+                **overrides: Any) -> Iterator[LLM]:
+    from vllm import LLM
+
+    from connectors.vllm.compat import patch_llvmlite_for_vllm
+
+    patch_llvmlite_for_vllm()  # numba may be loaded already (kvstore.codecs); see compat.py
+    kwargs = {**ENGINE_DEFAULTS, **overrides}
+    if kv_config is not None:
+        kwargs["kv_transfer_config"] = kv_config
+    llm = LLM(model=str(model), **kwargs)
+    try:
+        yield llm
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+def scheduler_connector(llm: LLM) -> KVKeepConnector:
+    from connectors.vllm import KVKeepConnector
+
+    connector = llm.llm_engine.engine_core.engine_core.scheduler.connector  # type: ignore[attr-defined]
+    assert isinstance(connector, KVKeepConnector)
+    return connector
+
+
+def worker_connector() -> KVKeepConnector:
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    from connectors.vllm import KVKeepConnector
+
+    connector = get_kv_transfer_group()
+    assert isinstance(connector, KVKeepConnector)
+    return connector
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    tokens: tuple[int, ...]
+    num_cached_tokens: int
+    kv_transfer_params: dict[str, Any] | None
+
+
+def generate(llm: LLM, prompts: Sequence[Sequence[int]], max_tokens: int,
+             params: Sequence[dict[str, Any] | None] | dict[str, Any] | None = None
+             ) -> list[Result]:
+    from vllm import SamplingParams
+
+    if params is None or isinstance(params, dict):
+        params = [params] * len(prompts)
+    sampling = [SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                               extra_args=None if p is None else {"kv_transfer_params": p})
+                for p in params]
+    outputs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sampling,
+                           use_tqdm=False)
+    return [Result(tuple(o.outputs[0].token_ids), int(o.num_cached_tokens or 0),
+                   o.kv_transfer_params) for o in outputs]
+
+
+def random_prompts(count: int, length: int | Sequence[int], *, seed: int,
+                   vocab: int = 1000) -> list[list[int]]:
+    """Token-id prompts (ids 10..vocab, away from the special tokens)."""
+    rng = random.Random(seed)
+    lengths = [length] * count if isinstance(length, int) else list(length)
+    return [[rng.randrange(10, vocab) for _ in range(n)] for n in lengths]
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int = BLOCK_SIZE) -> list[bytes]:
+    """vLLM's chained hashes of the full blocks of `token_ids` (sha256, no extra keys).
+
+    Valid once an engine has initialized vLLM's NONE_HASH in this process.
+    """
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core import kv_cache_utils
+
+    hashes: list[bytes] = []
+    parent: bytes | None = None
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = kv_cache_utils.hash_block_tokens(
+            sha256, parent, token_ids[start:start + block_size], None)  # type: ignore[arg-type]
+        hashes.append(parent)
+    return hashes
+
+
+def block_files(data_dir: Path, storage_name: str) -> list[Path]:
+    """The nvme tier's file(s) for a block key."""
+    return [p for p in data_dir.rglob(f"{storage_name}*") if p.is_file()]

@@ -1,0 +1,271 @@
+"""The connector's pure parts, without an engine: config, request params, metadata pickling,
+and the scheduler half's save planning on scripted steps."""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from connectors.vllm.config import ConnectorConfig
+from connectors.vllm.metadata import (
+    BlockRun,
+    LoadSpec,
+    SaveReport,
+    SaveSpec,
+    StepMetadata,
+    WorkerReport,
+)
+from connectors.vllm.params import RestoreParams, namespace_for, parse_params
+from connectors.vllm.scheduler import SchedulerSide
+from connectors.vllm.stats import Counters
+from kvstore.errors import ConfigError, InvalidKey
+from kvstore.keys import ModelFingerprint
+
+BS = 32
+
+
+# -- config ------------------------------------------------------------------------------------
+
+def test_full_config_parses() -> None:
+    config = ConnectorConfig.from_extra({
+        "store": {"host_bytes": 1 << 30, "nvme": {"path": "/data", "bytes": 1 << 34},
+                  "remote": {"etcd": "http://e:2379", "replicas": 2, "timeout_ms": 500}},
+        "codec": "int8", "compression": "auto", "checkpoint_tokens": 64,
+        "restore_deadline_ms": 250, "save_timeout_ms": 100, "load_mode": "async",
+        "tenant": "acme", "model_id": "m", "weights_revision": "abc"})
+    assert config.codec == "int8" and config.load_mode == "async"
+    assert config.restore_deadline_s == 0.25 and config.save_timeout_s == 0.1
+    assert config.store.nvme is not None and config.store.nvme.byte_budget == 1 << 34
+    assert config.store.remote is not None and config.store.remote.timeout_s == 0.5
+    assert config.checkpoint_interval(BS) == 64
+    assert hash(config.store)  # specs key the per-process store registry
+
+
+@pytest.mark.parametrize("extra", [
+    {},
+    {"store": {}},
+    {"store": {"host_bytes": 1}, "checkpoint_token": 64},
+    {"store": {"host_bytes": 1}, "codec": "fp4"},
+    {"store": {"host_bytes": 1}, "checkpoint_tokens": 0},
+    {"store": {"host_bytes": 1}, "restore_deadline_ms": -1},
+    {"store": {"host_bytes": 1}, "tenant": "no spaces"},
+    {"store": {"nvme": {"bytes": 5}}},
+    {"store": {"remote": {"replicas": 2}}},
+    {"store": {"remote": {"etcd": "http://e", "daemons": {"a": "h:1"}}}},
+])
+def test_bad_configs_are_rejected(extra: dict[str, Any]) -> None:
+    with pytest.raises(ConfigError):
+        ConnectorConfig.from_extra(extra)
+
+
+def test_checkpoint_interval_is_at_least_a_block() -> None:
+    config = ConnectorConfig.from_extra({"store": {"host_bytes": 1}, "checkpoint_tokens": 8})
+    assert config.checkpoint_interval(BS) == BS
+    assert ConnectorConfig.from_extra({"store": {"host_bytes": 1}}).checkpoint_interval(BS) == BS
+
+
+# -- params ------------------------------------------------------------------------------------
+
+def test_params() -> None:
+    assert parse_params(None) == RestoreParams()
+    assert parse_params({"session_id": "s-1", "restore": "none"}) == RestoreParams("s-1", "none")
+    hint = parse_params({"restore": {"layers": [0, 2]}})
+    assert hint.layers == (0, 2) and hint.usable_for(2) and not hint.usable_for(3)
+    assert not parse_params({"restore": {"layers": [1, 3]}}).usable_for(3)
+    assert not parse_params({"restore": "none"}).usable_for(3)
+    for bad in ({"session_id": "a b"}, {"restore": "sometimes"}, {"restore": {"layers": [2, 1]}},
+                {"restore": {"layers": [0, True]}}, ["not", "a", "dict"]):
+        with pytest.raises(InvalidKey):
+            parse_params(bad)
+
+
+def test_namespace_for_salts() -> None:
+    assert namespace_for("t", None).label == "t"
+    assert namespace_for("t", "salt-1").label == "t~salt-1"
+    odd = namespace_for("t", "a salt with spaces/and slashes")
+    assert odd.salt.startswith("h") and odd == namespace_for("t", "a salt with spaces/and slashes")
+
+
+# -- metadata ----------------------------------------------------------------------------------
+
+def test_metadata_pickles() -> None:
+    run = BlockRun("r1", "t~s", 2, (7, 9), (b"\x01" * 32, b"\x02" * 32))
+    meta = StepMetadata((LoadSpec(run, is_async=True),), (SaveSpec(run, flush=True),))
+    assert pickle.loads(pickle.dumps(meta)) == meta
+    report = WorkerReport((SaveReport("r1", 2, b"\x01" * 32, True),))
+    assert pickle.loads(pickle.dumps(report)) == report
+    with pytest.raises(ValueError):
+        BlockRun("r1", "t", 0, (1,), ())
+
+
+def test_worker_reports_aggregate_failure_wins() -> None:
+    h = b"\x03" * 32
+    a = WorkerReport((SaveReport("r", 0, h, True), SaveReport("r", 1, h, True)))
+    b = WorkerReport((SaveReport("r", 0, h, False),))
+    merged = a.aggregate(b)
+    assert isinstance(merged, WorkerReport)
+    assert {(s.index, s.ok) for s in merged.saves} == {(0, False), (1, True)}
+
+
+# -- scheduler half, on scripted steps ---------------------------------------------------------
+
+@dataclass
+class FakeRequest:
+    request_id: str
+    all_token_ids: list[int]
+    num_prompt_tokens: int
+    kv_transfer_params: dict[str, Any] | None = None
+    cache_salt: str | None = None
+    skip_reading_prefix_cache: bool = False
+    num_computed_tokens: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.rehash()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    def rehash(self) -> None:
+        full = len(self.all_token_ids) // BS
+        self.block_hashes = [bytes([i % 256]) * 32 for i in range(full)]
+
+
+class FakeStore:
+    def __init__(self, present: int = 0) -> None:
+        self.present = present
+        self.manifests: list[Any] = []
+
+    def lookup(self, keys: list[Any], *, deadline: float | None = None) -> int:
+        return min(self.present, len(keys))
+
+    def put_manifest(self, manifest: Any) -> None:
+        self.manifests.append(manifest)
+
+
+def _side(store: FakeStore, **extra: Any) -> SchedulerSide:
+    config = ConnectorConfig.from_extra({"store": {"host_bytes": 1}, **extra})
+    fp = ModelFingerprint("m", "w", "bfloat16", 2, 2, 32, BS, "cpu/tnhd", config.codec)
+    return SchedulerSide(config=config, fingerprint=fp, store=store,  # type: ignore[arg-type]
+                         block_size=BS, num_layers=2, counters=Counters())
+
+
+def _blocks(ids: list[int]) -> Any:
+    return SimpleNamespace(get_block_ids=lambda: (ids,))
+
+
+def _step(new: list[tuple[FakeRequest, list[int], int]] = (),  # type: ignore[assignment]
+          cached: list[tuple[FakeRequest, list[int], int]] = ()  # type: ignore[assignment]
+          ) -> Any:
+    """A SchedulerOutput with (request, new block ids, tokens scheduled) per request."""
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=r.request_id, block_ids=(ids,),
+                                            num_computed_tokens=r.num_computed_tokens)
+                            for r, ids, _ in new],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[r.request_id for r, _, _ in cached], resumed_req_ids=set(),
+            new_block_ids=[(ids,) if ids else None for _, ids, _ in cached],
+            num_computed_tokens=[r.num_computed_tokens for r, _, _ in cached]),
+        num_scheduled_tokens={r.request_id: n for r, _, n in (*new, *cached)},
+        scheduled_spec_decode_tokens={},
+    )
+
+
+def _saved(side: SchedulerSide, meta: StepMetadata, ok: bool = True) -> None:
+    reports = tuple(SaveReport(s.run.req_id, s.run.first + i, s.run.block_hashes[i], ok)
+                    for s in meta.saves for i in range(len(s.run)))
+    side.update_connector_output(SimpleNamespace(  # type: ignore[arg-type]
+        kv_connector_worker_meta=WorkerReport(reports), finished_sending=None,
+        finished_recving=None))
+
+
+def test_lookup_claims_only_beyond_local_and_never_the_last_token() -> None:
+    side = _side(FakeStore(present=10))
+    exact = FakeRequest("a", list(range(4 * BS)), 4 * BS)  # 4 full blocks, the last one kept
+    assert side.get_num_new_matched_tokens(exact, 0) == (3 * BS, False)  # type: ignore[arg-type]
+    assert side.get_num_new_matched_tokens(exact, BS) == (2 * BS, False)  # type: ignore[arg-type]
+    none = FakeRequest("b", list(range(100)), 100, {"restore": "none"})
+    assert side.get_num_new_matched_tokens(none, 0) == (0, False)  # type: ignore[arg-type]
+    partial = FakeRequest("c", list(range(100)), 100, {"restore": {"layers": [0, 1]}})
+    assert side.get_num_new_matched_tokens(partial, 0) == (0, False)  # type: ignore[arg-type]
+    async_side = _side(FakeStore(present=10), load_mode="async")
+    assert async_side.get_num_new_matched_tokens(exact, 0) == (  # type: ignore[arg-type]
+        3 * BS, True)
+
+
+def test_load_spec_covers_the_external_blocks() -> None:
+    side = _side(FakeStore(present=10))
+    req = FakeRequest("a", list(range(5 * BS + 3)), 5 * BS + 3)
+    assert side.get_num_new_matched_tokens(req, BS) == (4 * BS, False)  # type: ignore[arg-type]
+    side.update_state_after_alloc(req, _blocks([11, 12, 13, 14, 15, 16]),  # type: ignore[arg-type]
+                                  4 * BS)
+    req.num_computed_tokens = 5 * BS
+    meta = side.build_connector_meta(_step(new=[(req, [11, 12, 13, 14, 15, 16], 3)]))
+    (load,) = meta.loads
+    assert load.run.first == 1 and load.run.block_ids == (12, 13, 14, 15)
+    assert load.run.block_hashes == tuple(req.block_hashes[1:5])
+
+
+def test_saves_every_checkpoint_interval_then_flush_at_finish() -> None:
+    store = FakeStore()
+    side = _side(store, checkpoint_tokens=3 * BS)
+    req = FakeRequest("a", list(range(40)), 40, {"session_id": "s"})
+    side.get_num_new_matched_tokens(req, 0)  # type: ignore[arg-type]
+    side.update_state_after_alloc(req, _blocks([1, 2]), 0)  # type: ignore[arg-type]
+    meta = side.build_connector_meta(_step(new=[(req, [1, 2], 40)]))
+    assert [(s.run.first, len(s.run)) for s in meta.saves] == [(0, 1)]  # prefill: at once
+    _saved(side, meta)
+    req.num_computed_tokens = 40
+    ids = [1, 2]
+    planned: list[tuple[int, int]] = []
+    for token in range(40, 189):  # decode: one token per step
+        req.all_token_ids.append(token)
+        req.rehash()
+        new = [len(ids) + 1] if len(ids) * BS <= token else []
+        ids += new
+        meta = side.build_connector_meta(_step(cached=[(req, new, 1)]))
+        planned += [(s.run.first, len(s.run)) for s in meta.saves]
+        _saved(side, meta)
+        req.num_computed_tokens += 1
+    assert planned == [(1, 3)]  # blocks 1-3 once three were complete; block 4 still pending
+    side.drain_manifests()
+    assert store.manifests[-1].token_count == 4 * BS
+    delay, params = side.request_finished(req, ids)  # type: ignore[arg-type]
+    assert delay and params == {"session_id": "s", "checkpointed_tokens": 4 * BS,
+                                "manifest_generation": store.manifests[-1].generation}
+    meta = side.build_connector_meta(_step())
+    (flush,) = meta.saves
+    assert flush.flush and (flush.run.first, len(flush.run)) == (4, 1)
+    _saved(side, meta)
+    side.update_connector_output(SimpleNamespace(  # type: ignore[arg-type]
+        kv_connector_worker_meta=None, finished_sending={"a"}, finished_recving=None))
+    side.build_connector_meta(_step())
+    side.build_connector_meta(_step())
+    assert side.tracked_requests == ()
+    side.shutdown()
+    assert store.manifests[-1].token_count == 5 * BS
+    generations = [m.generation for m in store.manifests]
+    assert generations == sorted(set(generations))
+
+
+def test_failed_saves_are_planned_again() -> None:
+    side = _side(FakeStore())
+    req = FakeRequest("a", list(range(100)), 100)
+    side.get_num_new_matched_tokens(req, 0)  # type: ignore[arg-type]
+    side.update_state_after_alloc(req, _blocks([1, 2, 3, 4]), 0)  # type: ignore[arg-type]
+    meta = side.build_connector_meta(_step(new=[(req, [1, 2, 3, 4], 100)]))
+    assert [(s.run.first, len(s.run)) for s in meta.saves] == [(0, 3)]
+    side.update_connector_output(SimpleNamespace(  # type: ignore[arg-type]
+        kv_connector_worker_meta=WorkerReport((
+            SaveReport("a", 0, req.block_hashes[0], True),
+            SaveReport("a", 1, req.block_hashes[1], False, retry_now=True))),
+        finished_sending=None, finished_recving=None))
+    req.num_computed_tokens = 100
+    req.all_token_ids.append(1)
+    meta = side.build_connector_meta(_step(cached=[(req, [], 1)]))
+    assert [(s.run.first, len(s.run)) for s in meta.saves] == [(1, 2)]
