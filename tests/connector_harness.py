@@ -45,9 +45,9 @@ def open_engine(model: Path, kv_config: dict[str, Any] | None = None,
                 **overrides: Any) -> Iterator[LLM]:
     from vllm import LLM
 
-    from connectors.vllm.compat import patch_llvmlite_for_vllm
+    from kvstore.codecs.llvmlite_compat import patch_llvmlite_for_vllm
 
-    patch_llvmlite_for_vllm()  # numba may be loaded already (kvstore.codecs); see compat.py
+    patch_llvmlite_for_vllm()  # numba may be loaded already (kvstore.codecs)
     kwargs = {**ENGINE_DEFAULTS, **overrides}
     if kv_config is not None:
         kwargs["kv_transfer_config"] = kv_config

@@ -10,7 +10,7 @@ Enable it with `kv_transfer_config={"kv_connector": "KVKeepConnector",
 from __future__ import annotations
 
 import kvstore.codecs  # noqa: F401  (loads numba/llvmlite, which the patch below needs)
-from connectors.vllm.compat import patch_llvmlite_for_vllm
+from kvstore.codecs.llvmlite_compat import patch_llvmlite_for_vllm
 
 patch_llvmlite_for_vllm()
 

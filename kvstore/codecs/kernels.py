@@ -46,6 +46,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
+from kvstore.codecs.llvmlite_compat import patch_llvmlite_for_vllm
 from kvstore.frame import DType
 
 __all__ = [
@@ -58,6 +59,10 @@ __all__ = [
 ]
 
 Array = npt.NDArray[Any]
+
+# Importing numba loads llvmlite, whose `lib` object breaks vLLM's CPU start-up scan of
+# sys.modules; make it harmless here, where the import happens (see llvmlite_compat).
+patch_llvmlite_for_vllm()
 
 TINY_ABSMAX = 2.0**-100
 """Rows whose absmax is below this are stored as zeros (scale 0).

@@ -1,5 +1,7 @@
 """Work around a crash of vLLM's CPU worker start-up when numba has been imported.
 
+It lives beside the kernels because importing them (numba, llvmlite) is what triggers it.
+
 vLLM 0.32's CPU platform rebinds Triton kernels by scanning every attribute of every module in
 `sys.modules` and calling `vars(value).get("kernel")` on anything that has a `__dict__`
 (`vllm/triton_utils/dispatcher.py`, `_rebind_kernels`). llvmlite, which numba (and so
