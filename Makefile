@@ -58,6 +58,7 @@ bench: setup
 	$(PY) -m benchmarks.store --quick --json bench-results/store.json
 	$(PY) -m benchmarks.remote --quick --json bench-results/remote.json
 	$(PY) -m benchmarks.router --quick --json bench-results/router.json
+	$(PY) -m benchmarks.restore --quick --json bench-results/restore.json
 
 clean:
 	rm -rf $(VENV) bench-results .pytest_cache .mypy_cache .ruff_cache
