@@ -76,7 +76,7 @@ def _kv_config(store: dict[str, Any], **extra: Any) -> dict[str, Any]:
 def _engine(model: Path, kv: dict[str, Any] | None, **kwargs: Any) -> Iterator[LLM]:
     from vllm import LLM
 
-    from connectors.vllm.compat import patch_llvmlite_for_vllm
+    from kvstore.codecs.llvmlite_compat import patch_llvmlite_for_vllm
 
     patch_llvmlite_for_vllm()
     llm = LLM(model=str(model), dtype="bfloat16", block_size=BLOCK, enforce_eager=True, seed=0,
