@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 APT_PACKAGES := etcd-server etcd-client redis-server redis-tools
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: test setup system-deps venv lint typecheck pytest bench clean
+.PHONY: test setup system-deps venv lint typecheck pytest bench demo clean
 
 ## test: install everything needed (apt, venv, pip), lint, type-check, run the whole suite
 test: setup lint typecheck pytest
@@ -59,6 +59,10 @@ bench: setup
 	$(PY) -m benchmarks.remote --quick --json bench-results/remote.json
 	$(PY) -m benchmarks.router --quick --json bench-results/router.json
 	$(PY) -m benchmarks.restore --quick --json bench-results/restore.json
+
+## demo: a worker SIGKILLed mid-stream on a real local cluster; summary in bench-results/
+demo: setup
+	$(PY) -m kvstore.cli demo --json bench-results/demo.json
 
 clean:
 	rm -rf $(VENV) bench-results .pytest_cache .mypy_cache .ruff_cache

@@ -18,6 +18,7 @@ __all__ = ["main", "build_parser"]
 _COMPONENTS: tuple[str, ...] = (
     "kvstore.commands",
     "router.commands",
+    "deploy.commands",
 )
 
 

@@ -1,0 +1,119 @@
+"""`kvkeep demo` and `kvkeep chaos` (registered into the `kvkeep` CLI by kvstore/cli.py).
+
+    kvkeep demo [--json OUT.json] [--keep] [--model-dir DIR]
+    kvkeep chaos [--kills 2] [--sessions 6] [--seed 0] [--json OUT.json]
+    kvkeep chaos --kubectl --router-url URL [--namespace kvkeep] [--selector ...]
+
+Both start nothing until run: this module imports only argparse, so building the CLI parser
+never pulls in vLLM, torch or the openai client.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from pathlib import Path
+
+from kvstore.errors import ConfigError
+
+__all__ = ["register"]
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    demo = subparsers.add_parser(
+        "demo", help="failover demo on a real local cluster (a worker dies mid-stream)",
+        description="Start etcd, 2 kvstore daemons, 2 vLLM workers with the kvkeep connector "
+                    "and a router on loopback; SIGKILL a worker in the middle of a streamed "
+                    "answer and check that nobody notices. Exit status 0 iff every check "
+                    "passes.")
+    demo.add_argument("--json", type=Path, default=None, metavar="PATH",
+                      help="write the summary (checks and numbers) as JSON")
+    demo.add_argument("--keep", action="store_true",
+                      help="keep the cluster's temp dir (logs, data) after the run")
+    demo.add_argument("--model-dir", type=Path, default=None,
+                      help="a tiny model built before (default: build one, ~5 s)")
+    demo.add_argument("--stream-tokens", type=int, default=320,
+                      help="length of the answer during which the worker dies")
+    demo.add_argument("--kill-after", type=int, default=40, metavar="CHUNKS",
+                      help="chunks the client has read when the worker is killed")
+    demo.set_defaults(handler=_demo)
+
+    chaos = subparsers.add_parser(
+        "chaos", help="SIGKILL random workers under a bounded load; check no session is lost",
+        description="Rounds of concurrent streamed chat turns (one per session per round); "
+                    "during each round but the last a random worker is killed, and recovered "
+                    "before the next. Every answer must equal its reference, computed before "
+                    "any failure. Default: a local cluster on loopback. --kubectl: a deployed "
+                    "cluster (deploy/k8s), killing worker pods with kubectl.")
+    chaos.add_argument("--kills", type=int, default=2)
+    chaos.add_argument("--sessions", type=int, default=6)
+    chaos.add_argument("--max-tokens", type=int, default=96, help="tokens per answer")
+    chaos.add_argument("--seed", type=int, default=0, help="which worker dies, and when")
+    chaos.add_argument("--deadline", type=float, default=300.0, metavar="SECONDS",
+                       help="stop starting rounds after this long (the load is bounded)")
+    chaos.add_argument("--json", type=Path, default=None, metavar="PATH")
+    chaos.add_argument("--keep", action="store_true", help="keep the local cluster's temp dir")
+    chaos.add_argument("--model-dir", type=Path, default=None)
+    chaos.add_argument("--workers", type=int, default=2, help="local cluster size")
+    chaos.add_argument("--kubectl", action="store_true",
+                       help="target a Kubernetes deployment instead of a local cluster")
+    chaos.add_argument("--router-url", default=None,
+                       help="--kubectl: the router as this machine reaches it (e.g. through "
+                            "`kubectl -n kvkeep port-forward svc/kvkeep-router 8000:8000`)")
+    chaos.add_argument("--namespace", default="kvkeep")
+    chaos.add_argument("--selector", default="app.kubernetes.io/name=kvkeep,"
+                                             "app.kubernetes.io/component=worker",
+                       help="label selector of the worker pods")
+    chaos.add_argument("--model", default=None,
+                       help="served model name (default: tiny locally, ask /v1/models with "
+                            "--kubectl)")
+    chaos.set_defaults(handler=_chaos)
+
+
+def _exit_on_sigterm() -> None:
+    """SIGTERM unwinds like Ctrl-C: the `finally` that stops the cluster's processes runs.
+    (Python's default would end this process at once and orphan every child it started.)"""
+
+    def leave(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, leave)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from deploy.demo import DemoOptions, run_demo
+
+    try:
+        options = DemoOptions(json_path=args.json, keep_dir=args.keep, model_dir=args.model_dir,
+                              stream_tokens=args.stream_tokens,
+                              kill_after_chunks=args.kill_after)
+    except ConfigError as exc:
+        print(f"kvkeep demo: {exc}", file=sys.stderr)
+        return 2
+    _exit_on_sigterm()
+    return 0 if run_demo(options).passed else 1
+
+
+def _chaos(args: argparse.Namespace) -> int:
+    from deploy.chaos import ChaosOptions, run_kubectl_chaos, run_local_chaos
+
+    try:
+        options = ChaosOptions(kills=args.kills, sessions=args.sessions,
+                               max_tokens=args.max_tokens, seed=args.seed,
+                               deadline_s=args.deadline, json_path=args.json,
+                               keep_dir=args.keep, model_dir=args.model_dir,
+                               workers=args.workers, model=args.model)
+    except ConfigError as exc:
+        print(f"kvkeep chaos: {exc}", file=sys.stderr)
+        return 2
+    _exit_on_sigterm()
+    if args.kubectl:
+        if not args.router_url:
+            print("kvkeep chaos --kubectl needs --router-url", file=sys.stderr)
+            return 2
+        report = run_kubectl_chaos(options, router_url=args.router_url,
+                                   namespace=args.namespace, selector=args.selector)
+    else:
+        report = run_local_chaos(options)
+    return 0 if report.passed else 1

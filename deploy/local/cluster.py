@@ -1,0 +1,315 @@
+"""A real kvkeep cluster on loopback: etcd, kvstore daemons, vLLM workers with the kvkeep
+connector, a `kvkeep worker` agent per vLLM server, and router replicas, all as subprocesses.
+
+    with LocalCluster(ClusterSpec(daemons=2, workers=2, routers=1)) as cluster:
+        cluster.router_url              # an OpenAI-compatible endpoint
+        cluster.kill_worker("w1")       # SIGKILL vLLM and its agent: the node is gone
+        cluster.restart_worker("w1")
+
+Start order follows dependencies (etcd, daemons, workers and routers, agents); stop is the
+reverse, each part by pid: SIGTERM, then SIGKILL after a grace period. The temp dir (logs, etcd
+data, daemon disks, the model unless one was given) is removed at the end unless `keep_dir`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from functools import partial
+from pathlib import Path
+from types import TracebackType
+
+from deploy.local.engines import EngineSettings, vllm_argv, vllm_env
+from deploy.local.probes import daemon_serving, http_json, http_ok, port_open, wait_until
+from deploy.local.processes import ManagedProcess, free_port
+from kvstore.errors import ConfigError
+
+__all__ = ["ClusterSpec", "LocalCluster", "Worker", "Daemon", "Router", "REPO_ROOT"]
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+# The daemon re-executes itself with these set unless they already are (kvstore/commands.py):
+# set here, it starts once.
+_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "67108864", "MALLOC_TRIM_THRESHOLD_": "268435456"}
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterSpec:
+    daemons: int = 2
+    workers: int = 2
+    routers: int = 1
+    lease_ttl_s: float = 2.0
+    """Worker agents' lease: a SIGKILLed node is noticed by every router within this."""
+    model_dir: Path | None = None
+    """A built model (see deploy.local.model); None: build one into the temp dir."""
+    base_dir: Path | None = None
+    """Where logs and data go; None: a fresh temp dir."""
+    keep_dir: bool = False
+    vllm_start_timeout_s: float = 240.0
+    engine: EngineSettings | None = None
+    """Overrides for the workers' engine (its model_dir is replaced by the cluster's)."""
+
+    def __post_init__(self) -> None:
+        if self.daemons < 1 or self.workers < 1 or self.routers < 1:
+            raise ConfigError("a local cluster needs at least one daemon, worker and router")
+
+
+@dataclass
+class Daemon:
+    node_id: str
+    port: int
+    process: ManagedProcess
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+
+@dataclass
+class Worker:
+    """A vLLM server and the agent that registers it: what a node of the cluster is."""
+
+    worker_id: str
+    port: int
+    events_port: int
+    server: ManagedProcess
+    agent: ManagedProcess
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def alive(self) -> bool:
+        return self.server.alive
+
+
+@dataclass
+class Router:
+    replica_id: str
+    port: int
+    process: ManagedProcess
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+@dataclass
+class LocalCluster:
+    spec: ClusterSpec = field(default_factory=ClusterSpec)
+    base_dir: Path = field(init=False, default=Path())
+    etcd: ManagedProcess | None = field(init=False, default=None)
+    etcd_port: int = field(init=False, default=0)
+    daemons: list[Daemon] = field(init=False, default_factory=list)
+    workers: dict[str, Worker] = field(init=False, default_factory=dict)
+    routers: list[Router] = field(init=False, default_factory=list)
+    engine: EngineSettings | None = field(init=False, default=None)
+    _owns_dir: bool = field(init=False, default=False)
+
+    # --- lifecycle -------------------------------------------------------------------------
+    def __enter__(self) -> LocalCluster:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+    def start(self, say: Callable[[str], None] = lambda _line: None) -> None:
+        """Start everything and wait until the routers see every worker; `say` is told what
+        is happening (the demo prints it)."""
+        self._make_dirs()
+        self.engine = self._engine_settings(say)
+        say(f"etcd on 127.0.0.1:{self._start_etcd()}")
+        for i in range(self.spec.daemons):
+            self._add_daemon(f"d{i + 1}")
+        # vLLM is the slow part (tens of seconds on two cores): start all servers first, and
+        # the routers meanwhile, then wait.
+        for i in range(self.spec.workers):
+            self._add_worker(f"w{i + 1}")
+        for i in range(self.spec.routers):
+            self._add_router(f"r{i + 1}")
+        for d in self.daemons:
+            wait_until(partial(daemon_serving, d.node_id, d.address), timeout=60,
+                       what=f"kvstore daemon {d.node_id}", process=d.process)
+            say(f"kvstore daemon {d.node_id} serving on {d.address} (kvkeep store serve)")
+        for r in self.routers:
+            wait_until(partial(http_ok, f"{r.url}/health"), timeout=60,
+                       what=f"router {r.replica_id}", process=r.process)
+            say(f"router {r.replica_id} listening on {r.url} (kvkeep router serve)")
+        started = time.monotonic()
+        for w in self.workers.values():
+            self._wait_worker(w)
+            say(f"vLLM worker {w.worker_id} healthy on {w.url} "
+                f"({time.monotonic() - started:.0f}s since start), agent registering it")
+        self.wait_routers_see(set(self.workers))
+        say("every router sees every worker")
+
+    def stop(self) -> None:
+        """Stop everything this cluster started, in the reverse order of starting; remove the
+        temp dir. Agents go first (they revoke their leases: no router rebinds sessions to a
+        stopping worker), vLLM servers are signalled together (each takes seconds to exit)."""
+        workers = list(self.workers.values())
+        for w in reversed(workers):
+            w.agent.stop(5)
+        for r in reversed(self.routers):
+            r.process.stop(5)
+        for w in workers:
+            w.server.terminate()
+        for w in reversed(workers):
+            w.server.stop(15)
+        for d in reversed(self.daemons):
+            d.process.stop(10)
+        if self.etcd is not None:
+            self.etcd.stop(5)
+        if self._owns_dir and not self.spec.keep_dir and self.base_dir.exists():
+            shutil.rmtree(self.base_dir, ignore_errors=True)
+
+    # --- operations ------------------------------------------------------------------------
+    @property
+    def etcd_url(self) -> str:
+        return f"http://127.0.0.1:{self.etcd_port}"
+
+    @property
+    def router_url(self) -> str:
+        return self.routers[0].url
+
+    @property
+    def logs(self) -> Path:
+        return self.base_dir / "logs"
+
+    def alive_workers(self) -> list[str]:
+        return [wid for wid, w in self.workers.items() if w.alive]
+
+    def kill_worker(self, worker_id: str) -> float:
+        """SIGKILL the worker's vLLM server and its agent (the node dies: nobody revokes the
+        lease, it expires). Returns the monotonic time of the kill."""
+        w = self.workers[worker_id]
+        w.server.kill()
+        killed = time.monotonic()
+        w.agent.kill()
+        return killed
+
+    def restart_worker(self, worker_id: str) -> None:
+        """Start a killed worker again on the same ports and wait until routers see it."""
+        w = self.workers[worker_id]
+        w.server.stop(5)
+        w.agent.stop(5)
+        w.server.start()
+        self._wait_worker(w)
+        self.wait_routers_see({worker_id})
+
+    def router_workers(self, router: Router | None = None) -> set[str]:
+        """The workers a router considers usable right now."""
+        listed = http_json(f"{(router or self.routers[0]).url}/kvkeep/workers")
+        if not isinstance(listed, list):
+            return set()
+        return {str(w["id"]) for w in listed if isinstance(w, dict) and w.get("usable")}
+
+    def wait_routers_see(self, worker_ids: set[str], timeout: float = 60.0) -> None:
+        for r in self.routers:
+            wait_until(partial(self._router_sees, r, worker_ids), timeout=timeout,
+                       what=f"router {r.replica_id} to see {sorted(worker_ids)}",
+                       process=r.process)
+
+    # --- private ---------------------------------------------------------------------------
+    def _router_sees(self, router: Router, worker_ids: set[str]) -> bool:
+        return worker_ids <= self.router_workers(router)
+
+    def _make_dirs(self) -> None:
+        if self.spec.base_dir is not None:
+            self.base_dir = self.spec.base_dir
+            self.base_dir.mkdir(parents=True, exist_ok=True)
+        else:
+            self.base_dir = Path(tempfile.mkdtemp(prefix="kvkeep-local-"))
+            self._owns_dir = True
+        self.logs.mkdir(exist_ok=True)
+
+    def _engine_settings(self, say: Callable[[str], None]) -> EngineSettings:
+        model_dir = self.spec.model_dir
+        if model_dir is None:
+            from deploy.local.model import build_tiny_llama
+
+            model_dir = build_tiny_llama(self.base_dir / "tiny-llama").path
+            say(f"built a tiny random-weight Llama in {model_dir}")
+        if self.spec.engine is None:
+            return EngineSettings(model_dir=model_dir)
+        return replace(self.spec.engine, model_dir=model_dir)
+
+    def _kvkeep(self, name: str, args: list[str], env: dict[str, str] | None = None
+                ) -> ManagedProcess:
+        """`kvkeep ARGS` as `python -m kvstore.cli ARGS` (the same entry point, no PATH needed)."""
+        environ = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT),
+                                                              environ.get("PYTHONPATH")]))
+        return ManagedProcess(name, [sys.executable, "-m", "kvstore.cli", *args],
+                              self.logs / f"{name}.log", environ, REPO_ROOT)
+
+    def _start_etcd(self) -> int:
+        etcd = shutil.which("etcd")
+        if etcd is None:
+            raise ConfigError("etcd is not installed (`make setup` installs it)")
+        self.etcd_port, peer_port = free_port(), free_port()
+        peer = f"http://127.0.0.1:{peer_port}"
+        self.etcd = ManagedProcess("etcd", [
+            etcd, "--name", "local", "--data-dir", str(self.base_dir / "etcd"),
+            "--listen-client-urls", self.etcd_url, "--advertise-client-urls", self.etcd_url,
+            "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+            "--initial-cluster", f"local={peer}",
+            # A throwaway single-node etcd: fast elections, and no fsync (nothing here must
+            # survive a power cut; every fsync would cost the workers' leases latency).
+            "--heartbeat-interval", "20", "--election-timeout", "200", "--unsafe-no-fsync",
+            "--log-level", "error"], self.logs / "etcd.log").start()
+        wait_until(lambda: port_open(self.etcd_port), timeout=20, what="etcd",
+                   process=self.etcd)
+        return self.etcd_port
+
+    def _add_daemon(self, node_id: str) -> None:
+        port = free_port()
+        data = self.base_dir / f"store-{node_id}"
+        data.mkdir(exist_ok=True)
+        process = self._kvkeep(f"store-{node_id}", [
+            "store", "serve", "--listen", f"127.0.0.1:{port}", "--data-dir", str(data),
+            "--mem-budget", "128MiB", "--disk-budget", "1GiB", "--node-id", node_id,
+            "--etcd", self.etcd_url, "--lease-ttl", "3", "--workers", "2"], _MALLOC_ENV)
+        self.daemons.append(Daemon(node_id, port, process.start()))
+
+    def _add_worker(self, worker_id: str) -> None:
+        assert self.engine is not None
+        port, events = free_port(), free_port()
+        server = ManagedProcess(f"vllm-{worker_id}",
+                                vllm_argv(self.engine, port=port, events_port=events,
+                                          etcd_url=self.etcd_url),
+                                self.logs / f"vllm-{worker_id}.log", vllm_env(REPO_ROOT),
+                                REPO_ROOT)
+        agent = self._kvkeep(f"agent-{worker_id}", [
+            "worker", "--etcd", self.etcd_url, "--url", f"http://127.0.0.1:{port}",
+            "--id", worker_id, "--kv-events", f"tcp://127.0.0.1:{events}",
+            "--ttl", str(self.spec.lease_ttl_s)])
+        self.workers[worker_id] = Worker(worker_id, port, events, server.start(), agent)
+
+    def _wait_worker(self, w: Worker) -> None:
+        wait_until(lambda: http_ok(f"{w.url}/health"), timeout=self.spec.vllm_start_timeout_s,
+                   what=f"vLLM worker {w.worker_id}", process=w.server, step=0.25)
+        # The agent starts once its server answers: it would register nothing before that.
+        if not w.agent.alive:
+            w.agent.start()
+
+    def _add_router(self, replica_id: str) -> None:
+        assert self.engine is not None
+        port = free_port()
+        process = self._kvkeep(f"router-{replica_id}", [
+            "router", "serve", "--listen", f"127.0.0.1:{port}", "--etcd", self.etcd_url,
+            "--replica-id", replica_id, "--block-size", str(self.engine.block_size),
+            "--stream-idle-timeout", "20"])
+        self.routers.append(Router(replica_id, port, process.start()))
+

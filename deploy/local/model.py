@@ -1,0 +1,164 @@
+"""A tiny random-weight Llama and its tokenizer, built locally with no downloads.
+
+The demo and chaos runs need a model that `python -m vllm.entrypoints.openai.api_server`
+loads offline on a CPU in seconds. `build_tiny_llama(dir)` writes a Hugging Face model
+directory (config, safetensors weights, tokenizer, chat template). The weights come from a
+fixed seed, so every worker that builds or loads it computes the same greedy tokens and the
+same KV: what failover without recompute, and the demo's text comparison, rely on.
+
+The tokenizer is a BPE over a Metaspace pre-tokenizer trained on the licence texts Debian ships
+(a built-in paragraph elsewhere). Its vocabulary holds no raw bytes, so every token decodes to
+valid text and decoding is plain concatenation: a stream resumed after any token reads the same.
+
+(tests/models.py holds the same builder for the test suite; production code never imports
+tests/, hence this copy.)
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["TinyModel", "build_tiny_llama", "CHAT_TEMPLATE"]
+
+_LICENCES = Path("/usr/share/common-licenses")
+# A fallback corpus for machines without Debian's licence texts; enough for a 1k vocabulary.
+_FALLBACK_TEXT = (
+    "the quick brown fox jumps over the lazy dog while a session keeps its cache alive. "
+    "a router picks a worker, the worker serves tokens, and the store keeps every block. "
+) * 200
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|> {% endif %}"
+)
+_SPECIAL = ["<unk>", "<s>", "</s>", "<pad>"]
+_ROLE_TOKENS = ["<|system|>", "<|user|>", "<|assistant|>"]
+
+
+@dataclass(frozen=True, slots=True)
+class TinyModel:
+    """Where a built model lives and the shape it has."""
+
+    path: Path
+    vocab_size: int
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    max_positions: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+def _corpus() -> list[str]:
+    texts: list[str] = []
+    if _LICENCES.is_dir():
+        for path in sorted(_LICENCES.rglob("*")):
+            if path.is_file():
+                # ASCII only: a vocabulary of printable characters decodes to valid text always.
+                text = path.read_text(errors="ignore").encode("ascii", "ignore").decode()
+                texts.append(text)
+    if sum(map(len, texts)) < 50_000:
+        texts.append(_FALLBACK_TEXT)
+    return texts
+
+
+def _build_tokenizer(out: Path, vocab_size: int) -> int:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")
+    tok.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always")
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=_SPECIAL + _ROLE_TOKENS,
+        min_frequency=2,
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        additional_special_tokens=_ROLE_TOKENS,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out)
+    return int(tok.get_vocab_size())
+
+
+def build_tiny_llama(
+    directory: Path | str,
+    *,
+    layers: int = 2,
+    hidden: int = 128,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int = 256,
+    vocab_size: int = 1024,
+    max_positions: int = 2048,
+    init_std: float = 0.15,
+    seed: int = 0,
+) -> TinyModel:
+    """Write a tiny random Llama (weights, config, tokenizer) into `directory` and describe it.
+
+    Building is idempotent: if `directory` already holds a model built with the same arguments
+    (recorded in `kvkeep-tiny.json`), nothing is rebuilt, so a cached build is reused.
+
+    `init_std` 0.15 keeps greedy output varied (the default 0.02 makes a random model repeat one
+    token). `hidden // heads` must be a head size vLLM's CPU attention accepts (32, 64, ...).
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # no bar in the demo
+
+    out = Path(directory)
+    args = {
+        "layers": layers, "hidden": hidden, "heads": heads, "kv_heads": kv_heads,
+        "intermediate": intermediate, "vocab_size": vocab_size, "max_positions": max_positions,
+        "init_std": init_std, "seed": seed, "format": 1,
+    }
+    stamp = out / "kvkeep-tiny.json"
+    if stamp.exists():
+        recorded = json.loads(stamp.read_text())
+        if recorded.get("args") == args:
+            return TinyModel(out, int(recorded["vocab"]), layers, hidden, heads, kv_heads,
+                             max_positions)
+    out.mkdir(parents=True, exist_ok=True)
+    vocab = _build_tokenizer(out, vocab_size)
+
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=hidden // heads,
+        max_position_embeddings=max_positions,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=3,
+        tie_word_embeddings=False,
+        dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)  # type: ignore[no-untyped-call]
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                continue  # RMSNorm weights stay 1
+            param.normal_(0.0, init_std, generator=torch.Generator().manual_seed(
+                seed + sum(map(ord, name))))
+    model.save_pretrained(out, safe_serialization=True)
+    stamp.write_text(json.dumps({"args": args, "vocab": vocab}))
+    return TinyModel(out, vocab, layers, hidden, heads, kv_heads, max_positions)

@@ -1,0 +1,59 @@
+"""`kvkeep chaos` on a local cluster: two SIGKILLs of random busy workers under a bounded load
+of concurrent streamed sessions; every answer must equal its reference and no session may be
+lost. The run's own checks decide; this test reads its JSON summary and exit status."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _run_cli(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """`kvkeep ARGS` in a subprocess. On timeout it gets SIGTERM first, so that it stops the
+    cluster it started (its children live in their own process groups), then SIGKILL."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        try:
+            out, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from deploy.local.model import build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.getbasetemp() / "deploy-tiny-llama").path
+
+
+@pytest.mark.timeout(400)
+def test_two_kills_lose_nothing(model_dir: Path, tmp_path: Path) -> None:
+    summary = tmp_path / "chaos.json"
+    done = _run_cli(
+        ["chaos", "--kills", "2", "--sessions", "4",
+         "--max-tokens", "64", "--seed", "1", "--deadline", "240", "--json", str(summary),
+         "--model-dir", str(model_dir)],
+        timeout=320)
+    assert summary.exists(), done.stdout[-4000:] + done.stderr[-4000:]
+    result = json.loads(summary.read_text())
+    failed = [c for c in result["checks"] if not c["passed"]]
+    assert not failed, (failed, done.stdout[-6000:])
+    assert done.returncode == 0
+    numbers = result["numbers"]
+    assert len(numbers["kills"]) == 2 and numbers["resumed_streams"] >= 1
+    assert numbers["answers"] == 4 * 3 and numbers["wrong_answers"] == 0

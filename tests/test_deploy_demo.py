@@ -1,0 +1,65 @@
+"""`kvkeep demo` end to end, as a user runs it: a real local cluster (etcd, 2 kvstore daemons,
+2 vLLM workers with the kvkeep connector, agents, a router), a worker SIGKILLed mid-stream.
+The demo's own checks decide; this test reads its JSON summary and its exit status."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _run_cli(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """`kvkeep ARGS` in a subprocess. On timeout it gets SIGTERM first, so that it stops the
+    cluster it started (its children live in their own process groups), then SIGKILL."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        try:
+            out, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from deploy.local.model import build_tiny_llama
+
+    # Idempotent per pytest session: the chaos test reuses the same build.
+    return build_tiny_llama(tmp_path_factory.getbasetemp() / "deploy-tiny-llama").path
+
+
+@pytest.mark.timeout(400)
+def test_demo_passes_every_check(model_dir: Path, tmp_path: Path) -> None:
+    summary = tmp_path / "demo.json"
+    done = _run_cli(
+        ["demo", "--json", str(summary),
+         "--model-dir", str(model_dir)],
+        timeout=320)
+    assert summary.exists(), done.stdout[-4000:] + done.stderr[-4000:]
+    result = json.loads(summary.read_text())
+    failed = [c for c in result["checks"] if not c["passed"]]
+    assert not failed, (failed, done.stdout[-6000:])
+    assert done.returncode == 0
+    names = {c["name"] for c in result["checks"]}
+    assert {"the kill landed mid-stream", "the client did not notice",
+            "same text as without the failure", "KV restored from the store (resumed stream)",
+            "dead worker detected", "lands on the survivor with a restore hint",
+            "KV restored from the store (Bob's turn)", "next turn on the survivor"} <= names
+    numbers = result["numbers"]
+    assert 0 < numbers["resumed_after_tokens"] < numbers["stream_tokens"]
+    assert numbers["stream_restored_tokens"] > 0 and numbers["bob_restored_tokens"] > 0
+    assert numbers["worker_gone_after_s"] <= numbers["lease_ttl_s"] + 1.5
