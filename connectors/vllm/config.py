@@ -48,7 +48,8 @@ _TOP_KEYS: Final = frozenset({
 })
 _STORE_KEYS: Final = frozenset({"host_bytes", "nvme", "remote", "name"})
 _NVME_KEYS: Final = frozenset({"path", "bytes", "durable"})
-_REMOTE_KEYS: Final = frozenset({"etcd", "prefix", "replicas", "daemons", "timeout_ms"})
+_REMOTE_KEYS: Final = frozenset({"etcd", "prefix", "replicas", "daemons", "timeout_ms",
+                                 "token_file"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +69,9 @@ class RemoteSpec:
     replicas: int
     daemons: tuple[tuple[str, str], ...] = ()
     timeout_s: float = 1.0
+    token_file: str | None = None
+    """A file whose first line is the bearer token the daemons require (`kvkeep store serve
+    --token-file`); the token itself never sits in the engine config, which vLLM logs."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,6 +196,8 @@ def _store(raw: object) -> StoreSpec:
             replicas=_positive_int(spec.get("replicas", 1), "store.remote.replicas"),
             daemons=daemons,
             timeout_s=_positive_ms(spec, "timeout_ms", 1000),
+            token_file=(None if spec.get("token_file") is None
+                        else _nonempty_str(spec["token_file"], "store.remote.token_file")),
         )
     name = _name(store.get("name", "default"), "store.name")
     return StoreSpec(host_bytes=host, nvme=nvme, remote=remote, name=name)

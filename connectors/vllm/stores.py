@@ -11,8 +11,10 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 from connectors.vllm.config import RemoteSpec, StoreSpec
+from kvstore.errors import ConfigError
 from kvstore.store import StoreConfig, TieredStore
 from kvstore.tiers.base import Tier
 
@@ -97,7 +99,21 @@ def _remote_tier(spec: RemoteSpec) -> Tier:
 
     # Lookups sit on the scheduler's path: they get a quarter of the call budget.
     config = RemoteConfig(replicas=spec.replicas, call_timeout=spec.timeout_s,
-                          lookup_timeout=max(0.05, spec.timeout_s / 4))
+                          lookup_timeout=max(0.05, spec.timeout_s / 4),
+                          token=_read_token(spec.token_file))
     if spec.etcd is not None:
         return RemoteTier.from_etcd(spec.etcd, config, prefix=spec.prefix)
     return RemoteTier.from_addresses(dict(spec.daemons), config)
+
+
+def _read_token(path: str | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        lines = [line.strip() for line in Path(path).read_text().splitlines()]
+    except OSError as exc:
+        raise ConfigError(f"cannot read store.remote.token_file {path!r}: {exc}") from exc
+    token = next((line for line in lines if line and not line.startswith("#")), None)
+    if token is None:
+        raise ConfigError(f"store.remote.token_file {path!r} holds no token")
+    return token
