@@ -10,8 +10,7 @@ The tokenizer is a BPE over a Metaspace pre-tokenizer trained on the licence tex
 (a built-in paragraph elsewhere). Its vocabulary holds no raw bytes, so every token decodes to
 valid text and decoding is plain concatenation: a stream resumed after any token reads the same.
 
-(tests/models.py holds the same builder for the test suite; production code never imports
-tests/, hence this copy.)
+The test suite builds its engines' model with this same function (tests/models.py).
 """
 
 from __future__ import annotations
