@@ -5,16 +5,29 @@
 Measures, in the same run: raw loopback TCP (the ceiling of any network store here), redis-py +
 hiredis GET/SET against a local redis-server (the side-by-side baseline), and the remote tier
 (`RemoteTier` -> one `kvkeep store serve` daemon subprocess) get/put at 1, 4 and 16 MiB blocks,
-plus the p99 latency of a batched lookup of 1,000 keys. Writes::
+plus the p99 latency of a batched lookup of 1,000 keys (and of the same question asked of redis:
+a pipeline of 1,000 EXISTS). Writes::
 
     {"baseline": {"tcp_loopback_gbps": f,
-                  "redis_get_gbps": {"1MiB": f, "4MiB": f, "16MiB": f}, "redis_set_gbps": {...}},
-     "remote":   {"get_gbps": {...}, "put_gbps": {...}, "lookup_p99_ms": f}}
+                  "redis_get_gbps": {"1MiB": f, "4MiB": f, "16MiB": f}, "redis_set_gbps": {...},
+                  "redis_exists_1000_p99_ms": f},
+     "remote":   {"get_gbps": {...}, "put_gbps": {...}, "lookup_p99_ms": f,
+                  "transport": "dataplane" | "grpc"},
+     "remote_grpc_only": {"get_gbps": {"4MiB": f}, "put_gbps": {"4MiB": f}},
+     "settings": {...}}
 
 GB/s are 10^9 bytes of frame per second, sequential calls from one client thread, median of
 several runs. Gets copy into a caller-provided, already-touched buffer, as the connector does.
-The process re-executes itself once with the glibc allocator settings the daemon also uses
-(see kvstore/commands.py), so redis-py and the gRPC client get the same treatment.
+The remote tier moves blocks over the daemon's bulk data plane (kvstore/dataplane.py);
+`remote_grpc_only` is the same client with the data plane turned off, for comparison.
+
+Fairness: the process re-executes itself once with the glibc allocator settings the daemon
+also uses (see kvstore/commands.py), so redis-py and the remote tier's client run under the
+same settings (`settings` in the JSON says so). Redis and the remote tier are measured
+interleaved, round by round, and after each remote put phase the run waits until the daemon
+has written those blocks to disk (its write-behind), so that persisting them does not steal
+CPU from the next measurement, redis's or ours. Redis keeps nothing on disk (--save '',
+--appendonly no); the daemon's puts are persisted.
 """
 
 from __future__ import annotations
@@ -38,7 +51,7 @@ from benchmarks.baselines import tcp_loopback_gbps
 from kvstore.commands import MALLOC_ENV
 from kvstore.frame import CodecId, Compression, DType, build_frame
 from kvstore.keys import BlockKey, ModelFingerprint, Namespace
-from kvstore.tiers.daemon_client import DaemonClient
+from kvstore.tiers.daemon_client import DaemonClient, DaemonStat
 from kvstore.tiers.remote import RemoteConfig, RemoteTier
 
 __all__ = ["main", "run"]
@@ -151,17 +164,35 @@ class _Rates:
         return statistics.median(self.samples[name])
 
 
+def _settle(stat: DaemonClient, timeout: float = 60.0) -> None:
+    """Wait until the daemon's write-behind queue is empty (its puts are on disk)."""
+    end = time.monotonic() + timeout
+    while _stat(stat).pending_writes and time.monotonic() < end:
+        time.sleep(0.005)
+
+
+def _stat(stat: DaemonClient) -> DaemonStat:
+    return stat.stat(timeout=10.0)
+
+
+def _bench_config(data_plane: bool) -> RemoteConfig:
+    return RemoteConfig(replicas=1, extra_ranks=0, call_timeout=30.0, lookup_timeout=5.0,
+                        data_plane=data_plane)
+
+
 def _measure(redis_port: int, address: str, total: int, repeats: int
-             ) -> tuple[_Rates, float, float]:
+             ) -> tuple[_Rates, float, dict[str, float], str]:
     """Redis and remote interleaved round by round, so that both see the same machine load
     (these machines are noisy: a run of one after the other compares two different moments)."""
     import redis
 
     rates = _Rates()
     client = redis.Redis(host="127.0.0.1", port=redis_port)
-    tier = RemoteTier.from_addresses({"bench": address}, RemoteConfig(
-        replicas=1, extra_ranks=0, call_timeout=30.0, lookup_timeout=5.0))
+    tier = RemoteTier.from_addresses({"bench": address}, _bench_config(True))
+    grpc_tier = RemoteTier.from_addresses({"bench": address}, _bench_config(False))
+    stat = DaemonClient("bench", address, data_plane=False)
     tcp_samples: list[float] = []
+    latency: dict[str, float] = {}
     try:
         for label, size in SIZES.items():
             count = max(total // size, 4)
@@ -187,7 +218,8 @@ def _measure(redis_port: int, address: str, total: int, repeats: int
                         if not tier.put(key, frame):
                             raise RuntimeError("the daemon did not admit a block")
 
-                def remote_get(keys: list[BlockKey] = keys, out: bytearray = out) -> None:
+                def remote_get(keys: list[BlockKey] = keys, out: bytearray = out,
+                               tier: RemoteTier = tier) -> None:
                     for key in keys:
                         if tier.get(key, out=out) is None:
                             raise RuntimeError("a stored block was not found")
@@ -195,43 +227,90 @@ def _measure(redis_port: int, address: str, total: int, repeats: int
                 record = r > 0
                 rates.time(f"redis_set/{label}", size * count, redis_set, record)
                 rates.time(f"put/{label}", frame_bytes * count, remote_put, record)
+                _settle(stat)
                 rates.time(f"redis_get/{label}", size * count, redis_get, record)
                 rates.time(f"get/{label}", frame_bytes * count, remote_get, record)
-                if record and label == "4MiB":
-                    tcp_samples.append(tcp_loopback_gbps(4 << 20, 16, 1))
+                if label == "4MiB":  # the same blocks through gRPC alone, for comparison
+                    tier.delete(keys)
+                    _settle(stat)
+
+                    def grpc_put(frames: list[tuple[BlockKey, bytes]] = frames) -> None:
+                        for key, frame in frames:
+                            if not grpc_tier.put(key, frame):
+                                raise RuntimeError("the daemon did not admit a block")
+
+                    rates.time(f"grpc_put/{label}", frame_bytes * count, grpc_put, record)
+                    _settle(stat)
+                    rates.time(f"grpc_get/{label}", frame_bytes * count,
+                               lambda keys=keys: remote_get(keys, tier=grpc_tier), record)
+                    if record:
+                        tcp_samples.append(tcp_loopback_gbps(4 << 20, 16, 1))
                 tier.delete(keys)
                 client.delete(*names)
-        # A batched lookup of 1,000 keys, all present.
+                _settle(stat)
+        # A batched lookup of 1,000 keys, all present; redis answers the same question with a
+        # pipeline of 1,000 EXISTS. Interleaved, like the rest.
         keys = [_key("lookup", i) for i in range(1000)]
         tier.put_many([(k, _frame(k, 4096)) for k in keys])
-        samples = []
+        names = [f"bench:lookup:{i}" for i in range(1000)]
+        client.mset({name: b"x" for name in names})
+        _settle(stat)
+        samples: list[float] = []
+        redis_samples: list[float] = []
         for _ in range(300):
             started = time.perf_counter()
             found = tier.contains(keys)
             samples.append((time.perf_counter() - started) * 1e3)
             if not all(found):
                 raise RuntimeError("lookup missed stored keys")
-        p99 = statistics.quantiles(samples[20:], n=100)[98]
+            started = time.perf_counter()
+            pipe = client.pipeline(transaction=False)
+            for name in names:
+                pipe.exists(name)
+            exists = pipe.execute()
+            redis_samples.append((time.perf_counter() - started) * 1e3)
+            if not all(exists):
+                raise RuntimeError("redis lost lookup keys")
+        latency["lookup_p99_ms"] = statistics.quantiles(samples[20:], n=100)[98]
+        latency["lookup_p50_ms"] = statistics.median(samples[20:])
+        latency["redis_exists_1000_p99_ms"] = statistics.quantiles(redis_samples[20:], n=100)[98]
+        transport = "dataplane" if tier.data_plane_addresses().get("bench") else "grpc"
     finally:
         tier.close()
+        grpc_tier.close()
+        stat.close()
         client.close()
-    return rates, statistics.median(tcp_samples), p99
+    return rates, statistics.median(tcp_samples), latency, transport
 
 
 def run(quick: bool) -> dict[str, object]:
     total = (64 << 20) if quick else (512 << 20)
-    repeats = 3 if quick else 5
+    repeats = 5 if quick else 9
     with tempfile.TemporaryDirectory(prefix="kvkeep-bench-") as tmp_name:
         tmp = Path(tmp_name)
         with _redis_server(tmp) as port, _daemon(tmp) as address:
-            rates, tcp, p99 = _measure(port, address, total, repeats)
+            rates, tcp, latency, transport = _measure(port, address, total, repeats)
     return {
         "baseline": {"tcp_loopback_gbps": tcp,
                      "redis_get_gbps": {s: rates.median(f"redis_get/{s}") for s in SIZES},
-                     "redis_set_gbps": {s: rates.median(f"redis_set/{s}") for s in SIZES}},
+                     "redis_set_gbps": {s: rates.median(f"redis_set/{s}") for s in SIZES},
+                     "redis_exists_1000_p99_ms": latency["redis_exists_1000_p99_ms"]},
         "remote": {"get_gbps": {s: rates.median(f"get/{s}") for s in SIZES},
                    "put_gbps": {s: rates.median(f"put/{s}") for s in SIZES},
-                   "lookup_p99_ms": p99},
+                   "lookup_p99_ms": latency["lookup_p99_ms"],
+                   "lookup_p50_ms": latency["lookup_p50_ms"],
+                   "transport": transport},
+        "remote_grpc_only": {"get_gbps": {"4MiB": rates.median("grpc_get/4MiB")},
+                             "put_gbps": {"4MiB": rates.median("grpc_put/4MiB")}},
+        "settings": {
+            "malloc_env": {k: os.environ.get(k) for k in MALLOC_ENV},
+            "malloc_env_applied_to": ["this process (redis-py client, remote tier client)",
+                                      "the kvstore daemon"],
+            "redis_server": "C, unaffected; --save '' --appendonly no (nothing on disk)",
+            "daemon_write_behind": "puts persisted to its nvme tier; each put phase is "
+                                   "followed by a wait for the write-behind to finish",
+            "rounds": repeats, "bytes_per_size_per_round": total,
+        },
     }
 
 
@@ -248,7 +327,13 @@ def _print_table(result: dict[str, object]) -> None:
         p, rs = remote["put_gbps"][label], base["redis_set_gbps"][label]
         print(f"{label:>6} {g:7.2f} {rg:10.2f} {g / rg:6.2f} {p:7.2f} {rs:10.2f} {p / rs:6.2f} "
               f"{g / tcp:8.2f}")
-    print(f"lookup of 1,000 keys: p99 {remote['lookup_p99_ms']:.2f} ms")
+    print(f"lookup of 1,000 keys: p99 {remote['lookup_p99_ms']:.2f} ms "
+          f"(p50 {remote['lookup_p50_ms']:.2f}; redis 1,000 EXISTS pipelined: p99 "
+          f"{base['redis_exists_1000_p99_ms']:.2f} ms); transport: {remote['transport']}")
+    grpc_only = result["remote_grpc_only"]
+    assert isinstance(grpc_only, dict)
+    print(f"gRPC only, 4 MiB: get {grpc_only['get_gbps']['4MiB']:.2f} GB/s, "
+          f"put {grpc_only['put_gbps']['4MiB']:.2f} GB/s")
 
 
 def _reexec_with_allocator_settings() -> None:

@@ -2,7 +2,12 @@
 
     kvkeep store serve --listen HOST:PORT --data-dir DIR --mem-budget SIZE --disk-budget SIZE
                        --node-id ID [--etcd URL] [--token-file F]
-                       [--tls-cert F --tls-key F [--tls-ca F]] ...
+                       [--tls-cert F --tls-key F [--tls-ca F]] [--data-listen auto|off|H:P] ...
+
+Blocks travel over a plain TCP data plane beside gRPC (kvstore/dataplane.py: same tokens,
+tenants and limits, every block verified; ~2-3x gRPC's throughput here), on `--data-listen`
+(default: the --listen host, any free port, advertised in etcd and in Stat). Give it a fixed
+HOST:PORT where a firewall needs one; it is off with TLS, since it is not encrypted.
 
 The daemon moves multi-MiB messages; glibc would map and unmap a fresh buffer for each (page
 faults cap gRPC at ~1.2-1.6 GB/s here, against ~3.7 with reuse). So `serve` re-executes itself
@@ -72,6 +77,10 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-timeout", type=float, default=15.0,
                    help="seconds in-flight streams get to finish on SIGTERM")
     p.add_argument("--workers", type=int, default=4, help="storage I/O threads")
+    p.add_argument("--data-listen", default="auto",
+                   help="bulk data plane (plain TCP beside gRPC, for block get/put): 'auto' "
+                   "(the --listen host, any free port; advertised in etcd and Stat), 'off', or "
+                   "HOST:PORT. Always off with TLS.")
 
 
 def _serve_handler(args: argparse.Namespace, argv: list[str] | None = None) -> int:
@@ -92,6 +101,7 @@ def _serve_handler(args: argparse.Namespace, argv: list[str] | None = None) -> i
             tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
             replicas=args.replicas, rereplicate_after=args.rereplicate_after,
             drain_timeout=args.drain_timeout, workers=args.workers,
+            data_listen=args.data_listen,
             **({"etcd_prefix": args.etcd_prefix} if args.etcd_prefix else {}))
     except KVKeepError as exc:
         print(f"kvkeep store serve: {exc}", file=sys.stderr)

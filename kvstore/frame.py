@@ -44,6 +44,7 @@ __all__ = [
     "build_frame",
     "header_size_from_prefix",
     "segment_checksum",
+    "verify_pieces",
 ]
 
 MAGIC = b"KVKB"
@@ -249,6 +250,39 @@ class BlockRead:
         if not self.is_complete:
             raise ValueError("only a complete read can be turned back into a frame")
         return self.header.pack() + bytes(self.payload)
+
+
+def verify_pieces(header: FrameHeader, layers: LayerRange,
+                  pieces: Sequence[bytes | bytearray | memoryview]) -> None:
+    """`BlockRead.verify` for a payload held in pieces (e.g. memory pages, in order): check every
+    segment of `layers` against its checksum, hashing across piece boundaries; CorruptBlock on
+    any mismatch or a payload of the wrong size."""
+    start, stop = header.span(layers)
+    views = [memoryview(p).cast("B") for p in pieces]
+    if sum(len(v) for v in views) != stop - start:
+        raise CorruptBlock(f"payload is {sum(len(v) for v in views)} bytes, "
+                           f"expected {stop - start}")
+    index, offset = 0, 0  # the piece being consumed, and how far into it
+    for layer in range(layers.start, layers.stop):
+        info = header.segments[layer]
+        need = info.length
+        while index < len(views) and offset == len(views[index]):
+            index, offset = index + 1, 0
+        if need == 0 or offset + need <= len(views[index]):
+            digest = segment_checksum(views[index][offset: offset + need] if need else b"")
+            offset += need
+        else:  # the segment spans pieces: one streaming hash (same digest as one-shot xxh3)
+            hasher = xxhash.xxh3_128()
+            while need:
+                if offset == len(views[index]):
+                    index, offset = index + 1, 0
+                take = min(need, len(views[index]) - offset)
+                hasher.update(views[index][offset: offset + take])
+                offset += take
+                need -= take
+            digest = hasher.digest()
+        if digest != info.checksum:
+            raise CorruptBlock(f"segment {layer} checksum mismatch")
 
 
 def build_frame(

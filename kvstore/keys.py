@@ -149,16 +149,21 @@ class BlockKey:
     namespace: Namespace
     block_hash: BlockHash
     digest: bytes = field(init=False, repr=False, compare=False)
+    _hash: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if len(self.fingerprint) != _DIGEST_BYTES:
             raise InvalidKey("fingerprint digest must be 16 bytes")
         _validate_block_hash(self.block_hash)
-        object.__setattr__(
-            self,
-            "digest",
-            _digest(b"block", self.fingerprint, self.namespace.label.encode(), self.block_hash),
-        )
+        digest = _digest(b"block", self.fingerprint, self.namespace.label.encode(), self.block_hash)
+        object.__setattr__(self, "digest", digest)
+        object.__setattr__(self, "_hash", hash(digest))
+
+    def __hash__(self) -> int:
+        # Equal keys have equal digests. Tiers and the daemon look up thousands of keys per
+        # batched lookup; the generated hash would rehash all three fields (and the Namespace,
+        # in Python) on every dict access.
+        return self._hash
 
     @classmethod
     def of(cls, fingerprint: ModelFingerprint, namespace: Namespace, block_hash: bytes) -> BlockKey:

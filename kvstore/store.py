@@ -40,7 +40,9 @@ import asyncio
 import enum
 import itertools
 import logging
+import os
 import queue
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -55,14 +57,16 @@ from kvstore.errors import (
     InvalidFrame,
     TierUnavailable,
 )
-from kvstore.frame import BlockRead, FrameHeader, LayerRange
+from kvstore.frame import BlockRead, FrameHeader, LayerRange, verify_pieces
 from kvstore.keys import BlockKey, SessionKey
 from kvstore.manifest import SessionManifest
 from kvstore.metrics import StoreMetrics
 from kvstore.tiers.base import Buffer, Tier, TierStats
 from kvstore.tiers.factory import TierSpec, build_tiers
+from kvstore.tiers.paged import BorrowedBlock, PageReservation
 
-__all__ = ["TieredStore", "StoreConfig", "StoreStats", "FrameBytes", "SupportsPutMany"]
+__all__ = ["TieredStore", "StoreConfig", "StoreStats", "FrameBytes", "SupportsPutMany",
+           "SupportsBorrow", "SupportsReserve"]
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +78,21 @@ class SupportsPutMany(Protocol):
     """A tier that can store a batch more cheaply than one put at a time (e.g. one fsync)."""
 
     def put_many(self, items: Sequence[tuple[BlockKey, FrameBytes]]) -> list[bool]: ...
+
+
+@runtime_checkable
+class SupportsBorrow(Protocol):
+    """A tier that can lend a block's bytes in place, pinned (host RAM; see PagedTier.borrow)."""
+
+    def borrow(self, key: BlockKey, layers: LayerRange | None = None
+               ) -> BorrowedBlock | None: ...
+
+
+@runtime_checkable
+class SupportsReserve(Protocol):
+    """A tier whose pages a frame can be received into directly (see PagedTier.reserve)."""
+
+    def reserve(self, key: BlockKey, size: int) -> PageReservation | None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +107,10 @@ class StoreConfig:
     manifest_enqueue_timeout_s: how long put_manifest may wait for queue room.
     background_deadline_s: deadline of the reads a writer does (read-back, promotion source).
     promote: copy lower-tier hits up into the tiers above.
+    writer_nice: a positive value lowers the writer threads' CPU priority by that much (Linux
+    nice, per thread): on a node short of cores, write-behind then takes the CPU the request
+    threads leave, instead of slowing puts that do not wait for it (back-pressure still bounds
+    the backlog). 0 leaves them alone.
     """
 
     get_deadline_s: float = 0.5
@@ -98,12 +121,15 @@ class StoreConfig:
     manifest_enqueue_timeout_s: float = 1.0
     background_deadline_s: float = 5.0
     promote: bool = True
+    writer_nice: int = 0
 
     def __post_init__(self) -> None:
         if self.get_deadline_s <= 0 or self.background_deadline_s <= 0:
             raise ConfigError("deadlines must be positive")
         if self.write_queue_depth < 1 or self.writer_threads < 1 or self.write_batch < 1:
             raise ConfigError("write_queue_depth, writer_threads and write_batch must be >= 1")
+        if not 0 <= self.writer_nice <= 19:
+            raise ConfigError("writer_nice must be 0-19")
         if self.read_priority_max_wait_s < 0 or self.manifest_enqueue_timeout_s < 0:
             raise ConfigError("wait times cannot be negative")
 
@@ -166,6 +192,8 @@ class TieredStore:
         self._pending_keys: dict[BlockKey | SessionKey, int] = {}
         self._deleted_at: dict[BlockKey | SessionKey, int] = {}
         self._promoting: set[BlockKey] = set()
+        # Keys of the batches writers are working on right now (read back, written, undone).
+        self._writing: dict[BlockKey | SessionKey, int] = {}
         self._closed = False
         self._counts = {"hits": 0, "misses": 0, "corrupt": 0, "errors": 0, "dropped": 0}
         self._writers = [threading.Thread(target=self._writer_main, name=f"kvkeep-writer-{i}",
@@ -225,6 +253,61 @@ class TieredStore:
         self._count("misses")
         return None
 
+    def borrow(self, key: BlockKey, layers: LayerRange | None = None, *,
+               verify: bool = True) -> BorrowedBlock | None:
+        """A verified hit in the first tier, lent in place (pinned pages, no copy): what a
+        server sends straight from, e.g. with `socket.sendmsg(block.pieces)`.
+
+        None when the first tier cannot lend (not host memory), does not hold the block, or
+        fails in any way; the caller then uses `get`, which also reads the lower tiers. A copy
+        that fails verification (checksums, key binding) is deleted, as `get` would. The caller
+        must `release()` the result once the bytes are sent.
+
+        verify=False checks only the key binding and leaves the segment checksums to
+        `check_borrowed`, for a server whose client verifies every block itself: it can send
+        first and hash while the client receives, instead of hashing on the critical path.
+        """
+        self._check_open()
+        tier = self._tiers[0]
+        if not isinstance(tier, SupportsBorrow):
+            return None
+        started = time.monotonic()
+        try:
+            block = tier.borrow(key, layers)
+        except Exception:  # a bad layer range, a closed tier: `get` says what it is
+            return None
+        finally:
+            self._observe(0, "get", started)
+        if block is None:
+            return None
+        try:
+            if block.header.key_digest != key.digest:
+                raise CorruptBlock("frame is bound to a different key")
+            if verify:
+                verify_pieces(block.header, block.layers, block.pieces)
+        except CorruptBlock:
+            block.release()
+            self._discard(0, key)
+            return None
+        except BaseException:
+            block.release()
+            raise
+        self._metrics.hits.labels(self._names[0]).inc()
+        self._metrics.read_bytes.labels(self._names[0]).inc(block.size)
+        self._count("hits")
+        return block
+
+    def check_borrowed(self, key: BlockKey, block: BorrowedBlock) -> bool:
+        """Verify a block lent with `verify=False` (before releasing it). A copy that fails is
+        deleted from the first tier, as `get` would, so the next read finds a good copy below
+        or misses; False then."""
+        try:
+            verify_pieces(block.header, block.layers, block.pieces)
+        except CorruptBlock:
+            self._discard(0, key)
+            return False
+        return True
+
     def get_many(self, keys: Sequence[BlockKey], layers: LayerRange | None = None, *,
                  outs: Sequence[Buffer] | None = None, deadline: float | None = None
                  ) -> list[BlockRead | None]:
@@ -258,6 +341,47 @@ class TieredStore:
     def put_many(self, items: Sequence[tuple[BlockKey, FrameBytes]]) -> list[bool]:
         return [self.put(key, frame) for key, frame in items]
 
+    def begin_put(self, key: BlockKey, size: int) -> PageReservation | None:
+        """Pages of the first tier for a `size`-byte frame, to receive it into in place; then
+        `commit_put` (or the reservation's `abort()`). None when the first tier cannot
+        (it already holds the block, has no room, or its pages are not host memory): use
+        `put`, which handles each of those cases."""
+        self._check_open()
+        tier = self._tiers[0]
+        if not isinstance(tier, SupportsReserve):
+            return None
+        try:
+            return tier.reserve(key, size)
+        except Exception:
+            self._tier_error(0, "put")
+            return None
+
+    def commit_put(self, reservation: PageReservation, header: FrameHeader) -> bool:
+        """Publish a frame received into `begin_put`'s pages, and queue its write-behind to the
+        tiers below, like `put`. The caller has checked the frame (`header` parsed from its
+        first bytes, and its segments against their checksums); this checks the header's size
+        and key binding again and raises InvalidFrame (aborting the reservation) on mismatch."""
+        key = reservation.key
+        if header.frame_size != reservation.size or header.key_digest != key.digest:
+            reservation.abort()
+            raise InvalidFrame("frame header disagrees with its size or key")
+        started = time.monotonic()
+        try:
+            admitted = reservation.commit(header)
+        except Exception:
+            reservation.abort()
+            self._tier_error(0, "put")
+            admitted = False
+        finally:
+            self._observe(0, "put", started)
+        self._count_put(0, admitted, reservation.size)
+        if len(self._tiers) == 1 or not admitted:
+            return admitted
+        # The writer reads it back from tier 0 later, as for any admitted put.
+        self._enqueue(_JobKind.BLOCK, key, tuple(range(1, len(self._tiers))), frame=None,
+                      source=0, header=header)
+        return True
+
     def lookup(self, keys: Sequence[BlockKey], *, deadline: float | None = None) -> int:
         """How many of `keys`, from the first on, are held by some tier (prefix length)."""
         self._check_open()
@@ -287,7 +411,13 @@ class TieredStore:
         return next((i for i, hit in enumerate(found) if not hit), len(found))
 
     def delete(self, keys: Sequence[BlockKey]) -> int:
-        """Remove blocks from every tier (and cancel their queued writes); how many were held."""
+        """Remove blocks from every tier (and cancel their queued writes); how many were held.
+
+        A write-behind already writing one of the keys when the delete came sees the delete
+        and undoes its write, but only once its batch is written; this waits for that (one
+        batch at most, bounded by `background_deadline_s`), so that when delete returns the
+        blocks are gone from every tier rather than briefly back in a lower one.
+        """
         self._check_open()
         self._cancel_pending(keys)
         held = [False] * len(keys)
@@ -299,6 +429,11 @@ class TieredStore:
                 self._tier_error(index, "delete")
                 continue
             held = [a or bool(b) for a, b in zip(held, flags, strict=False)]
+        with self._state:
+            if self._writing and not self._state.wait_for(
+                    lambda: not any(key in self._writing for key in keys),
+                    self._config.background_deadline_s):
+                log.warning("delete: a write-behind of a deleted block is still running")
         return sum(held)
 
     # -- manifests ----------------------------------------------------------------------------
@@ -543,6 +678,12 @@ class TieredStore:
         return True
 
     def _writer_main(self) -> None:
+        if self._config.writer_nice and sys.platform.startswith("linux"):
+            try:  # on Linux the nice value is per thread, and raising it needs no privilege
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(),
+                               os.getpriority(os.PRIO_PROCESS, 0) + self._config.writer_nice)
+            except OSError as exc:
+                log.warning("cannot lower the writer thread's priority: %s", exc)
         scratch: list[bytearray] = []
         while True:
             first = self._queue.get()
@@ -559,12 +700,21 @@ class TieredStore:
                     stop = True
                 else:
                     batch.append(job)
+            with self._state:
+                for job in batch:
+                    self._writing[job.key] = self._writing.get(job.key, 0) + 1
             try:
                 self._run_batch(batch, scratch)
             except Exception:  # never let one bad batch kill the writer
                 log.exception("background write batch failed")
                 self._count("errors")
             finally:
+                with self._state:
+                    for job in batch:
+                        left = self._writing.pop(job.key) - 1
+                        if left:
+                            self._writing[job.key] = left
+                    self._state.notify_all()
                 for job in batch:
                     self._job_done(job)
             if stop:

@@ -97,7 +97,9 @@ def group_by_scope(keys: Sequence[BlockKey]) -> dict[Scope, list[int]]:
         return {}
     first = keys[0]
     fp, ns = first.fingerprint, first.namespace
-    if all(k.fingerprint == fp and k.namespace == ns for k in keys):  # the common case, fast
+    # The common case, fast: keys of one model and namespace usually share the Namespace object
+    # (an identity test, not the dataclass's Python-level __eq__).
+    if all((k.namespace is ns or k.namespace == ns) and k.fingerprint == fp for k in keys):
         return {Scope(fp, ns): list(range(len(keys)))}
     groups: dict[Scope, list[int]] = {}
     for i, key in enumerate(keys):

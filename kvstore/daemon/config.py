@@ -54,6 +54,8 @@ class DaemonConfig:
     (with a wildcard host replaced by this machine's hostname).
     peer_token: the token used to push blocks to peers during re-replication; defaults to the
     first all-tenant (`*`) token in the token file.
+    data_listen: where the bulk data plane (kvstore/dataplane.py) listens: "auto" (the host of
+    `listen`, any free port), "off", or HOST:PORT. It is always off with TLS (it is plain TCP).
     """
 
     listen: str
@@ -74,14 +76,19 @@ class DaemonConfig:
     rereplicate_after: float = 30.0
     drain_timeout: float = 15.0
     workers: int = 4
+    data_listen: str = "auto"
 
     def __post_init__(self) -> None:
         validate_name(self.node_id, "node id")
         host, _ = split_host_port(self.listen)
-        if self.token_file is None and not is_loopback(host):
-            raise ConfigError(
-                f"refusing to listen on {host}: without --token-file the daemon serves "
-                "loopback only (give a token file, and preferably mTLS, to serve a network)")
+        hosts = [host]
+        if self.data_listen not in ("auto", "off"):
+            hosts.append(split_host_port(self.data_listen)[0])
+        for bind in hosts:
+            if self.token_file is None and not is_loopback(bind):
+                raise ConfigError(
+                    f"refusing to listen on {bind}: without --token-file the daemon serves "
+                    "loopback only (give a token file, and preferably mTLS, to serve a network)")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ConfigError("--tls-cert and --tls-key go together")
         if self.tls_ca is not None and self.tls_cert is None:
@@ -98,6 +105,19 @@ class DaemonConfig:
     @property
     def tls_enabled(self) -> bool:
         return self.tls_cert is not None
+
+    def data_bind(self) -> tuple[str, int] | None:
+        """(host, port) for the data plane, or None when it is off (asked to be, or TLS)."""
+        if self.data_listen == "off" or self.tls_enabled:
+            return None
+        if self.data_listen == "auto":
+            return split_host_port(self.listen)[0], 0
+        return split_host_port(self.data_listen)
+
+    def advertised_data_address(self, bound_port: int) -> str:
+        """The data plane's host:port for clients: the advertised gRPC host, the bound port."""
+        host = self.advertised_address(0).rpartition(":")[0]
+        return f"{host}:{bound_port}"
 
     def advertised_address(self, bound_port: int) -> str:
         if self.advertise:

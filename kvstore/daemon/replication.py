@@ -124,7 +124,8 @@ class Rereplicator:
         pushed = 0
         failed: list[str] = []
         for node, node_keys in wanted.items():
-            client = DaemonClient(node, members[node].address, token=self._token, tls=self._tls)
+            client = DaemonClient(node, members[node].address, token=self._token, tls=self._tls,
+                                  data_address=members[node].data_address or None)
             try:
                 pushed += self._push_missing(client, node_keys)
             except KVKeepError as exc:

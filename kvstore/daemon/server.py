@@ -1,4 +1,5 @@
-"""One kvstore daemon: the store, the gRPC server, etcd registration, re-replication, draining.
+"""One kvstore daemon: the store, the gRPC server and the bulk data plane beside it
+(kvstore/daemon/dataplane.py), etcd registration, re-replication, draining.
 
 Lifecycle: open the store (the nvme tier rebuilds its index from disk, so a restarted daemon
 serves what it held) and the key catalog, bind, report SERVING, register in etcd, and start the
@@ -24,6 +25,7 @@ import grpc  # type: ignore[import-untyped, unused-ignore]
 from kvstore.daemon.auth import TokenTable
 from kvstore.daemon.catalog import KeyCatalog
 from kvstore.daemon.config import DaemonConfig
+from kvstore.daemon.dataplane import DataPlaneServer
 from kvstore.daemon.registration import Registrar
 from kvstore.daemon.replication import Rereplicator
 from kvstore.daemon.service import HealthService, KVStoreService, store_contains
@@ -32,7 +34,8 @@ from kvstore.keys import BlockKey
 from kvstore.store import StoreConfig, TieredStore
 from kvstore.tiers.daemon_client import ClientTLS
 from kvstore.tiers.discovery import DaemonInfo, MembershipWatcher
-from kvstore.tiers.factory import TierSpec, build_tiers
+from kvstore.tiers.host import HostTier
+from kvstore.tiers.nvme import NvmeTier
 from kvstore.wire import GRPC_CHANNEL_OPTIONS
 
 __all__ = ["Daemon", "run_daemon"]
@@ -49,15 +52,19 @@ def _read(path: Path, what: str) -> bytes:
 
 
 def _open_store(config: DaemonConfig) -> TieredStore:
-    tiers = build_tiers([
-        TierSpec("host", config.mem_budget),
-        TierSpec("nvme", config.disk_budget, path=str(config.data_dir / "blocks")),
-    ])
+    host = HostTier(config.mem_budget, name="host")
+    # Every frame reaches the nvme tier already verified: on receipt (KVStoreService
+    # .verify_and_store) and again when the write-behind reads it back from the host tier, so
+    # the nvme tier's own check on put would hash each block a third time. Its reads verify.
+    nvme = NvmeTier(str(config.data_dir / "blocks"), config.disk_budget, name="nvme",
+                    verify_on_put=False)
     # A daemon serves remote readers whose own deadlines bound each call; the store's deadline
     # only has to stop a stuck disk read, and its write-behind queue is deep because puts wait
-    # on it (back-pressure) rather than dropping background writes.
-    return TieredStore(tiers, config=StoreConfig(get_deadline_s=10.0, write_queue_depth=1024,
-                                                 write_batch=16))
+    # on it (back-pressure) rather than dropping background writes. The writer runs at a lower
+    # CPU priority so that, on a busy node, persisting blocks does not slow the puts and gets
+    # being served (the write-behind never delays an ack unless the back-pressure mark is hit).
+    return TieredStore([host, nvme], config=StoreConfig(
+        get_deadline_s=10.0, write_queue_depth=1024, write_batch=16, writer_nice=10))
 
 
 class Daemon:
@@ -74,6 +81,7 @@ class Daemon:
         self._stopped = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._server: Any = None
+        self.dataplane: DataPlaneServer | None = None
         self._registrar: Registrar | None = None
         self._membership: MembershipWatcher | None = None
         self.rereplicator: Rereplicator | None = None
@@ -101,14 +109,27 @@ class Daemon:
             self.port = self._server.add_insecure_port(cfg.listen)
         if not self.port:
             raise ConfigError(f"cannot listen on {cfg.listen}")
+        data_address = ""
+        bind = cfg.data_bind()
+        if bind is not None:
+            self.dataplane = DataPlaneServer(self.service, *bind)
+            try:
+                port = self.dataplane.start()
+            except OSError as exc:
+                raise ConfigError(f"cannot listen on {bind[0]}:{bind[1]} (data plane): {exc}"
+                                  ) from exc
+            self.service.data_port = port
+            data_address = cfg.advertised_data_address(port)
         await self._server.start()
         await self.health.set_serving(True)
-        info = DaemonInfo(cfg.node_id, cfg.advertised_address(self.port), time.time())
+        info = DaemonInfo(cfg.node_id, cfg.advertised_address(self.port), time.time(),
+                          data_address)
         security = ("auth: bearer tokens" if cfg.auth_enabled else
                     "auth: OFF, loopback only (give --token-file to serve a network)")
-        _log.info("kvkeep store daemon %s serving %s (%d blocks on disk; %s; tls: %s)",
-                  cfg.node_id, info.address, len(self.catalog), security,
-                  "mTLS" if cfg.tls_ca else "on" if cfg.tls_enabled else "off")
+        _log.info("kvkeep store daemon %s serving %s (%d blocks on disk; %s; tls: %s; "
+                  "data plane: %s)", cfg.node_id, info.address, len(self.catalog), security,
+                  "mTLS" if cfg.tls_ca else "on" if cfg.tls_enabled else "off",
+                  data_address or ("off (TLS)" if cfg.tls_enabled else "off"))
         if cfg.etcd:
             self._registrar = Registrar(cfg.etcd, info, prefix=cfg.etcd_prefix, ttl=cfg.lease_ttl)
             self._tasks.append(asyncio.create_task(self._registrar.run(), name="registrar"))
@@ -147,9 +168,13 @@ class Daemon:
             _, stuck = await asyncio.wait(self._tasks, timeout=5.0)
             for task in stuck:
                 _log.warning("task %s did not stop within 5s", task.get_name())
-        if self._server is not None:
-            await self._server.stop(cfg.drain_timeout)
         loop = asyncio.get_running_loop()
+        stopping = []
+        if self.dataplane is not None:
+            stopping.append(loop.run_in_executor(None, self.dataplane.stop, cfg.drain_timeout))
+        if self._server is not None:
+            stopping.append(self._server.stop(cfg.drain_timeout))
+        await asyncio.gather(*stopping)
         await loop.run_in_executor(self.executor, self.store.close, 30.0)
         self.catalog.close()
         self.executor.shutdown(wait=True)

@@ -28,11 +28,19 @@ from kvstore.chunk_codec import PutChunkView, decode_put_chunk, encode_get_chunk
 from kvstore.daemon.auth import ANONYMOUS, AuthFailure, Principal, TokenTable, bearer_token
 from kvstore.daemon.catalog import KeyCatalog
 from kvstore.errors import CorruptBlock, InvalidFrame, InvalidKey, KVKeepError, TierFull
-from kvstore.frame import HEADER_PREFIX_BYTES, BlockRead, LayerRange
+from kvstore.frame import (
+    HEADER_PREFIX_BYTES,
+    BlockRead,
+    FrameHeader,
+    LayerRange,
+    header_size_from_prefix,
+    verify_pieces,
+)
 from kvstore.keys import BlockKey
 from kvstore.manifest import SessionManifest
 from kvstore.store import TieredStore
-from kvstore.tiers.base import TierStats
+from kvstore.tiers.base import Buffer, TierStats
+from kvstore.tiers.paged import BorrowedBlock, PageReservation
 from kvstore.wire import (
     CHUNK_BYTES,
     HEALTH_SERVICE,
@@ -54,11 +62,14 @@ FrameBytes = bytes | bytearray | memoryview
 _Serving = health_pb2.HealthCheckResponse.ServingStatus
 # Per storage thread; blocks larger than this are read into a fresh buffer instead.
 _SCRATCH_BYTES = 64 << 20
+# Lookups of up to this many keys run on the event loop itself (about a millisecond at most).
+_INLINE_LOOKUP_KEYS = 4096
 
 
 @dataclass(slots=True)
 class Counters:
-    """Wire and request counters since start; mutated only on the event loop."""
+    """Wire and request counters since start. The service's own are mutated only on the event
+    loop; the data plane keeps a second set under its lock, and Stat reports the sum."""
 
     put_bytes_received: int = 0
     get_bytes_sent: int = 0
@@ -70,6 +81,9 @@ class Counters:
     misses: int = 0
     lookups: int = 0
     repaired_blocks: int = 0
+
+    def plus(self, other: Counters) -> Counters:
+        return Counters(*(getattr(self, f) + getattr(other, f) for f in self.__slots__))
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +121,10 @@ class KVStoreService:
         self._chunk = chunk_bytes
         self._inflight_budget = max_inflight_put_bytes
         self._inflight = 0
+        self._inflight_lock = threading.Lock()  # the data plane reserves from its own threads
+        self._counter_sources: list[Callable[[], Counters]] = []
+        self.data_port = 0
+        """The bulk data plane's port (kvstore/daemon/dataplane.py), 0 when there is none."""
         self._draining = False
         self._active_puts = 0
         self._max_pending = max_pending_writes
@@ -126,6 +144,36 @@ class KVStoreService:
     @property
     def active_puts(self) -> int:
         return self._active_puts
+
+    def add_counter_source(self, source: Callable[[], Counters]) -> None:
+        """Counters kept elsewhere (the data plane's) that Stat adds to the service's own."""
+        self._counter_sources.append(source)
+
+    def reserve_put_bytes(self, size: int) -> bool:
+        """Take `size` bytes of the in-flight put budget; False when it would overflow."""
+        with self._inflight_lock:
+            if self._inflight + size > self._inflight_budget:
+                return False
+            self._inflight += size
+            return True
+
+    def release_put_bytes(self, size: int) -> None:
+        with self._inflight_lock:
+            self._inflight -= size
+
+    def key(self, scope: Scope, block_hash: bytes) -> BlockKey:
+        """The BlockKey of a block hash in `scope`, interned (any thread; raises InvalidKey).
+
+        Puts and lookups share these objects, so the tiers' dict lookups of a looked-up key
+        usually find the very object they hold (an identity test, no Python-level __eq__).
+        """
+        return self._key_cache.keys(scope, (block_hash,))[0]
+
+    def authenticate_token(self, token: str | None) -> Principal | AuthFailure:
+        """The principal of a bearer token (everyone is ANONYMOUS when auth is off)."""
+        if self._tokens is None:
+            return ANONYMOUS
+        return self._tokens.authenticate(token)
 
     def generic_handler(self) -> Any:
         # Requests arrive as raw bytes and are parsed in the handlers, so that bytes which are
@@ -188,13 +236,12 @@ class KVStoreService:
                                      f"frame of {size} bytes exceeds {MAX_FRAME_BYTES}")
                     if size < HEADER_PREFIX_BYTES:
                         await self._invalid(context, f"frame size {size} is too small")
-                    if self._inflight + size > self._inflight_budget:
+                    if not self.reserve_put_bytes(size):
                         await _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
                                      "too many put bytes in flight; retry later")
-                    self._inflight += size
                     reserved += size
                     try:
-                        key = scope.key(bytes(msg.block_hash))
+                        key = self.key(scope, bytes(msg.block_hash))
                     except InvalidKey as exc:
                         await self._invalid(context, str(exc))
                     parts, received = [], 0
@@ -213,8 +260,8 @@ class KVStoreService:
                     # into its own pages before put() returns.
                     frame: FrameBytes = parts[0] if len(parts) == 1 else b"".join(parts)
                     parts = []
-                    outcome = await self._run(self._verify_and_store, key, frame)
-                    self._inflight -= size
+                    outcome = await self._run(self.verify_and_store, key, frame)
+                    self.release_put_bytes(size)
                     reserved -= size
                     if isinstance(outcome, Abort):
                         if outcome.code == grpc.StatusCode.INVALID_ARGUMENT:
@@ -229,7 +276,7 @@ class KVStoreService:
                 await self._invalid(context, "the put stream ended in the middle of a block")
             return pb.PutReply(status=statuses)
         finally:
-            self._inflight -= reserved
+            self.release_put_bytes(reserved)
             self._active_puts -= 1
 
     async def get(self, request: pb.GetRequest, context: Any) -> AsyncIterator[bytes]:
@@ -266,7 +313,12 @@ class KVStoreService:
         scope = await self._scope(request.scope, principal, context)
         keys = await self._keys(scope, request.block_hashes, context)
         self.counters.lookups += 1
-        present = await self._run(self._contains, keys)
+        if len(keys) <= _INLINE_LOOKUP_KEYS:
+            # In-memory index probes (~0.3 us a key): cheaper than the hop to a worker thread,
+            # and a lookup must not queue behind puts that wait for the disk.
+            present = self._contains(keys)
+        else:
+            present = await self._run(self._contains, keys)
         prefix = next((i for i, hit in enumerate(present) if not hit), len(present))
         return pb.LookupReply(present=present, prefix_length=prefix)
 
@@ -327,8 +379,10 @@ class KVStoreService:
         outcome = await self._run(self._stats)
         if isinstance(outcome, Abort):
             await _abort(context, outcome.code, outcome.message)
-        tiers = outcome
+        tiers, pending = outcome
         c = self.counters
+        for source in self._counter_sources:
+            c = c.plus(source())
         # The lowest tier holds (nearly) everything the upper ones cache: count blocks there.
         return pb.StatReply(
             node_id=self.node_id, draining=self._draining,
@@ -338,7 +392,8 @@ class KVStoreService:
             put_bytes_received=c.put_bytes_received, get_bytes_sent=c.get_bytes_sent,
             puts=c.puts, rejected_puts=c.rejected_puts, invalid_puts=c.invalid_puts,
             gets=c.gets, hits=c.hits, misses=c.misses, lookups=c.lookups,
-            repaired_blocks=c.repaired_blocks,
+            repaired_blocks=c.repaired_blocks, data_port=self.data_port,
+            pending_writes=pending,
             tiers=[pb.TierStat(name=t.name, blocks=t.blocks, bytes_used=t.bytes_used,
                                bytes_budget=t.bytes_budget, hits=t.hits, misses=t.misses,
                                puts=t.puts, rejected_puts=t.rejected_puts, corrupt=t.corrupt,
@@ -346,7 +401,8 @@ class KVStoreService:
 
     # -- storage calls (on the thread pool; they return a value or an Abort) -------------------
 
-    def _verify_and_store(self, key: BlockKey, frame: FrameBytes) -> bool | Abort:
+    def verify_and_store(self, key: BlockKey, frame: FrameBytes) -> bool | Abort:
+        """Verify a whole frame (checksums, size, key binding) and store it; any thread."""
         try:
             read = BlockRead.from_frame(frame)
             read.verify()
@@ -369,6 +425,46 @@ class KVStoreService:
             self._wait_for_disk()
         return admitted
 
+    def begin_put(self, key: BlockKey, size: int) -> PageReservation | None:
+        """Host-tier pages to receive a `size`-byte frame into (no receive buffer, no copy),
+        or None: then receive into a buffer and `verify_and_store`. Any thread."""
+        try:
+            return self._store.begin_put(key, size)
+        except KVKeepError:
+            return None
+
+    def finish_put(self, reservation: PageReservation) -> bool | Abort:
+        """`verify_and_store` for a frame received into `begin_put`'s pages: the same checks
+        (header, every segment's checksum, size, key binding) before it is published; on any
+        failure the pages are given back and nothing is stored. Any thread."""
+        key = reservation.key
+        try:
+            pieces = reservation.pieces
+            header = FrameHeader.unpack(_leading_bytes(pieces, HEADER_PREFIX_BYTES,
+                                                       header_size_from_prefix))
+            if header.frame_size != reservation.size:
+                raise InvalidFrame(f"frame of {reservation.size} bytes, its header describes "
+                                   f"{header.frame_size}")
+            if header.key_digest != key.digest:
+                raise CorruptBlock("frame is bound to a different key")
+            verify_pieces(header, header.all_layers,
+                          _byte_range(pieces, header.header_size, reservation.size))
+        except (CorruptBlock, ValueError) as exc:
+            reservation.abort()
+            return Abort(grpc.StatusCode.INVALID_ARGUMENT, f"rejected frame: {exc}")
+        except BaseException:
+            reservation.abort()
+            raise
+        try:
+            admitted = self._store.commit_put(reservation, header)
+        except KVKeepError as exc:
+            _log.warning("put of %s failed: %s", key.storage_name, exc)
+            return Abort(grpc.StatusCode.UNAVAILABLE, f"store failed: {exc}")
+        if admitted:
+            self._catalog.add((key,))
+            self._wait_for_disk()
+        return admitted
+
     def _wait_for_disk(self) -> None:
         """Hold the ack while the write-behind queue is over its mark (see the class doc)."""
         end = time.monotonic() + self._backpressure_timeout
@@ -382,22 +478,10 @@ class KVStoreService:
         The store copies the payload into this worker thread's scratch buffer (touched once,
         reused: no page faults), and the messages are encoded from it right here, before the
         thread can reuse the buffer: one copy out of the store, one into the messages.
-        The store verifies every segment it returns (and drops corrupt copies at their source,
-        so a repair can simply put a good copy back); the client verifies again, end to end.
         """
-        scratch = self._scratch()
-        try:
-            deadline = time.monotonic() + self._read_deadline
-            read = self._store.get(key, layers, out=scratch, deadline=deadline)
-            if read is None:  # a miss, or a block bigger than the scratch buffer
-                read = self._store.get(key, layers, deadline=deadline)
-        except ValueError as exc:  # a layer range beyond the block's layers
-            return Abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except KVKeepError as exc:  # a failing tier reads as empty
-            _log.warning("get of %s failed: %s", key.storage_name, exc)
-            return None
-        if read is None:
-            return None
+        read = self.read_block(key, layers, self._scratch())
+        if read is None or isinstance(read, Abort):
+            return read
         chunk = self._chunk
         payload = memoryview(read.payload).cast("B")
         size = len(payload)
@@ -412,6 +496,42 @@ class KVStoreService:
                 messages.append(encode_get_chunk(payload[start:start + chunk], index=index))
             sent = size
         return messages, sent
+
+    def read_block(self, key: BlockKey, layers: LayerRange | None, scratch: Buffer
+                   ) -> BlockRead | Abort | None:
+        """Read a block (or the segments of `layers`) into `scratch` when it fits; any thread.
+
+        The store verifies every segment it returns (and drops corrupt copies at their source,
+        so a repair can simply put a good copy back); the client verifies again, end to end.
+        """
+        try:
+            deadline = time.monotonic() + self._read_deadline
+            read = self._store.get(key, layers, out=scratch, deadline=deadline)
+            if read is None:  # a miss, or a block bigger than the scratch buffer
+                read = self._store.get(key, layers, deadline=deadline)
+        except ValueError as exc:  # a layer range beyond the block's layers
+            return Abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except KVKeepError as exc:  # a failing tier reads as empty
+            _log.warning("get of %s failed: %s", key.storage_name, exc)
+            return None
+        return read
+
+    def borrow_block(self, key: BlockKey, layers: LayerRange | None, *, verify: bool = True
+                     ) -> BorrowedBlock | None:
+        """A block (or layer range) lent in place from the host tier, or None: then
+        `read_block` (see TieredStore.borrow, and `check_borrowed` for verify=False). The
+        caller must release() it; any thread."""
+        try:
+            return self._store.borrow(key, layers, verify=verify)
+        except KVKeepError:
+            return None
+
+    def check_borrowed(self, key: BlockKey, block: BorrowedBlock) -> bool:
+        """Verify a block lent unverified; a corrupt copy is dropped (TieredStore)."""
+        try:
+            return self._store.check_borrowed(key, block)
+        except KVKeepError:
+            return False
 
     def _scratch(self) -> bytearray:
         buf: bytearray | None = getattr(self._local, "scratch", None)
@@ -439,8 +559,9 @@ class KVStoreService:
         except KVKeepError as exc:
             return Abort(grpc.StatusCode.UNAVAILABLE, f"store failed: {exc}")
 
-    def _stats(self) -> list[TierStats]:
-        return list(self._store.stats().tiers)
+    def _stats(self) -> tuple[list[TierStats], int]:
+        stats = self._store.stats()
+        return list(stats.tiers), stats.pending_writes
 
     # -- helpers ------------------------------------------------------------------------------
 
@@ -450,7 +571,7 @@ class KVStoreService:
     async def _authenticate(self, context: Any) -> Principal:
         if self._tokens is None:
             return ANONYMOUS
-        result = self._tokens.authenticate(bearer_token(context.invocation_metadata()))
+        result = self.authenticate_token(bearer_token(context.invocation_metadata()))
         if isinstance(result, AuthFailure):
             await _abort(context, grpc.StatusCode.UNAUTHENTICATED, result.message)
         return result
@@ -484,31 +605,39 @@ class _KeyCache:
 
     Building a BlockKey (validation and a blake2b digest) costs ~2 us; routers and schedulers
     ask about the same prefixes over and over, and a 1,000-key lookup must take milliseconds.
+    Puts take their keys from here too, so the keys the tiers hold are these very objects.
     Bounded: cleared whole when it reaches `limit` keys (no LRU bookkeeping on the hot path).
+    Thread-safe (the data plane's threads and the event loop share it).
     """
 
     def __init__(self, limit: int = 1 << 20) -> None:
         self._limit = limit
         self._size = 0
         self._by_scope: dict[tuple[bytes, str, str], dict[bytes, BlockKey]] = {}
+        self._lock = threading.Lock()
 
     def keys(self, scope: Scope, hashes: Any) -> list[BlockKey]:
         ident = (scope.fingerprint, scope.namespace.tenant, scope.namespace.salt)
-        cache = self._by_scope.get(ident)
-        if cache is None:
-            cache = self._by_scope[ident] = {}
-        out = []
-        for raw in hashes:
-            key = cache.get(raw)
-            if key is None:
+        with self._lock:
+            cache = self._by_scope.get(ident)
+            if cache is None:
+                cache = self._by_scope[ident] = {}
+            get = cache.get
+            out = [get(raw) for raw in hashes]
+            # (`None in out` would call BlockKey.__eq__ on every element.)
+            missing = [i for i, key in enumerate(out) if key is None]
+            for i in missing:
+                raw = hashes[i]
                 if self._size >= self._limit:
                     self._by_scope = {ident: {}}
                     cache = self._by_scope[ident]
                     self._size = 0
-                key = cache[raw] = scope.key(bytes(raw))
-                self._size += 1
-            out.append(key)
-        return out
+                key = cache.get(raw)
+                if key is None:
+                    key = cache[raw] = scope.key(bytes(raw))
+                    self._size += 1
+                out[i] = key
+            return out  # type: ignore[return-value]
 
 
 class HealthService:
@@ -573,6 +702,28 @@ def store_contains(store: TieredStore, keys: list[BlockKey]) -> list[bool]:
             if hit:
                 found[i] = True
     return found
+
+
+def _byte_range(pieces: list[memoryview], start: int, stop: int) -> list[memoryview]:
+    """Views of bytes [start, stop) of the concatenation of `pieces`."""
+    out = []
+    pos = 0
+    for piece in pieces:
+        end = pos + len(piece)
+        if end > start and pos < stop:
+            out.append(piece[max(start - pos, 0): min(stop, end) - pos])
+        pos = end
+        if pos >= stop:
+            break
+    return out
+
+
+def _leading_bytes(pieces: list[memoryview], prefix: int, size_of: Callable[[bytes], int]
+                   ) -> bytes:
+    """The frame header at the start of `pieces`: its size is read from its first `prefix`
+    bytes with `size_of` (which raises InvalidFrame), then that many bytes are gathered."""
+    size = size_of(b"".join(_byte_range(pieces, 0, prefix)))
+    return b"".join(_byte_range(pieces, 0, size))
 
 
 def _serialize(message: Any) -> bytes:

@@ -3,10 +3,18 @@
 One gRPC channel per daemon, shared by all threads (gRPC channels are thread-safe and multiplex
 calls over one HTTP/2 connection). Every call takes a timeout; every gRPC error is translated
 into the kvkeep exception tree here, at the boundary, so callers never see `grpc.RpcError`.
+
+Single-block gets and puts go over the daemon's bulk data plane (kvstore/dataplane.py) when it
+has one: its address comes from the etcd registration, or else from one Stat call on first use.
+When the daemon has none, or its data port cannot be connected to, the same call goes over gRPC
+within the same deadline, and the data plane is tried again `DATA_RETRY_S` later.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +23,7 @@ from typing import Any
 import grpc  # type: ignore[import-untyped, unused-ignore]
 
 from kvstore.chunk_codec import GetChunkView, decode_get_chunk, encode_put_chunk
+from kvstore.dataplane import DataPlaneClient, DataPlaneUnreachable
 from kvstore.errors import (
     ConfigError,
     CorruptBlock,
@@ -40,9 +49,13 @@ from kvstore.wire import (
 from proto.gen import health_pb2
 from proto.gen import kvstore_pb2 as pb
 
-__all__ = ["ClientTLS", "DaemonClient", "DaemonStat", "translate_rpc_error"]
+_log = logging.getLogger(__name__)
+
+__all__ = ["ClientTLS", "DaemonClient", "DaemonStat", "translate_rpc_error", "DATA_RETRY_S"]
 
 FrameBytes = bytes | bytearray | memoryview
+DATA_RETRY_S = 5.0
+"""After the data plane was found absent or unreachable, bulk calls use gRPC this long."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +98,10 @@ class DaemonStat:
     repaired_blocks: int
     tier_blocks: tuple[tuple[str, int], ...] = ()
     """(tier name, blocks held) per tier of the daemon's store, fastest first."""
+    data_port: int = 0
+    """The daemon's bulk data plane port; 0 when it has none."""
+    pending_writes: int = 0
+    """Blocks in the daemon's RAM not yet written to its disk."""
 
 
 _UNAVAILABLE_CODES = frozenset({
@@ -108,13 +125,25 @@ def translate_rpc_error(exc: grpc.RpcError, what: str) -> KVKeepError:
 
 
 class DaemonClient:
-    """Calls to one daemon. Thread-safe; `close()` releases the channel."""
+    """Calls to one daemon. Thread-safe; `close()` releases the channel and connections.
+
+    data_address: the daemon's data plane host:port when known (its etcd registration); None
+    asks Stat on first use. data_plane=False keeps every call on gRPC (and TLS does too: the
+    data plane is unencrypted, so a TLS client never uses it).
+    """
 
     def __init__(self, node_id: str, address: str, *, token: str | None = None,
-                 tls: ClientTLS | None = None, chunk_bytes: int = CHUNK_BYTES) -> None:
+                 tls: ClientTLS | None = None, chunk_bytes: int = CHUNK_BYTES,
+                 data_address: str | None = None, data_plane: bool = True) -> None:
         self.node_id = node_id
         self.address = address
         self._chunk = chunk_bytes
+        self._token = token
+        self._use_data = data_plane and tls is None
+        self._data_address = data_address or None
+        self._data: DataPlaneClient | None = None
+        self._data_retry_at = 0.0
+        self._data_lock = threading.Lock()
         options = list(GRPC_CHANNEL_OPTIONS)
         if tls is None:
             self._channel = grpc.insecure_channel(address, options=options)
@@ -159,9 +188,18 @@ class DaemonClient:
 
     def put(self, scope: Scope, blocks: Sequence[tuple[bytes, FrameBytes]], *,
             timeout: float) -> list[bool]:
-        """Stream whole frames; one admitted flag per block. Raises on transport errors."""
+        """Store whole frames; one admitted flag per block. Raises on transport errors."""
         if not blocks:
             return []
+        deadline = time.monotonic() + timeout
+        data = self._data_client(deadline)
+        if data is not None:
+            try:
+                return data.put_many(scope, blocks,
+                                     timeout=_left(deadline, f"put to {self.node_id}"))
+            except DataPlaneUnreachable as exc:
+                self._data_unreachable(exc)  # puts are idempotent: all of it goes over gRPC
+            timeout = _left(deadline, f"put to {self.node_id}")
         try:
             if len(blocks) == 1 and len(blocks[0][1]) <= self._chunk:
                 (message,) = self._put_stream(scope, blocks)
@@ -182,6 +220,15 @@ class DaemonClient:
 
         With `out` large enough, the payload lands in it and the result is a view of it.
         """
+        deadline = time.monotonic() + timeout
+        data = self._data_client(deadline)
+        if data is not None:
+            try:
+                return data.get(scope, block_hash, layers, out=out,
+                                timeout=_left(deadline, f"get from {self.node_id}"))
+            except DataPlaneUnreachable as exc:
+                self._data_unreachable(exc)
+            timeout = _left(deadline, f"get from {self.node_id}")
         request = pb.GetRequest(scope=scope.to_pb(), block_hashes=[block_hash],
                                 layers=layers_to_pb(layers))
         try:
@@ -278,7 +325,8 @@ class DaemonClient:
             get_bytes_sent=r.get_bytes_sent, puts=r.puts, rejected_puts=r.rejected_puts,
             invalid_puts=r.invalid_puts, gets=r.gets, hits=r.hits, misses=r.misses,
             lookups=r.lookups, repaired_blocks=r.repaired_blocks,
-            tier_blocks=tuple((t.name, t.blocks) for t in r.tiers))
+            tier_blocks=tuple((t.name, t.blocks) for t in r.tiers), data_port=r.data_port,
+            pending_writes=r.pending_writes)
 
     def health(self, *, timeout: float) -> str:
         """SERVING, NOT_SERVING, ... as the standard health service reports it."""
@@ -290,7 +338,69 @@ class DaemonClient:
         return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
 
     def close(self) -> None:
+        with self._data_lock:
+            data, self._data = self._data, None
+            self._use_data = False
+        if data is not None:
+            data.close()
         self._channel.close()
+
+    def set_data_address(self, address: str | None) -> None:
+        """A new data plane address (the daemon re-registered); None: ask Stat again."""
+        with self._data_lock:
+            if (address or None) == self._data_address and self._data is not None:
+                return
+            old, self._data = self._data, None
+            self._data_address = address or None
+            self._data_retry_at = 0.0
+        if old is not None:
+            old.close()
+
+    @property
+    def data_plane_address(self) -> str | None:
+        """The data plane address in use, once known; None while calls go over gRPC."""
+        data = self._data
+        return data.address if data is not None else None
+
+    # -- the data plane -------------------------------------------------------------------
+
+    def _data_client(self, deadline: float) -> DataPlaneClient | None:
+        """The data plane client, or None while bulk calls should use gRPC."""
+        data = self._data
+        if data is not None or not self._use_data:
+            return data
+        with self._data_lock:
+            if self._data is not None or not self._use_data:
+                return self._data
+            now = time.monotonic()
+            if now < self._data_retry_at:
+                return None
+            address = self._data_address
+            if address is None:
+                # One Stat call learns the port; it shares the caller's deadline. The answer is
+                # not kept beyond this client object: after a failure it is asked again (a
+                # restarted daemon listens on a new port unless --data-listen fixes one).
+                try:
+                    port = self.stat(timeout=min(max(deadline - now, 1e-3), 2.0)).data_port
+                except KVKeepError as exc:
+                    _log.debug("data plane probe of %s failed: %s", self.node_id, exc)
+                    self._data_retry_at = now + DATA_RETRY_S
+                    return None
+                if not port:
+                    self._data_retry_at = now + DATA_RETRY_S
+                    return None
+                host = self.address.rpartition(":")[0]
+                address = f"{host}:{port}"
+            self._data = DataPlaneClient(self.node_id, address, token=self._token)
+            return self._data
+
+    def _data_unreachable(self, exc: DataPlaneUnreachable) -> None:
+        _log.info("%s; using gRPC for %.0fs", exc, DATA_RETRY_S)
+        with self._data_lock:
+            old, self._data = self._data, None
+            self._data_retry_at = time.monotonic() + DATA_RETRY_S
+        if old is not None:
+            old.close()
 
     # -- private --------------------------------------------------------------------------
 
@@ -310,6 +420,13 @@ class DaemonClient:
 
 def _serialize(message: Any) -> bytes:
     return bytes(message.SerializeToString())
+
+
+def _left(deadline: float, what: str) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise DeadlineExceeded(f"{what}: deadline passed")
+    return left
 
 
 def _assemble(stream: Iterator[GetChunkView], expected: int, out: Buffer | None

@@ -57,23 +57,31 @@ class DaemonInfo:
     address: str
     """host:port that clients dial."""
     started_at: float = 0.0
+    data_address: str = ""
+    """host:port of the bulk data plane (kvstore/dataplane.py); empty when there is none."""
 
     def __post_init__(self) -> None:
         validate_name(self.node_id, "node id")
-        host, sep, port = self.address.rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise ConfigError(f"daemon address {self.address!r} is not host:port")
+        for address in (self.address, self.data_address) if self.data_address else (
+                self.address,):
+            host, sep, port = address.rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise ConfigError(f"daemon address {address!r} is not host:port")
 
     def encode(self) -> bytes:
-        return json.dumps({"node_id": self.node_id, "address": self.address,
-                           "started_at": self.started_at}, separators=(",", ":")).encode()
+        fields: dict[str, object] = {"node_id": self.node_id, "address": self.address,
+                                     "started_at": self.started_at}
+        if self.data_address:
+            fields["data_address"] = self.data_address
+        return json.dumps(fields, separators=(",", ":")).encode()
 
     @classmethod
     def decode(cls, raw: bytes) -> DaemonInfo:
         """Parse a registration value; raises ConfigError when it is not one of ours."""
         try:
             obj = json.loads(raw)
-            return cls(str(obj["node_id"]), str(obj["address"]), float(obj.get("started_at", 0)))
+            return cls(str(obj["node_id"]), str(obj["address"]), float(obj.get("started_at", 0)),
+                       str(obj.get("data_address") or ""))
         except (ValueError, KeyError, TypeError, KVKeepError) as exc:
             raise ConfigError(f"malformed daemon registration: {exc}") from exc
 

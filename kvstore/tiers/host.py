@@ -77,6 +77,11 @@ class HostTier(PagedTier[_Arena]):
             dst[pos: pos + length] = views[page][offset: offset + length]
             pos += length
 
+    def _page_pieces(self, pages: Sequence[int], start: int, stop: int) -> list[memoryview]:
+        views = self._page_views
+        return [views[page][offset: offset + length]
+                for page, offset, length in self._page_runs(pages, start, stop)]
+
     def _read_bytes(self, pages: Sequence[int], start: int, stop: int) -> bytes:
         views = self._page_views
         # join sizes the result once and copies each piece into it: one allocation, one copy.

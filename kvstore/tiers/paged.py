@@ -23,9 +23,9 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from kvstore.errors import DeadlineExceeded, InvalidFrame, TierError, TierUnavailable
 from kvstore.frame import BlockRead, FrameHeader, LayerRange
@@ -34,7 +34,7 @@ from kvstore.manifest import SessionManifest
 from kvstore.tiers.base import Buffer, TierStats
 from kvstore.tiers.slabs import DEFAULT_ARENA_BYTES, DEFAULT_PAGE_BYTES, SlabPool
 
-__all__ = ["PagedTier", "byte_view"]
+__all__ = ["PagedTier", "BorrowedBlock", "PageReservation", "byte_view"]
 
 A = TypeVar("A")
 
@@ -49,6 +49,58 @@ def byte_view(buf: bytes | bytearray | memoryview, *, writable: bool = False) ->
     if writable and view.readonly:
         raise TierError("output buffer is read-only")
     return view
+
+
+class BorrowedBlock:
+    """A pinned block's bytes in place: `pieces` are views of the tier's pages that hold the
+    segments of `layers`, back to back (not verified). Until `release()` the pages cannot be
+    reused; after it the views must not be touched. Releasing twice is harmless."""
+
+    __slots__ = ("_release", "header", "layers", "pieces", "size")
+
+    def __init__(self, header: FrameHeader, layers: LayerRange, pieces: list[memoryview],
+                 release: Callable[[], None]) -> None:
+        self.header = header
+        self.layers = layers
+        self.pieces = pieces
+        self.size = sum(len(p) for p in pieces)
+        self._release: Callable[[], None] | None = release
+
+    def release(self) -> None:
+        release, self._release = self._release, None
+        if release is not None:
+            release()
+
+
+class PageReservation:
+    """Pages set aside for one frame (see PagedTier.reserve): fill `pieces` (writable views,
+    in frame order, `size` bytes in all), then `commit()` or `abort()`, exactly once. Until
+    then nobody else can see or reuse the pages."""
+
+    __slots__ = ("_done", "_pages", "_tier", "key", "pieces", "size")
+
+    def __init__(self, tier: PagedTier[Any], key: BlockKey, size: int, pages: list[int],
+                 pieces: list[memoryview]) -> None:
+        self.key = key
+        self.size = size
+        self.pieces = pieces
+        self._tier = tier
+        self._pages = pages
+        self._done = False
+
+    def commit(self, header: FrameHeader) -> bool:
+        """Publish the block (whose frame the caller has checked); False if the tier closed.
+        A block published meanwhile by a concurrent put wins, and this copy is dropped."""
+        if self._done:
+            raise TierError("reservation already finished")
+        self._done = True
+        return self._tier._publish_reserved(self.key, self._pages, self.size, header)
+
+    def abort(self) -> None:
+        """Give the pages back (idempotent; a no-op after commit)."""
+        if not self._done:
+            self._done = True
+            self._tier._release_reserved(self._pages)
 
 
 @dataclass(slots=True, eq=False)
@@ -71,7 +123,9 @@ class PagedTier(ABC, Generic[A]):
         self._pool: SlabPool[A] = SlabPool(byte_budget, self._new_arena, page_bytes=page_bytes,
                                            arena_bytes=arena_bytes)
         self._lock = threading.Lock()
-        self._index: OrderedDict[BlockKey, _Entry] = OrderedDict()  # LRU first, MRU last
+        # By key digest (bytes: hashed and compared in C; equal digests are equal keys, as in the
+        # nvme tier's index), LRU first, MRU last.
+        self._index: OrderedDict[bytes, _Entry] = OrderedDict()
         self._manifests: dict[SessionKey, SessionManifest] = {}
         self._closed = False
         self._hits = 0
@@ -89,13 +143,16 @@ class PagedTier(ABC, Generic[A]):
     def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
         with self._lock:
             self._check_open()
+            index = self._index
+            touch = index.move_to_end
             found = []
             for key in keys:
-                hit = key in self._index
+                digest = key.digest
+                hit = digest in index
                 if hit:
                     # A lookup usually precedes a load: keep what was just asked for from being
                     # the next victim.
-                    self._index.move_to_end(key)
+                    touch(digest)
                 found.append(hit)
             return found
 
@@ -105,11 +162,11 @@ class PagedTier(ABC, Generic[A]):
             raise DeadlineExceeded(f"{self._name}: deadline passed before the read")
         with self._lock:
             self._check_open()
-            entry = self._index.get(key)
+            entry = self._index.get(key.digest)
             if entry is None:
                 self._misses += 1
                 return None
-            self._index.move_to_end(key)
+            self._index.move_to_end(key.digest)
             entry.pins += 1
             self._hits += 1
         try:
@@ -128,6 +185,69 @@ class PagedTier(ABC, Generic[A]):
             with self._lock:
                 self._unpin(entry)
 
+    def borrow(self, key: BlockKey, layers: LayerRange | None = None) -> BorrowedBlock | None:
+        """Pin a block and lend views of the bytes of `layers` in its pages (no copy); None on a
+        miss or when this tier's pages are not host memory. Raises ValueError for a layer range
+        beyond the block. The caller verifies the bytes and must `release()` the result."""
+        with self._lock:
+            self._check_open()
+            entry = self._index.get(key.digest)
+            if entry is None:
+                self._misses += 1
+                return None
+            want = layers if layers is not None else entry.header.all_layers
+            start, stop = entry.header.span(want)  # ValueError: before anything is pinned
+            pieces = self._page_pieces(entry.pages, start, stop)
+            if pieces is None:
+                return None
+            pieces = [piece.toreadonly() for piece in pieces]  # lent to read, never to write
+            self._index.move_to_end(key.digest)
+            entry.pins += 1
+            self._hits += 1
+
+        def release() -> None:
+            with self._lock:
+                self._unpin(entry)
+
+        return BorrowedBlock(entry.header, want, pieces, release)
+
+    def reserve(self, key: BlockKey, size: int) -> PageReservation | None:
+        """Pages for a `size`-byte frame of `key`, to be filled in place (e.g. straight from a
+        socket) and then committed: a put without the copy out of a receive buffer. None when
+        the block is already present, the budget cannot take it (evicting as `put` would), or
+        the pages are not host memory; `put` then does what it does in those cases."""
+        if size <= 0:
+            return None
+        npages = self._pool.pages_for(size)
+        with self._lock:
+            self._check_open()
+            if key.digest in self._index:
+                return None
+            pages = self._reserve(npages)
+            if pages is None:
+                return None
+            pieces = self._page_pieces(pages, 0, size)
+            if pieces is None:
+                self._free_pages(pages)
+                return None
+        return PageReservation(self, key, size, pages, pieces)
+
+    def _publish_reserved(self, key: BlockKey, pages: list[int], size: int,
+                          header: FrameHeader) -> bool:
+        with self._lock:
+            if self._closed:
+                return False
+            if key.digest in self._index:  # a concurrent put of the same key published first
+                self._free_pages(pages)
+                return True
+            self._index[key.digest] = _Entry(pages, size, header)
+            self._puts += 1
+            return True
+
+    def _release_reserved(self, pages: list[int]) -> None:
+        with self._lock:
+            self._free_pages(pages)
+
     def put(self, key: BlockKey, frame: bytes | bytearray | memoryview) -> bool:
         src = byte_view(frame)
         # Parsing verifies the header checksum; segments are verified by readers, on every read.
@@ -139,8 +259,8 @@ class PagedTier(ABC, Generic[A]):
         npages = self._pool.pages_for(len(src))
         with self._lock:
             self._check_open()
-            if key in self._index:
-                self._index.move_to_end(key)
+            if key.digest in self._index:
+                self._index.move_to_end(key.digest)
                 return True
             pages = self._reserve(npages)
             if pages is None:
@@ -155,10 +275,10 @@ class PagedTier(ABC, Generic[A]):
         with self._lock:
             if self._closed:
                 return False
-            if key in self._index:  # a concurrent put of the same key published first
+            if key.digest in self._index:  # a concurrent put of the same key published first
                 self._free_pages(pages)
                 return True
-            self._index[key] = _Entry(pages, len(src), header)
+            self._index[key.digest] = _Entry(pages, len(src), header)
             self._puts += 1
             return True
 
@@ -167,7 +287,7 @@ class PagedTier(ABC, Generic[A]):
         with self._lock:
             self._check_open()
             for key in keys:
-                entry = self._index.pop(key, None)
+                entry = self._index.pop(key.digest, None)
                 if entry is None:
                     continue
                 removed += 1
@@ -261,6 +381,11 @@ class PagedTier(ABC, Generic[A]):
     @abstractmethod
     def _read_bytes(self, pages: Sequence[int], start: int, stop: int) -> bytes:
         """Frame bytes [start, stop) of a block stored in `pages`, as a fresh bytes object."""
+
+    def _page_pieces(self, pages: Sequence[int], start: int, stop: int
+                     ) -> list[memoryview] | None:
+        """Views of frame bytes [start, stop) in place, or None if pages are not host memory."""
+        return None
 
     def _page_runs(self, pages: Sequence[int], start: int, stop: int
                    ) -> list[tuple[int, int, int]]:

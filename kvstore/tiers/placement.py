@@ -31,13 +31,22 @@ def rank(key_digest: bytes, nodes: Iterable[str]) -> list[str]:
 
 def rank_many(key_digests: Iterable[bytes], nodes: Iterable[str], depth: int | None = None
               ) -> list[list[str]]:
-    """`rank` for many keys at once (seeds computed once): the first `depth` of each ranking."""
-    seeded = [(node_seed(n), n) for n in nodes]
+    """`rank` for many keys at once (seeds computed once): the first `depth` of each ranking.
+
+    Batched lookups rank 1,000 keys per call, so this is on the lookup's latency path: one
+    node needs no hashing at all, and the general case sorts the nodes by a key function
+    rather than building tuples (same order: the nodes start in descending id order and the
+    sort is stable, so ties still break by id, descending, as in `rank`).
+    """
+    ordered = sorted(nodes, reverse=True)
+    if len(ordered) <= 1:
+        return [ordered[:depth] for _ in key_digests]
+    seeds = {n: node_seed(n) for n in ordered}
     score = xxhash.xxh3_64_intdigest
     out = []
     for digest in key_digests:
-        scored = sorted(((score(digest, seed=s), n) for s, n in seeded), reverse=True)
-        out.append([n for _, n in scored[:depth]])
+        ranking = sorted(ordered, key=lambda n: score(digest, seed=seeds[n]), reverse=True)
+        out.append(ranking[:depth])
     return out
 
 

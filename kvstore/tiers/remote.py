@@ -87,6 +87,9 @@ class RemoteConfig:
     fanout_threads: int = 16
     min_bandwidth: float = 200e6
     """Bytes/s a put may assume at worst: a batch's deadline is call_timeout + bytes / this."""
+    data_plane: bool = True
+    """Move single blocks over the daemons' bulk data plane when they have one
+    (kvstore/dataplane.py); False keeps everything on gRPC."""
 
     def __post_init__(self) -> None:
         if self.replicas < 1 or self.extra_ranks < 0 or self.fanout_threads < 1:
@@ -161,6 +164,12 @@ class RemoteTier:
         with self._lock:
             return list(self._peers)
 
+    def data_plane_addresses(self) -> dict[str, str | None]:
+        """Per daemon, the bulk data plane address its blocks travel over (None: gRPC)."""
+        with self._lock:
+            peers = list(self._peers.items())
+        return {node: peer.client.data_plane_address for node, peer in peers}
+
     def placement(self, key: BlockKey | SessionKey) -> list[str]:
         """The daemons a read of `key` tries, best first (owners, then `extra_ranks` more)."""
         return rank(key.digest, self.members())[: self._config.replicas + self._config.extra_ranks]
@@ -172,21 +181,31 @@ class RemoteTier:
         deadline = time.monotonic() + self._config.lookup_timeout
         nodes = self.members()
         depth = self._config.replicas + self._config.extra_ranks
+        if len(nodes) == 1:
+            # One daemon: one call for every key, no ranking and no list per key (a batched
+            # lookup must not feed the garbage collector thousands of objects).
+            (node,) = nodes
+            if not self._usable(node):
+                return found
+            result = self._capture(self._lookup_call(node, list(keys), deadline))
+            return result if isinstance(result, list) else found
         candidates = rank_many([k.digest for k in keys], nodes, depth)
         tried = [0] * len(keys)
+        pending: Sequence[int] = range(len(keys))
         while True:
             # One round: every unresolved key asks its next usable candidate; batched per node.
             usable = {n: self._usable(n) for n in nodes}
             asks: dict[str, list[int]] = defaultdict(list)
-            for i, cands in enumerate(candidates):
-                if found[i]:
-                    continue
-                while tried[i] < len(cands):
-                    node = cands[tried[i]]
-                    tried[i] += 1
+            for i in pending:
+                cands = candidates[i]
+                t = tried[i]
+                while t < len(cands):
+                    node = cands[t]
+                    t += 1
                     if usable[node]:
                         asks[node].append(i)
                         break
+                tried[i] = t
             if not asks or time.monotonic() >= deadline:
                 return found
             calls = {node: self._lookup_call(node, [keys[i] for i in idx], deadline)
@@ -194,7 +213,9 @@ class RemoteTier:
             for node, result in self._fanout(calls).items():
                 if isinstance(result, list):
                     for i, hit in zip(asks[node], result, strict=True):
-                        found[i] = found[i] or hit
+                        if hit:
+                            found[i] = True
+            pending = [i for i in pending if not found[i] and tried[i] < len(candidates[i])]
 
     def get(self, key: BlockKey, layers: LayerRange | None = None, *,
             out: Buffer | None = None, deadline: float | None = None) -> BlockRead | None:
@@ -410,10 +431,14 @@ class RemoteTier:
                 elif members[node].started_at != peer.info.started_at:
                     peer.info = members[node]
                     peer.breaker.reset()  # a restarted daemon deserves a fresh try
+                    # ... and may listen on another data port.
+                    peer.client.set_data_address(members[node].data_address or None)
             for node, info in members.items():
                 if node not in self._peers:
                     self._peers[node] = _Peer(
-                        info, DaemonClient(node, info.address, token=cfg.token, tls=cfg.tls),
+                        info, DaemonClient(node, info.address, token=cfg.token, tls=cfg.tls,
+                                           data_address=info.data_address or None,
+                                           data_plane=cfg.data_plane),
                         CircuitBreaker(cfg.breaker_failures, cfg.breaker_cooldown,
                                        cfg.breaker_max_cooldown))
             retired = self._retired[:-16] if len(self._retired) > 16 else []

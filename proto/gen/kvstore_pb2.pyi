@@ -166,7 +166,7 @@ class TierStat(_message.Message):
     def __init__(self, name: _Optional[str] = ..., blocks: _Optional[int] = ..., bytes_used: _Optional[int] = ..., bytes_budget: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., puts: _Optional[int] = ..., rejected_puts: _Optional[int] = ..., corrupt: _Optional[int] = ..., errors: _Optional[int] = ...) -> None: ...
 
 class StatReply(_message.Message):
-    __slots__ = ("node_id", "draining", "blocks", "bytes_used", "bytes_budget", "put_bytes_received", "get_bytes_sent", "puts", "rejected_puts", "invalid_puts", "gets", "hits", "misses", "lookups", "repaired_blocks", "tiers")
+    __slots__ = ("node_id", "draining", "blocks", "bytes_used", "bytes_budget", "put_bytes_received", "get_bytes_sent", "puts", "rejected_puts", "invalid_puts", "gets", "hits", "misses", "lookups", "repaired_blocks", "tiers", "data_port", "pending_writes")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -183,6 +183,8 @@ class StatReply(_message.Message):
     LOOKUPS_FIELD_NUMBER: _ClassVar[int]
     REPAIRED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
+    PENDING_WRITES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     draining: bool
     blocks: int
@@ -199,4 +201,6 @@ class StatReply(_message.Message):
     lookups: int
     repaired_blocks: int
     tiers: _containers.RepeatedCompositeFieldContainer[TierStat]
-    def __init__(self, node_id: _Optional[str] = ..., draining: _Optional[bool] = ..., blocks: _Optional[int] = ..., bytes_used: _Optional[int] = ..., bytes_budget: _Optional[int] = ..., put_bytes_received: _Optional[int] = ..., get_bytes_sent: _Optional[int] = ..., puts: _Optional[int] = ..., rejected_puts: _Optional[int] = ..., invalid_puts: _Optional[int] = ..., gets: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., lookups: _Optional[int] = ..., repaired_blocks: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStat, _Mapping]]] = ...) -> None: ...
+    data_port: int
+    pending_writes: int
+    def __init__(self, node_id: _Optional[str] = ..., draining: _Optional[bool] = ..., blocks: _Optional[int] = ..., bytes_used: _Optional[int] = ..., bytes_budget: _Optional[int] = ..., put_bytes_received: _Optional[int] = ..., get_bytes_sent: _Optional[int] = ..., puts: _Optional[int] = ..., rejected_puts: _Optional[int] = ..., invalid_puts: _Optional[int] = ..., gets: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., lookups: _Optional[int] = ..., repaired_blocks: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStat, _Mapping]]] = ..., data_port: _Optional[int] = ..., pending_writes: _Optional[int] = ...) -> None: ...

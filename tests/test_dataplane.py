@@ -1,0 +1,612 @@
+"""The bulk data plane (kvstore/dataplane.py, kvstore/daemon/dataplane.py): its framing, real
+daemons serving it (round trips, layer ranges, auth, bad input, fallback to gRPC, draining), and
+a fuzzer: random, truncated and mutated requests never crash a daemon nor store anything."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from kvstore import dataplane as dp
+from kvstore.daemon.catalog import KeyCatalog
+from kvstore.daemon.config import DaemonConfig
+from kvstore.daemon.dataplane import DataPlaneServer
+from kvstore.daemon.service import KVStoreService
+from kvstore.dataplane import (
+    OP_GET,
+    OP_PUT,
+    REPLY_HEAD,
+    DataPlaneClient,
+    DataPlaneUnreachable,
+    Status,
+    decode_reply_head,
+    decode_request_head,
+    encode_reply,
+    encode_request,
+    error_for_status,
+    recv_exact,
+    recv_into_pieces,
+    send_parts,
+)
+from kvstore.errors import (
+    ConfigError,
+    CorruptBlock,
+    DeadlineExceeded,
+    TierError,
+    TierUnavailable,
+)
+from kvstore.frame import BlockRead, LayerRange
+from kvstore.keys import Namespace
+from kvstore.store import TieredStore
+from kvstore.tiers import daemon_client
+from kvstore.tiers.daemon_client import DaemonClient, translate_rpc_error
+from kvstore.tiers.discovery import DaemonInfo
+from kvstore.tiers.host import HostTier
+from kvstore.tiers.nvme import NvmeTier
+from kvstore.wire import MAX_FRAME_BYTES, Scope
+from tests.blockframes import FINGERPRINT, NAMESPACE, block_key, corrupt, make_frame
+from tests.daemon_process import DaemonProcess, start_daemon
+from tests.services import free_port
+
+T = 10.0
+TOKEN_A = "token-tenant-a-0123456789"
+TOKEN_B = "token-tenant-b-0123456789"
+SCOPE = Scope(FINGERPRINT.digest, NAMESPACE)
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
+    d = start_daemon(tmp_path_factory.mktemp("dataplane"), "dp")
+    try:
+        yield d
+    finally:
+        d.close_clients()
+        d.terminate()
+
+
+@pytest.fixture
+def client(daemon: DaemonProcess) -> DaemonClient:
+    return daemon.client()
+
+
+def data_address(daemon: DaemonProcess) -> str:
+    port = daemon.client().stat(timeout=T).data_port
+    assert port
+    return f"127.0.0.1:{port}"
+
+
+def exchange(address: str, payload: bytes, *, wait: float = 5.0) -> bytes:
+    """Send raw bytes, half-close, and read whatever comes back until the daemon closes."""
+    host, port = address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=wait) as sock:
+        with contextlib.suppress(OSError):
+            sock.sendall(payload)
+            sock.shutdown(socket.SHUT_WR)
+        chunks = []
+        with contextlib.suppress(OSError):
+            while chunk := sock.recv(1 << 16):
+                chunks.append(chunk)
+        return b"".join(chunks)
+
+
+def replies(raw: bytes) -> list[tuple[dp.Reply, bytes]]:
+    """Parse a byte stream of replies (message text included)."""
+    out = []
+    while raw:
+        head = decode_reply_head(raw[:REPLY_HEAD.size])
+        end = REPLY_HEAD.size + head.message_len + head.header_len + head.payload_len
+        out.append((head, raw[REPLY_HEAD.size: REPLY_HEAD.size + head.message_len]))
+        raw = raw[end:]
+    return out
+
+
+def put_request(key_i: int, frame: bytes, *, token: bytes = b"",
+                namespace: Namespace = NAMESPACE) -> bytes:
+    key = block_key(key_i, namespace)
+    scope = Scope(FINGERPRINT.digest, namespace)
+    return encode_request(OP_PUT, scope, key.block_hash, token, body_len=len(frame)) + frame
+
+
+# -- framing ---------------------------------------------------------------------------------
+
+
+def test_requests_round_trip_and_bad_heads_are_refused() -> None:
+    raw = encode_request(OP_GET, SCOPE, b"h" * 32, b"tok", layers=LayerRange(2, 5))
+    head = decode_request_head(raw[:dp.REQUEST_HEAD.size])
+    assert (head.op, head.token_len, head.hash_len, head.layers, head.body_len) == (
+        OP_GET, 3, 32, (2, 5), 0)
+    assert raw[dp.REQUEST_HEAD.size:] == b"tok" + b"tenant-a" + b"h" * 32
+    assert head.fingerprint == FINGERPRINT.digest
+    good = bytearray(encode_request(OP_PUT, SCOPE, b"h", b"", body_len=10)[:dp.REQUEST_HEAD.size])
+    decode_request_head(good)
+    for offset, value in [(0, ord("X")), (4, 2), (5, 9), (6, 0xFF), (11, 0x80), (12, 1),
+                          (10, 0), (10, 65)]:
+        bad = bytearray(good)
+        if offset == 6:  # token_len u16 over the limit
+            bad[6:8] = (dp.MAX_TOKEN_BYTES + 1).to_bytes(2, "little")
+        else:
+            bad[offset] = value
+        with pytest.raises(ValueError):
+            decode_request_head(bad)
+    with pytest.raises(ValueError):  # a GET with a body
+        decode_request_head(encode_request(OP_GET, SCOPE, b"h", b"", body_len=1)[:44])
+    with pytest.raises(ValueError):  # a PUT with a layer range
+        decode_request_head(encode_request(OP_PUT, SCOPE, b"h", b"", layers=LayerRange(0, 1),
+                                           body_len=1)[:44])
+
+
+def test_reply_heads_are_checked() -> None:
+    raw = encode_reply(Status.OK, result=True, header=b"H" * 7, layers=(1, 2), payload_len=9)
+    head = decode_reply_head(raw[:REPLY_HEAD.size])
+    assert (head.status, head.result, head.close, head.header_len, head.layers,
+            head.payload_len) == (0, True, False, 7, (1, 2), 9)
+    assert decode_reply_head(encode_reply(Status.UNAVAILABLE, close=True, message="m")[:32]).close
+    with pytest.raises(CorruptBlock):
+        decode_reply_head(encode_reply(Status.OK, payload_len=MAX_FRAME_BYTES + 1)[:32])
+    with pytest.raises(CorruptBlock):
+        decode_reply_head(b"XXXX" + raw[4:REPLY_HEAD.size])
+
+
+def test_refusals_map_to_the_same_errors_as_grpc() -> None:
+    class Rpc(grpc.RpcError):
+        def __init__(self, code: grpc.StatusCode) -> None:
+            self._code = code
+
+        def code(self) -> grpc.StatusCode:
+            return self._code
+
+        def details(self) -> str:
+            return "x"
+
+    for code in grpc.StatusCode:
+        if code.value[0] in Status.NAMES and code is not grpc.StatusCode.OK:
+            mine = error_for_status(code.value[0], "op", "x")
+            assert type(mine) is type(translate_rpc_error(Rpc(code), "op")), code
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=st.lists(st.integers(0, 70_000), min_size=1, max_size=8))
+def test_scatter_send_and_receive_move_every_byte_in_order(sizes: list[int]) -> None:
+    parts = [os.urandom(n) for n in sizes]
+    a, b = socket.socketpair()
+    try:
+        sender = threading.Thread(target=send_parts, args=(a, parts))
+        sender.start()
+        into = [memoryview(bytearray(n)) for n in reversed(sizes)]  # other boundaries
+        recv_into_pieces(b, into)
+        sender.join()
+        assert b"".join(bytes(p) for p in into) == b"".join(parts)
+        a.close()
+        with pytest.raises(ConnectionError):
+            recv_exact(b, memoryview(bytearray(1)))
+    finally:
+        a.close()
+        b.close()
+
+
+def test_daemon_info_carries_the_data_address() -> None:
+    info = DaemonInfo("n1", "h:1", 5.0, "h:2")
+    assert DaemonInfo.decode(info.encode()) == info
+    old = DaemonInfo("n1", "h:1", 5.0)
+    assert b"data_address" not in old.encode()
+    assert DaemonInfo.decode(old.encode()).data_address == ""
+    with pytest.raises(ConfigError):
+        DaemonInfo("n1", "h:1", 0.0, "nonsense")
+
+
+def test_data_listen_configuration(tmp_path: Path) -> None:
+    base = {"listen": "127.0.0.1:7000", "data_dir": tmp_path, "mem_budget": 1 << 20,
+            "disk_budget": 1 << 20, "node_id": "n"}
+    assert DaemonConfig(**base).data_bind() == ("127.0.0.1", 0)  # type: ignore[arg-type]
+    assert DaemonConfig(**base, data_listen="off").data_bind() is None  # type: ignore[arg-type]
+    fixed = DaemonConfig(**base, data_listen="127.0.0.1:7001", advertise="node7:7000")  # type: ignore[arg-type]
+    assert fixed.data_bind() == ("127.0.0.1", 7001)
+    assert fixed.advertised_data_address(7001) == "node7:7001"
+    tls = DaemonConfig(**base, tls_cert=tmp_path / "c", tls_key=tmp_path / "k")  # type: ignore[arg-type]
+    assert tls.data_bind() is None  # plain TCP is never opened beside TLS
+    with pytest.raises(ConfigError):  # no token file: loopback only, for the data plane too
+        DaemonConfig(**base, data_listen="0.0.0.0:7001")  # type: ignore[arg-type]
+
+
+# -- the server in this process ----------------------------------------------------------------
+
+
+@pytest.fixture
+def local_server(tmp_path: Path) -> Iterator[tuple[DataPlaneServer, str]]:
+    store = TieredStore([HostTier(64 << 20)])
+    catalog = KeyCatalog(tmp_path / "keys.log")
+    executor = ThreadPoolExecutor(2)
+    service = KVStoreService("local", store, catalog, tokens=None, executor=executor)
+    server = DataPlaneServer(service, "127.0.0.1", max_connections=1, request_timeout=2.0)
+    port = server.start()
+    try:
+        yield server, f"127.0.0.1:{port}"
+    finally:
+        server.stop(1.0)
+        store.close()
+        catalog.close()
+        executor.shutdown()
+
+
+def test_connections_over_the_limit_are_dropped_and_clients_can_fall_back(
+        local_server: tuple[DataPlaneServer, str]) -> None:
+    server, address = local_server
+    first, second = DataPlaneClient("l", address), DataPlaneClient("l", address)
+    key = block_key(3)
+    assert first.put(SCOPE, key.block_hash, make_frame(key), timeout=T)  # holds the one slot
+    with pytest.raises(DataPlaneUnreachable):
+        second.get(SCOPE, key.block_hash, timeout=T)
+    first.close()
+    deadline = time.monotonic() + 5
+    while server.connections and time.monotonic() < deadline:
+        time.sleep(0.01)
+    read = second.get(SCOPE, key.block_hash, timeout=T)
+    assert read is not None
+    read.verify()
+    second.close()
+
+
+def test_a_stopped_server_refuses_and_a_stalled_request_times_out(
+        local_server: tuple[DataPlaneServer, str]) -> None:
+    server, address = local_server
+    host, port = address.rsplit(":", 1)
+    key = block_key(4)
+    frame = make_frame(key)
+    with socket.create_connection((host, int(port)), timeout=T) as sock:
+        sock.sendall(put_request(4, frame)[:-10])  # and then nothing: the request times out
+        started = time.monotonic()
+        assert sock.recv(1) == b""  # closed by the daemon after its request timeout (2 s)
+        assert 1.5 < time.monotonic() - started < 10
+    c = DataPlaneClient("l", address)
+    assert c.get(SCOPE, key.block_hash, timeout=T) is None  # nothing of it was stored
+    server.stop(1.0)
+    with pytest.raises(TierUnavailable):
+        c.get(SCOPE, key.block_hash, timeout=T)
+    c.close()
+
+
+def test_a_corrupt_copy_in_ram_is_caught_by_the_client_and_dropped_by_the_daemon(
+        tmp_path: Path) -> None:
+    store = TieredStore([HostTier(64 << 20), NvmeTier(tmp_path / "nvme", 64 << 20)])
+    catalog = KeyCatalog(tmp_path / "keys.log")
+    executor = ThreadPoolExecutor(2)
+    service = KVStoreService("local", store, catalog, tokens=None, executor=executor)
+    server = DataPlaneServer(service, "127.0.0.1")
+    c = DataPlaneClient("l", f"127.0.0.1:{server.start()}")
+    try:
+        key = block_key(5)
+        frame = make_frame(key, layers=4, segment_bytes=100_000)
+        assert c.put(SCOPE, key.block_hash, frame, timeout=T)
+        assert store.flush(10)
+        host = store.tiers[0]
+        assert isinstance(host, HostTier)
+        entry = host._index[key.digest]  # white box: a bit flips in the daemon's RAM
+        host._page_views[entry.pages[-1]][7] ^= 0x10
+        bad = c.get(SCOPE, key.block_hash, timeout=T)
+        assert bad is not None
+        with pytest.raises(CorruptBlock):
+            bad.verify()  # what the remote tier does with every block
+        # The daemon checks a RAM block right after sending it (off the get's critical path),
+        # so its drop of the corrupt copy lands shortly after the client has the bytes.
+        deadline = time.monotonic() + 5.0
+        while host.contains([key]) != [False] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert host.contains([key]) == [False]  # the daemon dropped its RAM copy ...
+        good = c.get(SCOPE, key.block_hash, timeout=T)  # ... and serves the disk's
+        assert good is not None
+        good.verify()
+        assert good.to_frame() == frame
+        assert store.stats().corrupt >= 1
+    finally:
+        c.close()
+        server.stop(1.0)
+        store.close()
+        catalog.close()
+        executor.shutdown()
+
+
+# -- a real daemon -----------------------------------------------------------------------------
+
+
+def test_blocks_travel_over_the_data_plane(daemon: DaemonProcess, client: DaemonClient) -> None:
+    keys = [block_key(i) for i in range(10)]
+    frames = [make_frame(k, layers=4, segment_bytes=4096) for k in keys]
+    before = client.stat(timeout=T)
+    assert client.put(SCOPE, [(k.block_hash, f) for k, f in zip(keys, frames, strict=True)],
+                      timeout=T) == [True] * 10
+    assert client.data_plane_address == data_address(daemon)
+    for key, frame in zip(keys, frames, strict=True):
+        read = client.get(SCOPE, key.block_hash, timeout=T)
+        assert read is not None
+        read.verify()
+        read.verify_key(key.digest)
+        assert read.to_frame() == frame
+    assert client.get(SCOPE, block_key(999).block_hash, timeout=T) is None
+    after = client.stat(timeout=T)
+    assert after.puts - before.puts == 10
+    assert after.put_bytes_received - before.put_bytes_received == sum(map(len, frames))
+    assert (after.hits - before.hits, after.misses - before.misses) == (10, 1)
+
+
+def test_batches_are_pipelined_and_a_bad_block_spoils_only_itself(daemon: DaemonProcess,
+                                                                   client: DaemonClient) -> None:
+    keys = [block_key(i) for i in range(1000, 1600)]  # more than one window
+    frames = [make_frame(k, layers=2, segment_bytes=512) for k in keys]
+    assert client.put(SCOPE, [(k.block_hash, f) for k, f in zip(keys, frames, strict=True)],
+                      timeout=T) == [True] * len(keys)
+    assert client.lookup(SCOPE, [k.block_hash for k in keys], timeout=T) == [True] * len(keys)
+    c = DataPlaneClient("dp", data_address(daemon))
+    fresh = [block_key(i) for i in range(2000, 2010)]
+    batch = [(k.block_hash, make_frame(k)) for k in fresh]
+    batch[4] = (fresh[4].block_hash, corrupt(batch[4][1]))
+    with pytest.raises(TierError, match="INVALID_ARGUMENT"):
+        c.put_many(SCOPE, batch, timeout=T)
+    assert client.lookup(SCOPE, [k.block_hash for k in fresh], timeout=T) == [
+        i != 4 for i in range(10)]
+    assert c.get(SCOPE, fresh[0].block_hash, timeout=T) is not None  # still in step
+    c.close()
+
+
+def test_layer_range_reads_send_only_those_segments(client: DaemonClient) -> None:
+    key = block_key(20)
+    frame = make_frame(key, layers=8, segment_bytes=10_000)
+    assert client.put(SCOPE, [(key.block_hash, frame)], timeout=T) == [True]
+    before = client.stat(timeout=T).get_bytes_sent
+    read = client.get(SCOPE, key.block_hash, LayerRange(2, 5), timeout=T)
+    assert read is not None and read.layers == LayerRange(2, 5)
+    read.verify()
+    assert bytes(read.payload) == bytes(BlockRead.from_frame(frame, LayerRange(2, 5)).payload)
+    assert client.stat(timeout=T).get_bytes_sent - before == 30_000
+    # Beyond the block's layers: a miss (as over gRPC), never a partial answer.
+    assert client.get(SCOPE, key.block_hash, LayerRange(6, 12), timeout=T) is None
+
+
+def test_a_big_block_lands_in_the_callers_buffer(client: DaemonClient) -> None:
+    key = block_key(21)
+    frame = make_frame(key, layers=4, segment_bytes=5 << 20)  # 20 MiB, several MiB per layer
+    assert client.put(SCOPE, [(key.block_hash, frame)], timeout=T) == [True]
+    out = bytearray(len(frame))
+    read = client.get(SCOPE, key.block_hash, out=out, timeout=T)
+    assert read is not None
+    read.verify()
+    assert read.to_frame() == frame
+    payload = memoryview(read.payload)
+    assert payload.obj is out  # received straight into it
+    small = bytearray(10)  # too small: a buffer of its own
+    read = client.get(SCOPE, key.block_hash, out=small, timeout=T)
+    assert read is not None and read.to_frame() == frame
+
+
+def test_bad_puts_are_refused_and_store_nothing(daemon: DaemonProcess,
+                                                client: DaemonClient) -> None:
+    address = data_address(daemon)
+    key = block_key(30)
+    frame = make_frame(key, layers=4, segment_bytes=50_000)
+    cases = {
+        "corrupt segment": put_request(30, corrupt(frame)),
+        "another key's frame": put_request(31, frame),
+        "header of another size": put_request(30, frame + b"\0" * 100),
+        "shorter than a header prefix": put_request(30, b"KVKB"),
+    }
+    before = client.stat(timeout=T)
+    for name, request in cases.items():
+        # Two requests on one connection: the refused one is consumed whole, so the next
+        # request (a GET) is read in step and answered.
+        get = encode_request(OP_GET, SCOPE, key.block_hash, b"")
+        got = replies(exchange(address, request + get))
+        assert [r.status for r, _ in got] == [Status.INVALID_ARGUMENT, Status.OK], name
+        assert got[1][0].result is False, name  # and nothing was stored
+    assert client.lookup(SCOPE, [key.block_hash, block_key(31).block_hash],
+                         timeout=T) == [False, False]
+    after = client.stat(timeout=T)
+    assert after.puts == before.puts
+    assert after.invalid_puts - before.invalid_puts == len(cases)
+    # Framing errors and oversized frames: refused, and the daemon closes the connection.
+    over = encode_request(OP_PUT, SCOPE, key.block_hash, b"", body_len=MAX_FRAME_BYTES + 1)
+    for request, status in [(over, Status.RESOURCE_EXHAUSTED),
+                            (b"GET / HTTP/1.1\r\n" * 4, Status.INVALID_ARGUMENT)]:
+        got = replies(exchange(address, request + encode_request(OP_GET, SCOPE, b"h", b"")))
+        assert len(got) == 1 and got[0][0].status == status and got[0][0].close
+    # A client that dies mid-body leaves nothing behind, and the daemon carries on.
+    assert replies(exchange(address, put_request(30, frame)[:-1000])) == []
+    assert client.lookup(SCOPE, [key.block_hash], timeout=T) == [False]
+    assert client.put(SCOPE, [(key.block_hash, frame)], timeout=T) == [True]
+    assert client.health(timeout=T) == "SERVING"
+
+
+def test_auth_and_tenants_on_the_data_plane(tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"{TOKEN_A} tenant-a\n{TOKEN_B} tenant-b\n")
+    d = start_daemon(tmp_path, "sec", token_file=tokens)
+    try:
+        port = DaemonClient("sec", d.address, token=TOKEN_A).stat(timeout=T).data_port
+        address = f"127.0.0.1:{port}"
+        key = block_key(40)
+        frame = make_frame(key)
+        for token in (None, "not-a-token-at-all-000", TOKEN_B):
+            c = DataPlaneClient("sec", address, token=token)
+            with pytest.raises(ConfigError):
+                c.put(SCOPE, key.block_hash, frame, timeout=T)
+            with pytest.raises(ConfigError):
+                c.get(SCOPE, key.block_hash, timeout=T)
+            c.close()
+        owner = DaemonClient("sec", d.address, token=TOKEN_A)
+        assert owner.lookup(SCOPE, [key.block_hash], timeout=T) == [False]  # nothing stored
+        assert owner.put(SCOPE, [(key.block_hash, frame)], timeout=T) == [True]
+        assert owner.data_plane_address == address
+        read = owner.get(SCOPE, key.block_hash, timeout=T)
+        assert read is not None and read.to_frame() == frame
+        other = DaemonClient("sec", d.address, token=TOKEN_B)
+        with pytest.raises(ConfigError):
+            other.get(SCOPE, key.block_hash, timeout=T)
+        owner.close()
+        other.close()
+    finally:
+        d.terminate()
+
+
+def test_without_a_data_plane_everything_goes_over_grpc(tmp_path: Path) -> None:
+    d = start_daemon(tmp_path, "nodp", extra=["--data-listen", "off"])
+    try:
+        c = d.client()
+        assert c.stat(timeout=T).data_port == 0
+        key = block_key(50)
+        frame = make_frame(key)
+        assert c.put(SCOPE, [(key.block_hash, frame)], timeout=T) == [True]
+        read = c.get(SCOPE, key.block_hash, timeout=T)
+        assert read is not None and read.to_frame() == frame
+        assert c.data_plane_address is None
+    finally:
+        d.close_clients()
+        d.terminate()
+
+
+def test_an_unreachable_data_port_falls_back_to_grpc_then_recovers(
+        daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(daemon_client, "DATA_RETRY_S", 0.2)
+    c = DaemonClient("dp", daemon.address, data_address=f"127.0.0.1:{free_port()}")
+    try:
+        key = block_key(60)
+        frame = make_frame(key)
+        started = time.monotonic()
+        assert c.put(SCOPE, [(key.block_hash, frame)], timeout=T) == [True]  # via gRPC
+        read = c.get(SCOPE, key.block_hash, timeout=T)
+        assert read is not None and read.to_frame() == frame
+        assert time.monotonic() - started < 2.0
+        assert c.data_plane_address is None
+        c.set_data_address(None)  # e.g. the daemon re-registered: ask Stat
+        assert c.get(SCOPE, key.block_hash, timeout=T) is not None
+        assert c.data_plane_address == data_address(daemon)
+    finally:
+        c.close()
+
+
+def test_a_restarted_daemon_is_found_again(tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(daemon_client, "DATA_RETRY_S", 0.2)
+    d = start_daemon(tmp_path, "again")
+    try:
+        c = d.client()
+        key = block_key(70)
+        frame = make_frame(key)
+        assert c.put(SCOPE, [(key.block_hash, frame)], timeout=T) == [True]
+        first = c.data_plane_address
+        assert first is not None
+        assert d.terminate() == 0  # drained: the block is on disk
+        d.spawn()
+        d.wait_healthy()
+        # The pooled connection is dead and the port is new: this call still succeeds (gRPC).
+        read = c.get(SCOPE, key.block_hash, timeout=T)
+        assert read is not None and read.to_frame() == frame
+        time.sleep(0.3)
+        assert c.get(SCOPE, key.block_hash, timeout=T) is not None
+        assert c.data_plane_address not in (None, first)
+    finally:
+        d.close_clients()
+        d.terminate()
+
+
+def test_a_put_in_flight_at_sigterm_finishes_and_new_ones_are_refused(tmp_path: Path) -> None:
+    d = start_daemon(tmp_path, "drainer")
+    try:
+        address = data_address(d)
+        key = block_key(80)
+        frame = make_frame(key, layers=4, segment_bytes=1 << 20)
+        request = put_request(80, frame)
+        host, port = address.rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=T) as sock:
+            sock.sendall(request[: len(request) // 2])
+            time.sleep(0.2)  # the daemon is inside this request now
+            assert d.proc is not None
+            d.proc.send_signal(signal.SIGTERM)
+            time.sleep(0.3)
+            late = DataPlaneClient("drainer", address)
+            with pytest.raises(TierUnavailable):
+                late.put(SCOPE, block_key(81).block_hash, make_frame(block_key(81)), timeout=T)
+            late.close()
+            sock.sendall(request[len(request) // 2:])
+            got = replies(recv_all(sock))
+            assert [(r.status, r.result) for r, _ in got] == [(Status.OK, True)]
+        assert d.proc.wait(30) == 0
+        d.spawn()
+        d.wait_healthy()
+        c = d.client()
+        read = c.get(SCOPE, key.block_hash, timeout=T)
+        assert read is not None and read.to_frame() == frame
+        assert c.get(SCOPE, block_key(81).block_hash, timeout=T) is None
+    finally:
+        d.close_clients()
+        d.terminate()
+
+
+def recv_all(sock: socket.socket) -> bytes:
+    head = bytearray(REPLY_HEAD.size)
+    recv_exact(sock, memoryview(head))
+    reply = decode_reply_head(head)
+    rest = bytearray(reply.message_len + reply.header_len + reply.payload_len)
+    recv_exact(sock, memoryview(rest))
+    return bytes(head + rest)
+
+
+def test_a_call_past_its_deadline_raises_deadline_exceeded(daemon: DaemonProcess) -> None:
+    c = DataPlaneClient("dp", data_address(daemon))
+    key = block_key(90)
+    with pytest.raises(DeadlineExceeded):
+        c.put(SCOPE, key.block_hash, make_frame(key, segment_bytes=1 << 20), timeout=1e-6)
+    assert c.get(SCOPE, key.block_hash, timeout=T) is None  # the next call is in step
+    c.close()
+
+
+# -- fuzzing -----------------------------------------------------------------------------------
+
+
+def _valid_requests() -> list[bytes]:
+    key = block_key(100)
+    frame = make_frame(key, layers=3, segment_bytes=256)
+    return [put_request(100, frame),
+            encode_request(OP_GET, SCOPE, key.block_hash, b"", layers=LayerRange(0, 2)),
+            encode_request(OP_GET, SCOPE, key.block_hash, b"")]
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                  HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_fuzz_random_truncated_and_mutated_requests(daemon: DaemonProcess,
+                                                    data: st.DataObject) -> None:
+    address = data_address(daemon)
+    base = data.draw(st.sampled_from(_valid_requests()))
+    kind = data.draw(st.sampled_from(["random", "truncated", "mutated"]))
+    if kind == "random":
+        payload = data.draw(st.binary(max_size=300))
+    elif kind == "truncated":
+        payload = base[: data.draw(st.integers(0, len(base) - 1))]
+    else:
+        payload = bytearray(base)
+        for _ in range(data.draw(st.integers(1, 4))):
+            at = data.draw(st.integers(0, len(payload) - 1))
+            payload[at] ^= data.draw(st.integers(1, 255))
+        payload = bytes(payload)
+        assume(payload != base)  # two flips of one byte can cancel out
+    stat = DaemonClient("dp", daemon.address, data_plane=False)
+    try:
+        before = stat.stat(timeout=T)
+        for head, _ in replies(exchange(address, payload)):  # whatever it answers parses
+            assert head.status in Status.NAMES
+        after = stat.stat(timeout=T)
+        assert after.puts == before.puts, "a broken request stored something"
+        assert stat.lookup(SCOPE, [block_key(100).block_hash], timeout=T) == [False]
+        assert stat.health(timeout=T) == "SERVING"
+    finally:
+        stat.close()
