@@ -1,4 +1,4 @@
-"""A tiny random-weight Llama and its tokenizer, built locally with no downloads.
+"""A tiny Llama (random weights, or briefly trained) and its tokenizer, built locally.
 
 The demo and chaos runs need a model that `python -m vllm.entrypoints.openai.api_server`
 loads offline on a CPU in seconds. `build_tiny_llama(dir)` writes a Hugging Face model
@@ -11,6 +11,10 @@ The tokenizer is a BPE over a Metaspace pre-tokenizer trained on the licence tex
 valid text and decoding is plain concatenation: a stream resumed after any token reads the same.
 
 The test suite builds its engines' model with this same function (tests/models.py).
+
+`build_trained_tiny_llama(dir)` is the same model trained for a few hundred steps on that corpus
+(`deploy/local/training.py`, about 25 s on one CPU thread): what a lossy KV codec is judged on,
+since a random model's near-flat next-token distributions flip under any perturbation.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["TinyModel", "build_tiny_llama", "CHAT_TEMPLATE"]
+__all__ = ["TinyModel", "build_tiny_llama", "build_trained_tiny_llama", "CHAT_TEMPLATE",
+           "TRAINED_INIT_STD", "TRAINED_STEPS"]
 
 _LICENCES = Path("/usr/share/common-licenses")
 # A fallback corpus for machines without Debian's licence texts; enough for a 1k vocabulary.
@@ -32,6 +37,11 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
     "{% if add_generation_prompt %}<|assistant|> {% endif %}"
 )
+# The trained variant: 200 steps reach a held-out loss of ~4.0-4.2 nats (ln 1024 = 6.9 for a
+# uniform guess); 300 only overfit the small corpus (held-out loss rises again). It starts from
+# the usual 0.02 init: from 0.15 the same steps end at a held-out loss of 5.3.
+TRAINED_STEPS = 200
+TRAINED_INIT_STD = 0.02
 _SPECIAL = ["<unk>", "<s>", "</s>", "<pad>"]
 _ROLE_TOKENS = ["<|system|>", "<|user|>", "<|assistant|>"]
 
@@ -47,6 +57,10 @@ class TinyModel:
     heads: int
     kv_heads: int
     max_positions: int
+    # Set for a trained build (`train_steps` > 0): mean training loss over the last steps and
+    # the loss on held-out text, in nats per token. None for the random-weight model.
+    train_loss: float | None = None
+    heldout_loss: float | None = None
 
     @property
     def head_dim(self) -> int:
@@ -105,6 +119,7 @@ def build_tiny_llama(
     max_positions: int = 2048,
     init_std: float = 0.15,
     seed: int = 0,
+    train_steps: int = 0,
 ) -> TinyModel:
     """Write a tiny random Llama (weights, config, tokenizer) into `directory` and describe it.
 
@@ -113,6 +128,11 @@ def build_tiny_llama(
 
     `init_std` 0.15 keeps greedy output varied (the default 0.02 makes a random model repeat one
     token). `hidden // heads` must be a head size vLLM's CPU attention accepts (32, 64, ...).
+
+    `train_steps` > 0 then trains the random model on the tokenizer's corpus (held-out licences
+    excepted; `deploy/local/training.py`): a model with a trained LM's peaked next-token
+    distributions, which judging a lossy KV codec needs. Deterministic from `seed`. With the
+    default 0 the build (weights and stamp) is exactly the random model's of before.
     """
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -121,17 +141,25 @@ def build_tiny_llama(
     hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # no bar in the demo
 
     out = Path(directory)
-    args = {
+    args: dict[str, object] = {
         "layers": layers, "hidden": hidden, "heads": heads, "kv_heads": kv_heads,
         "intermediate": intermediate, "vocab_size": vocab_size, "max_positions": max_positions,
         "init_std": init_std, "seed": seed, "format": 1,
     }
+    if train_steps:
+        from deploy.local.training import RECIPE
+
+        # Only for trained builds: the random model's stamp stays as it was, and so do caches.
+        args["train_steps"] = train_steps
+        args["recipe"] = RECIPE
     stamp = out / "kvkeep-tiny.json"
     if stamp.exists():
         recorded = json.loads(stamp.read_text())
         if recorded.get("args") == args:
+            losses = recorded.get("training", {})
             return TinyModel(out, int(recorded["vocab"]), layers, hidden, heads, kv_heads,
-                             max_positions)
+                             max_positions, losses.get("final_loss"), losses.get("heldout_loss"))
+        stamp.unlink()  # a half-rewritten directory must not pass for the old build
     out.mkdir(parents=True, exist_ok=True)
     vocab = _build_tokenizer(out, vocab_size)
 
@@ -158,6 +186,23 @@ def build_tiny_llama(
                 continue  # RMSNorm weights stay 1
             param.normal_(0.0, init_std, generator=torch.Generator().manual_seed(
                 seed + sum(map(ord, name))))
+    record: dict[str, object] = {"args": args, "vocab": vocab}
+    trained: tuple[float | None, float | None] = (None, None)
+    if train_steps:
+        from deploy.local.training import train_llama
+
+        result = train_llama(model, out, steps=train_steps, seed=seed)
+        record["training"] = {
+            "final_loss": result.final_loss, "heldout_loss": result.heldout_loss,
+            "initial_heldout_loss": result.initial_heldout_loss,
+            "seconds": round(result.seconds, 2)}
+        trained = (result.final_loss, result.heldout_loss)
     model.save_pretrained(out, safe_serialization=True)
-    stamp.write_text(json.dumps({"args": args, "vocab": vocab}))
-    return TinyModel(out, vocab, layers, hidden, heads, kv_heads, max_positions)
+    stamp.write_text(json.dumps(record))  # last: a build cut short leaves no stamp
+    return TinyModel(out, vocab, layers, hidden, heads, kv_heads, max_positions, *trained)
+
+
+def build_trained_tiny_llama(directory: Path | str, *, seed: int = 0) -> TinyModel:
+    """The default tiny Llama trained for TRAINED_STEPS steps (cached like any build)."""
+    return build_tiny_llama(directory, init_std=TRAINED_INIT_STD, train_steps=TRAINED_STEPS,
+                            seed=seed)
