@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 from tests.services import EtcdServer, RedisServer, start_etcd, start_redis
+
+# On a noisy 2-core machine a per-example deadline measures the neighbours, not our code; and
+# in CI (CI=true) the examples are derandomized so that a red run can be reproduced exactly.
+settings.register_profile("dev", deadline=None)
+settings.register_profile("ci", deadline=None, derandomize=True)
+settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 
 def _has_cuda() -> bool:

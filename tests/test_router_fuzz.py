@@ -67,8 +67,9 @@ def test_random_bytes(http: httpx.Client, raw: bytes) -> None:
 @given(model=st.sampled_from([MODEL, "other", ""]) | json_scalars, prompt=prompts,
        stream=st.none() | st.booleans() | json_scalars, n=st.none() | st.integers(-1, 3),
        max_tokens=st.none() | st.integers(-2, 30) | st.text(max_size=3),
+       # Stripped: HTTP clients refuse to send a header value with outer whitespace at all.
        session=session_ids, header=st.none() | st.text(string.ascii_letters + string.digits
-                                                       + "._:-/ ", max_size=140),
+                                                       + "._:-/ ", max_size=140).map(str.strip),
        extra=st.dictionaries(st.text(max_size=10), json_values, max_size=3),
        chat=st.booleans())
 def test_structured_requests(http: httpx.Client, model: Any, prompt: Any, stream: Any, n: Any,
