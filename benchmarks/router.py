@@ -108,7 +108,13 @@ async def completions(request):
     ids = bool(body.get("return_token_ids"))
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await resp.prepare(request)
+    loop = asyncio.get_running_loop()
+    start = loop.time()
     for i in range(CHUNKS):
+        if i and INTERVAL:
+            # Chunk i is due at start + i * INTERVAL, like an engine's decode steps: a slow
+            # reader (or a CPU shared with the router) delays a chunk, not every later one.
+            await asyncio.sleep(max(0.0, start + i * INTERVAL - loop.time()))
         choice = {"index": 0, "text": " tok", "logprobs": None,
                   "finish_reason": "length" if i == CHUNKS - 1 else None, "stop_reason": None}
         if ids:
@@ -117,9 +123,8 @@ async def completions(request):
                 choice["prompt_token_ids"] = list(range(64))
         chunk = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "fake",
                  "choices": [choice]}
-        await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-        if INTERVAL:
-            await asyncio.sleep(INTERVAL)
+        await resp.write(b"data: " + json.dumps(chunk, separators=(",", ":")).encode()
+                         + b"\n\n")
     await resp.write(b"data: [DONE]\n\n")
     return resp
 app = web.Application()
@@ -186,20 +191,63 @@ async def _load(url: str, concurrency: int, total: int, session_ids: bool,
     return firsts, times
 
 
-def proxy_overhead(concurrency: int = 64, requests: int = 1280, chunks: int = 32,
-                   interval_ms: float = 10.0, rounds: int = 4) -> dict[str, Any]:
-    """Direct vs routed latency at `concurrency` open streams, alternating rounds so that the
-    machine's drift hits both paths alike.
+def _cpu_s(pid: int | None = None) -> float | None:
+    """CPU seconds (user + system) of process `pid`, or of the whole machine's busy time when
+    None; None where /proc is not available."""
+    tick = os.sysconf("SC_CLK_TCK")
+    try:
+        if pid is None:
+            with open("/proc/stat") as f:
+                fields = [int(x) for x in f.readline().split()[1:]]
+            return (sum(fields) - fields[3] - fields[4]) / tick  # all but idle and iowait
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read().rsplit(")", 1)[1].split()
+        return (int(stat[11]) + int(stat[12])) / tick
+    except (OSError, ValueError, IndexError):
+        return None
 
-    The fake worker paces its `chunks` chunks `interval_ms` apart (100 tokens/s per stream,
-    faster than real models decode); it has no compute, so all latency beyond the pacing is
-    HTTP and the router. The `*_ms_*` fields are the time to the last byte of a stream, the
-    `ttft_*` fields the time to its first chunk.
+
+class _CpuMeter:
+    """CPU used by the router, the fake worker, the load client (this process) and everything
+    else on the machine while one path is measured."""
+
+    def __init__(self, router: int, worker: int) -> None:
+        self.pids = {"router": router, "worker": worker, "client": os.getpid()}
+        self.used: dict[str, dict[str, float]] = {}
+        self.wall: dict[str, float] = {}
+
+    def measure(self, path: str, run: Any) -> Any:
+        before = {k: _cpu_s(p) for k, p in self.pids.items()} | {"machine": _cpu_s()}
+        start = time.monotonic()
+        result = run()
+        self.wall[path] = self.wall.get(path, 0.0) + time.monotonic() - start
+        used = self.used.setdefault(path, {})
+        for key, value in before.items():
+            now = _cpu_s(None if key == "machine" else self.pids[key])
+            if value is not None and now is not None:
+                used[key] = used.get(key, 0.0) + now - value
+        return result
+
+
+def proxy_overhead(concurrency: int = 64, requests: int = 1280, chunks: int = 32,
+                   interval_ms: float = 10.0, rounds: int = 8) -> dict[str, Any]:
+    """Direct vs routed latency at `concurrency` open streams, in alternating rounds (ABBA)
+    so that the machine's drift hits both paths alike; one client for both paths.
+
+    The fake worker sends its `chunks` chunks on a fixed schedule `interval_ms` apart (100
+    tokens/s per stream, faster than real models decode), like an engine whose decode steps do
+    not wait for the HTTP side: a chunk the router delays does not push back the later ones.
+    It has no compute, so all latency beyond the pacing is HTTP and the router. The `*_ms_*`
+    fields are the time to the last byte of a stream, the `ttft_*` fields the time to its first
+    chunk; `paired_*_delta_ms` the median over rounds of routed minus direct p50 in adjacent
+    rounds. `cpu` says what the router and the worker cost per request and how busy the rest of
+    the machine was (cores), since on a small shared machine that decides the figures.
     """
     fake_port, router_port = _free_port(), _free_port()
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     procs = [subprocess.Popen([sys.executable, "-c", _FAKE_SERVER, str(fake_port), str(chunks),
                                str(interval_ms / 1000)], env=env)]
+    load_before = os.getloadavg()
     try:
         _wait_http(f"http://127.0.0.1:{fake_port}/health")
         procs.append(subprocess.Popen(
@@ -208,24 +256,22 @@ def proxy_overhead(concurrency: int = 64, requests: int = 1280, chunks: int = 32
              "--worker", f"fake=http://127.0.0.1:{fake_port}"], env=env))
         _wait_http(f"http://127.0.0.1:{router_port}/health")
         _wait_models(f"http://127.0.0.1:{router_port}/v1/models")
-        direct_url = f"http://127.0.0.1:{fake_port}/v1/completions"
-        routed_url = f"http://127.0.0.1:{router_port}/v1/completions"
+        urls = {"direct": f"http://127.0.0.1:{fake_port}/v1/completions",
+                "routed": f"http://127.0.0.1:{router_port}/v1/completions"}
         stagger = chunks * interval_ms / 1000
-        asyncio.run(_load(direct_url, concurrency, concurrency * 2, False, stagger))  # warm-up
-        asyncio.run(_load(routed_url, concurrency, concurrency * 2, True, stagger))
-        d_first: list[float] = []
-        d_last: list[float] = []
-        r_first: list[float] = []
-        r_last: list[float] = []
-        for _ in range(rounds):
-            first, last = asyncio.run(_load(direct_url, concurrency, requests // rounds, False,
-                                            stagger))
-            d_first += first
-            d_last += last
-            first, last = asyncio.run(_load(routed_url, concurrency, requests // rounds, True,
-                                            stagger))
-            r_first += first
-            r_last += last
+        for path, url in urls.items():  # warm-up: connections, caches, the router's state
+            asyncio.run(_load(url, concurrency, concurrency * 2, path == "routed", stagger))
+        meter = _CpuMeter(procs[1].pid, procs[0].pid)
+        first: dict[str, list[float]] = {"direct": [], "routed": []}
+        last: dict[str, list[float]] = {"direct": [], "routed": []}
+        medians: dict[str, list[tuple[float, float]]] = {"direct": [], "routed": []}
+        for r in range(rounds):
+            for path in ("direct", "routed") if r % 4 in (0, 3) else ("routed", "direct"):
+                f, t = meter.measure(path, lambda p=path: asyncio.run(_load(
+                    urls[p], concurrency, requests // rounds, p == "routed", stagger)))
+                first[path] += f
+                last[path] += t
+                medians[path].append((statistics.median(t), statistics.median(f)))
     finally:
         for p in reversed(procs):
             p.send_signal(signal.SIGTERM)
@@ -233,6 +279,23 @@ def proxy_overhead(concurrency: int = 64, requests: int = 1280, chunks: int = 32
                 p.wait(10)
             if p.poll() is None:
                 p.kill()
+    d_first, d_last, r_first, r_last = first["direct"], last["direct"], first["routed"], \
+        last["routed"]
+    pairs = list(zip(medians["direct"], medians["routed"], strict=True))
+    cpu: dict[str, Any] = {"cores": os.cpu_count()}
+    for path, used in meter.used.items():
+        n = len(last[path])
+        if "router" in used and path == "routed":
+            cpu["router_ms_per_request"] = round(used["router"] * 1000 / n, 3)
+        for who in ("worker", "client"):
+            if who in used:
+                cpu[f"{who}_ms_per_request_{path}"] = round(used[who] * 1000 / n, 3)
+        if {"machine", "router", "worker", "client"} <= used.keys():
+            # Cores kept busy by other programs meanwhile (other jobs on a shared machine).
+            cpu[f"other_cores_busy_{path}"] = round(max(0.0, used["machine"] - used["router"]
+                                                        - used["worker"] - used["client"])
+                                                    / meter.wall[path], 2)
+    cpu["loadavg_1m"] = [round(load_before[0], 2), round(os.getloadavg()[0], 2)]
     return {"direct_ms_p50": round(statistics.median(d_last), 3),
             "routed_ms_p50": round(statistics.median(r_last), 3),
             "direct_ms_p99": round(_pct(d_last, 0.99), 3),
@@ -242,8 +305,11 @@ def proxy_overhead(concurrency: int = 64, requests: int = 1280, chunks: int = 32
             "routed_ttft_ms_p50": round(statistics.median(r_first), 3),
             "direct_ttft_ms_p99": round(_pct(d_first, 0.99), 3),
             "routed_ttft_ms_p99": round(_pct(r_first, 0.99), 3),
+            "paired_p50_delta_ms": round(statistics.median(r[0] - d[0] for d, r in pairs), 3),
+            "paired_ttft_p50_delta_ms": round(statistics.median(r[1] - d[1] for d, r in pairs),
+                                              3),
             "requests_per_path": len(d_last), "chunks_per_stream": chunks,
-            "chunk_interval_ms": interval_ms}
+            "chunk_interval_ms": interval_ms, "cpu": cpu}
 
 
 def _wait_models(url: str, timeout: float = 20.0) -> None:

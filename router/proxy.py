@@ -57,6 +57,8 @@ log = logging.getLogger(__name__)
 _JSON = {"Content-Type": "application/json"}
 _DUMPS = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
 _RETRYABLE_STATUS = frozenset({500, 502, 503, 504})
+_KEEP_ALIVE_WAIT_S = 1.0
+_KEEP_ALIVE_MAX_BYTES = 4096
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -288,11 +290,12 @@ class Proxy:
         await out.prepare(request)
         resumed_on: list[str] = []
         failed: str | None = None
+        end: list[bytes] = []  # the stream's last bytes, sent with its end in one write
         try:
             while True:
                 assert attempt.resp is not None
                 try:
-                    await pump(attempt.resp, out, state)
+                    end.append(await pump(attempt.resp, out, state))
                     break
                 except StreamBroken as exc:
                     log.warning("stream from %s broke after %d tokens: %s",
@@ -317,24 +320,26 @@ class Proxy:
                             "after_tokens": len(state.generated)}
                     await out.write(b": kvkeep " + _DUMPS(note).encode() + b"\n\n")
             if failed is not None:
-                await out.write(sse({"error": {"message": failed, "type": "upstream_error",
-                                               "param": None, "code": 502}}))
+                end.append(sse({"error": {"message": failed, "type": "upstream_error",
+                                          "param": None, "code": 502}}))
             else:
                 if creq.include_usage and not state.usage_sent and state.chunk_id is not None:
-                    await out.write(sse(state.usage_chunk()))
+                    end.append(sse(state.usage_chunk()))
                 summary = {"worker": attempt.placement.worker, "route": attempt.placement.label,
                            "resumed_on": resumed_on, "failover": bool(tried),
                            "completion_tokens": len(state.generated)}
-                await out.write(b": kvkeep " + _DUMPS(summary).encode() + b"\n\n")
+                end.append(b": kvkeep " + _DUMPS(summary).encode() + b"\n\n")
                 svc.remember_tokens(creq.session_id, state.prompt_ids, state.generated)
                 svc.settle(attempt.placement)
-            await out.write(b"data: [DONE]\n\n")
-            await out.write_eof()
+            end.append(b"data: [DONE]\n\n")
+            # One write (and one wake-up of the client) for the summary, [DONE] and the
+            # chunked-encoding terminator; the client's last byte is the stream's end.
+            await out.write_eof(b"".join(end))
         except (ConnectionResetError, asyncio.CancelledError):
             log.info("client left a stream from %s", attempt.placement.worker)
             raise
         finally:
-            self._release(attempt)
+            self._release(attempt, reuse=state.done)
         return out
 
     async def _open(self, creq: ClientRequest, tried: set[WorkerId], state: StreamState,
@@ -399,9 +404,16 @@ class Proxy:
         svc.scheduler.commit(route, placement.decision)
         return _Attempt(placement)
 
-    def _release(self, attempt: _Attempt) -> None:
-        if attempt.resp is not None:
-            attempt.resp.close()
+    def _release(self, attempt: _Attempt, *, reuse: bool = False) -> None:
+        """Free the worker's share of the load; close the worker's response, or with `reuse`
+        (it sent its [DONE]) let its connection go back to the pool once the response ends."""
+        resp = attempt.resp
+        if resp is not None:
+            if reuse and resp.connection is not None:
+                attempt.resp = None
+                self.service.background(_keep_alive(resp))
+            else:
+                resp.close()
         if not attempt.released:
             attempt.released = True
             self.service.pool.release(attempt.placement.worker, attempt.placement.route.tokens)
@@ -442,6 +454,24 @@ class Proxy:
         if creq.session_id is not None:
             headers["X-KVKeep-Session"] = creq.session_id
         return headers
+
+
+async def _keep_alive(resp: aiohttp.ClientResponse) -> None:
+    """Read a finished stream's last bytes (the chunked terminator that follows `[DONE]`) so
+    that its connection returns to the pool: closing it instead would cost the worker's next
+    request a new TCP connection. A worker that sends more, or nothing, loses the connection."""
+    try:
+        async with asyncio.timeout(_KEEP_ALIVE_WAIT_S):
+            left = _KEEP_ALIVE_MAX_BYTES
+            while left > 0 and (data := await resp.content.readany()):
+                left -= len(data)
+    except UPSTREAM_ERRORS:
+        pass
+    finally:
+        if resp.content.at_eof():
+            resp.release()
+        else:
+            resp.close()
 
 
 def build_app(service: RouterService) -> web.Application:

@@ -107,9 +107,11 @@ class RouterService:
             log.warning("no --etcd: in-process state, one router replica only (sessions and "
                         "workers are not shared and do not survive a restart)")
         await self.backend.start()
+        # Workers' cookies are not kept: one jar shared by every client would replay one
+        # client's cookies for all (and filtering it costs every request).
         self.http = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60),
-            auto_decompress=False,
+            auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar(),
         )
         # A stream may run for as long as it keeps producing; only silence breaks it. A unary
         # request is silent until its whole answer is ready, so it gets a total bound instead.

@@ -139,6 +139,7 @@ class WorkerPool:
     failure_threshold: int = 3
     suspect_s: float = 5.0
     _workers: dict[WorkerId, WorkerState] = field(default_factory=dict)
+    _models: frozenset[str] | None = None  # served models, until the next upsert or remove
 
     def __iter__(self) -> Iterator[WorkerState]:
         return iter(self._workers.values())
@@ -157,6 +158,7 @@ class WorkerPool:
 
     def upsert(self, info: WorkerInfo) -> WorkerState:
         """Add a worker or replace its registration, keeping its load and accounting."""
+        self._models = None
         state = self._workers.get(info.worker_id)
         if state is None:
             state = WorkerState(info)
@@ -168,13 +170,19 @@ class WorkerPool:
 
     def remove(self, worker_id: WorkerId) -> WorkerState | None:
         """Forget a worker (its lease expired or it deregistered)."""
+        self._models = None
         state = self._workers.pop(worker_id, None)
         if state is not None:
             state.alive = False
         return state
 
-    def models(self) -> set[str]:
-        return {m for s in self._workers.values() if s.alive for m in s.info.models}
+    def models(self) -> frozenset[str]:
+        """Models some registered worker serves (asked on every request: kept until the
+        workers change)."""
+        if self._models is None:
+            self._models = frozenset(m for s in self._workers.values() if s.alive
+                                     for m in s.info.models)
+        return self._models
 
     def update_load(self, worker_id: WorkerId, load: WorkerLoad) -> None:
         state = self._workers.get(worker_id)

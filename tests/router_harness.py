@@ -93,11 +93,13 @@ class FakeWorker:
     delay_s: float = 0.0  # between chunks
     stall_after: int | None = None  # go silent for `stall_s` after this many chunks (once)
     stall_s: float = 0.0
+    eof_delay_s: float = 0.0  # between a stream's [DONE] and the end of the response
     running: int = 0
     waiting: int = 0
     kv_usage: float = 0.0
     healthy: bool = True
     requests: list[dict[str, Any]] = field(default_factory=list)
+    peers: list[Any] = field(default_factory=list)  # the client address of each request
     port: int = 0
     _runner: web.AppRunner | None = None
 
@@ -153,6 +155,8 @@ class FakeWorker:
                                 ) -> web.StreamResponse:
         body = await request.json()
         self.requests.append(body)
+        self.peers.append(request.transport.get_extra_info("peername")
+                          if request.transport is not None else None)
         if self.status is not None:
             return web.json_response({"error": {"message": "injected", "type": "x",
                                                 "code": self.status}}, status=self.status)
@@ -237,6 +241,8 @@ class FakeWorker:
                                                      "completion_tokens": n,
                                                      "total_tokens": len(prompt) + n}})
             await resp.write(b"data: [DONE]\n\n")
+            if self.eof_delay_s:
+                await asyncio.sleep(self.eof_delay_s)
             await resp.write_eof()
         except ConnectionResetError:
             pass

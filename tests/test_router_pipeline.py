@@ -3,13 +3,19 @@ the policies, the prefix indexes and the parsers the proxy relies on."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import random
 import time
+from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvstore.errors import ConfigError
 from kvstore.keys import SessionId
+from router import streaming
 from router.api import ClientRequest, Endpoint, parse_request
 from router.config import parse_static_worker
 from router.context import DecisionContext
@@ -41,7 +47,7 @@ from router.scorers import (
     spread,
 )
 from router.scraper import parse_vllm_metrics
-from router.streaming import StreamState
+from router.streaming import StreamBroken, StreamState, pump
 from router.workers import WorkerId, WorkerInfo, WorkerLoad, WorkerPool, WorkerState
 
 W = WorkerId
@@ -437,6 +443,139 @@ def test_stream_state_tracks_strips_and_translates() -> None:
                                             "prompt_token_ids": [1]}]})
     assert c is not None and c["choices"][0]["token_ids"] == [3]
     assert c["choices"][0]["prompt_token_ids"] == [1]
+
+
+def _relayed(line: bytes, creq: ClientRequest, state: StreamState | None = None
+             ) -> tuple[list[bytes], StreamState]:
+    state = state or StreamState(creq)
+    state.chunk_id = state.chunk_id or "c"
+    batch: list[bytes] = []
+    streaming._relay_line(line, state, batch)
+    return batch, state
+
+
+def _events(batch: list[bytes]) -> list[Any]:
+    out = []
+    for b in batch:
+        assert b.endswith(b"\n\n") and b.count(b"\n") == 2  # one SSE event, no raw newline
+        out.append(json.loads(b[6:]) if b.startswith(b"data: {") or b.startswith(b"data: [")
+                   else b)
+    return out
+
+
+_json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2 ** 70), 2 ** 70)
+    | st.floats(allow_nan=False, allow_infinity=False) | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                max_size=4),
+    max_leaves=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(extra=st.dictionaries(st.text(max_size=8), _json_values, max_size=4),
+       text=st.text(), ids=st.lists(st.integers(0, 2 ** 31), max_size=3),
+       finish=st.none() | st.sampled_from(["length", "stop"]), wants=st.booleans())
+def test_relay_codecs_agree(extra: dict[str, Any], text: str, ids: list[int],
+                            finish: str | None, wants: bool) -> None:
+    """The fast codec (msgspec) and the json module relay any event alike: same JSON for the
+    client, same tokens kept."""
+    choice = {**extra, "index": 0, "text": text, "finish_reason": finish, "token_ids": ids}
+    line = b"data: " + json.dumps({**extra, "id": "x", "choices": [choice]}).encode()
+    creq = _creq(Endpoint.COMPLETIONS, wants_ids=wants)
+    fast, fs = _relayed(line, creq)
+    saved = streaming._CODECS
+    streaming._CODECS = (streaming._STD,)
+    try:
+        std, ss = _relayed(line, creq)
+    finally:
+        streaming._CODECS = saved
+    assert _events(fast) == _events(std)
+    assert (fs.generated, fs.finish_reason) == (ss.generated, ss.finish_reason) == (ids, finish)
+    assert ("token_ids" in _events(fast)[0]["choices"][0]) is wants
+
+
+def test_relay_odd_events() -> None:
+    creq = _creq(Endpoint.COMPLETIONS)
+    # Not JSON: passed through as it came. Beyond the fast codec (NaN, deep nesting): the json
+    # module's reading, as before.
+    assert _relayed(b"data: {oops", creq)[0] == [b"data: {oops\n\n"]
+    nan = _events(_relayed(b'data: {"id":"x","choices":[],"v":NaN}', creq)[0])[0]
+    assert nan["v"] != nan["v"]
+    deep = b"data: " + b"[" * 5000 + b"]" * 5000
+    assert len(_relayed(deep, creq)[0]) == 1
+    big = _events(_relayed(b'data: {"choices":[],"n":123456789012345678901234567890}',
+                           creq)[0])[0]
+    assert big["n"] == 123456789012345678901234567890
+    # Choices that are not objects do not break the relay.
+    assert _events(_relayed(b'data: {"choices":[1,null]}', creq)[0]) == [{"choices": [1, None]}]
+    with pytest.raises(StreamBroken):
+        _relayed(b'data: {"error":{"message":"engine dead"}}', creq)
+
+
+class _Content:
+    def __init__(self, reads: list[bytes]) -> None:
+        self.reads = reads
+
+    async def readany(self) -> bytes:
+        return self.reads.pop(0) if self.reads else b""
+
+
+class _Resp:
+    def __init__(self, reads: list[bytes]) -> None:
+        self.content = _Content(reads)
+
+
+class _Out:
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+
+    async def write(self, data: bytes) -> None:
+        self.writes.append(data)
+
+
+def _chunk(i: int, finish: str | None = None) -> bytes:
+    return b'data: {"id":"c","choices":[{"index":0,"text":"t%d","finish_reason":%s,' \
+           b'"token_ids":[%d]}]}\n\n' % (i, b'"%s"' % finish.encode() if finish else b"null", i)
+
+
+def test_pump_writes_each_read_at_once_and_returns_the_tail() -> None:
+    """Every complete event of a read goes out in one write before the next read; an event
+    split across reads waits for its end; the events read with [DONE] come back for the
+    proxy's final write."""
+    whole = _chunk(1) + _chunk(2)
+    reads = [whole, _chunk(3)[:20], _chunk(3)[20:] + b": comment\n\n",
+             _chunk(4, "length") + b"data: [DONE]\n\n", b"more after done"]
+    out, state = _Out(), StreamState(_creq(Endpoint.COMPLETIONS))
+    tail = asyncio.run(pump(_Resp(reads), out, state))  # type: ignore[arg-type]
+    assert len(out.writes) == 2
+    texts = [json.loads(e[6:])["choices"][0]["text"]
+             for w in [*out.writes, tail] for e in w.split(b"\n\n") if e]
+    assert texts == ["t1", "t2", "t3", "t4"]
+    assert out.writes[0].count(b"data: ") == 2 and b"t4" in tail and b"token_ids" not in tail
+    assert state.done and state.generated == [1, 2, 3, 4] and state.finish_reason == "length"
+
+
+def test_pump_break_delivers_what_came_before() -> None:
+    out, state = _Out(), StreamState(_creq(Endpoint.COMPLETIONS))
+    with pytest.raises(StreamBroken):
+        broken = _Resp([_chunk(1) + b'data: {"error":{"code":500}}\n\n'])
+        asyncio.run(pump(broken, out, state))  # type: ignore[arg-type]
+    assert len(out.writes) == 1 and b"t1" in out.writes[0] and state.generated == [1]
+    out, state = _Out(), StreamState(_creq(Endpoint.COMPLETIONS))
+    with pytest.raises(StreamBroken):  # closed before finishing
+        asyncio.run(pump(_Resp([_chunk(1)]), out, state))  # type: ignore[arg-type]
+
+
+def test_pool_models_follow_registrations() -> None:
+    pool = WorkerPool()
+    assert pool.models() == frozenset()
+    pool.upsert(WorkerInfo(W("a"), "http://a", ("m1",)))
+    assert pool.models() == {"m1"}
+    pool.upsert(WorkerInfo(W("b"), "http://b", ("m2",)))
+    pool.upsert(WorkerInfo(W("a"), "http://a", ("m3",)))
+    assert pool.models() == {"m2", "m3"}
+    pool.remove(W("b"))
+    assert pool.models() == {"m3"}
 
 
 # --- the policies under load (replay simulation) -----------------------------------------------

@@ -72,7 +72,7 @@ def reset(env: Env) -> Iterator[None]:
         fake.break_after = fake.status = fake.stall_after = None
         fake.running = fake.waiting = 0
         fake.kv_usage = 0.0
-        fake.delay_s = 0.0
+        fake.delay_s = fake.eof_delay_s = 0.0
         fake.healthy = True
     assert env.router.service is not None
     for state in env.router.service.pool:
@@ -256,6 +256,23 @@ def test_stream_passthrough(env: Env, chat: bool) -> None:
     assert events[-1]["usage"]["completion_tokens"] == 8
     summary = json.loads(comments[-1].split(" ", 2)[2])
     assert summary["worker"] == r.headers["X-KVKeep-Worker"] and summary["resumed_on"] == []
+
+
+def test_streams_reuse_worker_connections(env: Env) -> None:
+    """A finished stream's connection to the worker goes back to the pool, even when the end
+    of the response comes after the [DONE] the client has already been answered with:
+    sequential streams of one session share one connection instead of paying a new one each."""
+    worker = env.fakes[env.http.post("/v1/completions", headers={"X-Session-Id": "reuse"},
+                                     json={"model": MODEL, "prompt": "r", "max_tokens": 1}
+                                     ).headers["X-KVKeep-Worker"]]
+    worker.eof_delay_s = 0.02
+    before = len(worker.peers)
+    for _ in range(6):
+        r = env.http.post("/v1/completions", headers={"X-Session-Id": "reuse"},
+                          json={"model": MODEL, "prompt": "r", "max_tokens": 3, "stream": True})
+        assert sse_events(r.text)[0][-1]["choices"][0]["finish_reason"] == "length"
+        time.sleep(0.05)  # the terminator after [DONE] is read in the background
+    assert len(set(worker.peers[before:])) <= 2
 
 
 @pytest.mark.parametrize("chat", [False, True])
