@@ -344,7 +344,10 @@ def test_unresumable_stream_break_ends_with_error_event(env: Env) -> None:
                       json={"model": MODEL, "prompt": "q", "max_tokens": 20, "stream": True,
                             "logprobs": 1})
     events, _ = sse_events(r.text)
-    assert events[-1]["error"]["code"] == 502 and len(events) == 4
+    # The fake worker drops its connection right after its third chunk, which may take that
+    # chunk with it: up to three chunks, then the error event, and nothing invented.
+    assert events[-1]["error"]["code"] == 502 and 1 <= len(events) <= 4
+    assert all("error" not in e for e in events[:-1])
 
 
 def test_stream_falls_back_before_it_starts(env: Env) -> None:
