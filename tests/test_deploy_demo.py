@@ -5,34 +5,13 @@ The demo's own checks decide; this test reads its JSON summary and its exit stat
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.deploy_cli import run_cli
+
 pytestmark = pytest.mark.slow
-REPO = Path(__file__).resolve().parents[1]
-
-
-def _run_cli(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
-    """`kvkeep ARGS` in a subprocess. On timeout it gets SIGTERM first, so that it stops the
-    cluster it started (its children live in their own process groups), then SIGKILL."""
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", *args], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.terminate()
-        try:
-            out, err = proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, err = proc.communicate()
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -45,7 +24,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.timeout(400)
 def test_demo_passes_every_check(model_dir: Path, tmp_path: Path) -> None:
     summary = tmp_path / "demo.json"
-    done = _run_cli(
+    done = run_cli(
         ["demo", "--json", str(summary),
          "--model-dir", str(model_dir)],
         timeout=320)

@@ -21,25 +21,16 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from deploy.local.engines import vllm_env as local_vllm_env
 from tests.services import free_port
 
 __all__ = ["VllmServer", "start_vllm", "vllm_env", "running_vllm"]
 
 
 def vllm_env(**extra: str) -> dict[str, str]:
-    """The environment vLLM needs on these machines (offline, one thread, fixed hash seed)."""
-    env = dict(os.environ)
-    env.update({
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "VLLM_NO_USAGE_STATS": "1",
-        "DO_NOT_TRACK": "1",
-        "OMP_NUM_THREADS": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        # vLLM seeds its block-hash chain from PYTHONHASHSEED: fixed, workers agree.
-        "PYTHONHASHSEED": "0",
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    })
+    """The environment vLLM needs on these machines: the one the local cluster uses
+    (offline, one thread, fixed hash seed; see `deploy.local.engines.vllm_env`), plus `extra`."""
+    env = local_vllm_env(Path(__file__).resolve().parents[1])
     env.update(extra)
     return env
 
