@@ -484,7 +484,7 @@ def test_an_unreachable_data_port_falls_back_to_grpc_then_recovers(
         assert c.put(SCOPE, [(key.block_hash, frame)], timeout=T) == [True]  # via gRPC
         read = c.get(SCOPE, key.block_hash, timeout=T)
         assert read is not None and read.to_frame() == frame
-        assert time.monotonic() - started < 2.0
+        assert time.monotonic() - started < T / 2  # a refused dial, not a timed-out call
         assert c.data_plane_address is None
         c.set_data_address(None)  # e.g. the daemon re-registered: ask Stat
         assert c.get(SCOPE, key.block_hash, timeout=T) is not None

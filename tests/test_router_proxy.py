@@ -315,14 +315,14 @@ def test_hung_worker_stream_resumes_after_idle_timeout(env: Env) -> None:
     r0 = env.http.post("/v1/completions", headers={"X-Session-Id": "hung"},
                        json={"model": MODEL, "prompt": "h", "max_tokens": 1})
     first = r0.headers["X-KVKeep-Worker"]
-    env.fakes[first].stall_after, env.fakes[first].stall_s = 5, 3.0  # silent > 1 s idle limit
+    env.fakes[first].stall_after, env.fakes[first].stall_s = 5, 8.0  # silent > 1 s idle limit
     started = time.monotonic()
     r = env.http.post("/v1/completions", headers={"X-Session-Id": "hung"},
                       json={"model": MODEL, "prompt": "h", "max_tokens": 20, "stream": True})
     events, comments = sse_events(r.text)
     assert stream_text(events, False) == text_of(fake_generate(fake_tokenize("h"), 20))
     assert json.loads(comments[0].split(" ", 2)[2])["after_tokens"] == 5
-    assert time.monotonic() - started < 2.5
+    assert time.monotonic() - started < 6.0  # resumed after the idle limit, not the stall
 
 
 def test_client_leaving_mid_stream_frees_the_worker(env: Env) -> None:
@@ -425,11 +425,11 @@ def test_failover_after_worker_death(env: Env) -> None:
     env.a.healthy = False
     died = time.monotonic()
     took = wait_until(lambda: "a" not in {w["id"] for w in env.http.get("/kvkeep/workers").json()})
-    assert took <= 1.0 + 1.0
+    assert took <= 1.0 + 3.0  # the TTL, plus slack for a loaded machine
     moved = [s for s in sids if homes[s] == "a"]
     wait_until(lambda: all(env.http.get(f"/kvkeep/sessions/{s}").json()["worker"] == "b"
                            for s in moved))
-    assert time.monotonic() - died <= 1.0 + 1.0
+    assert time.monotonic() - died <= 1.0 + 3.0
     for sid in moved:
         r = env.http.post("/v1/completions", headers={"X-Session-Id": sid},
                           json={"model": MODEL, "prompt": "p", "max_tokens": 1})

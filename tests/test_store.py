@@ -265,7 +265,7 @@ def test_deadline_passed_between_tiers_is_a_miss() -> None:
         fast.put(key, make_frame(key))
         started = time.monotonic()
         assert store.get(key) is None  # the slow tier used up the deadline
-        assert time.monotonic() - started < 1.0
+        assert time.monotonic() - started < 5.0  # not a hang: the lower tier was not asked
         assert sample(store, "deadline_misses_total") == 1
         assert store.get(key, deadline=time.monotonic() + 5) is not None
     finally:
@@ -297,7 +297,7 @@ def test_full_queue_drops_the_write_behind_without_blocking() -> None:
         keys = [block_key(i) for i in range(8)]
         started = time.monotonic()
         assert all(store.put(key, make_frame(key)) for key in keys)
-        assert time.monotonic() - started < 2.0
+        assert time.monotonic() - started < 10.0  # the gate never opens: a block would hang
         assert upper.contains(keys) == [True] * 8
         # One job is in the writer's hands, two wait in the queue, the rest were dropped.
         assert store.stats().write_behind_dropped >= 5

@@ -382,6 +382,12 @@ class RemoteTier:
                               c.get("rejected_puts", 0), c.get("corrupt", 0), c.get("errors", 0),
                               c.get("repairs", 0), c.get("skipped", 0))
 
+    def breaker_states(self) -> dict[str, str]:
+        """Per registered daemon, its circuit breaker's state: closed, open or half_open."""
+        with self._lock:
+            peers = list(self._peers.items())
+        return {node: peer.breaker.state for node, peer in peers}
+
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for background writes (ack=one copies, read repairs); False on timeout."""
         end = None if timeout is None else time.monotonic() + timeout
