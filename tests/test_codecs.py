@@ -271,7 +271,11 @@ def test_device_path_simulated_on_cpu(codec: RawCodec | Int8Codec, dtype: DType,
     monkeypatch.setattr(base, "is_device_tensor", on_device)
     monkeypatch.setattr(int8, "is_device_tensor", on_device)
     dev_bytes = bytes(codec.encode(t).data)
-    assert bytes(codec.encode_many([t, t]).data[1]) == dev_bytes
+    # A block on one device is encoded in one batch: the same bytes as layer by layer.
+    layers = [t, (t * 0.5).to(t.dtype), -t, torch.zeros_like(t)]
+    many = codec.encode_many(layers)
+    assert [bytes(d) for d in many.data] == [bytes(codec.encode(x).data) for x in layers]
+    assert bytes(many.data[0]) == dev_bytes
     if codec is RAW:
         assert dev_bytes == host_bytes
     else:  # same scales; values within one level (rounding ties may differ)
@@ -321,6 +325,11 @@ def test_cuda_tensors_quantize_on_the_device(dtype: DType) -> None:
         step = host.double().abs().amax(dim=-1, keepdim=True) / 127
         assert torch.all((back.cpu().double() - host.double()).abs()
                          <= step * 1.01 + host.double().abs() * 2.0**-7)
+        # A block's layers, encoded on the GPU in one batch: the bytes of layer-by-layer.
+        layers = [gpu, gpu * 0.25, -gpu]
+        many = codec.encode_many(layers)
+        singles = [bytes(codec.encode(x).data) for x in layers]
+        assert [bytes(d) for d in many.data] == singles
 
 
 # ------------------------------------------------------------------------- outputs and inputs

@@ -92,6 +92,14 @@ class Int8Codec(BaseCodec):
 
         torch.from_numpy(dest).copy_(torch_ops.quantize(x))
 
+    def _encode_device_many(self, layers: Sequence[torch.Tensor], dest: Array) -> None:
+        import torch
+
+        from kvstore.codecs import torch_ops
+
+        torch.from_numpy(dest).copy_(torch_ops.quantize_many(torch.stack([x.detach()
+                                                                          for x in layers])))
+
     def _decode_host(self, data: Buffer | Array, rows: Array, dtype: DType) -> None:
         count, width = rows.shape
         scales = np.frombuffer(data, np.float32, count=count)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -35,6 +36,12 @@ class RawCodec(BaseCodec):
         import torch
 
         torch.from_numpy(dest).copy_(x.detach().contiguous().reshape(-1).view(torch.uint8))
+
+    def _encode_device_many(self, layers: Sequence[torch.Tensor], dest: Array) -> None:
+        import torch
+
+        block = torch.stack([x.detach() for x in layers]).reshape(len(layers), -1)
+        torch.from_numpy(dest).copy_(block.view(torch.uint8))
 
     def _decode_host(self, data: Buffer | Array, rows: Array, dtype: DType) -> None:
         np.copyto(rows.reshape(-1).view(np.uint8), np.frombuffer(data, np.uint8))

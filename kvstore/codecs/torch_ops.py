@@ -15,7 +15,7 @@ import torch
 from kvstore.codecs.kernels import TINY_ABSMAX
 from kvstore.errors import CodecError
 
-__all__ = ["quantize", "dequantize"]
+__all__ = ["quantize", "quantize_many", "dequantize"]
 
 
 def quantize(x: torch.Tensor) -> torch.Tensor:
@@ -24,8 +24,18 @@ def quantize(x: torch.Tensor) -> torch.Tensor:
     Layout (as the int8 codec stores it): R float32 scales, then R x E int8 values. Packing both
     into one tensor makes the trip to host a single copy.
     """
-    rows = x.detach().reshape(-1, x.shape[-1]).float()
-    absmax = rows.abs().amax(dim=1)
+    return quantize_many(x.detach().reshape(1, -1, x.shape[-1]))[0]
+
+
+def quantize_many(layers: torch.Tensor) -> torch.Tensor:
+    """Quantize L stacked layers [L, ..., E]; returns [L, segment bytes] uint8, one row each.
+
+    One set of kernels for a whole block: on a GPU each launch costs microseconds, so a block of
+    32 layers quantized layer by layer is bound by launches, not by memory bandwidth.
+    """
+    count = layers.shape[0]
+    rows = layers.detach().reshape(count, -1, layers.shape[-1]).float()
+    absmax = rows.abs().amax(dim=2)
     if not bool(torch.isfinite(absmax).all()):
         raise CodecError("int8 cannot encode inf or NaN")
     keep = absmax >= TINY_ABSMAX
@@ -36,8 +46,9 @@ def quantize(x: torch.Tensor) -> torch.Tensor:
     scale = torch.where(torch.isinf(scale * 127.0), torch.nextafter(scale, torch.zeros_like(scale)),
                         scale)
     inv = torch.where(keep, 127.0 / safe, torch.zeros_like(absmax))
-    q = torch.round(rows * inv[:, None]).clamp_(-127, 127).to(torch.int8)
-    return torch.cat([scale.view(torch.uint8), q.view(-1).view(torch.uint8)])
+    q = torch.round(rows * inv[..., None]).clamp_(-127, 127).to(torch.int8)
+    return torch.cat([scale.contiguous().view(torch.uint8),
+                      q.reshape(count, -1).view(torch.uint8)], dim=1)
 
 
 def dequantize(segment: torch.Tensor, out: torch.Tensor) -> None:
