@@ -97,6 +97,8 @@ class FakeWorker:
     running: int = 0
     waiting: int = 0
     kv_usage: float = 0.0
+    cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens of a non-stream answer
+    returned_params: dict[str, Any] | None = None  # kv_transfer_params a connector would return
     healthy: bool = True
     requests: list[dict[str, Any]] = field(default_factory=list)
     peers: list[Any] = field(default_factory=list)  # the client address of each request
@@ -188,7 +190,9 @@ class FakeWorker:
                 "created": 1, "model": self.model, "choices": [choice],
                 "usage": {"prompt_tokens": len(prompt), "completion_tokens": n,
                           "total_tokens": len(prompt) + n,
-                          "prompt_tokens_details": {"cached_tokens": 0}}}
+                          "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}}
+            if self.returned_params is not None:
+                out["kv_transfer_params"] = self.returned_params
             if chat and ids:
                 out["prompt_token_ids"] = prompt
             return web.json_response(out)

@@ -72,6 +72,9 @@ def test_restore_after_prefix_cache_reset(tiny: TinyModel, lookup: str,
         second = generate(llm, PROMPTS, MAX_TOKENS)
         _check_identical(second, PROMPTS, reference)
         assert [r.num_cached_tokens for r in second] == [expected_restore(p) for p in PROMPTS]
+        assert all(r.kv_transfer_params is None for r in first)  # nothing restored, no session
+        assert [(r.kv_transfer_params or {}).get("restored_tokens") for r in second] == [
+            expected_restore(p) for p in PROMPTS]
 
         worker = worker_connector().counters()
         assert worker["loaded_blocks"] == sum(expected_restore(p) for p in PROMPTS) // BLOCK_SIZE

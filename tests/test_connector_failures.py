@@ -84,6 +84,9 @@ def test_corrupt_and_vanished_blocks_are_recomputed(tiny: TinyModel, tmp_path: P
         assert counters["store_corrupt"] == 1  # ... and says which one was corrupt
         # The third prompt was untouched and fully restored.
         assert results[2].num_cached_tokens == (len(PROMPTS[2]) - 1) // BLOCK_SIZE * BLOCK_SIZE
+        # Each request says how much came from the store: up to its first damaged block.
+        restored = [(r.kv_transfer_params or {}).get("restored_tokens", 0) for r in results]
+        assert restored == [1 * BLOCK_SIZE, 2 * BLOCK_SIZE, results[2].num_cached_tokens]
 
         # The damaged blocks were recomputed and saved again: a third pass restores everything.
         llm.reset_prefix_cache()

@@ -13,6 +13,7 @@ import pytest
 from connectors.vllm.config import ConnectorConfig
 from connectors.vllm.metadata import (
     BlockRun,
+    LoadReport,
     LoadSpec,
     SaveReport,
     SaveSpec,
@@ -24,6 +25,7 @@ from connectors.vllm.scheduler import SchedulerSide
 from connectors.vllm.stats import Counters
 from kvstore.errors import ConfigError, InvalidKey
 from kvstore.keys import ModelFingerprint
+from tests.blockframes import block_key
 
 BS = 32
 
@@ -111,6 +113,28 @@ def test_worker_reports_aggregate_failure_wins() -> None:
     assert {(s.index, s.ok) for s in merged.saves} == {(0, False), (1, True)}
 
 
+def test_load_reports_count_the_run_before_the_first_failure() -> None:
+    from connectors.vllm.worker import _load_reports, _LoadJob
+
+    keys = [block_key(i) for i in range(7)]
+    # r1 loads its blocks 2-5 into paged blocks 10-13, r2 its blocks 0-2 into 20-22.
+    job = _LoadJob([(10 + i, keys[i]) for i in range(4)] + [(20 + i, keys[4 + i])
+                                                            for i in range(3)],
+                   {**{10 + i: ("r1", 2 + i) for i in range(4)},
+                    **{20 + i: ("r2", i) for i in range(3)}}, ("r1", "r2"), 0.0, 2)
+    job.fail(12, "load_corrupt")  # r1's block 4: vLLM recomputes 4 and 5, keeps 2 and 3
+    job.fail(13, "load_missing")
+    assert set(_load_reports(job)) == {LoadReport("r1", 2, 4, 2), LoadReport("r2", 0, 3, 3)}
+    job.fail(20, "load_late")
+    assert LoadReport("r2", 0, 3, 0) in _load_reports(job)
+    # With tensor parallelism a block is restored only where every rank loaded it.
+    a = WorkerReport(loads=(LoadReport("r1", 2, 4, 4), LoadReport("r2", 0, 3, 3)))
+    b = WorkerReport(loads=(LoadReport("r1", 2, 4, 1),))
+    merged = a.aggregate(b)
+    assert isinstance(merged, WorkerReport)
+    assert set(merged.loads) == {LoadReport("r1", 2, 4, 1), LoadReport("r2", 0, 3, 3)}
+
+
 # -- scheduler half, on scripted steps ---------------------------------------------------------
 
 @dataclass
@@ -148,11 +172,12 @@ class FakeStore:
         self.manifests.append(manifest)
 
 
-def _side(store: FakeStore, **extra: Any) -> SchedulerSide:
+def _side(store: FakeStore, event_medium: str | None = None, **extra: Any) -> SchedulerSide:
     config = ConnectorConfig.from_extra({"store": {"host_bytes": 1}, **extra})
     fp = ModelFingerprint("m", "w", "bfloat16", 2, 2, 32, BS, "cpu/tnhd", config.codec)
     return SchedulerSide(config=config, fingerprint=fp, store=store,  # type: ignore[arg-type]
-                         block_size=BS, num_layers=2, counters=Counters())
+                         block_size=BS, num_layers=2, counters=Counters(),
+                         event_medium=event_medium)
 
 
 def _blocks(ids: list[int]) -> Any:
@@ -182,6 +207,39 @@ def _saved(side: SchedulerSide, meta: StepMetadata, ok: bool = True) -> None:
     side.update_connector_output(SimpleNamespace(  # type: ignore[arg-type]
         kv_connector_worker_meta=WorkerReport(reports), finished_sending=None,
         finished_recving=None))
+
+
+def test_confirmed_saves_are_announced_as_kv_events() -> None:
+    """Each growth of a request's saved prefix becomes one BlockStored for the whole prefix;
+    unconfirmed or failed saves announce nothing; without a medium nothing is collected."""
+    from vllm.distributed.kv_events import BlockStored
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    side = _side(FakeStore(), event_medium="KVKEEP_SHARED")
+    req = FakeRequest("a", list(range(3 * BS + 5)), 3 * BS + 5)
+    side.get_num_new_matched_tokens(req, 0)  # type: ignore[arg-type]
+    meta = side.build_connector_meta(_step(new=[(req, [1, 2, 3, 4], 3 * BS + 5)]))
+    assert side.take_events() == []  # planned is not saved
+    _saved(side, meta, ok=False)
+    assert side.take_events() == []
+    meta = side.build_connector_meta(_step())  # nothing new to plan until the next interval
+    req.num_computed_tokens = 3 * BS + 5
+    side._reqs["a"].hold_until_tokens = 0  # let the failed blocks be planned again at once
+    meta = side.build_connector_meta(_step(cached=[(req, [], 1)]))
+    _saved(side, meta)
+    (event,) = side.take_events()
+    assert isinstance(event, BlockStored) and event.medium == "KVKEEP_SHARED"
+    assert event.parent_block_hash is None and event.block_size == BS
+    # as vLLM converts its own (64-bit ints by default), so a router can match both
+    assert list(event.block_hashes) == [maybe_convert_block_hash(h) for h in req.block_hashes[:3]]
+    assert list(event.token_ids) == req.all_token_ids[:3 * BS]
+    assert side.take_events() == []  # taken once
+    _saved(side, meta)  # the same reports again: the prefix did not grow, nothing new
+    assert side.take_events() == []
+    quiet = _side(FakeStore())
+    quiet.get_num_new_matched_tokens(req, 0)  # type: ignore[arg-type]
+    _saved(quiet, quiet.build_connector_meta(_step(new=[(req, [1, 2, 3, 4], 3 * BS + 5)])))
+    assert quiet.take_events() == []
 
 
 def test_lookup_claims_only_beyond_local_and_never_the_last_token() -> None:
@@ -237,7 +295,8 @@ def test_saves_every_checkpoint_interval_then_flush_at_finish() -> None:
     assert store.manifests[-1].token_count == 4 * BS
     delay, params = side.request_finished(req, ids)  # type: ignore[arg-type]
     assert delay and params == {"session_id": "s", "checkpointed_tokens": 4 * BS,
-                                "manifest_generation": store.manifests[-1].generation}
+                                "manifest_generation": store.manifests[-1].generation,
+                                "restored_tokens": 0}
     meta = side.build_connector_meta(_step())
     (flush,) = meta.saves
     assert flush.flush and (flush.run.first, len(flush.run)) == (4, 1)

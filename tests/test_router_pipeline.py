@@ -31,6 +31,7 @@ from router.filters import (
     UsableFilter,
 )
 from router.indexer import KVBlockIndex, RoutingHistory, SessionBlocks, text_prefix_keys
+from router.indexer.events import SHARED
 from router.indexer.keys import token_block_keys
 from router.pickers import LeastUtilisedPicker, MaxScorePicker, RoundRobinPicker
 from router.policy import Thresholds, build_policy, parse_weights
@@ -208,6 +209,63 @@ def test_kv_index_chains_parents_removals_and_gaps() -> None:
     assert index.match(keys) == {"w": 1.0}
     index.apply(w, {"type": "AllBlocksCleared"})
     assert index.match(keys) == {} and len(index) == 0
+
+
+def _stored(index: KVBlockIndex, worker: str, hashes: list[int], tokens: list[int],
+            medium: str | None, parent: int | None = None) -> None:
+    index.apply(W(worker), {"type": "BlockStored", "block_hashes": hashes,
+                            "parent_block_hash": parent, "token_ids": tokens,
+                            "block_size": 2, "medium": medium})
+
+
+def test_kv_index_counts_a_shared_store_for_every_worker() -> None:
+    """Blocks the kvkeep connector checkpointed into a store with remote daemons can be
+    restored by any worker: they chain with a worker's own blocks, at the storage weight."""
+    index = KVBlockIndex(block_size=2)
+    tokens = list(range(100, 116))  # 8 blocks of 2
+    keys = token_block_keys(tokens, 2)
+    _stored(index, "a", [1, 2], tokens[:4], None)  # a: blocks 0-1 on its GPU
+    _stored(index, "w9", list(range(10, 16)), tokens[:12], "KVKEEP_SHARED")  # store: 0-5
+    _stored(index, "c", [31], tokens[:2], "KVKEEP_LOCAL")  # c's own node store: block 0
+    got = index.match(keys)
+    assert got[SHARED] == pytest.approx(6 * 0.5)  # what any worker can restore
+    assert got["a"] == pytest.approx(2 * 1.0 + 4 * 0.5)  # own GPU, then the store
+    assert got["c"] == pytest.approx(6 * 0.5)  # its local copy is no better than the store
+    assert "w9" not in got  # the publisher holds nothing itself: it is the store that does
+    # A worker's own blocks go on where the store's end; a later own block joins via the store.
+    _stored(index, "b", [41], tokens[12:14], None, parent=15)
+    assert index.match(keys)["b"] == pytest.approx(6 * 0.5 + 1.0)
+    cands = [worker("a"), worker("b"), worker("z")]
+    scores = PrecisePrefixScorer().score(ctx(RouteRequest("m", block_keys=keys),
+                                             blocks=index), cands)
+    assert scores == [pytest.approx(4 / 8), pytest.approx(4 / 8), pytest.approx(3 / 8)]
+    # Without the store's copies, nobody but a scores: chains need every block in order.
+    lone = KVBlockIndex(block_size=2)
+    _stored(lone, "a", [1, 2], tokens[:4], None)
+    _stored(lone, "b", [41], tokens[12:14], None)  # parent unknown here: skipped
+    assert lone.match(keys) == {"a": 2.0}
+    # vLLM clearing its device cache leaves what a worker announced in its node's store.
+    _stored(index, "c", [32], tokens[2:4], None, parent=31)  # c: block 1 on its GPU too
+    assert index.match(keys)["c"] == pytest.approx(0.5 + 1.0 + 4 * 0.5)
+    index.apply(W("c"), {"type": "AllBlocksCleared"})
+    assert index.match(keys)["c"] == pytest.approx(6 * 0.5)
+    index.apply(W("a"), {"type": "AllBlocksCleared"})
+    assert "a" not in index.match(keys)  # a had only device blocks: it scores as anyone
+    # An unknown medium is never a free hit.
+    odd = KVBlockIndex(block_size=2)
+    _stored(odd, "a", [1], tokens[:2], "SOMETHING_NEW")
+    assert odd.match(keys) == {"a": 0.5}
+
+
+def test_kv_index_forgets_the_oldest_shared_blocks_past_its_capacity() -> None:
+    index = KVBlockIndex(block_size=2, shared_capacity=3)
+    tokens = list(range(10))
+    _stored(index, "w", [1, 2, 3, 4, 5], tokens, "KVKEEP_SHARED")
+    keys = token_block_keys(tokens, 2)
+    assert index.match(keys) == {}  # blocks 0-1 forgotten: the chain cannot start
+    assert index.match(keys[:0]) == {} and len(index) == 3
+    _stored(index, "w", [1, 2], tokens[:4], "KVKEEP_SHARED")  # seen again: newest now
+    assert index.match(keys) == {SHARED: pytest.approx(2 * 0.5)}
 
 
 def test_session_blocks_lru() -> None:

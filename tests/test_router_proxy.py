@@ -72,6 +72,8 @@ def reset(env: Env) -> Iterator[None]:
         fake.break_after = fake.status = fake.stall_after = None
         fake.running = fake.waiting = 0
         fake.kv_usage = 0.0
+        fake.cached_tokens = 0
+        fake.returned_params = None
         fake.delay_s = fake.eof_delay_s = 0.0
         fake.healthy = True
     assert env.router.service is not None
@@ -139,6 +141,30 @@ def test_completion_strips_ids_and_forwards_kv_params(env: Env) -> None:
                                                 "session_id": "u1", "return_token_ids": True})
     assert r2.headers["X-KVKeep-Worker"] == worker and r2.headers["X-KVKeep-Route"] == "sticky"
     assert "token_ids" in r2.json()["choices"][0]  # asked for: kept
+
+
+def test_what_the_connector_reports_becomes_headers(env: Env) -> None:
+    """vLLM's cached tokens and the kvkeep connector's returned kv_transfer_params tell the
+    client how much of its prompt was reused, restored from the store, and checkpointed."""
+    prompt = " ".join(f"w{i}" for i in range(100))
+    for fake in (env.a, env.b):
+        fake.cached_tokens = 64
+        fake.returned_params = {"session_id": "told", "restored_tokens": 48,
+                                "checkpointed_tokens": 96, "manifest_generation": 3}
+    r = env.http.post("/v1/completions", headers={"X-Session-Id": "told"},
+                      json={"model": MODEL, "prompt": prompt, "max_tokens": 2})
+    assert r.status_code == 200
+    assert r.headers["X-KVKeep-Cached-Tokens"] == "64"
+    assert r.headers["X-KVKeep-Recomputed-Tokens"] == str(len(fake_tokenize(prompt)) - 64)
+    assert r.headers["X-KVKeep-Restored-Tokens"] == "48"
+    assert r.headers["X-KVKeep-Checkpointed-Tokens"] == "96"
+    # A worker without the connector returns nothing of the kind: no such headers.
+    for fake in (env.a, env.b):
+        fake.returned_params = None
+    r = env.http.post("/v1/completions", headers={"X-Session-Id": "told"},
+                      json={"model": MODEL, "prompt": prompt, "max_tokens": 2})
+    assert "X-KVKeep-Restored-Tokens" not in r.headers
+    assert "X-KVKeep-Checkpointed-Tokens" not in r.headers
 
 
 def test_stateless_requests_carry_no_kv_params(env: Env) -> None:

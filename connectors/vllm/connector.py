@@ -32,7 +32,10 @@ from kvstore.keys import ModelFingerprint
 from kvstore.store import TieredStore
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -75,7 +78,7 @@ class KVKeepConnector(KVConnectorBase_V1):
             self._scheduler = SchedulerSide(
                 config=self._config, fingerprint=self._fingerprint, store=self._store,
                 block_size=layout.block_size, num_layers=self._fingerprint.num_layers,
-                counters=self._counters)
+                counters=self._counters, event_medium=_event_medium(vllm_config, self._config))
         else:
             self._store = acquire_store(self._config.store)
             self._worker = WorkerSide(config=self._config, fingerprint=self._fingerprint,
@@ -194,6 +197,11 @@ class KVKeepConnector(KVConnectorBase_V1):
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._need_scheduler().request_finished(request, block_ids)
 
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """KV events for blocks the store now holds (published by vLLM when it publishes its
+        own; see `connectors.vllm.scheduler`)."""
+        return self._scheduler.take_events() if self._scheduler is not None else ()
+
     def has_pending_push_work(self) -> bool:
         return self._scheduler is not None and self._scheduler.has_pending_work()
 
@@ -219,3 +227,12 @@ class KVKeepConnector(KVConnectorBase_V1):
         if self._scheduler is None:
             raise RuntimeError("kvkeep: scheduler-side call on the worker-side connector")
         return self._scheduler
+
+
+def _event_medium(vllm_config: VllmConfig, config: ConnectorConfig) -> str | None:
+    """The medium of the store's KV events, or None where vLLM publishes no KV events: a store
+    with remote daemons serves every worker (shared); one without serves this node only."""
+    events = vllm_config.kv_events_config
+    if events is None or not events.enable_kv_cache_events:
+        return None
+    return "KVKEEP_SHARED" if config.store.remote is not None else "KVKEEP_LOCAL"

@@ -13,8 +13,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-__all__ = ["BlockRun", "LoadSpec", "SaveSpec", "Probe", "StepMetadata", "SaveReport",
-           "ProbeAnswer", "WorkerReport"]
+__all__ = ["BlockRun", "LoadReport", "LoadSpec", "SaveSpec", "Probe", "StepMetadata",
+           "SaveReport", "ProbeAnswer", "WorkerReport"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +101,17 @@ class ProbeAnswer:
 
 
 @dataclass(frozen=True, slots=True)
+class LoadReport:
+    """How much of one request's load came from the store: `restored` blocks from `first` on,
+    the contiguous run vLLM keeps (it recomputes from the first block that failed)."""
+
+    req_id: str
+    first: int
+    count: int
+    restored: int
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerReport(KVConnectorWorkerMetadata):
     """Save outcomes and probe answers of one step, from every worker. With tensor
     parallelism each rank saves its own shard, so a block counts as saved only when no rank
@@ -108,6 +119,7 @@ class WorkerReport(KVConnectorWorkerMetadata):
 
     saves: tuple[SaveReport, ...] = field(default=())
     probes: tuple[ProbeAnswer, ...] = field(default=())
+    loads: tuple[LoadReport, ...] = field(default=())
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if not isinstance(other, WorkerReport):
@@ -122,5 +134,10 @@ class WorkerReport(KVConnectorWorkerMetadata):
         for answer in (*self.probes, *other.probes):
             probe = (answer.req_id, answer.first, answer.count)
             hits[probe] = min(hits.get(probe, answer.hit), answer.hit)
+        restored: dict[tuple[str, int, int], int] = {}
+        for load in (*self.loads, *other.loads):  # a block is restored only if every rank has it
+            run = (load.req_id, load.first, load.count)
+            restored[run] = min(restored.get(run, load.restored), load.restored)
         return WorkerReport(tuple(merged.values()),
-                            tuple(ProbeAnswer(*probe, hit) for probe, hit in hits.items()))
+                            tuple(ProbeAnswer(*probe, hit) for probe, hit in hits.items()),
+                            tuple(LoadReport(*run, n) for run, n in restored.items()))

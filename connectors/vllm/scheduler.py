@@ -12,7 +12,12 @@ Per request it keeps where its blocks live and which of them are known saved. Ea
   at least `checkpoint_interval` tokens of completed blocks are unsaved;
 - learns from the worker which saves landed, and writes the session manifest (blocks in order,
   token ids so far) once its saved prefix grows. A manifest names only blocks the worker
-  confirmed stored (a store may still evict them later; a restore then recomputes them).
+  confirmed stored (a store may still evict them later; a restore then recomputes them);
+- when vLLM publishes KV events, adds a `BlockStored` for each request's grown saved prefix to
+  them (medium `KVKEEP_SHARED` for a store with remote daemons, else `KVKEEP_LOCAL`), so a
+  router knows which prefixes the store can restore. Each event carries the whole saved prefix
+  from its first block (no parent to resolve): a router that missed earlier events still keys
+  it right.
 """
 
 from __future__ import annotations
@@ -77,14 +82,20 @@ class _Tracked:
     flush: Literal["none", "wanted", "sent"] = "none"
     """A finished request's last blocks: to be saved before vLLM frees them."""
     loading_async: bool = False
+    restored_blocks: int = 0
+    """Blocks of this request whose KV came from the store (over all of its loads)."""
+    published_blocks: int = 0
+    """The saved prefix announced in a KV event so far."""
 
 
 class SchedulerSide:
     def __init__(self, *, config: ConnectorConfig, fingerprint: ModelFingerprint,
                  store: TieredStore | None, block_size: int, num_layers: int,
-                 counters: Counters) -> None:
+                 counters: Counters, event_medium: str | None = None) -> None:
         """`store` is None when it lives in the worker's process: lookups and manifest writes
-        then travel in the step metadata."""
+        then travel in the step metadata. `event_medium` None: publish no KV events."""
+        self._event_medium = event_medium
+        self._events: list[Any] = []
         self._config = config
         self._fp = fingerprint
         self._store = store
@@ -192,6 +203,9 @@ class SchedulerSide:
                     self._counters.add("lookup_hit_blocks", answer.hit)
                     tracked.lookup = (answer.first, answer.count, answer.hit, time.monotonic())
                     tracked.probe = None
+            for load in report.loads:
+                if (tracked := self._reqs.get(load.req_id)) is not None:
+                    tracked.restored_blocks += load.restored
             for save in report.saves:
                 tracked = self._reqs.get(save.req_id)
                 if tracked is None:
@@ -216,6 +230,7 @@ class SchedulerSide:
             while tracked.saved_prefix in tracked.saved:
                 tracked.saved_prefix += 1
             self._maybe_write_manifest(tracked)
+            self._maybe_publish(tracked)
         for req_id in output.finished_sending or ():
             if (tracked := self._reqs.get(req_id)) is not None:
                 tracked.flush = "none"
@@ -357,6 +372,26 @@ class SchedulerSide:
                 del self._reqs[req_id]
         self._finished_last_step = [r for r, t in self._reqs.items() if t.finished]
 
+    def take_events(self) -> list[Any]:
+        """The `BlockStored` events since the last call (vLLM publishes them each step)."""
+        events, self._events = self._events, []
+        return events
+
+    def _maybe_publish(self, tracked: _Tracked) -> None:
+        if self._event_medium is None or tracked.saved_prefix <= tracked.published_blocks:
+            return
+        from vllm.distributed.kv_events import BlockStored
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+        request = tracked.request
+        count = min(tracked.saved_prefix, len(request.block_hashes))
+        self._events.append(BlockStored(
+            block_hashes=[maybe_convert_block_hash(h) for h in request.block_hashes[:count]],
+            parent_block_hash=None, token_ids=list(request.all_token_ids[:count * self._bs]),
+            block_size=self._bs, lora_id=None, medium=self._event_medium, lora_name=None))
+        tracked.published_blocks = count
+        self._counters.add("published_blocks", count)
+
     def _maybe_write_manifest(self, tracked: _Tracked) -> None:
         session = tracked.params.session_id
         if session is None or tracked.saved_prefix <= tracked.manifest_blocks:
@@ -389,11 +424,14 @@ class SchedulerSide:
             self._counters.add("manifest_errors")
 
     def _response(self, tracked: _Tracked) -> dict[str, Any] | None:
+        """What the request's final output carries back in `kv_transfer_params` (the router
+        turns it into X-KVKeep-* headers)."""
+        restored = {"restored_tokens": tracked.restored_blocks * self._bs}
         if tracked.params.session_id is None:
-            return None
+            return restored if tracked.restored_blocks else None
         return {"session_id": tracked.params.session_id,
                 "checkpointed_tokens": tracked.saved_prefix * self._bs,
-                "manifest_generation": tracked.generation}
+                "manifest_generation": tracked.generation, **restored}
 
     @property
     def tracked_requests(self) -> Sequence[str]:

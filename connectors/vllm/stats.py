@@ -11,6 +11,8 @@ scheduler half
     partial_layer_unusable           `{"layers": [a, b]}` hints that cannot be used (see docs)
     bad_params                       malformed kv_transfer_params (ignored)
     manifests_written, manifest_errors
+    published_blocks                 blocks announced in KV events (see `scheduler`), counted
+                                     once per event that carries them
 worker half
     loaded_blocks                    blocks restored into the paged cache, verified
     load_missing                     blocks the store no longer had (evicted, deleted)

@@ -34,6 +34,7 @@ from connectors.vllm.config import ConnectorConfig
 from connectors.vllm.layouts import BoundLayout, LayoutSpec
 from connectors.vllm.metadata import (
     BlockRun,
+    LoadReport,
     LoadSpec,
     Probe,
     ProbeAnswer,
@@ -93,6 +94,24 @@ class _LoadJob:
             event.set()
 
 
+def _load_reports(job: _LoadJob) -> list[LoadReport]:
+    """Per request of a finished load: its blocks, and how many of them from the first on
+    loaded before one failed (vLLM recomputes from a failed block on, so later ones are lost)."""
+    runs: dict[str, list[int]] = {}  # request -> its block indexes, in load order
+    broken: dict[str, int] = {}  # request -> the first failed block index
+    for block_id, _ in job.blocks:
+        req_id, index = job.owners[block_id]
+        runs.setdefault(req_id, []).append(index)
+        if block_id in job.failed:
+            broken[req_id] = min(broken.get(req_id, index), index)
+    reports = []
+    for req_id, indexes in runs.items():
+        first = min(indexes)
+        restored = broken.get(req_id, first + len(indexes)) - first
+        reports.append(LoadReport(req_id, first, len(indexes), restored))
+    return reports
+
+
 @dataclass(slots=True)
 class _StepSaves:
     """Blocks to save this step, and their per-layer gathered copies."""
@@ -129,6 +148,7 @@ class WorkerSide:
         self._finished_sending: set[str] = set()
         self._finished_recving: set[str] = set()
         self._reports: list[SaveReport] = []
+        self._loads: list[LoadReport] = []
         self._answers: list[ProbeAnswer] = []
         self._inflight_saves = 0
 
@@ -278,7 +298,9 @@ class WorkerSide:
             self._counters.add(reason)
         self._counters.add("loaded_blocks", job.loaded)
         keys = dict(job.blocks)
+        loads = _load_reports(job)
         with self._state:
+            self._loads.extend(loads)
             self._errors.update(job.failed)
             # The scheduler may count these blocks as stored (its lookup found them): they
             # are not, or not usable, so they must be saved again once recomputed.
@@ -472,7 +494,10 @@ class WorkerSide:
         with self._state:
             reports, self._reports = self._reports, []
             answers, self._answers = self._answers, []
-        return WorkerReport(tuple(reports), tuple(answers)) if reports or answers else None
+            loads, self._loads = self._loads, []
+        if not (reports or answers or loads):
+            return None
+        return WorkerReport(tuple(reports), tuple(answers), tuple(loads))
 
     def drain_manifests(self, timeout: float = 10.0) -> None:
         """Wait until every manifest queued so far is written (tests, shutdown)."""

@@ -9,10 +9,20 @@ an under-estimate, never a false match.
 
 Tiers weigh differently, as in llm-d's precise scorer: a block in device memory is a free hit,
 one in host memory costs a copy (0.8), one in storage a read (0.5).
+
+The kvkeep connector publishes the blocks it has checkpointed, through the same vLLM event
+stream, with medium `KVKEEP_LOCAL` (a store on that worker's node: storage, for that worker) or
+`KVKEEP_SHARED` (a store with remote daemons: any worker can restore the block, so it counts
+for every worker, at the storage weight). A worker's own cached block and the shared store's
+copy chain together: a worker that holds blocks 0-3 on its GPU and finds 4-7 in the store
+scores 4 x 1.0 + 4 x 0.5. The store evicts silently, so shared entries are hints kept for at
+most `shared_capacity` blocks (oldest forgotten first); a stale hint costs a restore miss and a
+recompute, never wrong KV (the connector verifies every block it loads).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,16 +30,23 @@ from typing import Any
 from router.indexer.keys import ROOT_KEY, token_block_keys
 from router.workers import WorkerId
 
-__all__ = ["KVBlockIndex", "MEDIUM_WEIGHTS"]
+__all__ = ["KVBlockIndex", "MEDIUM_WEIGHTS", "SHARED"]
 
 MEDIUM_WEIGHTS: Mapping[str, float] = {"GPU": 1.0, "CPU": 0.8, "STORAGE": 0.5}
-_MEDIUM_BITS = {"GPU": 1, "CPU": 2, "STORAGE": 4}
-_BIT_WEIGHTS = {bit: MEDIUM_WEIGHTS[m] for m, bit in _MEDIUM_BITS.items()}
+_MEDIUM_BITS = {"GPU": 1, "CPU": 2, "STORAGE": 4, "KVKEEP_LOCAL": 4}
+_BIT_WEIGHTS = {bit: MEDIUM_WEIGHTS[m] for m, bit in _MEDIUM_BITS.items() if m in MEDIUM_WEIGHTS}
+SHARED_MEDIUM = "KVKEEP_SHARED"
+SHARED = WorkerId("*shared-store*")
+"""The holder of blocks in a store every worker can read; `match` reports its chain under this
+name, the score of any worker that holds nothing itself."""
 
 
 def _bits(medium: object) -> int:
-    # vLLM leaves medium unset for its own device cache.
-    return _MEDIUM_BITS.get(str(medium).upper(), 1) if medium is not None else 1
+    # vLLM leaves medium unset for its own device cache; a medium we do not know is counted
+    # as the dearest tier (storage), never as a free hit.
+    if medium is None:
+        return 1
+    return _MEDIUM_BITS.get(str(medium).upper(), 4)
 
 
 def _weight(mask: int) -> float:
@@ -47,8 +64,14 @@ class KVBlockIndex:
     """Block key -> {worker: tier bitmask}, maintained from each worker's KV events."""
 
     block_size: int = 32
+    shared_capacity: int = 1_000_000
     _holders: dict[int, dict[WorkerId, int]] = field(default_factory=dict)
     _workers: dict[WorkerId, _WorkerBlocks] = field(default_factory=dict)
+    _shared: OrderedDict[int, int] = field(default_factory=OrderedDict)
+    """Keys the shared store holds, oldest first, each with the vLLM hash it was published as."""
+    _shared_hashes: dict[int, int] = field(default_factory=dict)
+    """vLLM hash -> key of shared blocks: parents for any worker's later blocks (vLLM's
+    sha256-based hashes are the same on every worker for the same tokens)."""
     events_applied: int = 0
     blocks_skipped: int = 0
 
@@ -59,26 +82,39 @@ class KVBlockIndex:
         return token_block_keys(tokens, self.block_size)
 
     def match(self, keys: Sequence[int]) -> dict[WorkerId, float]:
-        """Per worker, the tier-weighted count of leading `keys` it holds consecutively."""
+        """Per worker, the tier-weighted count of leading `keys` it can use consecutively: its
+        own blocks, or the shared store's where it lacks one. `SHARED` maps to what the shared
+        store alone gives, which is what every worker not named scores."""
         result: dict[WorkerId, float] = {}
-        alive: dict[WorkerId, float] | None = None
-        for key in keys:
-            holders = self._holders.get(key)
-            if not holders:
-                break
-            if alive is None:
-                now = {w: _weight(mask) for w, mask in holders.items()}
-            else:
-                now = {w: score + _weight(holders[w]) for w, score in alive.items()
-                       if w in holders}
-                for gone in alive.keys() - now.keys():
-                    result[gone] = alive[gone]
-            if not now:
-                alive = None
-                break
+        alive: dict[WorkerId, float] = {}
+        shared = 0.0  # the shared store's chain so far (0 once it is broken)
+        shared_alive = True
+        for position, key in enumerate(keys):
+            holders = self._holders.get(key) or {}
+            via_store = _weight(holders.get(SHARED, 0)) if shared_alive else 0.0
+            now: dict[WorkerId, float] = {}
+            for w, mask in holders.items():
+                if w == SHARED:
+                    continue
+                if w in alive:
+                    now[w] = alive[w] + max(_weight(mask), via_store)
+                elif position == 0 or (shared_alive and shared > 0):
+                    now[w] = shared + max(_weight(mask), via_store)  # joins via the store
+            if via_store > 0:
+                for w, score in alive.items():
+                    now.setdefault(w, score + via_store)
+            for gone in alive.keys() - now.keys():
+                result[gone] = alive[gone]
             alive = now
-        if alive:
-            result.update(alive)
+            if via_store > 0:
+                shared += via_store
+            else:
+                shared_alive = False
+            if not alive and not shared_alive:
+                break
+        result.update(alive)
+        if shared > 0:
+            result[SHARED] = shared
         return result
 
     def apply(self, worker: WorkerId, event: Mapping[str, Any]) -> None:
@@ -89,7 +125,7 @@ class KVBlockIndex:
         elif kind == "BlockRemoved":
             self._removed(worker, event)
         elif kind == "AllBlocksCleared":
-            self.forget_worker(worker)
+            self._cleared(worker)
         else:
             return
         self.events_applied += 1
@@ -100,6 +136,26 @@ class KVBlockIndex:
             return
         for key in set(blocks.by_hash.values()):
             holders = self._holders.get(key)
+            if holders is not None:
+                holders.pop(worker, None)
+                if not holders:
+                    del self._holders[key]
+
+    def _cleared(self, worker: WorkerId) -> None:
+        """vLLM emptied its device cache (a prefix-cache reset): the worker's device blocks
+        go; what it announced in other tiers (a store on its node) stays."""
+        blocks = self._workers.get(worker)
+        if blocks is None:
+            return
+        device = _MEDIUM_BITS["GPU"]
+        for vllm_hash, key in list(blocks.by_hash.items()):
+            holders = self._holders.get(key)
+            mask = holders.get(worker, 0) & ~device if holders is not None else 0
+            if mask:
+                assert holders is not None
+                holders[worker] = mask
+                continue
+            del blocks.by_hash[vllm_hash]
             if holders is not None:
                 holders.pop(worker, None)
                 if not holders:
@@ -119,6 +175,8 @@ class KVBlockIndex:
         else:
             found = blocks.by_hash.get(_as_int(parent_hash))
             if found is None:
+                found = self._shared_hashes.get(_as_int(parent_hash))
+            if found is None:
                 self.blocks_skipped += len(hashes)
                 return
             parent = found
@@ -127,7 +185,24 @@ class KVBlockIndex:
             self.blocks_skipped += len(hashes)
             return
         keys = token_block_keys(tokens[: len(hashes) * size], size, parent)
-        bits = _bits(event.get("medium"))
+        medium = event.get("medium")
+        if str(medium).upper() == SHARED_MEDIUM:
+            for vllm_hash, key in zip(hashes, keys, strict=True):
+                self._holders.setdefault(key, {})[SHARED] = _MEDIUM_BITS["STORAGE"]
+                self._shared[key] = _as_int(vllm_hash)
+                self._shared.move_to_end(key)
+                self._shared_hashes[_as_int(vllm_hash)] = key
+            while len(self._shared) > self.shared_capacity:
+                old, old_hash = self._shared.popitem(last=False)
+                if self._shared_hashes.get(old_hash) == old:
+                    del self._shared_hashes[old_hash]
+                holders = self._holders.get(old)
+                if holders is not None:
+                    holders.pop(SHARED, None)
+                    if not holders:
+                        del self._holders[old]
+            return
+        bits = _bits(medium)
         for vllm_hash, key in zip(hashes, keys, strict=True):
             blocks.by_hash[_as_int(vllm_hash)] = key
             holders = self._holders.setdefault(key, {})

@@ -84,11 +84,12 @@ class KVEventSubscriber:
         try:
             while True:
                 parts = await sock.recv_multipart()
-                self._handle(worker, parts)
+                self.handle(worker, parts)
         finally:
             sock.close(0)
 
-    def _handle(self, worker: WorkerId, parts: list[bytes]) -> None:
+    def handle(self, worker: WorkerId, parts: list[bytes]) -> None:
+        """Apply one ZMQ multipart message of `worker`'s KV event stream to the index."""
         if len(parts) < 3:
             return
         seq = int.from_bytes(parts[1], "big", signed=True)

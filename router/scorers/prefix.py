@@ -1,7 +1,8 @@
 """Prefix-cache scorers: matched leading blocks / total blocks of the prompt.
 
 `ApproxPrefixScorer` reads the routing history (prompt text chunks); `PrecisePrefixScorer`
-reads the KV-event index (token blocks, weighted by tier). Both are llm-d's formula.
+reads the KV-event index (token blocks, weighted by tier, with blocks in a shared kvkeep store
+counted for every worker). Both are llm-d's formula.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from router.context import DecisionContext
+from router.indexer.events import SHARED
 from router.workers import WorkerState
 
 __all__ = ["ApproxPrefixScorer", "PrecisePrefixScorer", "BestPrefixScorer"]
@@ -40,7 +42,8 @@ class PrecisePrefixScorer:
         matches = ctx.precise_matches()
         if not matches:
             return [0.0] * len(candidates)
-        return [min(1.0, matches.get(w.worker_id, 0.0) / total) for w in candidates]
+        anywhere = matches.get(SHARED, 0.0)  # blocks in a store every worker can restore from
+        return [min(1.0, matches.get(w.worker_id, anywhere) / total) for w in candidates]
 
 
 @dataclass(frozen=True, slots=True)
