@@ -311,3 +311,31 @@ def test_concurrent_readers_and_writers_see_only_whole_blocks() -> None:
     assert not failures
     assert tier.pinned_blocks == 0
     assert tier.stats().bytes_used <= tier.stats().bytes_budget
+
+
+def test_manifests_are_bounded_least_recently_used_first() -> None:
+    from kvstore.keys import BlockHash
+
+    def manifest(name: str, generation: int = 1) -> SessionManifest:
+        return SessionManifest(session_key(name),
+                               tuple(BlockHash(bytes([i]) * 32) for i in range(10)),
+                               token_count=320, generation=generation,
+                               token_ids=tuple(range(320)))
+
+    one = 256 + 72 * 10 + 36 * 320  # the tier's estimate of one manifest's memory
+    tier = HostTier(1 << 20, manifest_budget=4 * one + one // 2)
+    try:
+        for i in range(4):
+            tier.put_manifest(manifest(f"s{i}"))
+        assert tier.get_manifest(session_key("s0")) is not None  # now the most recent
+        tier.put_manifest(manifest("s4"))
+        assert tier.get_manifest(session_key("s1")) is None  # the least recent went
+        assert tier.manifest_evictions == 1
+        tier.put_manifest(manifest("s2", generation=2))  # a rewrite adds no bytes
+        tier.delete_manifest(session_key("s3"))
+        tier.put_manifest(manifest("s5"))  # fits where s3 was
+        assert tier.manifest_evictions == 1
+        for name in ("s0", "s2", "s4", "s5"):
+            assert tier.get_manifest(session_key(name)) is not None, name
+    finally:
+        tier.close()

@@ -390,6 +390,29 @@ def _manifest(session: str, generation: int, n: int = 3) -> SessionManifest:
                            token_count=16 * n, generation=generation, updated_at=1.0)
 
 
+def test_manifests_are_bounded_least_recently_used_first(root: Path) -> None:
+    size = len(_manifest("s0", 1, n=20).encode())
+    with NvmeTier(root, 1 << 20, manifest_budget=int(4.5 * size)) as t:
+        for i in range(4):
+            t.put_manifest(_manifest(f"s{i}", 1, n=20))
+        assert t.get_manifest(_manifest("s0", 1).key) is not None  # s0 is now the most recent
+        t.put_manifest(_manifest("s4", 1, n=20))  # over budget: s1, the least recent, goes
+        assert t.get_manifest(_manifest("s1", 1).key) is None
+        kept = [f"s{i}" for i in (0, 2, 3, 4)]
+        assert all(t.get_manifest(_manifest(s, 1).key) is not None for s in kept)
+        t.put_manifest(_manifest("s2", 2, n=20))  # a rewrite replaces its bytes, adds none
+        assert all(t.get_manifest(_manifest(s, 1).key) is not None for s in kept)
+        assert len(list(root.rglob("*.kvm"))) == 4
+    # A restart finds the manifests and their order (by file time) and keeps the budget.
+    with NvmeTier(root, 1 << 20, manifest_budget=int(2.5 * size)) as t:
+        assert len(list(root.rglob("*.kvm"))) == 2
+        assert t.get_manifest(_manifest("s2", 2).key) is not None  # the newest two stayed
+    with NvmeTier(root, 1 << 20, manifest_budget=size // 2) as t:  # one alone may exceed it
+        t.put_manifest(_manifest("big", 1, n=20))
+        assert t.get_manifest(_manifest("big", 1).key) is not None
+        assert len(list(root.rglob("*.kvm"))) == 1
+
+
 def test_manifest_round_trip_and_no_rollback(root: Path) -> None:
     with NvmeTier(root, 1 << 20) as t:
         m3, m2, m3b = _manifest("s1", 3), _manifest("s1", 2), _manifest("s1", 3, n=5)

@@ -32,11 +32,12 @@ class HostTier(PagedTier[_Arena]):
 
     def __init__(self, byte_budget: int, *, name: str = "host",
                  page_bytes: int = DEFAULT_PAGE_BYTES, arena_bytes: int = DEFAULT_ARENA_BYTES,
-                 prefault: bool = False) -> None:
+                 prefault: bool = False, manifest_budget: int | None = None) -> None:
         # One memoryview per page, indexed by page id, so a copy does no arithmetic on arenas.
         self._page_views: list[memoryview] = []
         self._prefault = prefault
-        super().__init__(name, byte_budget, page_bytes=page_bytes, arena_bytes=arena_bytes)
+        super().__init__(name, byte_budget, page_bytes=page_bytes, arena_bytes=arena_bytes,
+                         manifest_budget=manifest_budget)
         if prefault:
             with self._lock:
                 pages = self._pool.allocate(self._pool.capacity_pages)

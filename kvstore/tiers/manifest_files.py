@@ -4,14 +4,20 @@
 per shard, so two threads can never interleave "read generation" and "write". Across processes
 the nvme tier's directory lock guarantees a single writer. Raises OSError for the caller to
 translate; a manifest that fails to decode is deleted and reported as CorruptBlock.
+
+Their bytes are bounded by `byte_budget`: past it the least recently used manifests (written
+or read; on start, by file time) are deleted. A session whose manifest went can still restore
+its blocks by prefix; only the manifest's own record of it is gone.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import os
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from kvstore.errors import CorruptBlock
@@ -28,16 +34,29 @@ from kvstore.tiers.nvme_recovery import MANIFEST_SUFFIX
 
 __all__ = ["ManifestFiles"]
 
+log = logging.getLogger(__name__)
+
+_File = tuple[int, str]  # (shard, file name)
+
 
 class ManifestFiles:
     def __init__(self, dir_fds: Sequence[int], *, durable: bool, write_fn: WriteFn,
-                 on_corrupt: Callable[[], None]) -> None:
+                 on_corrupt: Callable[[], None], byte_budget: int) -> None:
         self._dirs = tuple(dir_fds)
         self._locks = tuple(threading.Lock() for _ in self._dirs)
         self._durable = durable
         self._write = write_fn
         self._on_corrupt = on_corrupt
         self._serial = itertools.count()
+        self._budget = byte_budget
+        # Sizes of the stored manifests, least recently used first. Its lock is taken inside a
+        # shard's lock, never the other way round.
+        self._lru: OrderedDict[_File, int] = OrderedDict()
+        self._lru_lock = threading.Lock()
+        self._bytes = 0
+        self.evicted = 0
+        self._load_index()
+        self._evict()
 
     def put(self, manifest: SessionManifest) -> bool:
         """Store unless a newer generation is stored; True if written (equal overwrites)."""
@@ -64,21 +83,80 @@ class ManifestFiles:
                 raise
             if self._durable:
                 os.fsync(dir_fd)
-            return True
+            self._touch((shard, name), len(data))
+        self._evict()
+        return True
 
     def get(self, key: SessionKey) -> SessionManifest | None:
         shard = self._shard(key)
+        name = key.storage_name + MANIFEST_SUFFIX
         with self._locks[shard]:
-            return self._load(self._dirs[shard], key.storage_name + MANIFEST_SUFFIX, key)
+            found = self._load(self._dirs[shard], name, key)
+            if found is not None:
+                with self._lru_lock:
+                    if (shard, name) in self._lru:
+                        self._lru.move_to_end((shard, name))
+            return found
 
     def delete(self, key: SessionKey) -> bool:
         shard = self._shard(key)
+        name = key.storage_name + MANIFEST_SUFFIX
         with self._locks[shard]:
+            self._forget((shard, name))
             try:
-                os.unlink(key.storage_name + MANIFEST_SUFFIX, dir_fd=self._dirs[shard])
+                os.unlink(name, dir_fd=self._dirs[shard])
             except FileNotFoundError:
                 return False
             return True
+
+    @property
+    def bytes_used(self) -> int:
+        with self._lru_lock:
+            return self._bytes
+
+    def _load_index(self) -> None:
+        found: list[tuple[int, _File, int]] = []
+        for shard, dir_fd in enumerate(self._dirs):
+            for name in os.listdir(dir_fd):
+                if not name.endswith(MANIFEST_SUFFIX):
+                    continue
+                with contextlib.suppress(FileNotFoundError):
+                    st = os.stat(name, dir_fd=dir_fd)
+                    found.append((st.st_mtime_ns, (shard, name), st.st_size))
+        found.sort()
+        for _, file, size in found:
+            self._lru[file] = size
+            self._bytes += size
+
+    def _touch(self, file: _File, size: int) -> None:
+        with self._lru_lock:
+            self._bytes += size - self._lru.get(file, 0)
+            self._lru[file] = size
+            self._lru.move_to_end(file)
+
+    def _forget(self, file: _File) -> None:
+        with self._lru_lock:
+            self._bytes -= self._lru.pop(file, 0)
+
+    def _evict(self) -> None:
+        """Delete least recently used manifests until they fit the budget (the newest stays)."""
+        victims: list[_File] = []
+        with self._lru_lock:
+            while self._bytes > self._budget and len(self._lru) > 1:
+                file, size = self._lru.popitem(last=False)
+                self._bytes -= size
+                victims.append(file)
+        for shard, name in victims:
+            with self._locks[shard]:
+                with self._lru_lock:
+                    if (shard, name) in self._lru:
+                        continue  # written again since it was picked: it is the newest now
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(name, dir_fd=self._dirs[shard])
+            self.evicted += 1
+        if victims:
+            log.info("evicted %d session manifests over the %d-byte budget", len(victims),
+                     self._budget)
 
     def _shard(self, key: SessionKey) -> int:
         return key.digest[0] % len(self._dirs)
@@ -99,4 +177,5 @@ class ManifestFiles:
             self._on_corrupt()
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(name, dir_fd=dir_fd)
+            self._forget((self._dirs.index(dir_fd), name))
             raise

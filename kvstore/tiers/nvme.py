@@ -86,13 +86,16 @@ class NvmeTier:
     After a disk-full error (ENOSPC, EDQUOT) puts return False until this tier frees space
     itself (delete, eviction) or, checked at most every `space_recheck_s`, the filesystem has
     `min_free_bytes` free beyond the offered frame; reads go on meanwhile. `write_fn` replaces
-    the low-level write, for fault injection in tests. Manifests are outside the byte budget.
+    the low-level write, for fault injection in tests. Session manifests have their own budget,
+    `manifest_budget` bytes (default 1/16 of `byte_budget`, at least 16 MiB; least recently used
+    deleted first).
     """
 
     def __init__(self, data_dir: str | os.PathLike[str], byte_budget: int, *,
                  name: str = "nvme", durable: bool = True, drop_page_cache: bool = True,
                  verify_on_put: bool = True, space_recheck_s: float = 2.0,
-                 min_free_bytes: int = 64 << 20, write_fn: WriteFn | None = None) -> None:
+                 min_free_bytes: int = 64 << 20, write_fn: WriteFn | None = None,
+                 manifest_budget: int | None = None) -> None:
         if byte_budget <= 0:
             raise ConfigError(f"nvme byte budget must be positive, got {byte_budget}")
         self._name = name
@@ -129,8 +132,11 @@ class NvmeTier:
             self._unlink_victims(self._index.evict_to(byte_budget))
         self._corrupt = found.report.invalid_removed
         self._errors = found.report.unreadable
-        self._manifests = ManifestFiles(self._layout.manifest_dirs, durable=durable,
-                                        write_fn=self._write, on_corrupt=self._count_corrupt)
+        self._manifests = ManifestFiles(
+            self._layout.manifest_dirs, durable=durable, write_fn=self._write,
+            on_corrupt=self._count_corrupt,
+            byte_budget=(manifest_budget if manifest_budget is not None
+                         else max(16 << 20, byte_budget // 16)))
         if found.report.temp_removed or found.report.invalid_removed:
             log.warning("nvme tier %s recovered: %s", self._root, found.report)
 

@@ -118,7 +118,11 @@ class PagedTier(ABC, Generic[A]):
     """A byte-budgeted LRU tier over pages of arenas of type `A` (see the module docstring)."""
 
     def __init__(self, name: str, byte_budget: int, *, page_bytes: int = DEFAULT_PAGE_BYTES,
-                 arena_bytes: int = DEFAULT_ARENA_BYTES) -> None:
+                 arena_bytes: int = DEFAULT_ARENA_BYTES,
+                 manifest_budget: int | None = None) -> None:
+        """`manifest_budget`: bytes of (estimated) memory session manifests may take beside
+        the blocks, least recently used evicted first; default 1/16 of `byte_budget`, at least
+        1 MiB. Without a bound a long-running daemon would grow by every session it saw."""
         self._name = name
         self._pool: SlabPool[A] = SlabPool(byte_budget, self._new_arena, page_bytes=page_bytes,
                                            arena_bytes=arena_bytes)
@@ -126,7 +130,11 @@ class PagedTier(ABC, Generic[A]):
         # By key digest (bytes: hashed and compared in C; equal digests are equal keys, as in the
         # nvme tier's index), LRU first, MRU last.
         self._index: OrderedDict[bytes, _Entry] = OrderedDict()
-        self._manifests: dict[SessionKey, SessionManifest] = {}
+        self._manifests: OrderedDict[SessionKey, tuple[SessionManifest, int]] = OrderedDict()
+        self._manifest_bytes = 0
+        self._manifest_budget = (manifest_budget if manifest_budget is not None
+                                 else max(1 << 20, byte_budget // 16))
+        self.manifest_evictions = 0
         self._closed = False
         self._hits = 0
         self._misses = 0
@@ -302,18 +310,34 @@ class PagedTier(ABC, Generic[A]):
             self._check_open()
             current = self._manifests.get(manifest.key)
             # Equal generations are a rewrite by the same writer; only a newer one may win.
-            if current is None or current.generation <= manifest.generation:
-                self._manifests[manifest.key] = manifest
+            if current is not None and current[0].generation > manifest.generation:
+                return
+            cost = _manifest_cost(manifest)
+            self._manifest_bytes += cost - (current[1] if current is not None else 0)
+            self._manifests[manifest.key] = (manifest, cost)
+            self._manifests.move_to_end(manifest.key)
+            while self._manifest_bytes > self._manifest_budget and len(self._manifests) > 1:
+                _, (_, freed) = self._manifests.popitem(last=False)
+                self._manifest_bytes -= freed
+                self.manifest_evictions += 1
 
     def get_manifest(self, key: SessionKey) -> SessionManifest | None:
         with self._lock:
             self._check_open()
-            return self._manifests.get(key)
+            found = self._manifests.get(key)
+            if found is None:
+                return None
+            self._manifests.move_to_end(key)
+            return found[0]
 
     def delete_manifest(self, key: SessionKey) -> bool:
         with self._lock:
             self._check_open()
-            return self._manifests.pop(key, None) is not None
+            found = self._manifests.pop(key, None)
+            if found is None:
+                return False
+            self._manifest_bytes -= found[1]
+            return True
 
     def stats(self) -> TierStats:
         with self._lock:
@@ -335,6 +359,7 @@ class PagedTier(ABC, Generic[A]):
             self._closed = True
             self._index.clear()
             self._manifests.clear()
+            self._manifest_bytes = 0
             # Readers still copying hold their own references to the arenas they read.
             self._pool.release()
 
@@ -430,3 +455,9 @@ class PagedTier(ABC, Generic[A]):
     def _free_pages(self, pages: list[int]) -> None:
         if not self._closed:  # after close the pool was released wholesale
             self._pool.free(pages)
+
+
+def _manifest_cost(manifest: SessionManifest) -> int:
+    """Roughly the Python memory a manifest holds: a 32-byte `bytes` per block hash (~72 B with
+    its object and pointer), an int per token id (~36 B), and the object itself."""
+    return 256 + 72 * len(manifest.block_hashes) + 36 * len(manifest.token_ids)
