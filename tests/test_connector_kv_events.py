@@ -39,7 +39,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
 
 
 def _collect(sock: zmq.Socket[bytes], subscriber: KVEventSubscriber, worker: WorkerId,
-             quiet_s: float = 1.5) -> int:
+             quiet_s: float = 3.0) -> int:
     """Feed every message until the stream has been quiet for `quiet_s`; returns how many."""
     count = 0
     while sock.poll(int(quiet_s * 1000)):
@@ -71,7 +71,15 @@ def test_checkpointed_prefixes_reach_the_router_index(tiny: TinyModel, tmp_path:
         with open_engine(tiny.path, kv_transfer_config(store),
                          kv_events_config=events) as llm:
             sock.connect(f"tcp://127.0.0.1:{port}")
-            time.sleep(1.0)  # a SUB socket misses what is published before it has joined
+            # A SUB socket misses what is published before its subscription arrives: warm up
+            # with other prompts until something comes through.
+            deadline = time.monotonic() + 60
+            seed = 100
+            while not sock.poll(2000):
+                assert time.monotonic() < deadline, "no KV event ever arrived"
+                generate(llm, random_prompts(1, [40], seed=seed), 1)
+                seed += 1
+            _collect(sock, subscriber, WorkerId("w1"))
             generate(llm, PROMPTS, 8)
             # vLLM's own events for its device cache are there too: clear them, so that what
             # is left in the index is the store's alone.
