@@ -17,9 +17,10 @@ Paths measured:
   `encode_block` each (raw, and int8 quantized on the device before the copy to host). The
   int8 path sends about half the bytes over PCIe; `layerwise` is the old way (one encode and
   one copy per layer) for comparison with the batched one (one set of kernels per block).
-- restore: frames from the host tier into the paged cache, decoded on the host into a staging
-  tensor then copied up (what the connector does), and decoded on the device (int8: half the
-  bytes copied up, dequantized there).
+- restore: frames from the host tier into the paged cache: decoded on the host into a staging
+  tensor then copied up; decoded on the device block by block; and batched, every block's
+  segment of a layer in one copy up and one decode there (what the connector does on a GPU;
+  int8: half the bytes cross PCIe).
 - hbm tier: put (frame -> device pages) and get (device pages -> caller buffer).
 - int8 quantize on the device alone (no copy to host), against the device copy.
 """
@@ -36,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from benchmarks.cli import run_benchmark
-from kvstore.block import decode_layer, encode_block
+from kvstore.block import decode_layer, decode_layer_batch, encode_block
 from kvstore.codecs import get_codec, torch_ops, warmup
 from kvstore.frame import BlockRead, Compression, DType, build_frame
 from kvstore.keys import BlockKey, ModelFingerprint, Namespace
@@ -171,7 +172,7 @@ def _restore(caches: list[torch.Tensor], keys: list[BlockKey], repeats: int
         reads = [tier.get(key) for key in keys]
         if any(read is None for read in reads):
             raise RuntimeError("the host tier lost a block during the benchmark")
-        for where in ("host", "device"):
+        for where in ("host", "device", "batched"):
             restore = _restorer([r for r in reads if r is not None], keys, bound, caches,
                                 targets, where)
             out[f"restore_{codec}_{where}_decode_gbps"] = _timed(restore, KV_BYTES * len(keys),
@@ -192,8 +193,10 @@ def _restorer(reads: list[BlockRead], keys: list[BlockKey], bound: list[BoundLay
               ) -> Callable[[], None]:
     """Every layer of every block into the paged cache at `targets`, decoded on `where`.
 
-    host: into a host staging tensor, then one copy up per layer (what the connector does);
-    device: each segment decoded straight into a device tensor (int8: half the bytes go up).
+    host: into a host staging tensor, then one copy up per layer (the connector until now);
+    device: each block's segment decoded straight into a device tensor, one by one;
+    batched: all blocks' segments of a layer in one copy up, decoded there together
+    (`decode_layer_batch`, what the connector does on a GPU).
     """
     import torch
 
@@ -202,8 +205,13 @@ def _restorer(reads: list[BlockRead], keys: list[BlockKey], bound: list[BoundLay
 
     def run() -> None:
         for layer in range(LAYERS):
-            for i, read in enumerate(reads):
-                decode_layer(read, layer, out=staging[i], key=keys[i])
+            if where == "batched":
+                errors = decode_layer_batch(reads, layer, staging, keys=keys)
+                if any(error is not None for error in errors):
+                    raise RuntimeError(f"a block failed to decode: {errors}")
+            else:
+                for i, read in enumerate(reads):
+                    decode_layer(read, layer, out=staging[i], key=keys[i])
             bound[layer].scatter(caches[layer], targets, staging.to("cuda"))
     return run
 
@@ -309,6 +317,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             paths["restore_int8_host_decode_gbps"] / pageable_h2d,
         "restore_int8_device_decode_vs_h2d_pageable":
             paths["restore_int8_device_decode_gbps"] / pageable_h2d,
+        "restore_raw_batched_vs_h2d_pageable":
+            paths["restore_raw_batched_decode_gbps"] / pageable_h2d,
+        "restore_int8_batched_vs_h2d_pageable":
+            paths["restore_int8_batched_decode_gbps"] / pageable_h2d,
         "hbm_put_vs_h2d_pageable": paths["hbm_put_gbps"] / pageable_h2d,
         "hbm_get_vs_d2h_pageable": paths["hbm_get_gbps"] / pageable_d2h,
         "int8_quantize_vs_d2d": paths["int8_quantize_on_device_gbps"] / baseline["d2d_gbps"],

@@ -19,7 +19,7 @@ python3 -c "import torch, numpy, numba; print('torch', torch.__version__, 'numpy
 'numba', numba.__version__, 'cuda', torch.cuda.is_available())" 2>&1 | tee "$OUT/versions.txt"
 status=0
 timeout 180 python3 -m pytest -q -p no:cacheprovider -o addopts="-ra --strict-markers" \
-    tests/test_codecs.py tests/test_hbm_tier.py tests/test_connector_layouts.py \
+    tests/test_codecs.py tests/test_block.py tests/test_hbm_tier.py tests/test_connector_layouts.py \
     tests/test_router_gpu_nvml.py 2>&1 | tee "$OUT/gpu-tests.log" || status=1
 timeout 60 python3 -m benchmarks.gpu --quick --json "$OUT/gpu-quick.json" \
     2>&1 | tee "$OUT/gpu-bench-quick.log" || status=1

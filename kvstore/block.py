@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING, Literal, overload
 import zstandard
 
 from kvstore.codecs import Array, Buffer, Device, TensorLike, get_codec
-from kvstore.errors import CodecError, CorruptBlock
+from kvstore.codecs.tensors import is_device_tensor, torch_dtype
+from kvstore.errors import CodecError, CorruptBlock, KVKeepError
 from kvstore.frame import (
     BlockRead,
     CodecId,
@@ -52,6 +53,7 @@ __all__ = [
     "encode_block",
     "decode_layer",
     "decode_layers",
+    "decode_layer_batch",
     "decode_frame",
 ]
 
@@ -154,6 +156,50 @@ def decode_layers(read: BlockRead, layers: LayerRange | None = None, *,
     return [checked.codec.decode(checked.segment(layer), shape, dtype,
                                  out=None if out is None else out[i], device=device)
             for i, layer in enumerate(range(want.start, want.stop))]
+
+
+def decode_layer_batch(reads: Sequence[BlockRead], layer: int, out: torch.Tensor, *,
+                       keys: Sequence[BlockKey]) -> list[KVKeepError | None]:
+    """Verify and decode `layer` of each read into `out[i]` (`out`: [>= len(reads), *shape]).
+
+    Returns per read None when its row holds the layer, else the CorruptBlock or CodecError
+    that kept it out (that row is then unspecified): one bad block never spoils the others.
+    A host `out` is filled row by row; on a device the verified segments of every read go up
+    in one copy and are decoded there together (`Codec.decode_rows`).
+    """
+    if len(keys) != len(reads) or out.shape[0] < len(reads):
+        raise CodecError(f"{len(reads)} reads, {len(keys)} keys, {out.shape[0]} output rows")
+    results: list[KVKeepError | None] = [None] * len(reads)
+    if not is_device_tensor(out):
+        for i, (read, key) in enumerate(zip(reads, keys, strict=True)):
+            try:
+                decode_layer(read, layer, out=out[i], key=key)
+            except (CorruptBlock, CodecError) as exc:
+                results[i] = exc
+        return results
+    shape = tuple(out.shape[1:])
+    by_codec: dict[tuple[CodecId, DType], tuple[list[Buffer], list[int]]] = {}
+    for i, (read, key) in enumerate(zip(reads, keys, strict=True)):
+        try:
+            if layer not in read.layers:
+                raise CodecError(f"layer {layer} not in the read [{read.layers.start}, "
+                                 f"{read.layers.stop})")
+            if tuple(read.header.layer_shape) != shape \
+                    or torch_dtype(read.header.dtype) != out.dtype:
+                raise CodecError(f"frame layers are {read.header.dtype.name} "
+                                 f"{read.header.layer_shape}, rows {out.dtype} {shape}")
+            read.verify_key(key.digest)
+            segment = _CheckedRead(read).segment(layer)
+        except (CorruptBlock, CodecError) as exc:
+            results[i] = exc
+            continue
+        group = by_codec.setdefault((read.header.codec, read.header.dtype), ([], []))
+        group[0].append(segment)
+        group[1].append(i)
+    for (codec, dtype), (segments, rows) in by_codec.items():
+        for row in get_codec(codec).decode_rows(segments, shape, dtype, out, rows):
+            results[row] = CorruptBlock("segment refused by its codec (invalid scale)")
+    return results
 
 
 def decode_frame(frame: Buffer, *, key: BlockKey, layers: LayerRange | None = None,

@@ -10,7 +10,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstore.block import decode_frame, decode_layer, decode_layers, encode_block
+from kvstore import block
+from kvstore.block import (
+    decode_frame,
+    decode_layer,
+    decode_layer_batch,
+    decode_layers,
+    encode_block,
+)
 from kvstore.codecs import Int8Codec, warmup
 from kvstore.errors import CodecError, CorruptBlock
 from kvstore.frame import BlockRead, CodecId, Compression, DType, LayerRange, build_frame
@@ -292,3 +299,81 @@ def test_layers_must_agree() -> None:
     with pytest.raises(CodecError):  # numpy bits need their dtype, for every layer alike
         encode([a.view(torch.int16).numpy()])
 
+
+# ------------------------------------------------------------------------- batched decoding
+
+
+@pytest.mark.parametrize("codec", ["raw", "int8"])
+@pytest.mark.parametrize("path", ["host", "device"])
+def test_a_batch_decode_keeps_bad_blocks_to_their_rows(codec: str, path: str,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """`decode_layer_batch` as the connector's loader uses it. "device" runs the GPU path's
+    code (one staged copy, one decode for all rows) on CPU tensors standing in for CUDA ones;
+    the gpu-marked codec test runs it on a real device."""
+    shape = (4, 2, 8)
+    frames = [encode(gaussian_layers(3, shape, seed=s), codec, "none") for s in range(5)]
+    reads = [BlockRead.from_frame(f) for f in frames]
+    damaged = bytearray(frames[1])
+    damaged[reads[1].header.segments[2].offset + 3] ^= 0x01  # block 1: layer 2 is bad
+    reads[1] = BlockRead.from_frame(bytes(damaged))
+    reads[4] = BlockRead.from_frame(encode(gaussian_layers(3, shape, DType.FLOAT32), codec,
+                                           "none"))  # block 4: another dtype
+    keys = [KEY, KEY, KEY, OTHER_KEY, KEY]  # block 3: read for the wrong key
+    if path == "device":
+        monkeypatch.setattr(block, "is_device_tensor", lambda x: isinstance(x, torch.Tensor))
+    for layer in range(3):
+        out = torch.full((6, *shape), 7.0, dtype=torch.float16)
+        errors = decode_layer_batch(reads, layer, out, keys=keys)
+        good = [0, 2] if layer == 2 else [0, 1, 2]
+        assert [i for i, e in enumerate(errors) if e is None] == good
+        assert isinstance(errors[3], CorruptBlock) and isinstance(errors[4], CodecError)
+        if layer == 2:
+            assert isinstance(errors[1], CorruptBlock)
+        for i in good:
+            expect = decode_layer(reads[i], layer, device="cpu")
+            if codec == "raw":
+                assert torch.equal(out[i], expect)
+            else:  # torch's and the kernels' arithmetic: equal but for the last rounding
+                assert torch.allclose(out[i].double(), expect.double(), rtol=2.0**-9, atol=0)
+        assert torch.all(out[5] == 7.0)  # rows beyond the reads are not touched
+    with pytest.raises(CodecError):
+        decode_layer_batch(reads, 0, torch.empty((4, *shape), dtype=torch.float16), keys=keys)
+
+
+def test_device_rows_refuse_an_invalid_scale() -> None:
+    codec = Int8Codec()
+    shape = (4, 2, 8)
+    layers = gaussian_layers(2, shape)
+    good, forged = (bytes(codec.encode(x).data) for x in layers)
+    forged_bytes = bytearray(forged)
+    forged_bytes[:4] = np.float32(np.nan).tobytes()
+    out = torch.zeros((3, *shape), dtype=torch.float16)
+    assert codec.decode_rows([bytes(forged_bytes), good], shape, DType.FLOAT16, out,
+                             [0, 2]) == [0]
+    assert torch.all(out[0] == 0) and torch.all(out[1] == 0)  # untouched
+    expect = codec.decode(good, shape, DType.FLOAT16, device="cpu")
+    assert isinstance(expect, torch.Tensor)
+    assert torch.allclose(out[2].double(), expect.double(), rtol=2.0**-9, atol=0)
+    with pytest.raises(CodecError):  # rows of another dtype than the segments
+        codec.decode_rows([good], shape, DType.FLOAT16, out.float(), [0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("codec", ["raw", "int8"])
+@pytest.mark.parametrize("dtype", list(DType))
+def test_a_batch_decodes_on_the_gpu_as_on_the_host(codec: str, dtype: DType) -> None:
+    shape = (16, 8, 64)
+    reads = [BlockRead.from_frame(encode(gaussian_layers(2, shape, dtype, seed=s), codec,
+                                         "none")) for s in range(9)]
+    keys = [KEY] * 9
+    keys[4] = OTHER_KEY
+    out = torch.zeros((9, *shape), dtype=TORCH[dtype], device="cuda")
+    errors = decode_layer_batch(reads, 1, out, keys=keys)
+    assert [e is None for e in errors] == [i != 4 for i in range(9)]
+    for i in (0, 3, 8):
+        expect = decode_layer(reads[i], 1, device="cpu")
+        if codec == "raw":
+            assert torch.equal(out[i].cpu(), expect)
+        else:
+            assert torch.allclose(out[i].cpu().double(), expect.double(), rtol=2.0**-7, atol=0)
+    assert torch.all(out[4] == 0)

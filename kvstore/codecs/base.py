@@ -108,6 +108,12 @@ class Codec(Protocol):
         """Decode one segment (see the module docstring for where the output goes)."""
         ...
 
+    def decode_rows(self, segments: Sequence[Buffer], shape: tuple[int, ...], dtype: DType,
+                    out: torch.Tensor, rows: Sequence[int]) -> list[int]:
+        """Decode segment j into row `rows[j]` of a device tensor, all in one copy up;
+        returns the rows refused (see `BaseCodec.decode_rows`)."""
+        ...
+
 
 class BaseCodec(abc.ABC):
     """Shared dispatch: validate, then run the host (numpy/numba) or device (torch) half."""
@@ -183,6 +189,47 @@ class BaseCodec(abc.ABC):
         else:
             self._decode_host(data, output_rows(out, shape, dtype), dtype)
         return out
+
+    def decode_rows(self, segments: Sequence[Buffer], shape: tuple[int, ...], dtype: DType,
+                    out: torch.Tensor, rows: Sequence[int]) -> list[int]:
+        """Decode segment j into `out[rows[j]]`, `out` a tensor on a device: the segments go
+        up in one host-to-device copy and are decoded there by one set of kernels (per block,
+        a copy and a few launches each would cost more than their bytes). Returns the rows it
+        refused (a wrong size, a scale no writer stores); those rows are left as they were.
+        """
+        import torch
+
+        if tuple(out.shape[1:]) != shape or out.dtype != torch_dtype(dtype):
+            raise CodecError(f"out is {out.dtype} {tuple(out.shape)}, expected rows of "
+                             f"{dtype.name} {shape}")
+        expected = self.encoded_size(shape, dtype)
+        host = np.empty((len(segments), expected), np.uint8)
+        kept: list[int] = []
+        refused: list[int] = []
+        for segment, row in zip(segments, rows, strict=True):
+            data = np.frombuffer(segment, np.uint8)
+            if data.size != expected or not self._valid_segment(data, shape):
+                refused.append(row)
+                continue
+            host[len(kept)] = data
+            kept.append(row)
+        if kept:
+            staged = torch.from_numpy(host[: len(kept)]).to(out.device)
+            decoded = self._decode_device_many(staged, shape, dtype)
+            if kept == list(range(len(kept))):
+                out[: len(kept)].copy_(decoded)
+            else:
+                out.index_copy_(0, torch.tensor(kept, device=out.device), decoded)
+        return refused
+
+    def _valid_segment(self, data: Array, shape: tuple[int, ...]) -> bool:
+        """Whether a segment of the right size can be decoded (int8: its scales are sane)."""
+        return True
+
+    @abc.abstractmethod
+    def _decode_device_many(self, staged: torch.Tensor, shape: tuple[int, ...],
+                            dtype: DType) -> torch.Tensor:
+        """Decode K segments already on the device [K, bytes] into a [K, *shape] tensor."""
 
     def _view_host(self, rows: Array) -> memoryview | None:
         """The encoding as a view of the input itself, for codecs where that is possible."""

@@ -29,6 +29,7 @@ from kvstore.codecs.tensors import (
     host_rows,
     is_device_tensor,
     rows_shape,
+    torch_dtype,
 )
 from kvstore.errors import CodecError, CorruptBlock
 from kvstore.frame import CodecId, DType
@@ -123,6 +124,18 @@ class Int8Codec(BaseCodec):
         # torch refuses read-only memory, so stage one host copy of the (half-size) payload.
         staged = torch.from_numpy(data.copy()).to(out.device)
         torch_ops.dequantize(staged, out)
+
+    def _valid_segment(self, data: Array, shape: tuple[int, ...]) -> bool:
+        count, _ = rows_shape(shape)
+        scales = data[: _SCALE_BYTES * count].view(np.float32)
+        return bool(np.isfinite(scales).all() and (scales >= 0).all())
+
+    def _decode_device_many(self, staged: torch.Tensor, shape: tuple[int, ...],
+                            dtype: DType) -> torch.Tensor:
+        from kvstore.codecs import torch_ops
+
+        decoded = torch_ops.dequantize_many(staged, shape[-1], torch_dtype(dtype))
+        return decoded.view(staged.shape[0], *shape)
 
 
 # A writer of ours never stores a negative or non-finite scale; such a segment passed its

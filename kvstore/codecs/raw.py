@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvstore.codecs.base import BaseCodec, Buffer
-from kvstore.codecs.tensors import Array
+from kvstore.codecs.tensors import Array, torch_dtype
 from kvstore.frame import CodecId, DType
 
 if TYPE_CHECKING:
@@ -36,6 +36,10 @@ class RawCodec(BaseCodec):
         import torch
 
         torch.from_numpy(dest).copy_(x.detach().contiguous().reshape(-1).view(torch.uint8))
+
+    def _decode_device_many(self, staged: torch.Tensor, shape: tuple[int, ...],
+                            dtype: DType) -> torch.Tensor:
+        return staged.view(torch_dtype(dtype)).view(staged.shape[0], *shape)
 
     def _encode_device_many(self, layers: Sequence[torch.Tensor], dest: Array) -> None:
         import torch

@@ -15,7 +15,7 @@ import torch
 from kvstore.codecs.kernels import TINY_ABSMAX
 from kvstore.errors import CodecError
 
-__all__ = ["quantize", "quantize_many", "dequantize"]
+__all__ = ["quantize", "quantize_many", "dequantize", "dequantize_many"]
 
 
 def quantize(x: torch.Tensor) -> torch.Tensor:
@@ -59,3 +59,13 @@ def dequantize(segment: torch.Tensor, out: torch.Tensor) -> None:
     q = segment[4 * rows:].view(torch.int8).view(rows, width)
     values = (q.float() * scales[:, None]).to(out.dtype)
     out.copy_(values.view(out.shape))
+
+
+def dequantize_many(segments: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
+    """Decode K uint8 segments [K, bytes] (on the device) into [K, rows, width] of `dtype`:
+    the same arithmetic as `dequantize`, in one set of kernels for all of them."""
+    count = segments.shape[0]
+    rows = segments.shape[1] // (4 + width)
+    scales = segments[:, : 4 * rows].contiguous().view(torch.float32)
+    q = segments[:, 4 * rows:].contiguous().view(torch.int8).view(count, rows, width)
+    return (q.float() * scales[..., None]).to(dtype)
