@@ -21,6 +21,7 @@ Every claim is a named check; the numbers come from the router's headers and SSE
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -123,6 +124,8 @@ class _Scenario:
         self.home = ""
         self.survivor = ""
         self.killed_at: float | None = None
+        self._gone_watch: threading.Thread | None = None
+        self._gone_at: float | None = None
 
     def run(self) -> None:
         try:
@@ -192,6 +195,7 @@ class _Scenario:
         def kill_midway(chunks: int) -> None:
             if chunks >= o.kill_after_chunks and self.killed_at is None:
                 self.killed_at = self.cluster.kill_worker(self.home)
+                self._watch_for_gone()
                 r.say(f"*** SIGKILL {self.home} after the client read {chunks} chunks ***")
 
         turn = self.alice.ask(ALICE[1], o.stream_tokens, on_chunk=kill_midway)
@@ -220,10 +224,12 @@ class _Scenario:
         r, o = self.report, self.options
         r.step(f"{self.home}'s lease expires; the router drops it and rebinds its sessions")
         start = time.monotonic()
-        while self.home in self._registered() and time.monotonic() - start < 30:
-            time.sleep(0.05)
-        gone = self.home not in self._registered()
-        seconds = time.monotonic() - (self.killed_at or start)
+        if self._gone_watch is not None:
+            self._gone_watch.join(timeout=30)
+        else:  # no kill happened (the stream was too short): watch from now
+            self._watch_until_gone(30)
+        gone = self._gone_at is not None
+        seconds = (self._gone_at or time.monotonic()) - (self.killed_at or start)
         r.record(worker_gone_after_s=round(seconds, 2), lease_ttl_s=o.lease_ttl_s)
         r.check("dead worker detected", gone and seconds <= o.lease_ttl_s + 1.5,
                 f"{self.home} gone from the router {seconds:.1f}s after the kill "
@@ -307,9 +313,26 @@ class _Scenario:
                           "the connector loaded nothing: the prompt was recomputed")
         return restored
 
-    def _registered(self) -> set[str]:
+    def _watch_for_gone(self) -> None:
+        """From the kill on, note when the router stops listing the killed worker: the stream
+        goes on meanwhile, so the check must not be timed by when it gets to look."""
+        self._gone_watch = threading.Thread(target=self._watch_until_gone, args=(30,),
+                                             name="demo-gone-watch", daemon=True)
+        self._gone_watch.start()
+
+    def _watch_until_gone(self, limit_s: float) -> None:
+        start = time.monotonic()
+        while time.monotonic() - start < limit_s:
+            listed = self._registered()
+            if listed is not None and self.home not in listed:  # None: no answer, ask again
+                self._gone_at = time.monotonic()
+                return
+            time.sleep(0.05)
+
+    def _registered(self) -> set[str] | None:
+        """The workers the router lists; None if it did not answer."""
         listed = http_json(f"{self.router}/kvkeep/workers")
-        return {str(w["id"]) for w in listed} if isinstance(listed, list) else set()
+        return {str(w["id"]) for w in listed} if isinstance(listed, list) else None
 
     def _binding(self, session_id: str) -> str:
         b = http_json(f"{self.router}/kvkeep/sessions/{session_id}")
