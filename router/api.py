@@ -21,10 +21,11 @@ __all__ = ["Endpoint", "ClientRequest", "parse_request", "SESSION_HEADER", "SESS
 SESSION_HEADER = "X-Session-Id"
 SESSION_FIELD = "session_id"
 # Fields that make a resumed continuation differ from the original stream, or that the
-# completions endpoint a resumption uses cannot carry.
-_NOT_RESUMABLE = ("logprobs", "top_logprobs", "tools", "functions", "response_format",
-                  "structured_outputs", "guided_json", "guided_regex", "guided_choice",
-                  "guided_grammar", "suffix", "prompt_logprobs", "echo")
+# completions endpoint a resumption uses cannot carry. (Structured output would restart its
+# grammar at the resent tokens; tools need the chat template's parsing of the whole answer.)
+_NOT_RESUMABLE = ("tools", "functions", "response_format", "structured_outputs", "guided_json",
+                  "guided_regex", "guided_choice", "guided_grammar", "suffix", "prompt_logprobs",
+                  "echo")
 
 
 class Endpoint(StrEnum):
@@ -47,6 +48,9 @@ class ClientRequest:
     prompt_tokens: tuple[int, ...] | None
     max_tokens: int | None
     resumable: bool
+    logprobs: int | None = None
+    """Top log-probabilities asked per token (0: the sampled token's only); None: none asked.
+    A resumed stream asks its continuation for the same and rewrites them into this format."""
 
     @property
     def estimated_tokens(self) -> int:
@@ -100,10 +104,34 @@ def parse_request(endpoint: Endpoint, raw: bytes, header_session: str | None) ->
     options = body.get("stream_options")
     include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
     wants_ids = bool(body.get("return_token_ids"))
+    logprobs, logprobs_ok = _logprobs(endpoint, body)
     resumable = (stream and n == 1 and single_prompt and not body.get("best_of")
-                 and not any(body.get(k) for k in _NOT_RESUMABLE))
+                 and logprobs_ok and not any(body.get(k) for k in _NOT_RESUMABLE))
     return ClientRequest(endpoint, body, model, stream, session_id, wants_ids, include_usage,
-                         prompt_text, prompt_tokens, max_tokens, resumable)
+                         prompt_text, prompt_tokens, max_tokens, resumable, logprobs)
+
+
+def _logprobs(endpoint: Endpoint, body: dict[str, Any]) -> tuple[int | None, bool]:
+    """(top log-probabilities asked per token or None, whether a resumption can give them).
+    Chat asks `logprobs: true` with `top_logprobs: k`; completions ask `logprobs: k`. Values
+    of the wrong type are the worker's to refuse, and are never resumed."""
+    asked = body.get("logprobs")
+    if endpoint is Endpoint.CHAT:
+        top = body.get("top_logprobs")
+        if asked is None or asked is False:
+            return None, top is None or top == 0
+        if asked is not True:
+            return None, False
+        if top is None:
+            return 0, True
+        if isinstance(top, int) and not isinstance(top, bool) and top >= 0:
+            return top, True
+        return None, False
+    if asked is None:
+        return None, True
+    if isinstance(asked, int) and not isinstance(asked, bool) and asked >= 0:
+        return asked, True
+    return None, False
 
 
 def _session_id(from_body: object, from_header: str | None) -> SessionId | None:

@@ -59,6 +59,8 @@ def resume_body(state: StreamState, kv_params: dict[str, Any] | None) -> dict[st
     min_tokens = req.body.get("min_tokens")
     if isinstance(min_tokens, int) and min_tokens > 0:
         body["min_tokens"] = max(0, min_tokens - len(state.generated))
+    if req.logprobs is not None:
+        body["logprobs"] = req.logprobs  # rewritten into the client's format on the way back
     if req.include_usage:
         body["stream_options"] = {"include_usage": True}
     if kv_params is not None:

@@ -380,7 +380,8 @@ class Proxy:
                 continue
             if resp.status == 200:
                 attempt.resp = resp
-                state.resumed = continuing
+                if continuing:
+                    state.continue_here()
                 svc.pool.record_success(placement.worker)
                 return attempt
             data = await resp.read()

@@ -6,7 +6,8 @@ the client sees unless it asked), so when a stream breaks the router knows the e
 already delivered and can continue on another worker with `prompt = prompt_ids + generated`
 and the remaining `max_tokens`. Chunks of the continuation (a `/v1/completions` stream) are
 rewritten into the client's format with the original id, created and model, so the client
-sees one uninterrupted stream.
+sees one uninterrupted stream; logprobs too (chat entries rebuilt from the continuation's
+completions logprobs, completions text offsets moved past the text already sent).
 
 Reads from the worker and writes to the client fail differently on purpose: a worker failure
 raises `StreamBroken` (resume elsewhere); a client failure propagates (stop, free the worker).
@@ -91,11 +92,20 @@ class StreamState:
     model: str | None = None
     resumed: bool = False
     chunks: int = 0
+    text_chars: int = 0
+    """Characters of generated text sent so far."""
+    offset_base: int = 0
+    """`text_chars` when the current continuation started: its text offsets count from 0."""
 
     @property
     def started(self) -> bool:
         """Whether anything from a worker has reached the client."""
         return self.chunks > 0
+
+    def continue_here(self) -> None:
+        """A continuation's stream starts now: its chunks are rewritten from here on."""
+        self.resumed = True
+        self.offset_base = self.text_chars
 
     def remaining_max_tokens(self) -> int | None:
         limit = self.request.max_tokens
@@ -114,6 +124,12 @@ class StreamState:
         for choice in obj.get("choices") or ():
             if not isinstance(choice, dict):
                 continue
+            text = choice.get("text")
+            delta = choice.get("delta")
+            if isinstance(delta, dict):
+                text = delta.get("content")
+            if isinstance(text, str):
+                self.text_chars += len(text)
             if "prompt_token_ids" in choice:
                 p = choice["prompt_token_ids"] if keep else choice.pop("prompt_token_ids")
                 prompt = p if p is not None else prompt
@@ -161,16 +177,55 @@ class StreamState:
         if not text and not ids and finish is None:
             return None
         out: dict[str, Any]
+        logprobs = choice.get("logprobs") if self.request.logprobs is not None else None
         if self.request.endpoint is Endpoint.CHAT:
-            out = {"index": 0, "delta": {"content": text} if text else {}, "logprobs": None,
+            out = {"index": 0, "delta": {"content": text} if text else {},
+                   "logprobs": _chat_logprobs(logprobs, self.request.logprobs or 0),
                    "finish_reason": finish}
         else:
-            out = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish,
-                   "stop_reason": choice.get("stop_reason")}
+            out = {"index": 0, "text": text,
+                   "logprobs": _shifted_logprobs(logprobs, self.offset_base),
+                   "finish_reason": finish, "stop_reason": choice.get("stop_reason")}
+        self.text_chars += len(text)
         if self.request.wants_token_ids:
             out["token_ids"] = ids
         return {"id": self.chunk_id, "object": self._object(), "created": self.created,
                 "model": self.model, "choices": [out]}
+
+
+def _shifted_logprobs(logprobs: Any, chars_before: int) -> Any:
+    """A continuation's completions logprobs, its text offsets moved past the text already
+    sent (they count from the start of the generated text)."""
+    if not isinstance(logprobs, dict) or not isinstance(logprobs.get("text_offset"), list):
+        return logprobs
+    return {**logprobs, "text_offset": [o + chars_before if isinstance(o, int) else o
+                                        for o in logprobs["text_offset"]]}
+
+
+def _chat_logprobs(logprobs: Any, top: int) -> dict[str, Any] | None:
+    """Completions logprobs (`tokens`, `token_logprobs`, `top_logprobs` maps) in the chat
+    format (`content`: per token its text, logprob, UTF-8 bytes and the `top` best)."""
+    if not isinstance(logprobs, dict):
+        return None
+    tokens = logprobs.get("tokens") or []
+    values = logprobs.get("token_logprobs") or []
+    tops = logprobs.get("top_logprobs") or [None] * len(tokens)
+    content = []
+    for token, value, best in zip(tokens, values, tops, strict=False):
+        ranked = sorted(best.items(), key=lambda item: -item[1]) if isinstance(best, dict) \
+            else []
+        content.append({
+            "token": token, "logprob": _chat_logprob(value),
+            "bytes": list(str(token).encode("utf-8", errors="replace")),
+            "top_logprobs": [{"token": t, "logprob": _chat_logprob(v),
+                              "bytes": list(str(t).encode("utf-8", errors="replace"))}
+                             for t, v in ranked[:top]]})
+    return {"content": content}
+
+
+def _chat_logprob(value: Any) -> float:
+    # As vLLM's chat endpoint: -inf (and a missing value) become -9999.0, JSON has no -inf.
+    return max(float(value), -9999.0) if isinstance(value, int | float) else -9999.0
 
 
 async def pump(resp: aiohttp.ClientResponse, out: web.StreamResponse, state: StreamState

@@ -58,6 +58,36 @@ def _text(tokens: list[int]) -> str:
     return "".join(f" w{t}" for t in tokens)
 
 
+def fake_logprob(token: int) -> float:
+    """A deterministic log-probability per token, so a resumed stream's can be compared."""
+    return -(token % 97) / 100
+
+
+def fake_top(token: int, k: int) -> list[tuple[str, float]]:
+    """The `k` best (text, logprob) of a step, best first: the sampled token and runners-up."""
+    best = fake_logprob(token)
+    return [(_text([token + i]), best - i) for i in range(k)]
+
+
+def _fake_logprobs(body: dict[str, Any], token: int, offset: int, *, chat: bool
+                   ) -> dict[str, Any] | None:
+    """vLLM's logprobs of one streamed token, in the endpoint's format, when asked."""
+    text = _text([token])
+    if chat:
+        if body.get("logprobs") is not True:
+            return None
+        top = fake_top(token, int(body.get("top_logprobs") or 0))
+        return {"content": [{"token": text, "logprob": fake_logprob(token),
+                             "bytes": list(text.encode()),
+                             "top_logprobs": [{"token": t, "logprob": v,
+                                               "bytes": list(t.encode())} for t, v in top]}]}
+    k = body.get("logprobs")
+    if k is None:
+        return None
+    return {"text_offset": [offset], "token_logprobs": [fake_logprob(token)],
+            "tokens": [text], "top_logprobs": [dict(fake_top(token, int(k)))]}
+
+
 class LoopThread:
     """An asyncio loop running in a daemon thread; `run(coro)` executes on it and waits."""
 
@@ -226,6 +256,7 @@ class FakeWorker:
                 if ids:
                     first["prompt_token_ids"] = prompt
                 await send(first)
+            offset = 0
             for i, tok in enumerate(tokens):
                 fin = "length" if i == len(tokens) - 1 else None
                 if chat:
@@ -233,6 +264,8 @@ class FakeWorker:
                                          "finish_reason": fin}
                 else:
                     c = {"index": 0, "text": _text([tok]), "finish_reason": fin}
+                c["logprobs"] = _fake_logprobs(body, tok, offset, chat=chat)
+                offset += len(_text([tok]))
                 if ids:
                     c["token_ids"] = [tok]
                     if not chat and i == 0:

@@ -434,7 +434,23 @@ def test_parse_request() -> None:
     assert "session_id" not in c.body and c.estimated_tokens == 12
     c = parse_request(Endpoint.CHAT, b'{"model":"m","messages":[{"role":"user","content":'
                       b'[{"type":"text","text":"hi"}]}],"logprobs":true,"stream":true}', "s.1")
-    assert c.prompt_text == "user:hi\n" and c.session_id == "s.1" and not c.resumable
+    assert c.prompt_text == "user:hi\n" and c.session_id == "s.1"
+    assert c.resumable and c.logprobs == 0  # logprobs of the sampled tokens only
+    # What a continuation can give back is resumable; what it cannot is not.
+    for body, endpoint, resumable, top in (
+            (b'"logprobs":true,"top_logprobs":3', Endpoint.CHAT, True, 3),
+            (b'"logprobs":false', Endpoint.CHAT, True, None),
+            (b'"logprobs":"yes"', Endpoint.CHAT, False, None),
+            (b'"logprobs":true,"top_logprobs":-1', Endpoint.CHAT, False, None),
+            (b'"logprobs":4', Endpoint.COMPLETIONS, True, 4),
+            (b'"logprobs":true', Endpoint.COMPLETIONS, False, None),
+            (b'"prompt_logprobs":1', Endpoint.COMPLETIONS, False, None),
+            (b'"response_format":{"type":"json_object"}', Endpoint.CHAT, False, None),
+            (b'"tools":[{"type":"function"}]', Endpoint.CHAT, False, None)):
+        head = (b'{"model":"m","messages":[{"role":"user","content":"x"}],' if endpoint is
+                Endpoint.CHAT else b'{"model":"m","prompt":"x",')
+        parsed = parse_request(endpoint, head + body + b',"stream":true}', None)
+        assert (parsed.resumable, parsed.logprobs) == (resumable, top), body
     for bad in (b"{", b"[]", b'{"prompt":"x"}', b'{"model":"m","prompt":5}',
                 b'{"model":"m","prompt":"x","n":0}', b'{"model":"m","prompt":"x","stream":1}',
                 b'{"model":"m","messages":[]}', b'{"model":"m","prompt":"x","max_tokens":-1}',

@@ -337,6 +337,48 @@ def test_stream_resumes_on_another_worker(env: Env, chat: bool) -> None:
     assert env.http.get(f"/kvkeep/sessions/{sid}").json()["worker"] == other
 
 
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_resumed_stream_keeps_its_logprobs(env: Env, chat: bool) -> None:
+    """Logprobs asked by the client come back for every token, in the client's format, as an
+    unbroken stream gives them: chat entries rebuilt from the continuation's completions
+    logprobs, completions text offsets carried on past the break."""
+    sid = f"logprobs-{chat}"
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": 30, "stream": True}
+    if chat:
+        body.update(messages=[{"role": "user", "content": "tell me"}], logprobs=True,
+                    top_logprobs=2)
+    else:
+        body.update(prompt="tell me", logprobs=2)
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+
+    def logprobs_of(events: list[dict[str, Any]]) -> list[Any]:
+        out: list[Any] = []
+        for event in events:
+            for choice in event["choices"]:
+                lp = choice.get("logprobs")
+                if lp is not None:
+                    out.extend(lp["content"] if chat else [
+                        (o, t, v, tp) for o, t, v, tp in zip(
+                            lp["text_offset"], lp["tokens"], lp["token_logprobs"],
+                            lp["top_logprobs"], strict=True)])
+        return out
+
+    unbroken, _ = sse_events(env.http.post(path, json=body,
+                                           headers={"X-Session-Id": sid}).text)
+    first = env.http.post(path, json={**body, "stream": False, "max_tokens": 1},
+                          headers={"X-Session-Id": sid}).headers["X-KVKeep-Worker"]
+    other = "b" if first == "a" else "a"
+    env.fakes[first].break_after = 9
+    events, comments = sse_events(env.http.post(path, json=body,
+                                                headers={"X-Session-Id": sid}).text)
+    assert json.loads(comments[0].split(" ", 2)[2])["resumed_on"] == other
+    assert env.fakes[other].requests[-1]["logprobs"] == 2  # asked of the continuation
+    assert stream_text(events, chat) == stream_text(unbroken, chat)
+    expected = logprobs_of(unbroken)
+    assert len(expected) == 30
+    assert logprobs_of(events) == expected
+
+
 def test_hung_worker_stream_resumes_after_idle_timeout(env: Env) -> None:
     r0 = env.http.post("/v1/completions", headers={"X-Session-Id": "hung"},
                        json={"model": MODEL, "prompt": "h", "max_tokens": 1})
@@ -368,7 +410,7 @@ def test_unresumable_stream_break_ends_with_error_event(env: Env) -> None:
     env.fakes[r0.headers["X-KVKeep-Worker"]].break_after = 3
     r = env.http.post("/v1/completions", headers={"X-Session-Id": "nores"},
                       json={"model": MODEL, "prompt": "q", "max_tokens": 20, "stream": True,
-                            "logprobs": 1})
+                            "prompt_logprobs": 1})
     events, _ = sse_events(r.text)
     # The fake worker drops its connection right after its third chunk, which may take that
     # chunk with it: up to three chunks, then the error event, and nothing invented.

@@ -235,11 +235,16 @@ def test_killing_a_router_replica_loses_no_session(cluster: Cluster) -> None:
 
 
 def _stream_chat(client: httpx.Client, sid: str, messages: list[dict[str, str]],
-                 max_tokens: int, on_chunk: Any) -> tuple[str, list[str], dict[str, str]]:
+                 max_tokens: int, on_chunk: Any, logprobs: list[dict[str, Any]] | None = None,
+                 ) -> tuple[str, list[str], dict[str, str]]:
+    """Stream a chat answer through the router; with `logprobs` (a list to fill), ask for the
+    top 2 log-probabilities of every token and collect the entries."""
     pieces: list[str] = []
     comments: list[str] = []
     body = {**CHAT, "messages": messages, "max_tokens": max_tokens, "stream": True,
             "ignore_eos": True}
+    if logprobs is not None:
+        body.update(logprobs=True, top_logprobs=2)
     with client.stream("POST", "/v1/chat/completions", json=body,
                        headers={"X-Session-Id": sid}) as resp:
         assert resp.status_code == 200
@@ -253,6 +258,8 @@ def _stream_chat(client: httpx.Client, sid: str, messages: list[dict[str, str]],
                 for choice in event["choices"]:
                     pieces.append(choice["delta"].get("content") or "")
                     assert "token_ids" not in choice
+                    if logprobs is not None and choice.get("logprobs"):
+                        logprobs.extend(choice["logprobs"]["content"])
                 on_chunk(len(pieces))
     return "".join(pieces), comments, headers
 
@@ -285,10 +292,21 @@ def test_worker_sigkill_resumes_the_stream_and_rebinds_sessions(cluster: Cluster
             cluster.workers["w1"].kill(signal.SIGKILL)
             killed["at"] = time.monotonic()
 
-    text, comments, headers = _stream_chat(client, stream_sid, messages, 400, maybe_kill)
+    logprobs: list[dict[str, Any]] = []
+    text, comments, headers = _stream_chat(client, stream_sid, messages, 400, maybe_kill,
+                                           logprobs)
     assert killed, "the stream ended before the kill"
     assert headers["x-kvkeep-worker"] == "w1"
     assert text == reference  # no token lost, none doubled, same greedy continuation
+    # Log-probabilities for every token, in the chat format on both sides of the break (the
+    # continuation's completions logprobs are rewritten): greedy picks each step's best.
+    assert len(logprobs) == 400
+    for entry in logprobs:
+        best = entry["top_logprobs"]
+        assert len(best) == 2 and best[0]["logprob"] >= best[1]["logprob"]
+        assert entry["token"] == best[0]["token"]
+        assert entry["logprob"] == pytest.approx(best[0]["logprob"])
+        assert entry["bytes"] == list(entry["token"].encode("utf-8", errors="replace"))
     notes = [json.loads(c.split(" ", 2)[2]) for c in comments]
     assert notes[0]["resumed_on"] == "w2" and 0 < notes[0]["after_tokens"] < 400
     # the lease expires: every replica sees w1 go within the TTL (and slack) of the kill
