@@ -111,9 +111,7 @@ def decode_layer(read: BlockRead, layer: int, *, out: TensorLike | None = None,
     Raises CorruptBlock (a miss) on any integrity failure, CodecError on a bad request (layer
     outside the read, `out` of the wrong shape or dtype).
     """
-    if layer not in read.layers:
-        raise CodecError(f"layer {layer} not in the read [{read.layers.start}, "
-                         f"{read.layers.stop})")
+    _check_layer(read, layer)
     if key is not None:
         read.verify_key(key.digest)
     checked = _CheckedRead(read)
@@ -181,9 +179,7 @@ def decode_layer_batch(reads: Sequence[BlockRead], layer: int, out: torch.Tensor
     by_codec: dict[tuple[CodecId, DType], tuple[list[Buffer], list[int]]] = {}
     for i, (read, key) in enumerate(zip(reads, keys, strict=True)):
         try:
-            if layer not in read.layers:
-                raise CodecError(f"layer {layer} not in the read [{read.layers.start}, "
-                                 f"{read.layers.stop})")
+            _check_layer(read, layer)
             if tuple(read.header.layer_shape) != shape \
                     or torch_dtype(read.header.dtype) != out.dtype:
                 raise CodecError(f"frame layers are {read.header.dtype.name} "
@@ -200,6 +196,12 @@ def decode_layer_batch(reads: Sequence[BlockRead], layer: int, out: torch.Tensor
         for row in get_codec(codec).decode_rows(segments, shape, dtype, out, rows):
             results[row] = CorruptBlock("segment refused by its codec (invalid scale)")
     return results
+
+
+def _check_layer(read: BlockRead, layer: int) -> None:
+    if layer not in read.layers:
+        raise CodecError(f"layer {layer} not in the read [{read.layers.start}, "
+                         f"{read.layers.stop})")
 
 
 def decode_frame(frame: Buffer, *, key: BlockKey, layers: LayerRange | None = None,

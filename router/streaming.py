@@ -93,7 +93,8 @@ class StreamState:
     resumed: bool = False
     chunks: int = 0
     text_chars: int = 0
-    """Characters of generated text sent so far."""
+    """Characters of generated text sent so far (counted for streams that ask for logprobs,
+    the only ones whose continuation needs it)."""
     offset_base: int = 0
     """`text_chars` when the current continuation started: its text offsets count from 0."""
 
@@ -124,12 +125,8 @@ class StreamState:
         for choice in obj.get("choices") or ():
             if not isinstance(choice, dict):
                 continue
-            text = choice.get("text")
-            delta = choice.get("delta")
-            if isinstance(delta, dict):
-                text = delta.get("content")
-            if isinstance(text, str):
-                self.text_chars += len(text)
+            if self.request.logprobs is not None:  # only logprobs' text offsets need it
+                self._count_text(choice)
             if "prompt_token_ids" in choice:
                 p = choice["prompt_token_ids"] if keep else choice.pop("prompt_token_ids")
                 prompt = p if p is not None else prompt
@@ -143,6 +140,12 @@ class StreamState:
         if obj.get("usage") is not None:
             self.usage_sent = True
         return obj
+
+    def _count_text(self, choice: dict[str, Any]) -> None:
+        delta = choice.get("delta")
+        text = delta.get("content") if isinstance(delta, dict) else choice.get("text")
+        if isinstance(text, str):
+            self.text_chars += len(text)
 
     def usage(self) -> dict[str, int]:
         prompt = len(self.prompt_ids or ())

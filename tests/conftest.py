@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
+from tests.models import TinyModel, build_tiny_llama
 from tests.services import EtcdServer, RedisServer, start_etcd, start_redis
 
 # On a noisy 2-core machine a per-example deadline measures the neighbours, not our code; and
@@ -45,3 +46,9 @@ def etcd_server(tmp_path: Path) -> Iterator[EtcdServer]:
 def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
     with start_redis(tmp_path) as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
+    """The tiny local Llama the vLLM engine tests run (built once per test session)."""
+    return build_tiny_llama(tmp_path_factory.getbasetemp() / "tiny-llama")

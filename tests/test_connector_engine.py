@@ -23,7 +23,7 @@ from tests.connector_harness import (
     scheduler_connector,
     worker_connector,
 )
-from tests.models import TinyModel, build_tiny_llama
+from tests.models import TinyModel
 
 pytestmark = pytest.mark.slow
 
@@ -35,11 +35,6 @@ MAX_TOKENS = 24
 def expected_restore(prompt: list[int]) -> int:
     """Tokens a full restore supplies: every full block but the one holding the last token."""
     return (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
-    return build_tiny_llama(tmp_path_factory.getbasetemp() / "tiny-llama")
 
 
 @pytest.fixture(scope="module")

@@ -24,17 +24,12 @@ from tests.connector_harness import (
     scheduler_connector,
     worker_connector,
 )
-from tests.models import TinyModel, build_tiny_llama
+from tests.models import TinyModel
 
 pytestmark = pytest.mark.slow
 
 PROMPTS = random_prompts(3, [150, 170, 200], seed=11)
 MAX_TOKENS = 16
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
-    return build_tiny_llama(tmp_path_factory.getbasetemp() / "tiny-llama")
 
 
 @pytest.fixture(scope="module")

@@ -42,11 +42,6 @@ FORCED_EVERY = 4  # teacher-forced points: every 4th position of each reference 
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
-    return build_tiny_llama(tmp_path_factory.getbasetemp() / "tiny-llama")
-
-
-@pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
     return build_trained_tiny_llama(tmp_path_factory.getbasetemp() / "tiny-llama-trained")
 

@@ -25,17 +25,12 @@ from tests.connector_harness import (
     scheduler_connector,
 )
 from tests.daemon_process import start_daemon
-from tests.models import TinyModel, build_tiny_llama
+from tests.models import TinyModel
 from tests.services import free_port
 
 pytestmark = pytest.mark.slow
 
 PROMPTS = random_prompts(3, [70, 130, 200], seed=7)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
-    return build_tiny_llama(tmp_path_factory.getbasetemp() / "tiny-llama")
 
 
 def _collect(sock: zmq.Socket[bytes], subscriber: KVEventSubscriber, worker: WorkerId,

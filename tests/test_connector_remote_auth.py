@@ -17,17 +17,12 @@ from tests.connector_harness import (
     scheduler_connector,
 )
 from tests.daemon_process import DaemonProcess, start_daemon
-from tests.models import TinyModel, build_tiny_llama
+from tests.models import TinyModel
 
 pytestmark = pytest.mark.slow
 
 PROMPTS = random_prompts(2, [100, 140], seed=31)
 MAX_TOKENS = 8
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
-    return build_tiny_llama(tmp_path_factory.getbasetemp() / "tiny-llama")
 
 
 @pytest.fixture

@@ -24,16 +24,11 @@ from tests.connector_harness import (
     scheduler_connector,
     worker_connector,
 )
-from tests.models import TinyModel, build_tiny_llama
+from tests.models import TinyModel
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
-    return build_tiny_llama(tmp_path_factory.getbasetemp() / "tiny-llama")
 
 
 def _manifest(llm: Any, session: str, *, wait_for_tokens: int = 0,

@@ -22,7 +22,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, ClassVar, Protocol, TypeGuard, runtime_checkable
 
 import numpy as np
 
@@ -142,11 +142,10 @@ class BaseCodec(abc.ABC):
                     dtype: DType | str | None = None) -> EncodedLayers:
         shape, found = common_layout(layers, dtype)
         size = self.encoded_size(shape, found)
-        device = _one_device(layers)
-        if device is not None:
+        if _on_one_device(layers):
             # A block on one GPU: encoded with one set of kernels and one copy to host.
             block = np.empty((len(layers), size), np.uint8)
-            self._encode_device_many(layers, block)  # type: ignore[arg-type]
+            self._encode_device_many(layers, block)
             return EncodedLayers([segment.data for segment in block], shape, found)
         # One allocation for the block, one row of it per layer, and no per-layer `out`
         # checks: Python per layer is most of the cost of a 64 KiB layer (~4 us of kernel).
@@ -257,15 +256,11 @@ class BaseCodec(abc.ABC):
         """Decode host bytes `data` (uint8) into the device tensor `out`."""
 
 
-def _one_device(layers: Sequence[TensorLike]) -> str | None:
-    """The device every layer lives on, when that is one and the same accelerator; else None."""
+def _on_one_device(layers: Sequence[TensorLike]) -> TypeGuard[Sequence[torch.Tensor]]:
+    """Whether every layer lives on one and the same accelerator."""
     first = layers[0]
-    if not is_device_tensor(first):
-        return None
-    device = first.device
-    if all(is_device_tensor(x) and x.device == device for x in layers):
-        return str(device)
-    return None
+    return is_device_tensor(first) and all(
+        is_device_tensor(x) and x.device == first.device for x in layers)
 
 
 def _byte_buffer(out: bytearray | memoryview | Array | None, size: int) -> Array:

@@ -117,9 +117,7 @@ class Int8Codec(BaseCodec):
 
         from kvstore.codecs import torch_ops
 
-        count = data.size // (_SCALE_BYTES + out.shape[-1])
-        scales = data[: _SCALE_BYTES * count].view(np.float32)
-        if not (np.isfinite(scales).all() and (scales >= 0).all()):
+        if not self._valid_segment(data, tuple(out.shape)):
             raise CorruptBlock(_BAD_SCALE)
         # torch refuses read-only memory, so stage one host copy of the (half-size) payload.
         staged = torch.from_numpy(data.copy()).to(out.device)

@@ -53,17 +53,12 @@ def quantize_many(layers: torch.Tensor) -> torch.Tensor:
 
 def dequantize(segment: torch.Tensor, out: torch.Tensor) -> None:
     """Decode a uint8 segment (already on out's device) into `out` [..., E], in out's dtype."""
-    width = out.shape[-1]
-    rows = out.numel() // width
-    scales = segment[: 4 * rows].view(torch.float32)
-    q = segment[4 * rows:].view(torch.int8).view(rows, width)
-    values = (q.float() * scales[:, None]).to(out.dtype)
-    out.copy_(values.view(out.shape))
+    out.copy_(dequantize_many(segment.view(1, -1), out.shape[-1], out.dtype).view(out.shape))
 
 
 def dequantize_many(segments: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
-    """Decode K uint8 segments [K, bytes] (on the device) into [K, rows, width] of `dtype`:
-    the same arithmetic as `dequantize`, in one set of kernels for all of them."""
+    """Decode K uint8 segments [K, bytes] (on the device) into [K, rows, width] of `dtype`,
+    in one set of kernels for all of them."""
     count = segments.shape[0]
     rows = segments.shape[1] // (4 + width)
     scales = segments[:, : 4 * rows].contiguous().view(torch.float32)

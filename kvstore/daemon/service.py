@@ -36,7 +36,7 @@ from kvstore.frame import (
     header_size_from_prefix,
     verify_pieces,
 )
-from kvstore.keys import BlockKey
+from kvstore.keys import BlockKey, SessionKey
 from kvstore.manifest import SessionManifest
 from kvstore.store import TieredStore
 from kvstore.tiers.base import Buffer, TierStats
@@ -349,12 +349,7 @@ class KVStoreService:
         return pb.PutManifestReply()
 
     async def get_manifest(self, request: pb.ManifestKey, context: Any) -> pb.GetManifestReply:
-        principal = await self._authenticate(context)
-        scope = await self._scope(request.scope, principal, context)
-        try:
-            key = scope.session_key(request.session_id)
-        except InvalidKey as exc:
-            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        key = await self._session_key(request, context)
         outcome = await self._run(self._store_call, self._store.get_manifest, key)
         if isinstance(outcome, Abort):
             await _abort(context, outcome.code, outcome.message)
@@ -363,12 +358,7 @@ class KVStoreService:
         return pb.GetManifestReply(found=True, manifest=outcome.encode())
 
     async def delete_manifest(self, request: pb.ManifestKey, context: Any) -> pb.DeleteReply:
-        principal = await self._authenticate(context)
-        scope = await self._scope(request.scope, principal, context)
-        try:
-            key = scope.session_key(request.session_id)
-        except InvalidKey as exc:
-            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        key = await self._session_key(request, context)
         outcome = await self._run(self._store_call, self._store.delete_manifest, key)
         if isinstance(outcome, Abort):
             await _abort(context, outcome.code, outcome.message)
@@ -585,6 +575,14 @@ class KVStoreService:
             await _abort(context, grpc.StatusCode.PERMISSION_DENIED,
                          f"tenant {scope.namespace.tenant!r} is not granted to this token")
         return scope
+
+    async def _session_key(self, request: pb.ManifestKey, context: Any) -> SessionKey:
+        """The session a manifest call names, in a scope the caller may access."""
+        scope = await self._scope(request.scope, await self._authenticate(context), context)
+        try:
+            return scope.session_key(request.session_id)
+        except InvalidKey as exc:
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
     async def _keys(self, scope: Scope, hashes: Any, context: Any) -> list[BlockKey]:
         if len(hashes) > MAX_KEYS_PER_CALL:

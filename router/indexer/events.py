@@ -147,19 +147,8 @@ class KVBlockIndex:
         blocks = self._workers.get(worker)
         if blocks is None:
             return
-        device = _MEDIUM_BITS["GPU"]
         for vllm_hash, key in list(blocks.by_hash.items()):
-            holders = self._holders.get(key)
-            mask = holders.get(worker, 0) & ~device if holders is not None else 0
-            if mask:
-                assert holders is not None
-                holders[worker] = mask
-                continue
-            del blocks.by_hash[vllm_hash]
-            if holders is not None:
-                holders.pop(worker, None)
-                if not holders:
-                    del self._holders[key]
+            self._unmark(worker, blocks, vllm_hash, key, _MEDIUM_BITS["GPU"])
 
     def holds(self, worker: WorkerId, key: int) -> bool:
         return worker in self._holders.get(key, {})
@@ -215,19 +204,23 @@ class KVBlockIndex:
         bits = _bits(event.get("medium"))
         for vllm_hash in event.get("block_hashes") or ():
             key = blocks.by_hash.get(_as_int(vllm_hash))
-            if key is None:
-                continue
-            holders = self._holders.get(key)
-            if holders is None or worker not in holders:
-                continue
-            mask = holders[worker] & ~bits
-            if mask:
-                holders[worker] = mask
-            else:
-                del holders[worker]
-                blocks.by_hash.pop(_as_int(vllm_hash), None)
-                if not holders:
-                    del self._holders[key]
+            if key is not None:
+                self._unmark(worker, blocks, _as_int(vllm_hash), key, bits)
+
+    def _unmark(self, worker: WorkerId, blocks: _WorkerBlocks, vllm_hash: int, key: int,
+                bits: int) -> None:
+        """Clear `bits` of `worker`'s hold on `key`; a hold left empty goes, with its hash."""
+        holders = self._holders.get(key)
+        if holders is None or worker not in holders:
+            return
+        mask = holders[worker] & ~bits
+        if mask:
+            holders[worker] = mask
+            return
+        del holders[worker]
+        blocks.by_hash.pop(vllm_hash, None)
+        if not holders:
+            del self._holders[key]
 
 
 def _as_int(value: object) -> int:
