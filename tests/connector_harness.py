@@ -34,6 +34,17 @@ ENGINE_DEFAULTS: dict[str, Any] = {
 }
 
 
+def engine_block_shape(fingerprint: Any) -> tuple[int, ...]:
+    """The per-layer block shape frames of this engine's layout hold: canonical
+    `[2, N, H, D]`, or `[H, 2N, D]` for the verbatim CPU layouts (AMX, ARM, ...), which the
+    engine picks by the CPU it runs on."""
+    from connectors.vllm.layouts import LayoutSpec
+
+    family = "cpu-raw" if fingerprint.layout_id.endswith("/raw") else "cpu-kt"
+    return LayoutSpec(fingerprint.layout_id, family, fingerprint.num_kv_heads,
+                      fingerprint.head_size, fingerprint.block_size).block_shape
+
+
 def kv_transfer_config(store: dict[str, Any], **extra: Any) -> dict[str, Any]:
     return {"kv_connector": "KVKeepConnector", "kv_connector_module_path": "connectors.vllm",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute",

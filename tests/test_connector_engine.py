@@ -16,6 +16,7 @@ from tests.connector_harness import (
     BLOCK_SIZE,
     Result,
     block_hashes,
+    engine_block_shape,
     generate,
     kv_transfer_config,
     open_engine,
@@ -110,7 +111,7 @@ def test_negative_control_random_kv_changes_output(
         connector = scheduler_connector(llm)
         fingerprint = connector.fingerprint
         spec = connector.config.store
-        shape = (2, BLOCK_SIZE, fingerprint.num_kv_heads, fingerprint.head_size)
+        shape = engine_block_shape(fingerprint)
         gen = torch.Generator().manual_seed(7)
         store = acquire_store(spec)
         try:
