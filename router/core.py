@@ -82,8 +82,10 @@ class RouterCore:
         self.clock: Callable[[], float] = clock or time.monotonic
         self.block_size = block_size
         self.defer: Defer = defer if defer is not None else run_now_discarding
-        self.backend: StateBackend = backend if backend is not None \
-            else MemoryBackend(clock=self.clock)
+        self._own_state: MemoryBackend | None = None
+        if backend is None:
+            backend = self._own_state = MemoryBackend(clock=self.clock)
+        self.backend: StateBackend = backend
         self.pool = WorkerPool(clock=self.clock)
         self.history = RoutingHistory()
         self.blocks = KVBlockIndex(block_size)
@@ -92,6 +94,8 @@ class RouterCore:
                                    clock=self.clock)
         # Bindings are compared across replicas and restarts: wall time, unless simulated.
         self.sessions = SessionTable(self.backend, session_ttl_s, clock=clock or time.time)
+        if self._own_state is not None:  # no watch task to feed the table: fed directly
+            self._own_state.attach_bindings(self.sessions)
         self.metrics = RouterMetrics(
             workers=lambda: float(len(self.pool)),
             usable_workers=lambda: float(self.status().usable_workers),
@@ -149,6 +153,12 @@ class RouterCore:
 
     def session(self, session_id: SessionId) -> VersionedBinding | None:
         return self.sessions.get(session_id)
+
+    def expire(self) -> None:
+        """Forget the bindings unused for the session TTL, on `clock` (the core's own
+        in-memory state; another backend expires them itself and its watch tells the core)."""
+        if self._own_state is not None:
+            self._own_state.reap()
 
     def status(self) -> CoreStatus:
         now = self.clock()

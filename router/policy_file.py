@@ -22,11 +22,12 @@ and the key.
 from __future__ import annotations
 
 import dataclasses
+import typing
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -35,7 +36,14 @@ from router.policy import PolicySpec, ScorerSpec, Thresholds, policy_preset
 
 __all__ = ["PolicyFile", "load_policy_file", "resolve_policy"]
 
-_THRESHOLD_KEYS = tuple(f.name for f in dataclasses.fields(Thresholds))
+if TYPE_CHECKING:
+    _Thresholds = msgspec.Struct
+else:
+    # Thresholds' own fields and types, each optional: one list of names, in `Thresholds`.
+    _Thresholds = msgspec.defstruct(
+        "_Thresholds", [(name, kind | None, None)
+                        for name, kind in typing.get_type_hints(Thresholds).items()],
+        forbid_unknown_fields=True, frozen=True, kw_only=True)
 
 
 class _Scorer(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -55,7 +63,7 @@ class _File(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     filters: list[str] | None = None
     scorers: list[_Scorer] | None = None
     picker: str | None = None
-    thresholds: dict[str, int | float] = {}
+    thresholds: _Thresholds | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,15 +103,11 @@ def load_policy_file(path: str | Path) -> PolicyFile:
         given = decode(raw, type=_File)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise ConfigError(f"policy config {source}: {exc}") from exc
-    unknown = [k for k in given.thresholds if k not in _THRESHOLD_KEYS]
-    if unknown:
-        raise ConfigError(f"policy config {source}: thresholds.{unknown[0]}: unknown key; "
-                          f"known: {', '.join(_THRESHOLD_KEYS)}")
     scorers = None if given.scorers is None else tuple(
         ScorerSpec(s.name, s.weight, tuple(s.parameters.items())) for s in given.scorers)
     spec = PolicyFile(source, given.policy, None if given.filters is None
                       else tuple(given.filters), scorers, given.picker, given.sessions.sticky,
-                      given.sessions.migrate, dict(given.thresholds))
+                      given.sessions.migrate, _given(given.thresholds))
     spec.resolve()  # every name and value checked now, not at the first request
     return spec
 
@@ -122,13 +126,19 @@ def resolve_policy(file: PolicyFile | None = None, *, preset: str | None = None,
     return spec
 
 
+def _given(thresholds: msgspec.Struct | None) -> dict[str, int | float]:
+    if thresholds is None:
+        return {}
+    values = msgspec.structs.asdict(thresholds)
+    return {name: value for name, value in values.items() if value is not None}
+
+
 def _thresholds(base: Thresholds, given: Mapping[str, int | float]) -> Thresholds:
     if not given:
         return base
+    values: dict[str, Any] = dict(given)
     try:
-        return msgspec.convert({**dataclasses.asdict(base), **given}, Thresholds)
-    except msgspec.ValidationError as exc:
-        raise ConfigError(f"thresholds: {exc}".replace("`$.", "`thresholds.")) from exc
+        return replace(base, **values)
     except ConfigError as exc:  # a value out of range: the message starts with its key
         raise ConfigError(f"thresholds.{exc}") from exc
 

@@ -126,12 +126,17 @@ class MemoryBackend:
         return True, vb
 
     async def follow_bindings(self, sink: BindingSink) -> None:
-        sink.reset([vb for vb, _ in self._bindings.values()])
-        self._binding_sinks.append(sink)
+        self.attach_bindings(sink)
         try:
             await asyncio.Event().wait()
         finally:
             self._binding_sinks.remove(sink)
+
+    def attach_bindings(self, sink: BindingSink) -> None:
+        """Feed `sink` every binding change from now on, synchronously (what `follow_bindings`
+        does, without a task to run it: for a caller without an event loop)."""
+        sink.reset([vb for vb, _ in self._bindings.values()])
+        self._binding_sinks.append(sink)
 
     # --- private ---------------------------------------------------------------------------
     def _put_worker(self, info: WorkerInfo) -> None:
