@@ -2,14 +2,16 @@
 
     python -m benchmarks.router --quick --json OUT.json
 
-- Decision latency: `Scheduler.decide` + `commit` with >= 100,000 bound sessions and >= 64
-  workers carrying load, prefix history and a KV-event index; p50/p99 in microseconds.
+- Decision latency: `RouterCore.decide` + its pre-request hooks with >= 100,000 bound sessions
+  and >= 64 workers carrying load, prefix history and a KV-event index; p50/p99 in
+  microseconds. `place_us`: the whole synchronous `place_now` (the in-memory session table's
+  lookup and CAS included), what a simulator driving the core pays per request.
 - Proxy overhead: 64 concurrent streams against a fast fake streaming server, straight to it and
   through a router (separate processes, same run, same client); per-request time to the last
   byte, p50/p99 in ms. The router path includes everything a real request pays: parsing, the
   decision, `return_token_ids` asked of the worker and stripped per chunk, SSE relay.
 - Policy replay (not timed): a discrete-event simulation of multi-turn sessions with skewed
-  activity on a few workers, routed by the real `Scheduler` under each policy, reporting mean and
+  activity on a few workers, routed by the real `RouterCore` under each policy, reporting mean and
   p99 TTFT. It reproduces Dynamo's finding that plain stickiness loses to round robin, and
   shows whether the `kvkeep` policy does.
 """
@@ -469,6 +471,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {}
     dl = decision_latency(decisions=decisions)
     result["decision_us"] = {"p50": dl["p50"], "p99": dl["p99"]}
+    result["place_us"] = {"p50": dl["place_p50"], "p99": dl["place_p99"]}
     result["sessions"], result["workers"] = dl["sessions"], dl["workers"]
     result["proxy"] = proxy_overhead(requests=requests)
     turns = 3000 if args.quick else 10_000
