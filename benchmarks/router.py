@@ -62,7 +62,8 @@ def decision_latency(sessions: int = 100_000, workers: int = 64, decisions: int 
     `place_us`: the whole `place_now` of the same requests, with every session bound in the
     in-memory table (a binding CAS where one changes): what a simulator pays per request."""
     rng = random.Random(seed)
-    core = RouterCore(build_policy("kvkeep", rng=rng), block_size=32)
+    now = 0.0
+    core = RouterCore(build_policy("kvkeep", rng=rng), block_size=32, clock=lambda: now)
     ids = [WorkerId(f"w{i:03d}") for i in range(workers)]
     for wid in ids:
         core.add_worker(WorkerInfo(wid, f"http://{wid}", ("m",)))
@@ -96,6 +97,7 @@ def decision_latency(sessions: int = 100_000, workers: int = 64, decisions: int 
     for sid, wid in bound.items():
         run_now(core.sessions.bind(sid, wid, "m", expected=None, reason="new",
                                    restore_from=None))
+    now += 60.0  # past the migration cooldown: bound sessions may move, as in the decisions
     placing = []
     for req, _ in requests:
         start = clock()
