@@ -108,6 +108,9 @@ class Dispatcher:
                 last = f"{attempt.worker}: {type(exc).__name__}: {exc}"
                 self.failed(attempt, tried, hard=True)
                 continue
+            except BaseException:  # cancelled (the client left): not the worker's failure
+                self.close(attempt)
+                raise
             if attempt.status in RETRYABLE_STATUS:
                 last = f"{attempt.worker}: HTTP {attempt.status}"
                 if attempt_no + 1 < self.max_attempts:

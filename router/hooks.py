@@ -30,7 +30,7 @@ from router.indexer.keys import token_block_keys
 from router.sessions import SessionTable
 from router.workers import WorkerPool
 
-__all__ = ["Outcome", "PreRequest", "PostResponse", "LoadAccounting", "HistoryRecorder",
+__all__ = ["Outcome", "FAILED", "PreRequest", "PostResponse", "LoadAccounting", "HistoryRecorder",
            "SessionTokens", "BindingSettler", "Defer"]
 
 Defer = Callable[[Coroutine[Any, Any, Any]], None]

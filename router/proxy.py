@@ -43,7 +43,7 @@ from router.errors import (
     RouterError,
     Unauthorized,
 )
-from router.hooks import Outcome
+from router.hooks import FAILED, Outcome
 from router.metrics import CONTENT_TYPE_LATEST
 from router.service import RouterService
 from router.streaming.continuation import relay_stream
@@ -188,22 +188,22 @@ class Proxy:
         tried: set[WorkerId] = set()
         attempt = await dispatcher.send(creq, tried, stream=False)
         headers = _headers(creq, attempt.placement, failover=bool(tried))
-        data, outcome = attempt.data, Outcome(ok=False)
-        if attempt.status == 200 and attempt.content_type == "application/json":
-            try:
-                obj = json.loads(data)
-            except ValueError:
-                obj = None
-            if isinstance(obj, dict):
-                reply = absorb_unary(creq, obj)
-                headers.update(reply.headers)
-                data = _DUMPS(obj).encode()
-                outcome = Outcome(ok=True, prompt_tokens=reply.prompt_tokens,
-                                  output_tokens=reply.output_tokens)
-        dispatcher.finish(attempt, outcome)
-        return web.Response(status=attempt.status, body=data,
-                            content_type=attempt.content_type or "application/json",
-                            headers=headers)
+        data, outcome = attempt.data, FAILED
+        try:
+            if attempt.status == 200 and attempt.content_type == "application/json":
+                try:
+                    obj = json.loads(data)
+                except ValueError:
+                    obj = None
+                if isinstance(obj, dict):
+                    reply = absorb_unary(creq, obj)
+                    headers.update(reply.headers)
+                    data = _DUMPS(obj).encode()
+                    outcome = Outcome(ok=True, prompt_tokens=reply.prompt_tokens,
+                                      output_tokens=reply.output_tokens)
+        finally:
+            dispatcher.finish(attempt, outcome)
+        return _reply(attempt, data, headers)
 
     async def _stream(self, request: web.Request, creq: ClientRequest) -> web.StreamResponse:
         dispatcher = self.service.dispatcher
@@ -213,7 +213,7 @@ class Proxy:
         if attempt.resp is None:
             # The worker's own verdict on the request (400 and the like): passed through.
             dispatcher.finish(attempt)
-            return _passed_through(attempt, headers)
+            return _reply(attempt, attempt.data, headers)
         headers.update({"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         out = web.StreamResponse(status=200, headers=headers)
         try:
@@ -226,8 +226,9 @@ class Proxy:
         return out
 
 
-def _passed_through(attempt: Attempt, headers: dict[str, str]) -> web.Response:
-    return web.Response(status=attempt.status, body=attempt.data,
+def _reply(attempt: Attempt, body: bytes, headers: dict[str, str]) -> web.Response:
+    """The worker's answer (its status and content type), with the router's headers."""
+    return web.Response(status=attempt.status, body=body,
                         content_type=attempt.content_type or "application/json",
                         headers=headers)
 
