@@ -298,7 +298,7 @@ def test_worker_sigkill_resumes_the_stream_and_rebinds_sessions(cluster: Cluster
     reference = direct_chat(cluster.workers["w2"], messages, 400)
     killed: dict[str, float] = {}
     watcher = threading.Thread(target=_watch_leave, daemon=True,
-                               args=(cluster.router_ports["A"], "w1", killed, TTL + 10))
+                               args=(cluster.router_ports["B"], "w1", killed, TTL + 10))
 
     def maybe_kill(n: int) -> None:
         if n == 25 and not killed:
