@@ -2,14 +2,16 @@
 
     python -m benchmarks.router --quick --json OUT.json
 
-- Decision latency: `Scheduler.decide` + `commit` with >= 100,000 bound sessions and >= 64
-  workers carrying load, prefix history and a KV-event index; p50/p99 in microseconds.
+- Decision latency: `RouterCore.decide` + its pre-request hooks with >= 100,000 bound sessions
+  and >= 64 workers carrying load, prefix history and a KV-event index; p50/p99 in
+  microseconds. `place_us`: the whole synchronous `place_now` (the in-memory session table's
+  lookup and CAS included), what a simulator driving the core pays per request.
 - Proxy overhead: 64 concurrent streams against a fast fake streaming server, straight to it and
   through a router (separate processes, same run, same client); per-request time to the last
   byte, p50/p99 in ms. The router path includes everything a real request pays: parsing, the
   decision, `return_token_ids` asked of the worker and stripped per chunk, SSE relay.
 - Policy replay (not timed): a discrete-event simulation of multi-turn sessions with skewed
-  activity on a few workers, routed by the real `Scheduler` under each policy, reporting mean and
+  activity on a few workers, routed by the real `RouterCore` under each policy, reporting mean and
   p99 TTFT. It reproduces Dynamo's finding that plain stickiness loses to round robin, and
   shows whether the `kvkeep` policy does.
 """
@@ -35,12 +37,14 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.keys import SessionId
-from router.decision import RouteReason, RouteRequest
+from router.core import RouterCore
+from router.decision import Placement, RouteReason, RouteRequest
 from router.errors import Saturated
-from router.indexer import KVBlockIndex, RoutingHistory, text_prefix_keys
+from router.hooks import FAILED, Outcome
+from router.indexer import BlockStored, text_prefix_keys
 from router.policy import build_policy
-from router.scheduler import Scheduler
-from router.workers import WorkerId, WorkerInfo, WorkerLoad, WorkerPool
+from router.tasks import run_now
+from router.workers import WorkerId, WorkerInfo
 
 __all__ = ["decision_latency", "proxy_overhead", "replay", "main"]
 
@@ -53,14 +57,18 @@ def _pct(values: list[float], q: float) -> float:
 # --- decision latency ------------------------------------------------------------------------
 def decision_latency(sessions: int = 100_000, workers: int = 64, decisions: int = 20_000,
                      seed: int = 0) -> dict[str, Any]:
+    """`RouterCore.decide` + its pre-request hooks (load charged, history recorded): what the
+    router does per request between parsing and sending, without the binding write. Then
+    `place_us`: the whole `place_now` of the same requests, with every session bound in the
+    in-memory table (a binding CAS where one changes): what a simulator pays per request."""
     rng = random.Random(seed)
-    pool = WorkerPool()
+    now = 0.0
+    core = RouterCore(build_policy("kvkeep", rng=rng), block_size=32, clock=lambda: now)
     ids = [WorkerId(f"w{i:03d}") for i in range(workers)]
     for wid in ids:
-        pool.upsert(WorkerInfo(wid, f"http://{wid}", ("m",))).load = WorkerLoad(
-            rng.randint(0, 30), rng.randint(0, 3), rng.random() * 0.9, 0.0)
-    history, blocks = RoutingHistory(), KVBlockIndex(32)
-    scheduler = Scheduler(pool, build_policy("kvkeep", rng=rng), history=history, blocks=blocks)
+        core.add_worker(WorkerInfo(wid, f"http://{wid}", ("m",)))
+        core.set_load(wid, running=rng.randint(0, 30), waiting=rng.randint(0, 3),
+                      kv_usage=rng.random() * 0.9)
     # Prompts share one of 100 system prompts (~2 KiB) and then diverge.
     systems = [f"system prompt {k} " * 120 for k in range(100)]
     bound: dict[SessionId, WorkerId] = {}
@@ -68,11 +76,10 @@ def decision_latency(sessions: int = 100_000, workers: int = 64, decisions: int 
         bound[SessionId(f"s{i}")] = ids[i % workers]
         if i < 20_000:
             keys = text_prefix_keys(systems[i % 100] + f"user {i}")
-            history.record(keys, ids[i % workers])
+            core.history.record(keys, ids[i % workers])
     for w in ids[:32]:  # KV events: half the workers report their cached blocks
         tokens = [rng.randrange(1000) for _ in range(32 * 64)]
-        blocks.apply(w, {"type": "BlockStored", "block_hashes": list(range(64)),
-                         "parent_block_hash": None, "token_ids": tokens, "block_size": 32})
+        core.apply_kv_events(w, [BlockStored(list(range(64)), None, tokens, 32)])
     requests = []
     for i in range(decisions):
         sid: SessionId | None = SessionId(f"s{rng.randrange(sessions)}") if i % 4 else None
@@ -83,11 +90,22 @@ def decision_latency(sessions: int = 100_000, workers: int = 64, decisions: int 
     clock = time.perf_counter_ns
     for req, b in requests:
         start = clock()
-        d = scheduler.decide(req, b)
-        scheduler.commit(req, d)
+        placement = Placement(core.decide(req, b), None, req)
+        core.admit(placement)
         times.append((clock() - start) / 1000.0)
-        pool.release(d.worker, req.tokens)
+        core.finish(placement, FAILED)
+    for sid, wid in bound.items():
+        run_now(core.sessions.bind(sid, wid, "m", expected=None, reason="new",
+                                   restore_from=None))
+    now += 60.0  # past the migration cooldown: bound sessions may move, as in the decisions
+    placing = []
+    for req, _ in requests:
+        start = clock()
+        placement = core.place_now(req)
+        placing.append((clock() - start) / 1000.0)
+        core.finish(placement, FAILED)
     return {"p50": round(_pct(times, 0.5), 2), "p99": round(_pct(times, 0.99), 2),
+            "place_p50": round(_pct(placing, 0.5), 2), "place_p99": round(_pct(placing, 0.99), 2),
             "sessions": sessions, "workers": workers}
 
 
@@ -330,7 +348,7 @@ def _wait_models(url: str, timeout: float = 20.0) -> None:
 class _SimWorker:
     slots: int
     running: int = 0
-    queue: list[tuple[float, int]] = field(default_factory=list)
+    queue: list[tuple[float, Placement, int, bool]] = field(default_factory=list)
     cache: OrderedDict[int, int] = field(default_factory=OrderedDict)  # session -> tokens
     cached_tokens: int = 0
 
@@ -350,13 +368,12 @@ def replay(policy: str, *, workers: int = 4, sessions: int = 64, turns: int = 30
     rng = random.Random(seed)
     store = policy == "kvkeep" if store is None else store
     prefill_s, restore_s, decode_s = 1 / 20_000, 1 / 80_000, 2.0
-    pool = WorkerPool()
+    now = 0.0
+    core = RouterCore(build_policy(policy, rng=random.Random(seed)), clock=lambda: now)
     wids = [WorkerId(f"w{i}") for i in range(workers)]
     sim = {w: _SimWorker(slots) for w in wids}
     for w in wids:
-        pool.upsert(WorkerInfo(w, f"sim://{w}", ("m",)))
-    scheduler = Scheduler(pool, build_policy(policy, rng=random.Random(seed)),
-                          history=RoutingHistory())
+        core.add_worker(WorkerInfo(w, f"sim://{w}", ("m",)))
     weights = [1.0 / (i + 1) ** 1.1 for i in range(sessions)]
     context = [2000] * sessions  # system prompt
     generation = [0] * sessions
@@ -364,7 +381,6 @@ def replay(policy: str, *, workers: int = 4, sessions: int = 64, turns: int = 30
     binding: dict[int, WorkerId] = {}
     events: list[tuple[float, int, str, Any]] = []
     seq = 0
-    now = 0.0
     for _ in range(turns):
         now += rng.expovariate(rate_per_s)
         heapq.heappush(events, (now, seq, "arrive", rng.choices(range(sessions), weights)[0]))
@@ -374,8 +390,8 @@ def replay(policy: str, *, workers: int = 4, sessions: int = 64, turns: int = 30
 
     def publish(w: WorkerId) -> None:
         s = sim[w]
-        pool.update_load(w, WorkerLoad(s.running, len(s.queue),
-                                        min(1.0, s.cached_tokens / kv_capacity_tokens), now))
+        core.set_load(w, running=s.running, waiting=len(s.queue),
+                      kv_usage=min(1.0, s.cached_tokens / kv_capacity_tokens))
 
     def cache_put(s: _SimWorker, sid: int, tokens: int) -> None:
         s.cached_tokens += tokens - s.cache.pop(sid, 0)
@@ -384,9 +400,9 @@ def replay(policy: str, *, workers: int = 4, sessions: int = 64, turns: int = 30
             _, freed = s.cache.popitem(last=False)
             s.cached_tokens -= freed
 
-    def start(w: WorkerId, arrived: float, sid: int, restore: bool) -> None:
+    def start(placement: Placement, arrived: float, sid: int, restore: bool) -> None:
         nonlocal seq, hits
-        s = sim[w]
+        s = sim[placement.worker]
         s.running += 1
         have = s.cache.get(sid, 0)
         ctx = context[sid] + 400
@@ -400,7 +416,7 @@ def replay(policy: str, *, workers: int = 4, sessions: int = 64, turns: int = 30
         ttft.append(now - arrived + cost)
         context[sid] = ctx + 300
         cache_put(s, sid, context[sid])
-        heapq.heappush(events, (now + cost + decode_s, seq, "finish", (w, ctx)))
+        heapq.heappush(events, (now + cost + decode_s, seq, "finish", placement))
         seq += 1
 
     while events:
@@ -419,27 +435,28 @@ def replay(policy: str, *, workers: int = 4, sessions: int = 64, turns: int = 30
             req = RouteRequest("m", SessionId(f"s{slot}.{generation[slot]}"), keys,
                                tokens=context[sid] + 400)
             try:
-                d = scheduler.decide(req, binding.get(sid))
+                d = core.decide(req, binding.get(sid))
             except Saturated:
                 rejected += 1
                 continue
-            scheduler.commit(req, d)
+            placement = Placement(d, None, req)
+            core.admit(placement)
             binding[sid] = d.worker
             s = sim[d.worker]
             restore = d.reason in (RouteReason.MIGRATED, RouteReason.FAILOVER)
             if s.running < s.slots:
-                start(d.worker, now, sid, restore)
+                start(placement, now, sid, restore)
             else:
-                s.queue.append((now, sid * 2 + int(restore)))
+                s.queue.append((now, placement, sid, restore))
             publish(d.worker)
         else:
-            w, tokens = arg
-            pool.release(w, tokens)
+            core.finish(arg, Outcome(ok=True))
+            w = arg.worker
             s = sim[w]
             s.running -= 1
             if s.queue:
-                arrived, packed = s.queue.pop(0)
-                start(w, arrived, packed // 2, bool(packed % 2))
+                arrived, queued, sid, restore = s.queue.pop(0)
+                start(queued, arrived, sid, restore)
             publish(w)
     return {"policy": policy, "store": store, "mean_ttft_s": round(statistics.mean(ttft), 3),
             "p99_ttft_s": round(_pct(ttft, 0.99), 3), "cache_hit_rate": round(hits / turns, 3),
@@ -456,6 +473,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {}
     dl = decision_latency(decisions=decisions)
     result["decision_us"] = {"p50": dl["p50"], "p99": dl["p99"]}
+    result["place_us"] = {"p50": dl["place_p50"], "p99": dl["place_p99"]}
     result["sessions"], result["workers"] = dl["sessions"], dl["workers"]
     result["proxy"] = proxy_overhead(requests=requests)
     turns = 3000 if args.quick else 10_000

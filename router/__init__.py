@@ -2,13 +2,22 @@
 workers, with its shared state in etcd and failover that restores sessions and resumes streams.
 
 Layout, one concept per module:
-- `decision`, `context`, `scheduler`, `policy`: deciding (pure, synchronous), with the
-  extension points `filters/`, `scorers/`, `pickers/`;
+- `core`: the router core, everything that decides, callable without HTTP and etcd (a
+  simulator's seam); `hooks`: its pre-request / post-response plugins; `tasks`: how its
+  deferred work runs;
+- `decision`, `context`, `scheduler`, `policy`, `policy_file`: deciding (pure, synchronous) and
+  what decides, from presets or a config file, with the extension points `filters/`,
+  `scorers/`, `pickers/`;
 - `workers`, `registry`, `scraper`, `agent`, `gpu`: who the workers are and how loaded;
-- `bindings`, `sessions`, `state/`: session bindings and the etcd / in-process backends;
-- `indexer/`: where prefixes are cached (routing history, vLLM KV events over ZMQ);
-- `api`, `proxy`, `streaming`, `failover`, `service`, `metrics`: sending, and recovering;
-- `commands`: `kvkeep router serve` and `kvkeep worker`.
+- `bindings`, `sessions`, `state/`, `failover`: session bindings, the etcd / in-process
+  backends, rebinding a dead worker's sessions;
+- `indexer/`: where prefixes are cached (routing history, vLLM KV events over ZMQ or fed
+  directly);
+- `api`, `proxy`: the OpenAI-compatible HTTP front; `dispatch`, `upstream`: sending to workers
+  (the one place/send/classify/release loop); `streaming/`: relaying a stream, and continuing
+  it elsewhere when it breaks;
+- `service`, `metrics`, `commands`: one replica assembled, its Prometheus metrics,
+  `kvkeep router serve` and `kvkeep worker`.
 """
 
 __all__: list[str] = []

@@ -14,6 +14,7 @@ from typing import Any
 
 from kvstore.errors import InvalidKey
 from kvstore.keys import SessionId, validate_session_id
+from router.decision import RequestFeatures
 from router.errors import BadRequest, InvalidSessionId
 
 __all__ = ["Endpoint", "ClientRequest", "parse_request", "SESSION_HEADER", "SESSION_FIELD"]
@@ -53,11 +54,15 @@ class ClientRequest:
     A resumed stream asks its continuation for the same and rewrites them into this format."""
 
     @property
+    def features(self) -> RequestFeatures:
+        """What routing needs of this request."""
+        return RequestFeatures(self.model, self.session_id, self.prompt_tokens, self.prompt_text,
+                               self.max_tokens)
+
+    @property
     def estimated_tokens(self) -> int:
         """Prompt + new tokens, for load accounting (4 characters a token when untokenized)."""
-        prompt = len(self.prompt_tokens) if self.prompt_tokens is not None \
-            else len(self.prompt_text) // 4
-        return prompt + (self.max_tokens if self.max_tokens is not None else 256)
+        return self.features.estimated_tokens
 
 
 def parse_request(endpoint: Endpoint, raw: bytes, header_session: str | None) -> ClientRequest:

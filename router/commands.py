@@ -23,6 +23,7 @@ from typing import Any
 from kvstore.errors import ConfigError
 from router.config import RouterConfig, parse_static_worker
 from router.policy import POLICIES, Thresholds, parse_weights
+from router.policy_file import load_policy_file, resolve_policy
 from router.workers import WorkerId
 
 __all__ = ["register", "serve_router", "run_worker_agent"]
@@ -40,21 +41,33 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     serve.add_argument("--etcd-prefix", default="/kvkeep")
     serve.add_argument("--worker", action="append", default=[], metavar="[ID=]URL[,kv-events=EP]",
                        help="a static worker (in-process state only); repeat for more")
-    serve.add_argument("--policy", choices=POLICIES, default="kvkeep")
+    defaults = Thresholds()
+    serve.add_argument("--policy", choices=POLICIES, default=None,
+                       help="the policy preset (default kvkeep, or the config file's)")
+    serve.add_argument("--policy-config", default=None, metavar="FILE",
+                       help="YAML or JSON policy: filters, scorers and weights, picker, session "
+                            "rules, thresholds (example: deploy/router/policy.yaml); the flags "
+                            "below override it")
     serve.add_argument("--weights", default="", metavar="NAME=W,...",
                        help="scorer weights, e.g. precise-prefix=3,queue=2,kv-utilization=2")
-    serve.add_argument("--kv-threshold", type=float, default=0.85,
-                       help="KV-cache usage above which a worker starts no new session")
-    serve.add_argument("--max-waiting", type=int, default=64,
-                       help="queued requests that make a worker saturated (all saturated: 429)")
-    serve.add_argument("--migrate-waiting", type=int, default=2,
-                       help="queued requests on a session's worker that make it migrate")
-    serve.add_argument("--migrate-imbalance", type=int, default=4,
+    serve.add_argument("--kv-threshold", type=float, default=None,
+                       help="KV-cache usage above which a worker starts no new session "
+                            f"(default {defaults.kv_new_session})")
+    serve.add_argument("--max-waiting", type=int, default=None,
+                       help="queued requests that make a worker saturated (all saturated: 429; "
+                            f"default {defaults.max_waiting})")
+    serve.add_argument("--migrate-waiting", type=int, default=None,
+                       help="queued requests on a session's worker that make it migrate "
+                            f"(default {defaults.migrate_waiting})")
+    serve.add_argument("--migrate-imbalance", type=int, default=None,
                        help="extra outstanding requests (vs the least loaded) that make a "
-                            "session migrate, together with --migrate-ratio")
-    serve.add_argument("--migrate-ratio", type=float, default=1.5)
-    serve.add_argument("--migrate-cooldown", type=float, default=2.0, metavar="SECONDS",
-                       help="a session bound or moved this recently does not migrate")
+                            "session migrate, together with --migrate-ratio "
+                            f"(default {defaults.migrate_imbalance})")
+    serve.add_argument("--migrate-ratio", type=float, default=None,
+                       help=f"(default {defaults.migrate_ratio})")
+    serve.add_argument("--migrate-cooldown", type=float, default=None, metavar="SECONDS",
+                       help="a session bound or moved this recently does not migrate "
+                            f"(default {defaults.migrate_cooldown_s})")
     serve.add_argument("--api-key", action="append", default=[],
                        help="accepted bearer key (repeatable; also KVKEEP_API_KEYS, comma-sep)")
     serve.add_argument("--max-body-bytes", type=int, default=8 << 20)
@@ -108,15 +121,16 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         raise ConfigError(f"--listen must be HOST:PORT, not {args.listen!r}")
     keys = set(args.api_key)
     keys.update(k.strip() for k in os.environ.get("KVKEEP_API_KEYS", "").split(",") if k.strip())
-    thresholds = Thresholds(kv_new_session=args.kv_threshold, max_waiting=args.max_waiting,
-                            migrate_waiting=args.migrate_waiting,
-                            migrate_imbalance=args.migrate_imbalance,
-                            migrate_ratio=args.migrate_ratio,
-                            migrate_cooldown_s=args.migrate_cooldown)
+    flags = {"kv_new_session": args.kv_threshold, "max_waiting": args.max_waiting,
+             "migrate_waiting": args.migrate_waiting, "migrate_imbalance": args.migrate_imbalance,
+             "migrate_ratio": args.migrate_ratio, "migrate_cooldown_s": args.migrate_cooldown}
+    policy = resolve_policy(
+        load_policy_file(args.policy_config) if args.policy_config else None,
+        preset=args.policy, weights=parse_weights(args.weights),
+        thresholds={k: v for k, v in flags.items() if v is not None})
     return RouterConfig(
         host=host or "0.0.0.0", port=int(port), etcd_url=args.etcd, etcd_prefix=args.etcd_prefix,
-        policy=args.policy, weights=tuple(parse_weights(args.weights).items()),
-        thresholds=thresholds, api_keys=frozenset(keys), max_body_bytes=args.max_body_bytes,
+        policy=policy, api_keys=frozenset(keys), max_body_bytes=args.max_body_bytes,
         session_ttl_s=args.session_ttl, stream_idle_timeout_s=args.stream_idle_timeout,
         block_size=args.block_size,
         static_workers=tuple(parse_static_worker(w, i) for i, w in enumerate(args.worker)),
@@ -142,7 +156,7 @@ async def serve_router(config: RouterConfig) -> None:
     gc.freeze()
     gc.set_threshold(50_000, 20, 20)
     log.info("router %s listening on %s:%d (policy %s, state %s)", config.replica_id,
-             config.host, config.port, config.policy, service.backend.name)
+             config.host, config.port, config.policy.name, service.backend.name)
     await _until_signalled()
     await runner.cleanup()
 

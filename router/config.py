@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvstore.errors import ConfigError
-from router.policy import POLICIES, Thresholds
+from router.policy import PolicySpec, policy_preset
 from router.workers import WorkerId
 
 __all__ = ["StaticWorker", "RouterConfig", "parse_static_worker"]
@@ -47,15 +47,15 @@ class RouterConfig:
     - `request_timeout_s`: the whole of a non-streaming request (silent until it is done).
     - `max_resumes`: how many times one stream may move before the client gets an error event.
     - `block_size`: tokens per KV block on the workers, for precise prefix keys.
+    - `policy`: what decides (`router/policy.py`; from `--policy`, `--policy-config` and the
+      flags that override it: `router/policy_file.py`).
     """
 
     host: str = "127.0.0.1"
     port: int = 8000
     etcd_url: str | None = None
     etcd_prefix: str = "/kvkeep"
-    policy: str = "kvkeep"
-    weights: tuple[tuple[str, float], ...] = ()
-    thresholds: Thresholds = field(default_factory=Thresholds)
+    policy: PolicySpec = field(default_factory=policy_preset)
     api_keys: frozenset[str] = frozenset()
     max_body_bytes: int = 8 << 20
     session_ttl_s: float = 3600.0
@@ -71,8 +71,6 @@ class RouterConfig:
     replica_id: str = ""
 
     def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ConfigError(f"unknown policy {self.policy!r}; choose from {POLICIES}")
         if self.max_body_bytes < 1024:
             raise ConfigError("max body must be at least 1 KiB")
         if self.block_size < 1:

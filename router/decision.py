@@ -1,9 +1,10 @@
-"""What the decision pipeline takes (`RouteRequest`) and gives (`Decision`).
+"""What the decision pipeline takes (`RequestFeatures`, `RouteRequest`) and gives (`Decision`,
+`Placement`).
 
 Deciding is pure and synchronous: it reads the worker pool, the session binding and the prefix
 indexes, and returns a `Decision`. Sending (HTTP, etcd writes) happens after, elsewhere. That
-split is what lets the benchmark time a decision alone and the tests check every policy without
-a network.
+split is what lets the benchmark time a decision alone, the tests check every policy without a
+network, and a simulator drive the router's own policy code.
 """
 
 from __future__ import annotations
@@ -12,9 +13,14 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from kvstore.keys import SessionId
+from router.bindings import VersionedBinding
 from router.workers import WorkerId
 
-__all__ = ["RouteReason", "RouteRequest", "Decision"]
+__all__ = ["RouteReason", "RequestFeatures", "RouteRequest", "Decision", "Placement",
+           "RESTORING_REASONS", "DEFAULT_MAX_TOKENS"]
+
+DEFAULT_MAX_TOKENS = 256
+"""New tokens assumed for load accounting when a request does not bound them."""
 
 
 class RouteReason(StrEnum):
@@ -32,8 +38,41 @@ RESTORING_REASONS = frozenset({RouteReason.MIGRATED, RouteReason.FAILOVER, Route
 
 
 @dataclass(frozen=True, slots=True)
+class RequestFeatures:
+    """What routing needs to know about one request, before any key is computed.
+
+    The prompt comes as token ids (`prompt_tokens`: precise prefix scoring against the workers'
+    KV events, and approximate scoring of their decimal text) or as text (`prompt_text`: only
+    the approximate prefix score works on text, unless the session's earlier turns returned
+    their token ids). The HTTP front builds one from each parsed request; a simulator builds
+    them directly.
+    """
+
+    model: str
+    session_id: SessionId | None = None
+    prompt_tokens: tuple[int, ...] | None = None
+    prompt_text: str | None = None
+    max_tokens: int | None = None
+
+    @property
+    def text(self) -> str:
+        """The text approximate prefix keys are cut from (token ids in decimal, when only they
+        are known: what the HTTP front does for a token-id prompt)."""
+        if self.prompt_text is not None:
+            return self.prompt_text
+        return " ".join(map(str, self.prompt_tokens)) if self.prompt_tokens else ""
+
+    @property
+    def estimated_tokens(self) -> int:
+        """Prompt + new tokens, for load accounting (4 characters a token when untokenized)."""
+        prompt = len(self.prompt_tokens) if self.prompt_tokens is not None \
+            else len(self.prompt_text or "") // 4
+        return prompt + (self.max_tokens if self.max_tokens is not None else DEFAULT_MAX_TOKENS)
+
+
+@dataclass(frozen=True, slots=True)
 class RouteRequest:
-    """The facts about one request that routing needs, computed once while parsing it.
+    """The facts about one request that the pipeline reads, keys computed once.
 
     `prefix_keys` are chained hashes of the prompt text in fixed-size chunks (approximate prefix
     matching against the router's routing history); `block_keys` are chained hashes of full
@@ -51,17 +90,44 @@ class RouteRequest:
 
 @dataclass(frozen=True, slots=True)
 class Decision:
-    """Where to send a request, ranked fallbacks, and why.
+    """Where to send a request, and why.
 
     `previous` is the worker the session leaves (migration, failover, resumption): the new
     worker's connector is told to restore the session's KV from the store.
     """
 
     worker: WorkerId
-    fallbacks: tuple[WorkerId, ...]
     reason: RouteReason
     previous: WorkerId | None = None
 
     @property
     def restore(self) -> bool:
         return self.reason in RESTORING_REASONS
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """A decision plus the session binding in force after committing it: what is sent."""
+
+    decision: Decision
+    binding: VersionedBinding | None
+    route: RouteRequest
+
+    @property
+    def worker(self) -> WorkerId:
+        return self.decision.worker
+
+    @property
+    def restore_from(self) -> WorkerId | None:
+        """The worker the session's KV was on, when it has to be restored here."""
+        if self.decision.previous is not None:
+            return self.decision.previous
+        return self.binding.binding.restore_from if self.binding is not None else None
+
+    @property
+    def label(self) -> str:
+        """What happened, for `X-KVKeep-Route`: a pending restore reports why it moved."""
+        if self.decision.reason is RouteReason.STICKY and self.restore_from is not None \
+                and self.binding is not None:
+            return self.binding.binding.reason
+        return self.decision.reason.value

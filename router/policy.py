@@ -1,5 +1,9 @@
-"""Routing policies: compositions of filters, weighted scorers and a picker, plus the session
-rules (stickiness, migration). Selected by name; weights and thresholds come from config.
+"""Routing policies: compositions of soft filters, weighted scorers and a picker, plus the
+session rules (stickiness, migration) and the thresholds they use.
+
+A `PolicySpec` says what a policy is made of, by name (what a config file holds: see
+`router/policy_file.py`); `PolicySpec.build` turns it into the `Policy` objects the scheduler
+runs. The presets, selected by `--policy`:
 
 - `kvkeep` (default): sticky sessions that migrate off an overloaded worker (their KV is
   restored from the store), new sessions kept off workers over the KV-utilisation, queue and
@@ -12,35 +16,25 @@ rules (stickiness, migration). Selected by name; weights and thresholds come fro
 
 from __future__ import annotations
 
+import dataclasses
 import random
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 
 from kvstore.errors import ConfigError
 from router.filters import Filter, GpuFilter, KVThresholdFilter, QueueThresholdFilter
-from router.pickers import MaxScorePicker, Picker, RoundRobinPicker
+from router.pickers import LeastUtilisedPicker, MaxScorePicker, Picker, RoundRobinPicker
 from router.scorers import SCORERS, Scorer
 
-__all__ = ["Thresholds", "Policy", "POLICIES", "DEFAULT_WEIGHTS", "build_policy",
-           "parse_weights"]
+__all__ = ["Thresholds", "Policy", "ScorerSpec", "PolicySpec", "POLICIES", "DEFAULT_WEIGHTS",
+           "SOFT_FILTERS", "PICKERS", "policy_preset", "build_policy", "parse_weights"]
 
 POLICIES = ("kvkeep", "round-robin", "least-loaded", "session-only", "llm-d")
-
-DEFAULT_WEIGHTS: Mapping[str, Mapping[str, float]] = {
-    "kvkeep": {"precise-prefix": 3.0, "prefix": 2.0, "queue": 2.0, "kv-utilization": 2.0,
-               "inflight-tokens": 1.0},
-    "round-robin": {},
-    "least-loaded": {"queue": 1.0, "inflight-tokens": 1.0},
-    "session-only": {},
-    # llm-d's defaults: prefix 3, queue 2, KV utilisation 2. It runs one prefix scorer,
-    # precise where KV events exist and approximate otherwise: "best-prefix" is that.
-    "llm-d": {"best-prefix": 3.0, "queue": 2.0, "kv-utilization": 2.0},
-}
 
 
 @dataclass(frozen=True, slots=True)
 class Thresholds:
-    """The load thresholds of the `kvkeep` policy (and saturation, for all policies).
+    """The load thresholds of the session rules and soft filters (and saturation, for all).
 
     - `kv_new_session`: a worker at or above this KV-cache usage starts no new session (85 %).
     - `queue_new_session`: nor one with this many outstanding requests.
@@ -55,6 +49,8 @@ class Thresholds:
     - `migrate_cooldown_s`: a binding younger than this does not migrate. Replicas see load
       differently for a moment; without it, one replica could move a session another bound
       milliseconds earlier, before its first request even ran.
+    - `gpu_max_temp_c` / `gpu_max_mem_frac`: a worker whose GPU (NVML, where reported) is this
+      hot or this full starts no new session.
     """
 
     kv_new_session: float = 0.85
@@ -69,16 +65,24 @@ class Thresholds:
 
     def __post_init__(self) -> None:
         if not 0.0 < self.kv_new_session <= 1.0:
-            raise ConfigError("kv threshold must be in (0, 1]")
-        if min(self.queue_new_session, self.max_waiting, self.migrate_waiting,
-               self.migrate_imbalance) < 1:
-            raise ConfigError("queue thresholds must be >= 1")
+            raise ConfigError(f"kv_new_session must be in (0, 1], not {self.kv_new_session}")
+        for name in ("queue_new_session", "max_waiting", "migrate_waiting", "migrate_imbalance"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, not {getattr(self, name)}")
         if self.migrate_ratio < 1.0:
-            raise ConfigError("migrate ratio must be >= 1")
+            raise ConfigError(f"migrate_ratio must be >= 1, not {self.migrate_ratio}")
+        if self.migrate_cooldown_s < 0:
+            raise ConfigError(f"migrate_cooldown_s must be >= 0, not {self.migrate_cooldown_s}")
+        if self.gpu_max_temp_c <= 0:
+            raise ConfigError(f"gpu_max_temp_c must be > 0, not {self.gpu_max_temp_c}")
+        if not 0.0 < self.gpu_max_mem_frac <= 1.0:
+            raise ConfigError(f"gpu_max_mem_frac must be in (0, 1], not {self.gpu_max_mem_frac}")
 
 
 @dataclass(frozen=True, slots=True)
 class Policy:
+    """A built policy: the objects the scheduler runs."""
+
     name: str
     scorers: tuple[tuple[Scorer, float], ...]
     picker: Picker
@@ -86,8 +90,137 @@ class Policy:
     migrate: bool
     soft_filters: tuple[Filter, ...]
     thresholds: Thresholds = field(default_factory=Thresholds)
-    # Picker used for new sessions when the scorers are empty or the policy says so.
-    fallbacks: int = 2
+
+
+# Soft filters by name, each configured from the thresholds.
+SOFT_FILTERS: Mapping[str, Callable[[Thresholds], Filter]] = {
+    "kv-threshold": lambda th: KVThresholdFilter(th.kv_new_session),
+    "queue-threshold": lambda th: QueueThresholdFilter(th.queue_new_session),
+    "gpu": lambda th: GpuFilter(th.gpu_max_temp_c, th.gpu_max_mem_frac),
+}
+# Pickers by name; the random source breaks ties.
+PICKERS: Mapping[str, Callable[[random.Random], Picker]] = {
+    "max-score": MaxScorePicker,
+    "round-robin": lambda rng: RoundRobinPicker(),
+    "least-utilised": lambda rng: LeastUtilisedPicker(),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ScorerSpec:
+    """One scorer by name (`router.scorers.SCORERS`), its weight and its parameters (the
+    scorer's own fields, e.g. `load-aware`'s `cap`). Weight 0 leaves it out."""
+
+    name: str
+    weight: float
+    parameters: tuple[tuple[str, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class PolicySpec:
+    """What a policy is made of, by name; validated on construction (errors name the part).
+
+    `filters` are the soft filters new placements pass (`SOFT_FILTERS`); `picker` ranks the
+    scored candidates (`PICKERS`); `sticky` keeps a session on its worker, `migrate` lets it
+    leave an overloaded one.
+    """
+
+    name: str
+    scorers: tuple[ScorerSpec, ...]
+    filters: tuple[str, ...]
+    picker: str
+    sticky: bool
+    migrate: bool
+    thresholds: Thresholds = field(default_factory=Thresholds)
+
+    def __post_init__(self) -> None:
+        for i, scorer in enumerate(self.scorers):
+            _check_scorer(i, scorer)
+        for i, name in enumerate(self.filters):
+            if name not in SOFT_FILTERS:
+                raise ConfigError(f"filters[{i}]: unknown filter {name!r}; choose from "
+                                  f"{', '.join(SOFT_FILTERS)}")
+        if self.picker not in PICKERS:
+            raise ConfigError(f"picker: unknown picker {self.picker!r}; choose from "
+                              f"{', '.join(PICKERS)}")
+        if self.migrate and not self.sticky:
+            raise ConfigError("sessions.migrate needs sessions.sticky")
+
+    @property
+    def weights(self) -> dict[str, float]:
+        return {s.name: s.weight for s in self.scorers}
+
+    def with_weights(self, weights: Mapping[str, float]) -> PolicySpec:
+        """These weights over the spec's: a scorer named keeps its place and parameters, a new
+        one is appended, weight 0 drops one."""
+        given = dict(weights)
+        scorers = [replace(s, weight=given.pop(s.name)) if s.name in given else s
+                   for s in self.scorers]
+        scorers += [ScorerSpec(name, weight) for name, weight in given.items()]
+        return replace(self, scorers=tuple(scorers))
+
+    def build(self, rng: random.Random | None = None) -> Policy:
+        rng = rng or random.Random()
+        th = self.thresholds
+        scorers = tuple((SCORERS[s.name](**dict(s.parameters)), s.weight)
+                        for s in self.scorers if s.weight > 0)
+        return Policy(self.name, scorers, PICKERS[self.picker](rng), sticky=self.sticky,
+                      migrate=self.migrate, soft_filters=tuple(SOFT_FILTERS[f](th)
+                                                              for f in self.filters),
+                      thresholds=th)
+
+
+def _check_scorer(index: int, scorer: ScorerSpec) -> None:
+    where = f"scorers[{index}]"
+    cls = SCORERS.get(scorer.name)
+    if cls is None:
+        raise ConfigError(f"{where}.name: unknown scorer {scorer.name!r}; choose from "
+                          f"{', '.join(SCORERS)}")
+    if scorer.weight < 0:
+        raise ConfigError(f"{where}.weight: negative weight {scorer.weight} for {scorer.name}")
+    known = {f.name: f.default for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+             if f.name != "name"}
+    for key, value in scorer.parameters:
+        if key not in known:
+            raise ConfigError(f"{where}.parameters.{key}: {scorer.name} has no parameter "
+                              f"{key!r}" + (f"; it has {', '.join(known)}" if known else ""))
+        if not isinstance(value, int | float) or isinstance(value, bool) or \
+                (isinstance(known[key], int) and not isinstance(value, int)):
+            raise ConfigError(f"{where}.parameters.{key}: {value!r} is not a valid "
+                              f"{type(known[key]).__name__}")
+
+
+_PRESETS: Mapping[str, PolicySpec] = {
+    "kvkeep": PolicySpec(
+        "kvkeep",
+        (ScorerSpec("precise-prefix", 3.0), ScorerSpec("prefix", 2.0), ScorerSpec("queue", 2.0),
+         ScorerSpec("kv-utilization", 2.0), ScorerSpec("inflight-tokens", 1.0)),
+        ("kv-threshold", "queue-threshold", "gpu"), "max-score", sticky=True, migrate=True),
+    "round-robin": PolicySpec("round-robin", (), (), "round-robin", sticky=False,
+                              migrate=False),
+    "least-loaded": PolicySpec("least-loaded", (ScorerSpec("queue", 1.0),
+                                                ScorerSpec("inflight-tokens", 1.0)),
+                               (), "max-score", sticky=False, migrate=False),
+    "session-only": PolicySpec("session-only", (), (), "round-robin", sticky=True,
+                               migrate=False),
+    # llm-d's defaults: prefix 3, queue 2, KV utilisation 2. It runs one prefix scorer,
+    # precise where KV events exist and approximate otherwise: "best-prefix" is that.
+    "llm-d": PolicySpec("llm-d", (ScorerSpec("best-prefix", 3.0), ScorerSpec("queue", 2.0),
+                                  ScorerSpec("kv-utilization", 2.0)),
+                        (), "max-score", sticky=False, migrate=False),
+}
+assert tuple(_PRESETS) == POLICIES
+
+DEFAULT_WEIGHTS: Mapping[str, Mapping[str, float]] = {
+    name: spec.weights for name, spec in _PRESETS.items()}
+
+
+def policy_preset(name: str = "kvkeep") -> PolicySpec:
+    """The named preset's spec (`POLICIES`)."""
+    spec = _PRESETS.get(name)
+    if spec is None:
+        raise ConfigError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")
+    return spec
 
 
 def parse_weights(spec: str) -> dict[str, float]:
@@ -111,28 +244,9 @@ def parse_weights(spec: str) -> dict[str, float]:
 def build_policy(name: str = "kvkeep", *, weights: Mapping[str, float] | None = None,
                  thresholds: Thresholds | None = None, rng: random.Random | None = None
                  ) -> Policy:
-    """The named policy; `weights` replace its default weights (a name missing keeps its
-    default, weight 0 drops a scorer)."""
-    if name not in POLICIES:
-        raise ConfigError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")
-    th = thresholds or Thresholds()
-    merged = dict(DEFAULT_WEIGHTS[name])
-    merged.update(weights or {})
-    scorers = tuple((SCORERS[n](), w) for n, w in merged.items() if w > 0)
-    rng = rng or random.Random()
-    if name == "round-robin":
-        return Policy(name, (), RoundRobinPicker(), sticky=False, migrate=False,
-                      soft_filters=(), thresholds=th)
-    if name == "session-only":
-        return Policy(name, (), RoundRobinPicker(), sticky=True, migrate=False,
-                      soft_filters=(), thresholds=th)
-    if name in ("least-loaded", "llm-d"):
-        return Policy(name, scorers, MaxScorePicker(rng), sticky=False, migrate=False,
-                      soft_filters=(), thresholds=th)
-    soft: tuple[Filter, ...] = (
-        KVThresholdFilter(th.kv_new_session),
-        QueueThresholdFilter(th.queue_new_session),
-        GpuFilter(th.gpu_max_temp_c, th.gpu_max_mem_frac),
-    )
-    return Policy(name, scorers, MaxScorePicker(rng), sticky=True, migrate=True,
-                  soft_filters=soft, thresholds=th)
+    """The named preset, built; `weights` replace its default weights (a name missing keeps
+    its default, weight 0 drops a scorer)."""
+    spec = policy_preset(name).with_weights(weights or {})
+    if thresholds is not None:
+        spec = replace(spec, thresholds=thresholds)
+    return spec.build(rng)

@@ -1,5 +1,6 @@
-"""The router's side of worker membership: applies the backend's worker watch to the pool, the
-KV-event subscriptions and the indexes, and reports deaths to the failover logic.
+"""The router's side of worker membership: applies the backend's worker watch (or a caller's
+own adds and removes) to the pool, the KV-event feeds and the indexes, and reports deaths to
+the failover logic.
 """
 
 from __future__ import annotations
@@ -7,14 +8,23 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
+from router.indexer.events import KVBlockIndex
 from router.indexer.history import RoutingHistory
-from router.indexer.subscriber import KVEventSubscriber
 from router.workers import WorkerId, WorkerInfo, WorkerPool
 
-__all__ = ["Registry"]
+__all__ = ["Registry", "EventFeeds"]
 
 log = logging.getLogger(__name__)
+
+
+class EventFeeds(Protocol):
+    """Whatever brings each worker's KV events to the index (the ZMQ `KVEventSubscriber`)."""
+
+    def follow(self, worker: WorkerId, endpoint: str | None) -> None: ...
+
+    def unfollow(self, worker: WorkerId) -> None: ...
 
 
 @dataclass(slots=True)
@@ -23,8 +33,9 @@ class Registry:
 
     pool: WorkerPool
     on_gone: Callable[[WorkerId], None]
-    subscriber: KVEventSubscriber | None = None
+    feeds: EventFeeds | None = None
     history: RoutingHistory | None = None
+    blocks: KVBlockIndex | None = None
 
     def reset_workers(self, infos: Iterable[WorkerInfo]) -> None:
         fresh = {i.worker_id: i for i in infos}
@@ -40,15 +51,18 @@ class Registry:
         if not known:
             log.info("worker %s joined (%s, models %s)", info.worker_id, info.url,
                      ",".join(info.models))
-        if self.subscriber is not None:
-            self.subscriber.follow(info.worker_id, info.kv_events)
+        if self.feeds is not None:
+            self.feeds.follow(info.worker_id, info.kv_events)
 
     def delete_worker(self, worker_id: WorkerId) -> None:
         if self.pool.remove(worker_id) is None:
             return
         log.warning("worker %s left (lease expired or revoked)", worker_id)
-        if self.subscriber is not None:
-            self.subscriber.unfollow(worker_id)
+        if self.feeds is not None:
+            self.feeds.unfollow(worker_id)
+        # Its caches died with it (a store's shared blocks are not its: they stay).
+        if self.blocks is not None:
+            self.blocks.forget_worker(worker_id)
         if self.history is not None:
             self.history.forget_worker(worker_id)
         self.on_gone(worker_id)

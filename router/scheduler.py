@@ -1,9 +1,9 @@
 """The decision pipeline: filters -> session rules -> scorers -> weighted sum -> picker.
 
 `Scheduler.decide` is synchronous and touches no network: it reads the pool, the request's
-facts, the session's current worker and the prefix indexes, and returns a `Decision`. The
-caller sends, then calls `commit` so the pick is charged to the worker at once (optimistic load
-accounting) and the routing history learns the prompt.
+facts, the session's current worker and the prefix indexes, and returns a `Decision`. What
+follows a pick (the load charged at once, the routing history taught the prompt) is the
+router core's pre-request hooks (`router/hooks.py`).
 
 Order of the rules, for a request of a session bound to worker B:
 1. hard filters (usable, serves the model, not excluded); none left: 503;
@@ -13,7 +13,9 @@ Order of the rules, for a request of a session bound to worker B:
 3. saturation: nobody with room left in its queue: 429 with Retry-After;
 4. new placements only: soft filters (KV usage < 85 %, queue, GPU). If they leave nobody, the
    least-utilised workers take the session instead of the hot ones that hold its prefix;
-5. weighted sum of scores, max-score picker with ranked fallbacks.
+5. weighted sum of scores; the picker's first is the choice. A send that fails before the
+   response starts is decided again without the failed worker (fresh load, fresh failure
+   marks), which is the next-ranked worker when nothing else changed.
 """
 
 from __future__ import annotations
@@ -58,16 +60,26 @@ def overloaded(bound: WorkerState, others: Sequence[WorkerState], th: Thresholds
 class Scheduler:
     """Decides where each request goes under one `Policy`."""
 
-    __slots__ = ("_clock", "_saturation", "blocks", "history", "policy", "pool")
+    __slots__ = ("_clock", "_policy", "_saturation", "blocks", "history", "pool")
 
     def __init__(self, pool: WorkerPool, policy: Policy, *, history: RoutingHistory | None = None,
                  blocks: KVBlockIndex | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.pool = pool
-        self.policy = policy
         self.history = history
         self.blocks = blocks
         self._clock = clock
+        self._policy = policy
+        self._saturation = SaturationFilter(policy.thresholds.max_waiting)
+
+    @property
+    def policy(self) -> Policy:
+        return self._policy
+
+    @policy.setter
+    def policy(self, policy: Policy) -> None:
+        """Switch policies between decisions (a reconfiguration, a simulator's sweep)."""
+        self._policy = policy
         self._saturation = SaturationFilter(policy.thresholds.max_waiting)
 
     def decide(self, request: RouteRequest, bound: WorkerId | None = None, *,
@@ -100,7 +112,7 @@ class Scheduler:
                 others = [w for w in candidates if w is not mine]
                 if not (migrate and policy.migrate
                         and overloaded(mine, others, policy.thresholds)):
-                    return Decision(bound, (), RouteReason.STICKY)
+                    return Decision(bound, RouteReason.STICKY)
                 reason, previous, candidates = RouteReason.MIGRATED, bound, others
             else:
                 reason, previous = RouteReason.FAILOVER, bound
@@ -111,8 +123,7 @@ class Scheduler:
         if not open_:
             raise Saturated(f"all {len(candidates)} workers for {request.model!r} are saturated",
                             retry_after_s=1)
-        ranked = self._rank(ctx, open_)
-        choice = ranked[0].worker_id
+        choice = self._rank(ctx, open_)[0].worker_id
         if reason is None:
             if choice == bound:
                 reason = RouteReason.STICKY
@@ -120,14 +131,7 @@ class Scheduler:
                 alive = any(w.worker_id == bound for w in candidates)
                 reason = RouteReason.MIGRATED if alive else RouteReason.FAILOVER
                 previous = bound
-        fallbacks = tuple(w.worker_id for w in ranked[1:1 + policy.fallbacks])
-        return Decision(choice, fallbacks, reason, previous)
-
-    def commit(self, request: RouteRequest, decision: Decision) -> None:
-        """Charge the pick to its worker and teach the routing history its prompt."""
-        self.pool.charge(decision.worker, request.tokens)
-        if self.history is not None and request.prefix_keys:
-            self.history.record(request.prefix_keys, decision.worker)
+        return Decision(choice, reason, previous)
 
     def _rank(self, ctx: DecisionContext, candidates: list[WorkerState]) -> list[WorkerState]:
         policy = self.policy

@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import aiohttp
 
@@ -59,6 +60,7 @@ class Scraper:
     http: aiohttp.ClientSession
     interval_s: float = 0.5
     timeout_s: float = 1.0
+    clock: Callable[[], float] = field(default=time.monotonic, repr=False)
 
     async def run(self) -> None:
         while True:
@@ -83,5 +85,5 @@ class Scraper:
             if self.pool.record_failure(state.worker_id):
                 log.info("worker %s unreachable (%s); suspect", state.worker_id, exc)
             return
-        self.pool.update_load(state.worker_id, parse_vllm_metrics(text))
+        self.pool.update_load(state.worker_id, parse_vllm_metrics(text, self.clock()))
         self.pool.record_success(state.worker_id)

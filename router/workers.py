@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import NewType
 
@@ -134,10 +134,12 @@ class WorkerState:
 
 @dataclass(slots=True)
 class WorkerPool:
-    """All known workers by id, with optimistic accounting and failure tracking."""
+    """All known workers by id, with optimistic accounting and failure tracking. `clock` is
+    what suspicion times are measured on (the decisions' clock: `usable(now)`)."""
 
     failure_threshold: int = 3
     suspect_s: float = 5.0
+    clock: Callable[[], float] = field(default=time.monotonic, repr=False)
     _workers: dict[WorkerId, WorkerState] = field(default_factory=dict)
     _models: frozenset[str] | None = None  # served models, until the next upsert or remove
 
@@ -222,7 +224,7 @@ class WorkerPool:
             return False
         state.consecutive_failures += 1
         if hard or state.consecutive_failures >= self.failure_threshold:
-            now = time.monotonic()
+            now = self.clock()
             was_suspect = now < state.suspect_until
             state.suspect_until = now + self.suspect_s
             return not was_suspect

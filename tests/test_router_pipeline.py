@@ -15,11 +15,11 @@ from hypothesis import strategies as st
 
 from kvstore.errors import ConfigError
 from kvstore.keys import SessionId
-from router import streaming
 from router.api import ClientRequest, Endpoint, parse_request
 from router.config import parse_static_worker
 from router.context import DecisionContext
-from router.decision import RouteReason, RouteRequest
+from router.core import RouterCore
+from router.decision import RequestFeatures, RouteReason, RouteRequest
 from router.errors import BadRequest, InvalidSessionId, NoHealthyWorker, Saturated
 from router.filters import (
     ExcludeFilter,
@@ -30,6 +30,7 @@ from router.filters import (
     SaturationFilter,
     UsableFilter,
 )
+from router.hooks import Outcome
 from router.indexer import KVBlockIndex, RoutingHistory, SessionBlocks, text_prefix_keys
 from router.indexer.events import SHARED
 from router.indexer.keys import token_block_keys
@@ -48,7 +49,7 @@ from router.scorers import (
     spread,
 )
 from router.scraper import parse_vllm_metrics
-from router.streaming import StreamBroken, StreamState, pump
+from router.streaming import StreamBroken, StreamState, pump, relay
 from router.workers import WorkerId, WorkerInfo, WorkerLoad, WorkerPool, WorkerState
 
 W = WorkerId
@@ -405,24 +406,32 @@ def test_weights_from_config() -> None:
         Thresholds(kv_new_session=1.5)
 
 
-def test_commit_charges_and_records_history() -> None:
-    pool = pool_of(worker("a"), worker("b"))
-    s = sched(pool, "least-loaded")
-    keys = text_prefix_keys("q" * 128)
-    req = RouteRequest("m", prefix_keys=keys, tokens=50)
-    picks = []
-    for _ in range(4):
-        d = s.decide(req)
-        s.commit(req, d)
-        picks.append(d.worker)
-    assert sorted(picks) == ["a", "a", "b", "b"]  # optimistic accounting spreads a burst
-    assert s.history is not None and set(s.history.match(keys)) == {"a", "b"}
+def test_placing_charges_and_records_history_and_finishing_releases() -> None:
+    core = RouterCore(build_policy("least-loaded", rng=random.Random(0)))
+    for w in ("a", "b"):
+        core.add_worker(WorkerInfo(W(w), f"http://{w}", ("m",)))
+    route = core.route(RequestFeatures("m", prompt_text="q" * 128, max_tokens=18))
+    placements = [core.place_now(route) for _ in range(4)]
+    # optimistic accounting spreads a burst between two scrapes
+    assert sorted(p.worker for p in placements) == ["a", "a", "b", "b"]
+    assert set(core.history.match(route.prefix_keys)) == {"a", "b"}
+    assert [(w.inflight, w.inflight_tokens) for w in core.workers()] == [(2, 100), (2, 100)]
+    for p in placements:
+        core.finish(p, Outcome(ok=True))
+    assert [(w.inflight, w.inflight_tokens, w.pending) for w in core.workers()] == [
+        (0, 0, 0), (0, 0, 0)]
 
 
-def test_fallbacks_are_ranked() -> None:
+def test_a_retry_goes_to_the_next_ranked_worker() -> None:
+    """A send that fails before the response is decided again without the failed workers:
+    with nothing else changed, that is the picker's runner-up, then the next."""
     pool = pool_of(worker("a", running=0), worker("b", running=5), worker("c", running=9))
-    d = sched(pool, "least-loaded").decide(RouteRequest("m"))
-    assert (d.worker, d.fallbacks) == ("a", ("b", "c"))
+    s = sched(pool, "least-loaded")
+    picks = [s.decide(RouteRequest("m", exclude=frozenset(W(x) for x in tried))).worker
+             for tried in ("", "a", "ab")]
+    assert picks == ["a", "b", "c"]
+    with pytest.raises(NoHealthyWorker):
+        s.decide(RouteRequest("m", exclude=frozenset({W("a"), W("b"), W("c")})))
 
 
 # --- parsers ----------------------------------------------------------------------------------
@@ -524,7 +533,7 @@ def _relayed(line: bytes, creq: ClientRequest, state: StreamState | None = None
     state = state or StreamState(creq)
     state.chunk_id = state.chunk_id or "c"
     batch: list[bytes] = []
-    streaming._relay_line(line, state, batch)
+    relay._relay_line(line, state, batch)
     return batch, state
 
 
@@ -557,12 +566,12 @@ def test_relay_codecs_agree(extra: dict[str, Any], text: str, ids: list[int],
     line = b"data: " + json.dumps({**extra, "id": "x", "choices": [choice]}).encode()
     creq = _creq(Endpoint.COMPLETIONS, wants_ids=wants)
     fast, fs = _relayed(line, creq)
-    saved = streaming._CODECS
-    streaming._CODECS = (streaming._STD,)
+    saved = relay._CODECS
+    relay._CODECS = (relay._STD,)
     try:
         std, ss = _relayed(line, creq)
     finally:
-        streaming._CODECS = saved
+        relay._CODECS = saved
     assert _events(fast) == _events(std)
     assert (fs.generated, fs.finish_reason) == (ss.generated, ss.finish_reason) == (ids, finish)
     assert ("token_ids" in _events(fast)[0]["choices"][0]) is wants

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from router.config import RouterConfig, StaticWorker
-from router.policy import Thresholds
+from router.policy import Thresholds, policy_preset
 from router.workers import WorkerId
 from tests.router_harness import (
     FakeWorker,
@@ -53,7 +53,8 @@ def env() -> Iterator[Env]:
         config = RouterConfig(
             port=free_port(), scrape_interval_s=0.05, static_ttl_s=1.0, max_body_bytes=64 << 10,
             static_workers=(StaticWorker(WorkerId("a"), a.url), StaticWorker(WorkerId("b"), b.url)),
-            thresholds=Thresholds(max_waiting=50, migrate_cooldown_s=0.0),
+            policy=replace(policy_preset("kvkeep"),
+                           thresholds=Thresholds(max_waiting=50, migrate_cooldown_s=0.0)),
             stream_idle_timeout_s=1.0)
         router = RouterHandle(lt, config).start()
         e = Env(lt, a, b, router)
@@ -77,7 +78,7 @@ def reset(env: Env) -> Iterator[None]:
         fake.delay_s = fake.eof_delay_s = 0.0
         fake.healthy = True
     assert env.router.service is not None
-    for state in env.router.service.pool:
+    for state in env.router.service.core.workers():
         state.suspect_until = 0.0
         state.consecutive_failures = 0
     wait_until(env.idle)
@@ -241,7 +242,7 @@ def test_saturated_is_429_with_retry_after(env: Env) -> None:
 
 def test_no_usable_worker_is_503(env: Env) -> None:
     assert env.router.service is not None
-    for state in env.router.service.pool:
+    for state in env.router.service.core.workers():
         state.suspect_until = time.monotonic() + 60
     r = env.http.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
     assert r.status_code == 503 and "Retry-After" in r.headers
@@ -458,9 +459,10 @@ def test_sticky_then_migrates_when_overloaded(env: Env) -> None:
 
 def test_a_fresh_binding_does_not_migrate(env: Env) -> None:
     assert env.router.service is not None
-    svc = env.router.service
-    svc.config = replace(svc.config, thresholds=replace(svc.config.thresholds,
-                                                        migrate_cooldown_s=30.0))
+    core = env.router.service.core
+    running = core.policy
+    core.policy = replace(running, thresholds=replace(running.thresholds,
+                                                      migrate_cooldown_s=30.0))
     try:
         r = env.http.post("/v1/completions", headers={"X-Session-Id": "young"},
                           json={"model": MODEL, "prompt": "p", "max_tokens": 1})
@@ -471,8 +473,7 @@ def test_a_fresh_binding_does_not_migrate(env: Env) -> None:
                           json={"model": MODEL, "prompt": "p", "max_tokens": 1})
         assert r.headers["X-KVKeep-Worker"] == home and r.headers["X-KVKeep-Route"] == "sticky"
     finally:
-        svc.config = replace(svc.config, thresholds=replace(svc.config.thresholds,
-                                                            migrate_cooldown_s=0.0))
+        core.policy = running
 
 
 def test_failover_after_worker_death(env: Env) -> None:

@@ -11,14 +11,12 @@ import pytest
 
 from kvstore.keys import SessionId
 from router.bindings import Binding, VersionedBinding
+from router.core import RouterCore
 from router.decision import RouteReason
-from router.failover import Rebinder
-from router.metrics import RouterMetrics
 from router.policy import build_policy
-from router.registry import Registry
-from router.scheduler import Scheduler
 from router.sessions import SessionTable
 from router.state import EtcdBackend, MemoryBackend, StateBackend
+from router.tasks import BackgroundTasks
 from router.workers import WorkerId, WorkerInfo, WorkerPool
 from tests.services import EtcdServer
 
@@ -194,20 +192,16 @@ def test_rebinder_spreads_a_dead_workers_sessions(etcd_server: EtcdServer) -> No
 
     async def main() -> None:
         backends = [EtcdBackend(etcd_server.url, "/t4") for _ in range(2)]
-        replicas = []
+        replicas: list[tuple[WorkerPool, SessionTable, BackgroundTasks]] = []
         tasks = []
         for backend in backends:
             await backend.start()
-            pool = WorkerPool()
-            sched = Scheduler(pool, build_policy("kvkeep"))
-            table = SessionTable(backend, 60)
-            metrics = RouterMetrics(workers=lambda: 0.0, usable_workers=lambda: 0.0,
-                                    sessions=lambda: 0.0)
-            rebinder = Rebinder(sched, table, metrics)
-            registry = Registry(pool, rebinder.worker_gone)
-            tasks += [asyncio.create_task(backend.follow_workers(registry)),
-                      asyncio.create_task(backend.follow_bindings(table))]
-            replicas.append((pool, table, rebinder))
+            deferred = BackgroundTasks()
+            core = RouterCore(build_policy("kvkeep"), backend=backend, session_ttl_s=60,
+                              defer=deferred)
+            tasks += [asyncio.create_task(backend.follow_workers(core.registry)),
+                      asyncio.create_task(backend.follow_bindings(core.sessions))]
+            replicas.append((core.pool, core.sessions, deferred))
         leases = {w: await backends[0].register_worker(info(w), 2.0) for w in "abc"}
         try:
             await until(lambda: all(len(p) == 3 for p, _, _ in replicas))
@@ -237,8 +231,8 @@ def test_rebinder_spreads_a_dead_workers_sessions(etcd_server: EtcdServer) -> No
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            for _, _, r in replicas:
-                await r.close()
+            for _, _, deferred in replicas:
+                await deferred.close()
             for backend in backends:
                 await backend.close()
 

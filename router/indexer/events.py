@@ -23,11 +23,12 @@ recompute, never wrong KV (the connector verifies every block it loads).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from router.indexer.keys import ROOT_KEY, token_block_keys
+from router.indexer.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from router.workers import WorkerId
 
 __all__ = ["KVBlockIndex", "MEDIUM_WEIGHTS", "SHARED"]
@@ -117,14 +118,28 @@ class KVBlockIndex:
             result[SHARED] = shared
         return result
 
-    def apply(self, worker: WorkerId, event: Mapping[str, Any]) -> None:
-        """Apply one decoded vLLM KV event (a msgpack map with a `type` tag)."""
-        kind = event.get("type")
-        if kind == "BlockStored":
-            self._stored(worker, event)
-        elif kind == "BlockRemoved":
-            self._removed(worker, event)
-        elif kind == "AllBlocksCleared":
+    def apply(self, worker: WorkerId, event: Mapping[str, Any] | KVEvent) -> None:
+        """Apply one KV event of `worker`: a decoded vLLM event (a msgpack map with a `type`
+        tag, as the ZMQ subscriber receives it) or a typed one (`kv_events`)."""
+        if isinstance(event, Mapping):
+            kind = event.get("type")
+            if kind == "BlockStored":
+                self._stored(worker, list(event.get("block_hashes") or ()),
+                             list(event.get("token_ids") or ()),
+                             int(event.get("block_size") or self.block_size),
+                             event.get("parent_block_hash"), event.get("medium"))
+            elif kind == "BlockRemoved":
+                self._removed(worker, event.get("block_hashes") or (), event.get("medium"))
+            elif kind == "AllBlocksCleared":
+                self._cleared(worker)
+            else:
+                return
+        elif isinstance(event, BlockStored):
+            self._stored(worker, list(event.block_hashes), list(event.token_ids),
+                         event.block_size, event.parent_block_hash, event.medium)
+        elif isinstance(event, BlockRemoved):
+            self._removed(worker, event.block_hashes, event.medium)
+        elif isinstance(event, AllBlocksCleared):
             self._cleared(worker)
         else:
             return
@@ -153,11 +168,8 @@ class KVBlockIndex:
     def holds(self, worker: WorkerId, key: int) -> bool:
         return worker in self._holders.get(key, {})
 
-    def _stored(self, worker: WorkerId, event: Mapping[str, Any]) -> None:
-        hashes: list[int] = list(event.get("block_hashes") or ())
-        tokens: list[int] = list(event.get("token_ids") or ())
-        size = int(event.get("block_size") or self.block_size)
-        parent_hash = event.get("parent_block_hash")
+    def _stored(self, worker: WorkerId, hashes: list[Any], tokens: list[int], size: int,
+                parent_hash: object, medium: object) -> None:
         blocks = self._workers.setdefault(worker, _WorkerBlocks())
         if parent_hash is None:
             parent = ROOT_KEY
@@ -174,7 +186,6 @@ class KVBlockIndex:
             self.blocks_skipped += len(hashes)
             return
         keys = token_block_keys(tokens[: len(hashes) * size], size, parent)
-        medium = event.get("medium")
         if str(medium).upper() == SHARED_MEDIUM:
             for vllm_hash, key in zip(hashes, keys, strict=True):
                 self._holders.setdefault(key, {})[SHARED] = _MEDIUM_BITS["STORAGE"]
@@ -197,12 +208,12 @@ class KVBlockIndex:
             holders = self._holders.setdefault(key, {})
             holders[worker] = holders.get(worker, 0) | bits
 
-    def _removed(self, worker: WorkerId, event: Mapping[str, Any]) -> None:
+    def _removed(self, worker: WorkerId, hashes: Iterable[Any], medium: object) -> None:
         blocks = self._workers.get(worker)
         if blocks is None:
             return
-        bits = _bits(event.get("medium"))
-        for vllm_hash in event.get("block_hashes") or ():
+        bits = _bits(medium)
+        for vllm_hash in hashes:
             key = blocks.by_hash.get(_as_int(vllm_hash))
             if key is not None:
                 self._unmark(worker, blocks, _as_int(vllm_hash), key, bits)

@@ -2,7 +2,8 @@
 
 Same semantics as etcd where the router depends on them: a global revision counter for CAS,
 leases that expire `ttl_s` after the last keepalive, watches that deliver every change in
-order. A reaper task expires leases and idle bindings every 100 ms.
+order. A reaper task expires leases and idle bindings every 100 ms (`reap`, which a caller
+without an event loop, such as a simulator on its own clock, may call itself).
 """
 
 from __future__ import annotations
@@ -125,12 +126,17 @@ class MemoryBackend:
         return True, vb
 
     async def follow_bindings(self, sink: BindingSink) -> None:
-        sink.reset([vb for vb, _ in self._bindings.values()])
-        self._binding_sinks.append(sink)
+        self.attach_bindings(sink)
         try:
             await asyncio.Event().wait()
         finally:
             self._binding_sinks.remove(sink)
+
+    def attach_bindings(self, sink: BindingSink) -> None:
+        """Feed `sink` every binding change from now on, synchronously (what `follow_bindings`
+        does, without a task to run it: for a caller without an event loop)."""
+        sink.reset([vb for vb, _ in self._bindings.values()])
+        self._binding_sinks.append(sink)
 
     # --- private ---------------------------------------------------------------------------
     def _put_worker(self, info: WorkerInfo) -> None:
@@ -146,20 +152,24 @@ class MemoryBackend:
             for sink in list(self._worker_sinks):
                 sink.delete_worker(worker_id)
 
+    def reap(self) -> None:
+        """Expire the leases and bindings whose time (on `clock`) has come."""
+        now = self.clock()
+        for worker_id, lease in list(self._leases.items()):
+            if lease.expires <= now:
+                self._drop_worker(worker_id)
+        heap = self._expiry
+        while heap and heap[0][0] <= now:
+            _, revision, sid = heapq.heappop(heap)
+            entry = self._bindings.get(sid)
+            if entry is None or entry[0].revision != revision:
+                continue
+            del self._bindings[sid]
+            self._revision += 1
+            for sink in list(self._binding_sinks):
+                sink.delete(sid, self._revision)
+
     async def _reap(self) -> None:
         while True:
             await asyncio.sleep(_REAP_INTERVAL_S)
-            now = self.clock()
-            for worker_id, lease in list(self._leases.items()):
-                if lease.expires <= now:
-                    self._drop_worker(worker_id)
-            heap = self._expiry
-            while heap and heap[0][0] <= now:
-                _, revision, sid = heapq.heappop(heap)
-                entry = self._bindings.get(sid)
-                if entry is None or entry[0].revision != revision:
-                    continue
-                del self._bindings[sid]
-                self._revision += 1
-                for sink in list(self._binding_sinks):
-                    sink.delete(sid, self._revision)
+            self.reap()

@@ -1,4 +1,5 @@
-"""Relaying a worker's SSE stream to the client while keeping what resumption needs.
+"""What a client has been sent of a stream, in tokens, and the rewriting of a continuation's
+chunks into the original stream's format.
 
 The router asks workers for `return_token_ids`, so the first chunk carries the prompt's token
 ids and every chunk the ids of its tokens. `StreamState` keeps them (and strips them from what
@@ -8,73 +9,16 @@ and the remaining `max_tokens`. Chunks of the continuation (a `/v1/completions` 
 rewritten into the client's format with the original id, created and model, so the client
 sees one uninterrupted stream; logprobs too (chat entries rebuilt from the continuation's
 completions logprobs, completions text offsets moved past the text already sent).
-
-Reads from the worker and writes to the client fail differently on purpose: a worker failure
-raises `StreamBroken` (resume elsewhere); a client failure propagates (stop, free the worker).
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
-from aiohttp import web
-
 from router.api import ClientRequest, Endpoint
 
-__all__ = ["StreamBroken", "StreamState", "pump", "UPSTREAM_ERRORS", "sse"]
-
-UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, OSError)
-_STD_ENCODE = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
-_Codec = tuple[Callable[[bytes], Any], Callable[[Any], bytes]]
-
-
-def _std_encode(obj: Any) -> bytes:
-    return _STD_ENCODE(obj).encode()
-
-
-# Every relayed event is decoded (token ids to keep) and re-encoded (token ids the client did
-# not ask for removed). msgspec, which vLLM itself depends on, does both about 5x faster than
-# the json module; without it (or for what it rejects: NaN, deep nesting) the json module is
-# used, with the same output as before.
-_STD: _Codec = (json.loads, _std_encode)
-_CODECS: tuple[_Codec, ...] = (_STD,)
-try:
-    import msgspec
-
-    _CODECS = ((msgspec.json.Decoder().decode, msgspec.json.Encoder().encode), _STD)
-except ImportError:  # pragma: no cover - msgspec comes with vLLM
-    pass
-
-
-def _decode(payload: bytes) -> tuple[Any, Callable[[Any], bytes]] | None:
-    """The event `payload` and the encoder to write it back with; None if it is not JSON."""
-    for decode, encode in _CODECS:
-        try:
-            return decode(payload), encode
-        except (ValueError, RecursionError):  # malformed, or beyond what this codec takes
-            continue
-    return None
-
-
-def _encode(obj: Any, encode: Callable[[Any], bytes]) -> bytes:
-    try:
-        return encode(obj)
-    except (TypeError, ValueError, OverflowError):
-        return _std_encode(obj)
-
-
-class StreamBroken(Exception):
-    """The worker's stream ended before its `[DONE]` (connection lost, idle timeout, engine
-    error event). Internal to the proxy: never reaches a client as an exception."""
-
-
-def sse(obj: Any) -> bytes:
-    return b"data: " + _encode(obj, _CODECS[0][1]) + b"\n\n"
+__all__ = ["StreamState"]
 
 
 @dataclass(slots=True)
@@ -229,65 +173,3 @@ def _chat_logprobs(logprobs: Any, top: int) -> dict[str, Any] | None:
 def _chat_logprob(value: Any) -> float:
     # As vLLM's chat endpoint: -inf (and a missing value) become -9999.0, JSON has no -inf.
     return max(float(value), -9999.0) if isinstance(value, int | float) else -9999.0
-
-
-async def pump(resp: aiohttp.ClientResponse, out: web.StreamResponse, state: StreamState
-               ) -> bytes:
-    """Relay `resp` to `out` until the worker's `[DONE]`; raise `StreamBroken` if the worker's
-    side fails first. The `[DONE]` itself is not relayed: the proxy ends the stream after its
-    own summary. Returns the client's bytes for the events that came in the same read as the
-    `[DONE]`, unwritten, for the proxy to send together with the end of the stream.
-
-    Reads whatever the socket has buffered and answers it with one write: a fast worker's
-    chunks arrive several per read, and a syscall per chunk was the proxy's largest cost.
-    Nothing is held back: every complete event read is written before the next read.
-    """
-    content = resp.content
-    pending = b""
-    while True:
-        try:
-            data = await content.readany()
-        except UPSTREAM_ERRORS as exc:
-            raise StreamBroken(f"{type(exc).__name__}: {exc}") from exc
-        if not data:
-            break
-        if pending:
-            data = pending + data
-        lines = data.split(b"\n")
-        pending = lines.pop()  # an incomplete last line waits for the next read
-        batch: list[bytes] = []
-        try:
-            for line in lines:
-                if _relay_line(line.rstrip(b"\r"), state, batch):
-                    return b"".join(batch)
-        except BaseException:
-            if batch:  # what came before the failure reaches the client
-                await out.write(b"".join(batch))
-            raise
-        if batch:
-            await out.write(b"".join(batch) if len(batch) > 1 else batch[0])
-    if state.finish_reason is None:
-        raise StreamBroken("worker closed the stream before finishing")
-    return b""
-
-
-def _relay_line(line: bytes, state: StreamState, batch: list[bytes]) -> bool:
-    """Append the client's bytes for one SSE line to `batch`; True at the worker's [DONE]."""
-    if not line.startswith(b"data:"):
-        return False  # blank separators (re-added on write), comments, event names
-    payload = line[5:].strip()
-    if payload == b"[DONE]":
-        state.done = True
-        return True
-    decoded = _decode(payload)
-    if decoded is None:
-        batch.append(line + b"\n\n")
-        return False
-    obj, encode = decoded
-    if isinstance(obj, dict) and "error" in obj and "choices" not in obj:
-        # vLLM reports an engine failure mid-stream as an error event: a broken stream.
-        raise StreamBroken(f"worker error event: {str(obj['error'])[:200]}")
-    chunk = state.absorb(obj) if isinstance(obj, dict) else obj
-    if chunk is not None:
-        batch.append(b"data: " + _encode(chunk, encode) + b"\n\n")
-    return False

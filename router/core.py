@@ -1,0 +1,240 @@
+"""The router core: everything the router decides, callable without HTTP and without etcd.
+
+One `RouterCore` holds the worker pool (load, in-flight accounting, failure marks), the prefix
+indexes (KV events, routing history, sessions' token blocks), the policy's scheduler, the
+session table with its stickiness and migration rules, session rebinding when a worker dies,
+and the pre-request / post-response hooks (`router/hooks.py`). `kvkeep router serve` wraps one
+in HTTP and etcd (`router/service.py`); a simulator or a test drives one directly:
+
+- time comes from `clock` (default `time.monotonic`, and wall time for bindings, which replicas
+  share): a simulator passes its own and every age (migration cooldown, suspicion, binding TTL,
+  leases) follows it;
+- the state backend defaults to the in-memory one, whose calls never wait: `place_now` places
+  a request synchronously, and deferred work (binding renewals, rebinding) runs at once;
+- workers come and go with `add_worker` / `remove_worker`, their metrics with `set_load`
+  (what the scraper sets), their KV events with `apply_kv_events` (what the ZMQ subscriber
+  feeds: vLLM's maps or the typed `router.indexer.kv_events`);
+- a request is described by `RequestFeatures` (token ids or text), placed (`place`: decided,
+  its session bound by compare-and-swap, the pick charged), and `finish`ed once its attempt
+  ends (the load released, the session's tokens remembered, a restore hint settled).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvstore.keys import SessionId
+from router.bindings import VersionedBinding
+from router.decision import Decision, Placement, RequestFeatures, RouteRequest
+from router.errors import StateUnavailable
+from router.failover import Rebinder
+from router.hooks import (
+    BindingSettler,
+    Defer,
+    HistoryRecorder,
+    LoadAccounting,
+    Outcome,
+    PostResponse,
+    PreRequest,
+    SessionTokens,
+)
+from router.indexer.events import KVBlockIndex
+from router.indexer.history import RoutingHistory, SessionBlocks
+from router.indexer.keys import text_prefix_keys, token_block_keys
+from router.indexer.kv_events import KVEvent
+from router.metrics import RouterMetrics
+from router.policy import Policy
+from router.registry import Registry
+from router.scheduler import Scheduler
+from router.sessions import SessionTable
+from router.state.base import StateBackend
+from router.state.memory import MemoryBackend
+from router.tasks import run_now, run_now_discarding
+from router.workers import WorkerId, WorkerInfo, WorkerLoad, WorkerPool, WorkerState
+
+__all__ = ["RouterCore", "CoreStatus"]
+
+log = logging.getLogger(__name__)
+_MAX_RACES = 3
+
+
+@dataclass(frozen=True, slots=True)
+class CoreStatus:
+    workers: int
+    usable_workers: int
+    sessions: int
+    kv_index_blocks: int
+    kv_events_applied: int
+
+
+class RouterCore:
+    """See the module docstring. `defer` runs deferred work: None runs it at once in the caller
+    (right for the in-memory backend; with a backend that does I/O, pass
+    `router.tasks.BackgroundTasks()`)."""
+
+    def __init__(self, policy: Policy, *, backend: StateBackend | None = None,
+                 block_size: int = 32, session_ttl_s: float = 3600.0,
+                 clock: Callable[[], float] | None = None, defer: Defer | None = None) -> None:
+        self.clock: Callable[[], float] = clock or time.monotonic
+        self.block_size = block_size
+        self.defer: Defer = defer if defer is not None else run_now_discarding
+        self._own_state: MemoryBackend | None = None
+        if backend is None:
+            backend = self._own_state = MemoryBackend(clock=self.clock)
+        self.backend: StateBackend = backend
+        self.pool = WorkerPool(clock=self.clock)
+        self.history = RoutingHistory()
+        self.blocks = KVBlockIndex(block_size)
+        self.session_blocks = SessionBlocks()
+        self.scheduler = Scheduler(self.pool, policy, history=self.history, blocks=self.blocks,
+                                   clock=self.clock)
+        # Bindings are compared across replicas and restarts: wall time, unless simulated.
+        self.sessions = SessionTable(self.backend, session_ttl_s, clock=clock or time.time)
+        if self._own_state is not None:  # no watch task to feed the table: fed directly
+            self._own_state.attach_bindings(self.sessions)
+        self.metrics = RouterMetrics(
+            workers=lambda: float(len(self.pool)),
+            usable_workers=lambda: float(self.status().usable_workers),
+            sessions=lambda: float(len(self.sessions)),
+        )
+        self.rebinder = Rebinder(self.scheduler, self.sessions, self.metrics,
+                                 yield_every=None if defer is None else 256)
+        self.registry = Registry(self.pool, self._worker_gone, history=self.history,
+                                 blocks=self.blocks)
+        accounting = LoadAccounting(self.pool)
+        self.pre_request: list[PreRequest] = [accounting, HistoryRecorder(self.history)]
+        """Run on every placement, in order; append your own."""
+        self.post_response: list[PostResponse] = [
+            accounting, SessionTokens(self.session_blocks, block_size),
+            BindingSettler(self.sessions, self.defer)]
+        """Run once when each placement's attempt ends, in order; append your own."""
+
+    # --- policy ----------------------------------------------------------------------------
+    @property
+    def policy(self) -> Policy:
+        return self.scheduler.policy
+
+    @policy.setter
+    def policy(self, policy: Policy) -> None:
+        self.scheduler.policy = policy
+
+    # --- workers, their load and their KV events -----------------------------------------
+    def add_worker(self, info: WorkerInfo) -> None:
+        """Register a worker (or update its registration), as the backend's watch does."""
+        self.registry.put_worker(info)
+
+    def remove_worker(self, worker: WorkerId) -> None:
+        """A worker is gone: its caches are forgotten and its sessions rebound (deferred)."""
+        self.registry.delete_worker(worker)
+
+    def set_load(self, worker: WorkerId, *, running: int, waiting: int, kv_usage: float
+                 ) -> None:
+        """A fresh metrics reading, as the scraper sets it (it supersedes the optimistic
+        charges made since the last one)."""
+        self.pool.update_load(worker, WorkerLoad(running, waiting, kv_usage, self.clock()))
+
+    def apply_kv_events(self, worker: WorkerId,
+                        events: Iterable[Mapping[str, Any] | KVEvent]) -> None:
+        for event in events:
+            self.blocks.apply(worker, event)
+
+    def workers(self) -> list[WorkerState]:
+        return self.pool.states()
+
+    def usable(self, state: WorkerState) -> bool:
+        return state.usable(self.clock())
+
+    def models(self) -> frozenset[str]:
+        return self.pool.models()
+
+    def session(self, session_id: SessionId) -> VersionedBinding | None:
+        return self.sessions.get(session_id)
+
+    def expire(self) -> None:
+        """Forget the bindings unused for the session TTL, on `clock` (the core's own
+        in-memory state; another backend expires them itself and its watch tells the core)."""
+        if self._own_state is not None:
+            self._own_state.reap()
+
+    def status(self) -> CoreStatus:
+        now = self.clock()
+        return CoreStatus(len(self.pool), sum(1 for w in self.pool if w.usable(now)),
+                          len(self.sessions), len(self.blocks), self.blocks.events_applied)
+
+    # --- requests --------------------------------------------------------------------------
+    def route(self, features: RequestFeatures, exclude: frozenset[WorkerId] = frozenset()
+              ) -> RouteRequest:
+        """The pipeline's view of a request: its prefix keys computed once."""
+        if features.prompt_tokens is not None:
+            block_keys = token_block_keys(features.prompt_tokens, self.block_size)
+        elif features.session_id is not None:
+            block_keys = self.session_blocks.get(features.session_id)
+        else:
+            block_keys = ()
+        return RouteRequest(features.model, features.session_id, text_prefix_keys(features.text),
+                            block_keys, features.estimated_tokens, exclude)
+
+    def decide(self, route: RouteRequest, bound: WorkerId | None = None, *,
+               migrate: bool = True) -> Decision:
+        """The decision alone (no binding, no hooks): `Scheduler.decide`."""
+        return self.scheduler.decide(route, bound, migrate=migrate)
+
+    async def place(self, route: RouteRequest) -> Placement:
+        """Decide, commit the session binding (CAS; on a lost race, follow the winner), then
+        run the pre-request hooks. Raises `NoHealthyWorker` (503) or `Saturated` (429)."""
+        sid = route.session_id
+        current = self.sessions.get(sid) if sid is not None else None
+        decision: Decision | None = None
+        lost_race = False
+        cooldown = self.scheduler.policy.thresholds.migrate_cooldown_s
+        for _ in range(_MAX_RACES):
+            young = current is not None and \
+                self.sessions.clock() - current.binding.updated < cooldown
+            started = time.perf_counter()
+            decision = self.scheduler.decide(route, current.worker_id if current else None,
+                                             migrate=not (lost_race or young))
+            self.metrics.decision_seconds.observe(time.perf_counter() - started)
+            if sid is None or (current is not None and decision.worker == current.worker_id):
+                break
+            try:
+                won, now = await self.sessions.bind(
+                    sid, decision.worker, route.model, expected=current,
+                    reason=decision.reason.value, restore_from=decision.previous)
+            except StateUnavailable as exc:
+                # Route anyway: the session stays where this decision put it, unrecorded.
+                log.warning("binding %s not recorded: %s", sid, exc)
+                break
+            if won:
+                current = now
+                if decision.previous is not None:
+                    self.metrics.rebinds.labels(decision.reason.value).inc()
+                break
+            self.metrics.cas_conflicts.inc()
+            current, lost_race = now, True  # another replica bound it first: follow theirs
+        assert decision is not None
+        self.metrics.decisions.labels(decision.reason.value).inc()
+        placement = Placement(decision, current, route)
+        self.admit(placement)
+        return placement
+
+    def place_now(self, route: RouteRequest) -> Placement:
+        """`place`, synchronously: for a backend whose calls never wait (the in-memory one)."""
+        return run_now(self.place(route))
+
+    def admit(self, placement: Placement) -> None:
+        """The pre-request hooks (`place` runs them)."""
+        for hook in self.pre_request:
+            hook.pre_request(placement)
+
+    def finish(self, placement: Placement, outcome: Outcome) -> None:
+        """The post-response hooks: call exactly once per placement, when its attempt ends."""
+        for hook in self.post_response:
+            hook.post_response(placement, outcome)
+
+    # --- private ---------------------------------------------------------------------------
+    def _worker_gone(self, worker: WorkerId) -> None:
+        self.defer(self.rebinder.rebind(worker))

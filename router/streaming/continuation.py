@@ -1,0 +1,154 @@
+"""A stream's life after its first byte: relayed to its end, and continued on another worker
+when the one producing it breaks (connection lost, engine error event, or silence past the
+idle timeout).
+
+The continuation is a `/v1/completions` request with prompt = the prompt's token ids + the
+tokens already delivered and `max_tokens` = what is left. Greedy decoding makes it
+token-for-token what the original worker would have produced: the new worker prefills the
+resent tokens (restoring their KV from the store where it can) and decodes the rest. Its chunks
+are rewritten into the original stream (`StreamState`), and what happened is told in SSE
+comments (`: kvkeep {...}`): a resumption when it happens, a summary at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from aiohttp import web
+
+from router.api import ClientRequest, Endpoint
+from router.decision import Placement
+from router.dispatch import Attempt, Dispatcher
+from router.errors import RouterError
+from router.hooks import Outcome
+from router.streaming.relay import StreamBroken, note, pump, sse
+from router.streaming.state import StreamState
+from router.upstream import kv_transfer_params, upstream_body
+from router.workers import WorkerId
+
+__all__ = ["relay_stream", "resume_body", "SAMPLING_FIELDS"]
+
+log = logging.getLogger(__name__)
+
+# Fields a continuation keeps from the original request (what decides the next tokens).
+SAMPLING_FIELDS = (
+    "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
+    "repetition_penalty", "presence_penalty", "frequency_penalty", "skip_special_tokens",
+    "spaces_between_special_tokens", "bad_words", "allowed_token_ids", "logit_bias",
+    "include_stop_str_in_output", "user", "priority", "cache_salt",
+)
+
+
+def resume_body(state: StreamState, kv_params: dict[str, Any] | None) -> dict[str, Any]:
+    """The `/v1/completions` request that continues `state`'s stream on another worker."""
+    req: ClientRequest = state.request
+    assert state.prompt_ids is not None, "resumption needs the prompt's token ids"
+    body: dict[str, Any] = {k: req.body[k] for k in SAMPLING_FIELDS if k in req.body}
+    body.update(model=req.model, prompt=state.prompt_ids + state.generated, stream=True,
+                return_token_ids=True)
+    remaining = state.remaining_max_tokens()
+    if remaining is not None:
+        body["max_tokens"] = remaining
+    min_tokens = req.body.get("min_tokens")
+    if isinstance(min_tokens, int) and min_tokens > 0:
+        body["min_tokens"] = max(0, min_tokens - len(state.generated))
+    if req.logprobs is not None:
+        body["logprobs"] = req.logprobs  # rewritten into the client's format on the way back
+    if req.include_usage:
+        body["stream_options"] = {"include_usage": True}
+    if kv_params is not None:
+        body["kv_transfer_params"] = kv_params
+    return body
+
+
+def _delivered(state: StreamState) -> Outcome:
+    return Outcome(ok=True, prompt_tokens=state.prompt_ids, output_tokens=state.generated)
+
+
+async def relay_stream(dispatcher: Dispatcher, creq: ClientRequest, attempt: Attempt,
+                       out: web.StreamResponse, tried: set[WorkerId], *, max_resumes: int
+                       ) -> None:
+    """Relay the open stream of `attempt` to `out` (already prepared) until its end,
+    resuming it elsewhere up to `max_resumes` times, and end `out`.
+
+    A stream that cannot be resumed (not resumable, too many breaks, no worker left) ends with
+    an error event. A client that leaves ends it at once (its exception propagates) and frees
+    the worker.
+    """
+    metrics = dispatcher.core.metrics
+    state = StreamState(creq)
+    resumed_on: list[str] = []
+    failed: str | None = None
+    end: list[bytes] = []  # the stream's last bytes, sent with its end in one write
+    try:
+        while True:
+            assert attempt.resp is not None
+            try:
+                end.append(await pump(attempt.resp, out, state))
+                break
+            except StreamBroken as exc:
+                log.warning("stream from %s broke after %d tokens: %s",
+                            attempt.worker, len(state.generated), exc)
+                if state.finish_reason is not None:  # only the end was lost: finish it here
+                    dispatcher.finish(attempt, _delivered(state))
+                    dispatcher.failed(attempt, tried, hard=True)
+                    break
+                dispatcher.failed(attempt, tried, hard=True)
+                if not creq.resumable or len(resumed_on) >= max_resumes:
+                    failed = f"worker failed mid-stream: {exc}"
+                    metrics.resumptions.labels("refused").inc()
+                    break
+                nxt = await _continue(dispatcher, creq, state, tried, broken=attempt.worker)
+                if nxt is None:
+                    failed = f"worker failed mid-stream and no other could resume: {exc}"
+                    metrics.resumptions.labels("failed").inc()
+                    break
+                attempt = nxt
+                resumed_on.append(attempt.worker)
+                metrics.resumptions.labels("resumed").inc()
+                await out.write(note({"resumed_on": attempt.worker,
+                                      "after_tokens": len(state.generated)}))
+        if failed is not None:
+            end.append(sse({"error": {"message": failed, "type": "upstream_error",
+                                      "param": None, "code": 502}}))
+        else:
+            if creq.include_usage and not state.usage_sent and state.chunk_id is not None:
+                end.append(sse(state.usage_chunk()))
+            end.append(note({"worker": attempt.worker, "route": attempt.placement.label,
+                             "resumed_on": resumed_on, "failover": bool(tried),
+                             "completion_tokens": len(state.generated)}))
+            dispatcher.finish(attempt, _delivered(state))
+        end.append(b"data: [DONE]\n\n")
+        # One write (and one wake-up of the client) for the summary, [DONE] and the
+        # chunked-encoding terminator; the client's last byte is the stream's end.
+        await out.write_eof(b"".join(end))
+    except (ConnectionResetError, asyncio.CancelledError):
+        log.info("client left a stream from %s", attempt.worker)
+        raise
+    finally:
+        dispatcher.close(attempt, reuse=state.done)
+
+
+async def _continue(dispatcher: Dispatcher, creq: ClientRequest, state: StreamState,
+                    tried: set[WorkerId], *, broken: WorkerId) -> Attempt | None:
+    """Open the continuation of `state` on another worker; None when none can take it."""
+    def body_for(placement: Placement) -> tuple[str, dict[str, Any]]:
+        if state.prompt_ids is None:  # nothing known to resume from: the original again
+            return creq.endpoint.value, upstream_body(creq, placement)
+        return Endpoint.COMPLETIONS.value, resume_body(state, kv_transfer_params(
+            creq, placement, resumed_from=broken))
+
+    try:
+        attempt = await dispatcher.send(creq, tried, stream=True, body_for=body_for)
+    except RouterError as exc:
+        log.warning("no worker can continue a stream of %s: %s", broken, exc)
+        return None
+    if attempt.resp is None:  # the worker's verdict on the continuation (a 4xx): no stream
+        dispatcher.finish(attempt)
+        return None
+    if state.prompt_ids is not None:
+        state.continue_here()
+    return attempt
+

@@ -1,0 +1,131 @@
+"""Relaying a worker's SSE stream to the client, event by event, recording what was sent.
+
+Every relayed event is decoded (token ids to keep for resumption) and re-encoded (token ids the
+client did not ask for removed), through `StreamState.absorb`. Reads from the worker and writes
+to the client fail differently on purpose: a worker failure raises `StreamBroken` (resume
+elsewhere); a client failure propagates (stop, free the worker).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+import msgspec
+from aiohttp import web
+
+from router.streaming.state import StreamState
+from router.upstream import UPSTREAM_ERRORS
+
+__all__ = ["StreamBroken", "pump", "sse", "note"]
+
+_STD_ENCODE = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
+_Codec = tuple[Callable[[bytes], Any], Callable[[Any], bytes]]
+
+
+def _std_encode(obj: Any) -> bytes:
+    return _STD_ENCODE(obj).encode()
+
+
+# msgspec decodes and encodes events about 5x faster than the json module; for what it
+# rejects (NaN, deep nesting) the json module takes over, with the same output.
+_STD: _Codec = (json.loads, _std_encode)
+_CODECS: tuple[_Codec, ...] = ((msgspec.json.Decoder().decode, msgspec.json.Encoder().encode),
+                               _STD)
+
+
+def _decode(payload: bytes) -> tuple[Any, Callable[[Any], bytes]] | None:
+    """The event `payload` and the encoder to write it back with; None if it is not JSON."""
+    for decode, encode in _CODECS:
+        try:
+            return decode(payload), encode
+        except (ValueError, RecursionError):  # malformed, or beyond what this codec takes
+            continue
+    return None
+
+
+def _encode(obj: Any, encode: Callable[[Any], bytes]) -> bytes:
+    try:
+        return encode(obj)
+    except (TypeError, ValueError, OverflowError):
+        return _std_encode(obj)
+
+
+class StreamBroken(Exception):
+    """The worker's stream ended before its `[DONE]` (connection lost, idle timeout, engine
+    error event). Internal to streaming: never reaches a client as an exception."""
+
+
+def sse(obj: Any) -> bytes:
+    """One SSE data event."""
+    return b"data: " + _encode(obj, _CODECS[0][1]) + b"\n\n"
+
+
+def note(obj: Any) -> bytes:
+    """One SSE comment `: kvkeep {...}`: what the router tells of a stream (OpenAI clients
+    ignore comments)."""
+    return b": kvkeep " + _encode(obj, _CODECS[0][1]) + b"\n\n"
+
+
+async def pump(resp: aiohttp.ClientResponse, out: web.StreamResponse, state: StreamState
+               ) -> bytes:
+    """Relay `resp` to `out` until the worker's `[DONE]`; raise `StreamBroken` if the worker's
+    side fails first. The `[DONE]` itself is not relayed: the proxy ends the stream after its
+    own summary. Returns the client's bytes for the events that came in the same read as the
+    `[DONE]`, unwritten, for the proxy to send together with the end of the stream.
+
+    Reads whatever the socket has buffered and answers it with one write: a fast worker's
+    chunks arrive several per read, and a syscall per chunk was the proxy's largest cost.
+    Nothing is held back: every complete event read is written before the next read.
+    """
+    content = resp.content
+    pending = b""
+    while True:
+        try:
+            data = await content.readany()
+        except UPSTREAM_ERRORS as exc:
+            raise StreamBroken(f"{type(exc).__name__}: {exc}") from exc
+        if not data:
+            break
+        if pending:
+            data = pending + data
+        lines = data.split(b"\n")
+        pending = lines.pop()  # an incomplete last line waits for the next read
+        batch: list[bytes] = []
+        try:
+            for line in lines:
+                if _relay_line(line.rstrip(b"\r"), state, batch):
+                    return b"".join(batch)
+        except BaseException:
+            if batch:  # what came before the failure reaches the client
+                await out.write(b"".join(batch))
+            raise
+        if batch:
+            await out.write(b"".join(batch) if len(batch) > 1 else batch[0])
+    if state.finish_reason is None:
+        raise StreamBroken("worker closed the stream before finishing")
+    return b""
+
+
+def _relay_line(line: bytes, state: StreamState, batch: list[bytes]) -> bool:
+    """Append the client's bytes for one SSE line to `batch`; True at the worker's [DONE]."""
+    if not line.startswith(b"data:"):
+        return False  # blank separators (re-added on write), comments, event names
+    payload = line[5:].strip()
+    if payload == b"[DONE]":
+        state.done = True
+        return True
+    decoded = _decode(payload)
+    if decoded is None:
+        batch.append(line + b"\n\n")
+        return False
+    obj, encode = decoded
+    if isinstance(obj, dict) and "error" in obj and "choices" not in obj:
+        # vLLM reports an engine failure mid-stream as an error event: a broken stream.
+        raise StreamBroken(f"worker error event: {str(obj['error'])[:200]}")
+    chunk = state.absorb(obj) if isinstance(obj, dict) else obj
+    if chunk is not None:
+        batch.append(b"data: " + _encode(chunk, encode) + b"\n\n")
+    return False
