@@ -235,4 +235,5 @@ def _event_medium(vllm_config: VllmConfig, config: ConnectorConfig) -> str | Non
     events = vllm_config.kv_events_config
     if events is None or not events.enable_kv_cache_events:
         return None
-    return "KVKEEP_SHARED" if config.store.remote is not None else "KVKEEP_LOCAL"
+    shared = config.store.remote is not None or config.store.redis is not None
+    return "KVKEEP_SHARED" if shared else "KVKEEP_LOCAL"

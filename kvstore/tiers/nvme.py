@@ -3,8 +3,9 @@
 Files (laid out by nvme_layout) are published with temp + fdatasync + rename + directory fsync
 (durable_files), so a block is either complete under its final name or absent; the start-up
 scan (nvme_recovery) deletes leftovers and any file whose header does not verify. Every read
-verifies the segments it returns and the key binding, so even a filesystem that broke its
-promises yields a miss, never wrong KV.
+verifies the segments it returns and the key binding (and returns the read marked verified, so
+the store and decoding do not hash it again), so even a filesystem that broke its promises
+yields a miss, never wrong KV.
 
 Durability: `put` fsyncs its block before returning True, because that is the moment the
 connector may drop its own copy. `put_many` gives each block the same guarantee but orders the
@@ -39,7 +40,7 @@ from kvstore.errors import (
     TierFull,
     TierUnavailable,
 )
-from kvstore.frame import BlockRead, FrameHeader, LayerRange
+from kvstore.frame import BlockRead, FrameBytes, FrameHeader, LayerRange
 from kvstore.keys import BlockKey, SessionKey
 from kvstore.manifest import SessionManifest
 from kvstore.tiers.base import Buffer, TierStats
@@ -63,7 +64,6 @@ __all__ = ["NvmeTier", "RecoveryReport", "FrameBytes"]
 
 log = logging.getLogger(__name__)
 
-FrameBytes = bytes | bytearray | memoryview
 
 # How many written-but-not-yet-synced temp files put_many keeps open at once.
 _BATCH_WINDOW = 16
@@ -314,10 +314,8 @@ class NvmeTier:
             raise CorruptBlock("block file is truncated")
         if self._drop_cache:
             drop_cache(fd)
-        result = BlockRead(header, wanted, target)
-        result.verify()
-        result.verify_key(digest)
-        return result
+        # Verified here, where a bad file can be deleted, and marked so nobody hashes it again.
+        return BlockRead(header, wanted, target).verified_for(digest)
 
     def _header_buffer(self, size: int) -> memoryview:
         """A per-thread reusable buffer for headers: no allocation per read."""

@@ -16,7 +16,7 @@ leftovers are deleted.
 
 Layer-range reads fetch the header with one GETRANGE and then only the byte range of the wanted
 segments (GETRANGE within each chunk it spans), like the other tiers. Reads return unverified
-`BlockRead`s; the TieredStore verifies every segment before use.
+`BlockRead`s: the TieredStore verifies each one, once, before use (deleting a corrupt copy).
 """
 
 from __future__ import annotations
@@ -40,14 +40,20 @@ from kvstore.errors import (
     TierError,
     TierUnavailable,
 )
-from kvstore.frame import HEADER_PREFIX_BYTES, MAGIC, BlockRead, FrameHeader, LayerRange
+from kvstore.frame import (
+    HEADER_PREFIX_BYTES,
+    MAGIC,
+    BlockRead,
+    FrameBytes,
+    FrameHeader,
+    LayerRange,
+)
 from kvstore.keys import BlockKey, SessionKey
 from kvstore.manifest import SessionManifest
 from kvstore.tiers.base import Buffer, TierStats
 
 __all__ = ["RedisConfig", "RedisTier"]
 
-FrameBytes = bytes | bytearray | memoryview
 _INDEX_MAGIC = b"KVKC"
 # magic | version (8 random bytes) | chunk count u32 | frame size u64 | chunk bytes u32
 _INDEX = struct.Struct("<4s8sIQI")
