@@ -47,6 +47,7 @@ __all__ = [
     "header_size_from_prefix",
     "segment_checksum",
     "check_payload_size",
+    "checked_frame",
     "verify_pieces",
 ]
 
@@ -282,6 +283,33 @@ def check_payload_size(header: FrameHeader, layers: LayerRange, size: int) -> in
     if size != stop - start:
         raise CorruptBlock(f"payload is {size} bytes, expected {stop - start}")
     return start
+
+
+def checked_frame(frame: FrameBytes, key_digest: bytes, *, segments: bool = False
+                  ) -> tuple[memoryview, FrameHeader]:
+    """A whole frame offered to be stored under a key, checked as every write path checks it:
+    a contiguous buffer whose header parses and verifies, exactly the size that header gives,
+    bound to `key_digest`; with `segments`, every segment's checksum too. Returns a flat byte
+    view of it and its header; InvalidFrame (bad input, not a corrupt copy) otherwise."""
+    view = memoryview(frame)
+    if view.format != "B" or view.ndim != 1:
+        if not view.c_contiguous:
+            raise InvalidFrame("a frame must be a C-contiguous buffer")
+        view = view.cast("B")
+    try:
+        header = FrameHeader.unpack(view)
+        if header.frame_size != len(view):
+            raise InvalidFrame(f"frame is {len(view)} bytes, its header says "
+                               f"{header.frame_size}")
+        if header.key_digest != key_digest:
+            raise InvalidFrame("frame is bound to a different key")
+        if segments:
+            BlockRead(header, header.all_layers, view[header.header_size:]).verify()
+    except InvalidFrame:
+        raise
+    except CorruptBlock as exc:
+        raise InvalidFrame(f"frame does not verify: {exc}") from exc
+    return view, header
 
 
 def verify_pieces(header: FrameHeader, layers: LayerRange,

@@ -39,8 +39,15 @@ import time
 from collections.abc import Sequence
 from types import TracebackType
 
-from kvstore.errors import ConfigError, CorruptBlock, InvalidFrame, TierError, TierUnavailable
-from kvstore.frame import BlockRead, FrameBytes, FrameHeader, LayerRange, verify_pieces
+from kvstore.errors import ConfigError, CorruptBlock, InvalidFrame, TierUnavailable
+from kvstore.frame import (
+    BlockRead,
+    FrameBytes,
+    FrameHeader,
+    LayerRange,
+    checked_frame,
+    verify_pieces,
+)
 from kvstore.keys import BlockKey, SessionKey
 from kvstore.manifest import SessionManifest
 from kvstore.metrics import StoreMetrics
@@ -48,7 +55,7 @@ from kvstore.store.config import StoreConfig
 from kvstore.store.stats import StoreStats
 from kvstore.store.tier_calls import DEADLINE_PASSED, TierCalls
 from kvstore.store.write_behind import WriteBehind
-from kvstore.tiers.base import Buffer, Tier, TierStats, byte_view
+from kvstore.tiers.base import Buffer, Tier, TierStats
 from kvstore.tiers.capabilities import (
     BorrowedBlock,
     PageReservation,
@@ -199,8 +206,7 @@ class TieredStore:
         The caller may reuse `frame`'s buffer as soon as this returns.
         """
         self._check_open()
-        view = _frame_view(frame)
-        header = _checked_header(key, view)
+        view, header = checked_frame(frame, key.digest)
         admitted = self._calls.put(0, key, view)
         if len(self._calls) == 1:
             return admitted
@@ -398,27 +404,6 @@ class TieredStore:
     def _check_open(self) -> None:
         if self._writes.closed:
             raise TierUnavailable("the store is closed")
-
-
-def _frame_view(frame: FrameBytes) -> memoryview:
-    try:
-        return byte_view(frame)
-    except TierError as exc:  # on a write path, a buffer that is not a frame is bad input
-        raise InvalidFrame(f"a frame must be a C-contiguous buffer: {exc}") from exc
-
-
-def _checked_header(key: BlockKey, view: memoryview) -> FrameHeader:
-    try:
-        header = FrameHeader.unpack(view)
-    except InvalidFrame:
-        raise
-    except CorruptBlock as exc:  # on a write path, a bad frame is bad input
-        raise InvalidFrame(f"frame header does not verify: {exc}") from exc
-    if header.frame_size != len(view):
-        raise InvalidFrame(f"frame is {len(view)} bytes, its header says {header.frame_size}")
-    if header.key_digest != key.digest:
-        raise InvalidFrame("frame is bound to a different key")
-    return header
 
 
 def _generation(manifest: SessionManifest | None) -> int:

@@ -28,8 +28,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from kvstore.errors import DeadlineExceeded, InvalidFrame, TierError, TierUnavailable
-from kvstore.frame import BlockRead, FrameBytes, FrameHeader, LayerRange
+from kvstore.errors import DeadlineExceeded, TierError, TierUnavailable
+from kvstore.frame import BlockRead, FrameBytes, FrameHeader, LayerRange, checked_frame
 from kvstore.keys import BlockKey, SessionKey
 from kvstore.manifest import SessionManifest
 from kvstore.tiers.base import Buffer, TierStats, byte_view
@@ -198,13 +198,8 @@ class MemoryTier(ABC, Generic[A]):
             self._free_pages(pages)
 
     def put(self, key: BlockKey, frame: FrameBytes) -> bool:
-        src = byte_view(frame)
-        # Parsing verifies the header checksum; segments are verified by readers, on every read.
-        header = FrameHeader.unpack(src)
-        if header.frame_size != len(src):
-            raise InvalidFrame(f"frame is {len(src)} bytes, its header says {header.frame_size}")
-        if header.key_digest != key.digest:
-            raise InvalidFrame("frame is bound to a different key")
+        # The header is checked here; the segments by the store, on every read of them.
+        src, header = checked_frame(frame, key.digest)
         npages = self._pool.pages_for(len(src))
         with self._lock:
             self._check_open()

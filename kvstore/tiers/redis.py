@@ -36,7 +36,6 @@ import redis.exceptions as rx
 from kvstore.errors import (
     CorruptBlock,
     DeadlineExceeded,
-    InvalidFrame,
     TierError,
     TierUnavailable,
 )
@@ -47,6 +46,7 @@ from kvstore.frame import (
     FrameBytes,
     FrameHeader,
     LayerRange,
+    checked_frame,
 )
 from kvstore.keys import BlockKey, SessionKey
 from kvstore.manifest import SessionManifest
@@ -136,13 +136,7 @@ class RedisTier:
         return read
 
     def put(self, key: BlockKey, frame: FrameBytes) -> bool:
-        view = memoryview(frame).cast("B") if not isinstance(frame, bytes) else memoryview(frame)
-        try:
-            header = FrameHeader.unpack(view)
-        except CorruptBlock as exc:
-            raise InvalidFrame(f"refusing to store a frame that does not parse: {exc}") from exc
-        if header.frame_size != len(view) or header.key_digest != key.digest:
-            raise InvalidFrame("frame size or key binding does not match")
+        view, _ = checked_frame(frame, key.digest)  # segments: verified by the store's reads
         name = self._block(key)
         ttl = self._config.ttl_seconds
         step = self._config.chunk_bytes
