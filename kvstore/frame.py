@@ -292,9 +292,9 @@ def checked_frame(frame: FrameBytes, key_digest: bytes, *, segments: bool = Fals
     bound to `key_digest`; with `segments`, every segment's checksum too. Returns a flat byte
     view of it and its header; InvalidFrame (bad input, not a corrupt copy) otherwise."""
     view = memoryview(frame)
+    if not view.c_contiguous:
+        raise InvalidFrame("a frame must be a C-contiguous buffer")
     if view.format != "B" or view.ndim != 1:
-        if not view.c_contiguous:
-            raise InvalidFrame("a frame must be a C-contiguous buffer")
         view = view.cast("B")
     try:
         header = FrameHeader.unpack(view)

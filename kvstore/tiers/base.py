@@ -42,9 +42,9 @@ def byte_view(buf: FrameBytes, *, writable: bool = False) -> memoryview:
     """A flat unsigned-byte view of `buf` (any C-contiguous buffer), for slice assignment;
     TierError for a buffer that is not contiguous (or read-only, when `writable`)."""
     view = memoryview(buf)
+    if not view.c_contiguous:
+        raise TierError("buffer is not C-contiguous")
     if view.format != "B" or view.ndim != 1:
-        if not view.c_contiguous:
-            raise TierError("buffer is not C-contiguous")
         view = view.cast("B")
     if writable and view.readonly:
         raise TierError("output buffer is read-only")
