@@ -13,11 +13,12 @@ least `MIN_SAVING` (10 %):
   block are alike (same model, same tokens), so the first one predicts the rest well.
 - "zstd": try every layer, keep each where it saves 10 %.
 
-Decoding never trusts unverified bytes: `decode_layer` / `decode_layers` check each segment they
-decode against its checksum (and, given `key`, the frame's key binding) before any codec sees
-it, so callers may pass a `BlockRead` straight from a tier. A layer whose stored size disagrees
-with the header's shape, dtype and codec raises `CorruptBlock`; every read path turns that, like
-any other `CorruptBlock`, into a miss.
+Decoding hashes only what nobody verified: a `BlockRead` marked `verified` (every read the
+`TieredStore` returns) is decoded as it is, while for any other read (`decode_frame`, a
+`BlockRead` built by hand or straight from a tier) each segment is checked against its checksum
+just before a codec sees it. Given `key`, the frame's key binding is checked either way (16
+bytes). A layer whose stored size disagrees with the header's shape, dtype and codec raises
+`CorruptBlock`; every read path turns that, like any other `CorruptBlock`, into a miss.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from kvstore.frame import (
     DType,
     LayerRange,
     build_frame,
+    check_payload_size,
     segment_checksum,
 )
 from kvstore.keys import BlockKey
@@ -139,7 +141,8 @@ def decode_layers(read: BlockRead, layers: LayerRange | None = None, *,
     """Verify and decode `layers` (default: all layers of the read), one output per layer.
 
     `out`, when given, holds one output per layer (a stacked [L, ...] tensor's `unbind(0)` or a
-    numpy array's `list(...)` gives views). Each segment is verified just before it is decoded.
+    numpy array's `list(...)` gives views). Each segment of an unverified read is hashed just
+    before it is decoded.
     """
     want = layers or read.layers
     if want.start not in read.layers or want.stop - 1 not in read.layers:
@@ -243,27 +246,26 @@ def _pays(packed: int, raw: int) -> bool:
 
 
 class _CheckedRead:
-    """A read whose sizes were checked against its header; hands out verified segments."""
+    """A read whose sizes were checked against its header and codec (the one shape check of
+    decoding); hands out segments, hashed unless the read is marked verified."""
 
     __slots__ = ("base", "codec", "expected", "payload", "read")
 
     def __init__(self, read: BlockRead) -> None:
         header = read.header
-        start, stop = header.span(read.layers)
-        if len(read.payload) != stop - start:
-            raise CorruptBlock(f"payload is {len(read.payload)} bytes, expected {stop - start}")
+        self.base = check_payload_size(header, read.layers, len(read.payload))
         self.read = read
         self.codec = get_codec(header.codec)
         self.payload = memoryview(read.payload)
-        self.base = start
         self.expected = self.codec.encoded_size(header.layer_shape, header.dtype)
 
     def segment(self, layer: int) -> Buffer:
-        """The decompressed payload of `layer`, once its stored bytes match their checksum.
+        """The decompressed payload of `layer`, once its stored bytes are known to match their
+        checksum.
 
-        Each segment is hashed just before use (not the whole read up front), so a caller
-        decoding layer by layer hashes every byte once, and bytes that changed after an
-        earlier check are still caught.
+        An unverified read has each segment hashed just before use (not the whole read up
+        front), so a caller decoding layer by layer hashes every byte once; a verified read was
+        hashed once already, by the tier or the store that returned it.
         """
         info = self.read.header.segments[layer]
         if info.raw_length != self.expected:
@@ -271,7 +273,7 @@ class _CheckedRead:
                                f"shape and dtype need {self.expected}")
         lo = info.offset - self.base
         stored = self.payload[lo: lo + info.length]
-        if segment_checksum(stored) != info.checksum:
+        if not self.read.verified and segment_checksum(stored) != info.checksum:
             raise CorruptBlock(f"segment {layer} checksum mismatch")
         if info.compression is Compression.NONE:
             return stored

@@ -24,6 +24,7 @@ import enum
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeAlias
 
 import xxhash
 import zstandard
@@ -41,11 +42,17 @@ __all__ = [
     "SegmentInfo",
     "FrameHeader",
     "BlockRead",
+    "FrameBytes",
     "build_frame",
     "header_size_from_prefix",
     "segment_checksum",
+    "check_payload_size",
+    "checked_frame",
     "verify_pieces",
 ]
+
+FrameBytes: TypeAlias = bytes | bytearray | memoryview
+"""A whole frame, or any part of one, as the buffer it arrived in."""
 
 MAGIC = b"KVKB"
 FORMAT_VERSION = 1
@@ -187,16 +194,21 @@ class BlockRead:
     """The result of reading a block (or a layer range of it) from any tier.
 
     `payload` holds the stored bytes of the segments of `layers`, back to back, exactly as they
-    sit in the frame after the header. Nothing in it is trusted until `verify()` has passed.
+    sit in the frame after the header. Nothing in it is trusted until it has been verified, once:
+    `verified` says it was (see `verified_for`), and then nothing hashes it again: not the store,
+    not decoding. A tier that checks its reads itself (nvme, remote) returns them marked; the
+    store checks every read that arrives unmarked (memory tiers, redis) before it hands it out.
     """
 
     header: FrameHeader
     layers: LayerRange
     payload: bytes | bytearray | memoryview
+    verified: bool = False
+    """The payload matched the header (size, every segment's checksum) and the header the key
+    it was read for. Set only by `verified_for` (or by code that ran the same checks)."""
 
     @classmethod
-    def from_frame(cls, frame: bytes | bytearray | memoryview,
-                   layers: LayerRange | None = None) -> BlockRead:
+    def from_frame(cls, frame: FrameBytes, layers: LayerRange | None = None) -> BlockRead:
         """Slice a full frame (zero copy) to the segments of `layers` (all when None)."""
         view = memoryview(frame)
         header = FrameHeader.unpack(view)
@@ -218,11 +230,23 @@ class BlockRead:
         seg = self.header.segments[layer]
         return memoryview(self.payload)[seg.offset - base: seg.offset - base + seg.length]
 
+    def verified_for(self, key_digest: bytes) -> BlockRead:
+        """This read, checked and marked verified: the key binding always (a 16-byte compare,
+        so a read verified for one key is never taken for another), then, unless it is marked
+        already, the payload's size and every segment's checksum. Raises CorruptBlock."""
+        self.verify_key(key_digest)
+        if self.verified:
+            return self
+        self.verify()
+        return BlockRead(self.header, self.layers, self.payload, True)
+
     def verify(self) -> None:
-        """Check every segment in range against its checksum; raise CorruptBlock on any mismatch."""
-        start, stop = self.header.span(self.layers)
-        if len(self.payload) != stop - start:
-            raise CorruptBlock(f"payload is {len(self.payload)} bytes, expected {stop - start}")
+        """Check the payload's size and every segment in range against its checksum (a read
+        marked `verified` was checked already and is not hashed again); CorruptBlock on any
+        mismatch."""
+        if self.verified:
+            return
+        check_payload_size(self.header, self.layers, len(self.payload))
         for layer in range(self.layers.start, self.layers.stop):
             if segment_checksum(self._segment_view(layer)) != self.header.segments[layer].checksum:
                 raise CorruptBlock(f"segment {layer} checksum mismatch")
@@ -252,16 +276,49 @@ class BlockRead:
         return self.header.pack() + bytes(self.payload)
 
 
+def check_payload_size(header: FrameHeader, layers: LayerRange, size: int) -> int:
+    """The one size check of a read: `size` payload bytes must be exactly the segments of
+    `layers`. Returns the frame offset the payload starts at; CorruptBlock otherwise."""
+    start, stop = header.span(layers)
+    if size != stop - start:
+        raise CorruptBlock(f"payload is {size} bytes, expected {stop - start}")
+    return start
+
+
+def checked_frame(frame: FrameBytes, key_digest: bytes, *, segments: bool = False
+                  ) -> tuple[memoryview, FrameHeader]:
+    """A whole frame offered to be stored under a key, checked as every write path checks it:
+    a contiguous buffer whose header parses and verifies, exactly the size that header gives,
+    bound to `key_digest`; with `segments`, every segment's checksum too. Returns a flat byte
+    view of it and its header; InvalidFrame (bad input, not a corrupt copy) otherwise."""
+    view = memoryview(frame)
+    if not view.c_contiguous:
+        raise InvalidFrame("a frame must be a C-contiguous buffer")
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    try:
+        header = FrameHeader.unpack(view)
+        if header.frame_size != len(view):
+            raise InvalidFrame(f"frame is {len(view)} bytes, its header says "
+                               f"{header.frame_size}")
+        if header.key_digest != key_digest:
+            raise InvalidFrame("frame is bound to a different key")
+        if segments:
+            BlockRead(header, header.all_layers, view[header.header_size:]).verify()
+    except InvalidFrame:
+        raise
+    except CorruptBlock as exc:
+        raise InvalidFrame(f"frame does not verify: {exc}") from exc
+    return view, header
+
+
 def verify_pieces(header: FrameHeader, layers: LayerRange,
                   pieces: Sequence[bytes | bytearray | memoryview]) -> None:
     """`BlockRead.verify` for a payload held in pieces (e.g. memory pages, in order): check every
     segment of `layers` against its checksum, hashing across piece boundaries; CorruptBlock on
     any mismatch or a payload of the wrong size."""
-    start, stop = header.span(layers)
     views = [memoryview(p).cast("B") for p in pieces]
-    if sum(len(v) for v in views) != stop - start:
-        raise CorruptBlock(f"payload is {sum(len(v) for v in views)} bytes, "
-                           f"expected {stop - start}")
+    check_payload_size(header, layers, sum(len(v) for v in views))
     index, offset = 0, 0  # the piece being consumed, and how far into it
     for layer in range(layers.start, layers.stop):
         info = header.segments[layer]

@@ -1,5 +1,8 @@
 """Prometheus metrics of the tiered store: hits, misses, corruption, errors, bytes, latency.
 
+They are the store's one record of what happened: `TieredStore.stats()` is computed from these
+same counters (`total`), never counted twice.
+
 Every metric lives in a `CollectorRegistry` the caller passes in (the daemon passes the one it
 exposes); by default each `StoreMetrics` gets a private registry, so tests and several stores in
 one process never collide on metric names. Per-tier series carry a `tier` label with the tier's
@@ -10,7 +13,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-__all__ = ["StoreMetrics", "LATENCY_BUCKETS"]
+__all__ = ["StoreMetrics", "LATENCY_BUCKETS", "total"]
 
 # From 50 us (a host hit) to 2.5 s (a remote tier past any sensible deadline).
 LATENCY_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25,
@@ -53,10 +56,22 @@ class StoreMetrics:
         self.write_behind_dropped = Counter(
             f"{prefix}_write_behind_dropped",
             "Background writes given up: queue_full (never blocks the caller), "
-            "source_gone (evicted before it was copied down), closed (store shut down)",
+            "source_gone (evicted before it was copied down), closed (store shut down), "
+            "error (the batch failed in the store itself: a bug, logged)",
             ["reason"], registry=reg)
         self.write_queue_depth = Gauge(f"{prefix}_write_queue_depth",
                                        "Background writes (write-behind, promotion) pending",
                                        registry=reg)
         self.latency = Histogram(f"{prefix}_latency_seconds", "Tier operation latency",
                                  ["tier", "op"], buckets=LATENCY_BUCKETS, registry=reg)
+
+
+def total(counter: Counter, **labels: str) -> int:
+    """A counter's value summed over its series (those matching `labels`, when given)."""
+    value = 0.0
+    for metric in counter.collect():
+        for sample in metric.samples:
+            if sample.name.endswith("_total") and all(
+                    sample.labels.get(k) == v for k, v in labels.items()):
+                value += sample.value
+    return int(value)

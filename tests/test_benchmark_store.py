@@ -18,6 +18,8 @@ def test_store_benchmark_quick_writes_complete_json(tmp_path: Path) -> None:
         "baseline": {"memcpy_gbps", "disk_write_fsync_gbps", "disk_read_gbps"},
         "codec": {"int8_quantize_gbps", "int8_dequantize_gbps", "int8_rel_rms_error"},
         "tiers": {"host_put_gbps", "host_get_gbps", "nvme_put_gbps", "nvme_get_gbps"},
+        "reads": {"host_store_get_gbps", "host_store_get_decode_gbps", "nvme_store_get_gbps",
+                  "nvme_store_get_decode_gbps"},
     }
     for section, names in expected.items():
         assert set(results[section]) >= names

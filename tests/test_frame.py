@@ -199,3 +199,33 @@ def test_dtype_names() -> None:
     assert [d.itemsize for d in DType] == [2, 2, 4]
     with pytest.raises(InvalidFrame):
         DType.from_name("int8")
+
+
+def test_checked_frame_is_the_one_check_of_every_write_path() -> None:
+    import numpy as np
+
+    from kvstore.frame import checked_frame
+    from tests.blockframes import block_key
+    from tests.blockframes import make_frame as keyed_frame
+
+    key = block_key(1)
+    good = keyed_frame(key)
+    view, header = checked_frame(good, key.digest, segments=True)
+    assert bytes(view) == good and header.frame_size == len(good)
+    even = next(f for f in (keyed_frame(key, segment_bytes=n) for n in (1024, 1025))
+                if len(f) % 2 == 0)
+    view, _ = checked_frame(np.frombuffer(even, np.uint16), key.digest)  # any contiguous buffer
+    assert bytes(view) == even
+    strided = memoryview(bytearray(good * 2))[::2]
+    bad_payload = bytearray(good)
+    bad_payload[-1] ^= 1
+    bad_header = bytearray(good)
+    bad_header[20] ^= 1
+    for frame, digest in [(strided, key.digest), (good + b"x", key.digest),
+                          (good[:-1], key.digest), (good, block_key(2).digest),
+                          (bytes(bad_header), key.digest), (b"junk" * 10, key.digest)]:
+        with pytest.raises(InvalidFrame):
+            checked_frame(frame, digest)
+    checked_frame(bytes(bad_payload), key.digest)  # the header alone is fine ...
+    with pytest.raises(InvalidFrame):  # ... the segments are not
+        checked_frame(bytes(bad_payload), key.digest, segments=True)

@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from kvstore.errors import DeadlineExceeded, InvalidFrame, TierUnavailable
+from kvstore.errors import DeadlineExceeded, InvalidFrame, KVKeepError, TierUnavailable
 from kvstore.frame import BlockRead, FrameHeader, LayerRange
 from kvstore.keys import BlockKey, SessionKey
 from kvstore.manifest import SessionManifest
 from kvstore.metrics import StoreMetrics
-from kvstore.store import StoreConfig, TieredStore
+from kvstore.store import AsyncTieredStore, StoreConfig, TieredStore
 from kvstore.tiers.base import Buffer, TierStats
-from kvstore.tiers.factory import TierSpec, build_tiers
+from kvstore.tiers.factory import HbmSpec, HostSpec, NvmeSpec, RemoteSpec, build_tiers
 from kvstore.tiers.hbm import cuda_available
 from kvstore.tiers.host import HostTier
 from tests.blockframes import block_key, corrupt, make_frame, session_key
@@ -451,37 +451,74 @@ def test_close_flushes_and_then_refuses() -> None:
     store.close()
 
 
-def test_factory_skips_hbm_without_cuda_and_builds_host() -> None:
-    specs = [TierSpec("hbm", 64 * MiB), TierSpec("host", 8 * MiB)]
+def test_factory_skips_hbm_without_cuda_and_builds_the_rest(tmp_path: Path) -> None:
+    specs = [HbmSpec(64 * MiB), HostSpec(8 * MiB, name="ram"),
+             NvmeSpec(str(tmp_path / "nvme"), 16 * MiB, durable=False)]
     store = TieredStore.from_specs(specs)
     try:
         names = [tier.name for tier in store.tiers]
-        assert names == (["hbm", "host"] if cuda_available() else ["host"])
+        assert names == (["hbm", "ram", "nvme"] if cuda_available() else ["ram", "nvme"])
+        key = block_key(1)
+        assert store.put(key, make_frame(key)) and store.flush(5)
+        assert store.tiers[-1].contains([key]) == [True]
     finally:
         store.close()
     from kvstore.errors import ConfigError
 
-    with pytest.raises(ConfigError):
-        build_tiers([TierSpec("tape", MiB)])
     if not cuda_available():
         with pytest.raises(ConfigError):
-            build_tiers([TierSpec("hbm", MiB, optional=False)])
+            build_tiers([HbmSpec(MiB, optional=False)])
+        with pytest.raises(ConfigError, match="no tier"):
+            build_tiers([HbmSpec(MiB)])
+    with pytest.raises(ConfigError):
+        NvmeSpec("", MiB)
+    with pytest.raises(ConfigError):
+        HostSpec(0)
+    with pytest.raises(ConfigError):  # exactly one of etcd and a daemon list
+        RemoteSpec(etcd="http://127.0.0.1:2379", daemons=(("a", "127.0.0.1:1"),))
+    with pytest.raises(ConfigError):
+        RemoteSpec()
+
+
+def test_factory_closes_what_it_built_when_a_later_tier_fails(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "file").write_text("not a directory")
+    closed: list[str] = []
+    real_close = HostTier.close
+
+    def recording_close(self: HostTier) -> None:
+        closed.append(self.name)
+        real_close(self)
+
+    monkeypatch.setattr(HostTier, "close", recording_close)
+    with pytest.raises(KVKeepError):
+        build_tiers([HostSpec(MiB, name="first"), NvmeSpec(str(tmp_path / "file"), MiB)])
+    assert closed == ["first"]
 
 
 def test_async_wrappers(two_hosts: tuple[TieredStore, HostTier, HostTier]) -> None:
     store, _, _ = two_hosts
     keys = [block_key(i) for i in range(6)]
 
+    aio = AsyncTieredStore(store)
+
     async def main() -> None:
-        assert all(await asyncio.gather(*(store.aput(k, make_frame(k)) for k in keys)))
-        reads = await asyncio.gather(*(store.aget(k) for k in keys))
+        assert all(await asyncio.gather(*(aio.put(k, make_frame(k)) for k in keys)))
+        reads = await asyncio.gather(*(aio.get(k) for k in keys))
         assert [r.to_frame() if r else None for r in reads] == [make_frame(k) for k in keys]
-        assert await store.alookup(keys) == 6
-        assert await store.aflush(5)
-        many = await store.aget_many(keys[:2])
-        assert all(r is not None for r in many)
-        assert await store.adelete(keys[:1]) == 1
-        assert await store.alookup(keys) == 0
+        assert all(r is not None and r.verified for r in reads)
+        assert await aio.lookup(keys) == 6
+        assert await aio.flush(5)
+        many = await aio.get_many(keys[:2], LayerRange(1, 2))
+        assert all(r is not None and r.layers == LayerRange(1, 2) for r in many)
+        assert await aio.delete(keys[:1]) == 1
+        assert await aio.lookup(keys) == 0
+        # A deadline is fixed before the hop to a thread: one already past is a miss.
+        assert await aio.get(keys[1], deadline=time.monotonic() - 1) is None
+        skey = session_key()
+        await aio.put_manifest(SessionManifest(skey, (), token_count=16, generation=1))
+        assert (await aio.get_manifest(skey)) is not None
+        assert await aio.delete_manifest(skey)
 
     asyncio.run(main())
 
@@ -537,8 +574,10 @@ def test_concurrent_threads_and_asyncio_read_only_what_was_written() -> None:
     def check(key: BlockKey, read: BlockRead | None, layers: LayerRange) -> None:
         if read is None:
             return
-        read.verify()
-        read.verify_key(key.digest)
+        if not read.verified:
+            errors.append("the store returned a read not marked verified")
+        # Hash it again here (an unmarked copy of the read), whatever the store did.
+        BlockRead(read.header, read.layers, read.payload).verified_for(key.digest)
         start, stop = FrameHeader.unpack(frames[key]).span(layers)
         if bytes(read.payload) != frames[key][start:stop]:
             errors.append(f"wrong bytes for {key.block_hash!r}")
@@ -566,15 +605,17 @@ def test_concurrent_threads_and_asyncio_read_only_what_was_written() -> None:
         except Exception as exc:
             errors.append(repr(exc))
 
+    aio = AsyncTieredStore(store)
+
     async def async_main() -> None:
         rng = random.Random(99)
         while time.monotonic() < stop_at:
             batch = rng.sample(keys, 4)
-            await asyncio.gather(*(store.aput(k, frames[k]) for k in batch[:2]))
-            reads = await asyncio.gather(*(store.aget(k) for k in batch))
+            await asyncio.gather(*(aio.put(k, frames[k]) for k in batch[:2]))
+            reads = await asyncio.gather(*(aio.get(k) for k in batch))
             for key, read in zip(batch, reads, strict=True):
                 check(key, read, full)
-            await store.alookup(batch)
+            await aio.lookup(batch)
 
     threads = [threading.Thread(target=thread_main, args=(n,)) for n in range(4)]
     try:

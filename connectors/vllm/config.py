@@ -5,7 +5,8 @@ Example (every key optional except a store with at least one tier)::
     {"store": {"host_bytes": 4294967296,
                "nvme": {"path": "/var/lib/kvkeep", "bytes": 107374182400},
                "remote": {"etcd": "http://etcd:2379", "prefix": "/kvkeep/stores/",
-                          "replicas": 2, "timeout_ms": 1000}},
+                          "replicas": 2, "timeout_ms": 1000},
+               "redis": {"url": "redis://redis:6379/0", "prefix": "kvkeep"}},
      "codec": "raw", "compression": "none",
      "checkpoint_tokens": 32, "restore_deadline_ms": 2000, "save_timeout_ms": 2000,
      "load_mode": "sync", "tenant": "default",
@@ -24,10 +25,12 @@ from typing import Any, Final, Literal, cast
 
 from kvstore.errors import ConfigError, InvalidKey
 from kvstore.keys import validate_name
+from kvstore.tiers.factory import NvmeSpec, RedisSpec, RemoteSpec
 
 __all__ = [
     "NvmeSpec",
     "RemoteSpec",
+    "RedisSpec",
     "StoreSpec",
     "ConnectorConfig",
     "Codec",
@@ -46,37 +49,17 @@ _TOP_KEYS: Final = frozenset({
     "save_timeout_ms", "load_mode", "tenant", "model_id", "weights_revision",
     "max_inflight_saves", "lookup",
 })
-_STORE_KEYS: Final = frozenset({"host_bytes", "nvme", "remote", "name"})
+_STORE_KEYS: Final = frozenset({"host_bytes", "nvme", "remote", "redis", "name"})
 _NVME_KEYS: Final = frozenset({"path", "bytes", "durable"})
 _REMOTE_KEYS: Final = frozenset({"etcd", "prefix", "replicas", "daemons", "timeout_ms",
                                  "token_file"})
-
-
-@dataclass(frozen=True, slots=True)
-class NvmeSpec:
-    path: str
-    byte_budget: int
-    durable: bool = True
-
-
-@dataclass(frozen=True, slots=True)
-class RemoteSpec:
-    """kvstore daemons, found through etcd (`etcd` + `prefix`) or listed (`daemons`, node id
-    -> host:port)."""
-
-    etcd: str | None
-    prefix: str
-    replicas: int
-    daemons: tuple[tuple[str, str], ...] = ()
-    timeout_s: float = 1.0
-    token_file: str | None = None
-    """A file whose first line is the bearer token the daemons require (`kvkeep store serve
-    --token-file`); the token itself never sits in the engine config, which vLLM logs."""
+_REDIS_KEYS: Final = frozenset({"url", "prefix", "ttl_seconds", "timeout_ms"})
 
 
 @dataclass(frozen=True, slots=True)
 class StoreSpec:
-    """The tiers of the store, fastest first. Equal specs share one store per process.
+    """The tiers of the store, fastest first (host, nvme, remote, redis; the specs are the tier
+    factory's, `kvstore.tiers.factory`). Equal specs share one store per process.
 
     `name` separates two stores with otherwise equal specs in one process (tests that start a
     "fresh" engine next to an old one; two engines that must not share host RAM).
@@ -86,10 +69,12 @@ class StoreSpec:
     nvme: NvmeSpec | None = None
     remote: RemoteSpec | None = None
     name: str = "default"
+    redis: RedisSpec | None = None
 
     def __post_init__(self) -> None:
-        if self.host_bytes <= 0 and self.nvme is None and self.remote is None:
-            raise ConfigError("store: configure at least one of host_bytes, nvme, remote")
+        if (self.host_bytes <= 0 and self.nvme is None and self.remote is None
+                and self.redis is None):
+            raise ConfigError("store: configure at least one of host_bytes, nvme, remote, redis")
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,8 +184,22 @@ def _store(raw: object) -> StoreSpec:
             token_file=(None if spec.get("token_file") is None
                         else _nonempty_str(spec["token_file"], "store.remote.token_file")),
         )
+    redis = None if store.get("redis") is None else _redis(store["redis"])
     name = _name(store.get("name", "default"), "store.name")
-    return StoreSpec(host_bytes=host, nvme=nvme, remote=remote, name=name)
+    return StoreSpec(host_bytes=host, nvme=nvme, remote=remote, name=name, redis=redis)
+
+
+def _redis(raw: object) -> RedisSpec:
+    if not isinstance(raw, Mapping):
+        raise ConfigError("store.redis must be an object")
+    _reject_unknown("store.redis", raw, _REDIS_KEYS)
+    if "url" not in raw:
+        raise ConfigError("store.redis needs a 'url'")
+    ttl = raw.get("ttl_seconds")
+    return RedisSpec(url=_nonempty_str(raw["url"], "store.redis.url"),
+                     prefix=_nonempty_str(raw.get("prefix", "kvkeep"), "store.redis.prefix"),
+                     ttl_s=None if ttl is None else _positive_int(ttl, "store.redis.ttl_seconds"),
+                     timeout_s=_positive_ms(raw, "timeout_ms", 5000))
 
 
 def _reject_unknown(where: str, mapping: Mapping[str, Any], allowed: frozenset[str]) -> None:

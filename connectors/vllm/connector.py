@@ -231,8 +231,10 @@ class KVKeepConnector(KVConnectorBase_V1):
 
 def _event_medium(vllm_config: VllmConfig, config: ConnectorConfig) -> str | None:
     """The medium of the store's KV events, or None where vLLM publishes no KV events: a store
-    with remote daemons serves every worker (shared); one without serves this node only."""
+    with remote daemons or a Redis serves every worker (shared); one without serves this node
+    only."""
     events = vllm_config.kv_events_config
     if events is None or not events.enable_kv_cache_events:
         return None
-    return "KVKEEP_SHARED" if config.store.remote is not None else "KVKEEP_LOCAL"
+    shared = config.store.remote is not None or config.store.redis is not None
+    return "KVKEEP_SHARED" if shared else "KVKEEP_LOCAL"

@@ -11,14 +11,12 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 
-from connectors.vllm.config import RemoteSpec, StoreSpec
-from kvstore.errors import ConfigError
+from connectors.vllm.config import StoreSpec
 from kvstore.store import StoreConfig, TieredStore
-from kvstore.tiers.base import Tier
+from kvstore.tiers.factory import HostSpec, TierSpec, build_tiers
 
-__all__ = ["acquire_store", "acquire_existing_store", "release_store", "build_tiers"]
+__all__ = ["acquire_store", "acquire_existing_store", "release_store", "tier_specs"]
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +37,7 @@ def acquire_store(spec: StoreSpec) -> TieredStore:
     with _lock:
         held = _held.get(spec)
         if held is None:
-            held = _Held(TieredStore(build_tiers(spec), config=StoreConfig()), 0)
+            held = _Held(TieredStore(build_tiers(tier_specs(spec)), config=StoreConfig()), 0)
             _held[spec] = held
         held.refs += 1
         return held.store
@@ -73,47 +71,10 @@ def release_store(spec: StoreSpec, *, timeout: float = 10.0) -> None:
     held.store.close(timeout)
 
 
-def build_tiers(spec: StoreSpec) -> list[Tier]:
-    tiers: list[Tier] = []
-    try:
-        if spec.host_bytes > 0:
-            from kvstore.tiers.host import HostTier
-
-            tiers.append(HostTier(spec.host_bytes))
-        if spec.nvme is not None:
-            from kvstore.tiers.nvme import NvmeTier
-
-            tiers.append(NvmeTier(spec.nvme.path, spec.nvme.byte_budget,
-                                  durable=spec.nvme.durable))
-        if spec.remote is not None:
-            tiers.append(_remote_tier(spec.remote))
-    except BaseException:
-        for tier in tiers:
-            tier.close()
-        raise
-    return tiers
-
-
-def _remote_tier(spec: RemoteSpec) -> Tier:
-    from kvstore.tiers.remote import RemoteConfig, RemoteTier
-
-    # Lookups sit on the scheduler's path: they get a quarter of the call budget.
-    config = RemoteConfig(replicas=spec.replicas, call_timeout=spec.timeout_s,
-                          lookup_timeout=max(0.05, spec.timeout_s / 4),
-                          token=_read_token(spec.token_file))
-    if spec.etcd is not None:
-        return RemoteTier.from_etcd(spec.etcd, config, prefix=spec.prefix)
-    return RemoteTier.from_addresses(dict(spec.daemons), config)
-
-
-def _read_token(path: str | None) -> str | None:
-    if path is None:
-        return None
-    try:
-        lines = [line.strip() for line in Path(path).read_text().splitlines()]
-    except OSError as exc:
-        raise ConfigError(f"cannot read store.remote.token_file {path!r}: {exc}") from exc
-    token = next((line for line in lines if line and not line.startswith("#")), None)
-    if token is None:
-        raise ConfigError(f"store.remote.token_file {path!r} holds no token")
-    return token
+def tier_specs(spec: StoreSpec) -> list[TierSpec]:
+    """The connector's `store` config as the tier factory's specs, fastest first."""
+    specs: list[TierSpec] = []
+    if spec.host_bytes > 0:
+        specs.append(HostSpec(spec.host_bytes))
+    specs.extend(tier for tier in (spec.nvme, spec.remote, spec.redis) if tier is not None)
+    return specs

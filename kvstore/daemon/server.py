@@ -34,8 +34,7 @@ from kvstore.keys import BlockKey
 from kvstore.store import StoreConfig, TieredStore
 from kvstore.tiers.daemon_client import ClientTLS
 from kvstore.tiers.discovery import DaemonInfo, MembershipWatcher
-from kvstore.tiers.host import HostTier
-from kvstore.tiers.nvme import NvmeTier
+from kvstore.tiers.factory import HostSpec, NvmeSpec, TierSpec
 from kvstore.wire import GRPC_CHANNEL_OPTIONS
 
 __all__ = ["Daemon", "run_daemon"]
@@ -52,18 +51,19 @@ def _read(path: Path, what: str) -> bytes:
 
 
 def _open_store(config: DaemonConfig) -> TieredStore:
-    host = HostTier(config.mem_budget, name="host")
     # Every frame reaches the nvme tier already verified: on receipt (KVStoreService
     # .verify_and_store) and again when the write-behind reads it back from the host tier, so
     # the nvme tier's own check on put would hash each block a third time. Its reads verify.
-    nvme = NvmeTier(str(config.data_dir / "blocks"), config.disk_budget, name="nvme",
-                    verify_on_put=False)
+    specs: list[TierSpec] = [
+        HostSpec(config.mem_budget, name="host"),
+        NvmeSpec(str(config.data_dir / "blocks"), config.disk_budget, name="nvme",
+                 verify_on_put=False)]
     # A daemon serves remote readers whose own deadlines bound each call; the store's deadline
     # only has to stop a stuck disk read, and its write-behind queue is deep because puts wait
     # on it (back-pressure) rather than dropping background writes. The writer runs at a lower
     # CPU priority so that, on a busy node, persisting blocks does not slow the puts and gets
     # being served (the write-behind never delays an ack unless the back-pressure mark is hit).
-    return TieredStore([host, nvme], config=StoreConfig(
+    return TieredStore.from_specs(specs, config=StoreConfig(
         get_deadline_s=10.0, write_queue_depth=1024, write_batch=16, writer_nice=10))
 
 

@@ -40,7 +40,7 @@ from kvstore.keys import BlockKey, SessionKey
 from kvstore.manifest import SessionManifest
 from kvstore.store import TieredStore
 from kvstore.tiers.base import Buffer, TierStats
-from kvstore.tiers.paged import BorrowedBlock, PageReservation
+from kvstore.tiers.capabilities import BorrowedBlock, PageReservation
 from kvstore.wire import (
     CHUNK_BYTES,
     HEALTH_SERVICE,

@@ -3,7 +3,12 @@
 Tiers are synchronous and thread-safe: the vLLM connector calls them from worker threads and
 asyncio callers wrap them in `asyncio.to_thread`. A tier's contract on reads:
 
-- `get` returns a `BlockRead` (not yet verified by the tier unless it says so), or None on a miss;
+- `get` returns a `BlockRead`, or None on a miss. A tier that checks the bytes itself (the nvme
+  tier, which deletes a bad file; the remote tier, which tries the next replica and repairs)
+  returns the read marked verified (`BlockRead.verified_for`), and the store does not hash it
+  again; any other read the store verifies, once, before anyone uses it. Memory tiers return
+  reads unverified on purpose: their pages live for hours, are lent out and written in place,
+  and a bit flipped there must be caught too;
 - it may raise `CorruptBlock`, `TierUnavailable` or `DeadlineExceeded`, all of which the
   `TieredStore` turns into a miss (deleting a corrupt block);
 - with `out` given, the payload is copied into that caller-owned, already-touched buffer and the
@@ -11,6 +16,9 @@ asyncio callers wrap them in `asyncio.to_thread`. A tier's contract on reads:
 
 On writes: `put` returns False when the tier does not admit the block (budget, disk full) and
 never leaves a partial block visible.
+
+Optional capabilities beyond this protocol (batched puts, lending pages, receiving into pages)
+are protocols of their own in `kvstore.tiers.capabilities`.
 """
 
 from __future__ import annotations
@@ -19,14 +27,28 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from kvstore.frame import BlockRead, LayerRange
+from kvstore.errors import TierError
+from kvstore.frame import BlockRead, FrameBytes, LayerRange
 from kvstore.keys import BlockKey, SessionKey
 from kvstore.manifest import SessionManifest
 
-__all__ = ["Tier", "TierStats", "Buffer"]
+__all__ = ["Tier", "TierStats", "Buffer", "FrameBytes", "byte_view"]
 
 Buffer = bytearray | memoryview
 """A caller-owned, writable buffer a get copies into."""
+
+
+def byte_view(buf: FrameBytes, *, writable: bool = False) -> memoryview:
+    """A flat unsigned-byte view of `buf` (any C-contiguous buffer), for slice assignment;
+    TierError for a buffer that is not contiguous (or read-only, when `writable`)."""
+    view = memoryview(buf)
+    if not view.c_contiguous:
+        raise TierError("buffer is not C-contiguous")
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    if writable and view.readonly:
+        raise TierError("output buffer is read-only")
+    return view
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +84,7 @@ class Tier(Protocol):
         """
         ...
 
-    def put(self, key: BlockKey, frame: bytes | bytearray | memoryview) -> bool:
+    def put(self, key: BlockKey, frame: FrameBytes) -> bool:
         """Store a whole frame; False if not admitted. Idempotent for an existing key."""
         ...
 

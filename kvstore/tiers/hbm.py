@@ -1,6 +1,6 @@
 """The hbm tier: block frames staged in device memory (CUDA, via torch), above host RAM.
 
-It holds frames in pages of preallocated device arenas (the same `PagedTier` index, LRU and
+It holds frames in pages of preallocated device arenas (the same `MemoryTier` index, LRU and
 pinning as host RAM), so a restore of a hot block is a device-to-host copy instead of a walk
 down the tiers. It exists only where CUDA does: constructing it elsewhere raises `ConfigError`,
 which the tier factory treats as "skip this optional tier".
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvstore.errors import ConfigError
-from kvstore.tiers.paged import PagedTier
+from kvstore.tiers.memory_tier import MemoryTier
 from kvstore.tiers.slabs import DEFAULT_ARENA_BYTES
 
 if TYPE_CHECKING:
@@ -45,7 +45,7 @@ def cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
-class HbmTier(PagedTier["torch.Tensor"]):
+class HbmTier(MemoryTier["torch.Tensor"]):
     """Device-memory tier with a byte budget; implements the `Tier` protocol."""
 
     def __init__(self, byte_budget: int, *, device: str | int = "cuda", name: str = "hbm",

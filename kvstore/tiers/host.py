@@ -3,7 +3,7 @@
 This is the tier every put goes through synchronously, so its copies are the store's hot path:
 they are memoryview slice assignments (memcpy, ~20-26 GB/s here) between the caller's buffer
 and pages of arenas that were touched before, never `bytearray[:] = bytes` (~2.3 GB/s) and
-never a fresh large allocation per put (page faults, ~2.5 GB/s). See `PagedTier` for the index,
+never a fresh large allocation per put (page faults, ~2.5 GB/s). See `MemoryTier` for the index,
 eviction and pinning rules and `SlabPool` for the pages.
 """
 
@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from kvstore.tiers.paged import PagedTier
+from kvstore.tiers.memory_tier import MemoryTier
 from kvstore.tiers.slabs import DEFAULT_ARENA_BYTES, DEFAULT_PAGE_BYTES
 
 __all__ = ["HostTier"]
@@ -22,7 +22,7 @@ __all__ = ["HostTier"]
 _Arena = npt.NDArray[np.uint8]
 
 
-class HostTier(PagedTier[_Arena]):
+class HostTier(MemoryTier[_Arena]):
     """RAM tier with a byte budget; implements the `Tier` protocol.
 
     `prefault=True` allocates and touches the whole budget at construction (a daemon that wants

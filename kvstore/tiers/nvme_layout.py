@@ -14,10 +14,10 @@ import fcntl
 import os
 from pathlib import Path
 
-from kvstore.errors import ConfigError
-from kvstore.tiers.nvme_recovery import BLOCK_SUFFIX
+from kvstore.errors import ConfigError, TierUnavailable
+from kvstore.tiers.nvme_recovery import BLOCK_SUFFIX, ScanResult, scan
 
-__all__ = ["StoreLayout", "BLOCK_SHARDS", "MANIFEST_SHARDS"]
+__all__ = ["StoreLayout", "BLOCK_SHARDS", "MANIFEST_SHARDS", "open_and_scan"]
 
 BLOCK_SHARDS = 64
 MANIFEST_SHARDS = 16
@@ -75,3 +75,19 @@ class StoreLayout:
                     os.fsync(fd)
                 finally:
                     os.close(fd)
+
+
+def open_and_scan(root: Path, *, durable: bool) -> tuple[StoreLayout, ScanResult]:
+    """Open the tree at `root` (created if new, locked) and run the start-up scan over it;
+    TierUnavailable where the disk refuses either."""
+    try:
+        layout = StoreLayout(root, durable=durable)
+    except OSError as exc:
+        raise TierUnavailable(f"cannot open nvme tier at {root}: {exc}") from exc
+    try:
+        return layout, scan(layout.block_dirs, layout.manifest_dirs)
+    except BaseException as exc:
+        layout.close()
+        if isinstance(exc, OSError):
+            raise TierUnavailable(f"cannot scan nvme tier at {root}: {exc}") from exc
+        raise

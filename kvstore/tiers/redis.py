@@ -16,7 +16,7 @@ leftovers are deleted.
 
 Layer-range reads fetch the header with one GETRANGE and then only the byte range of the wanted
 segments (GETRANGE within each chunk it spans), like the other tiers. Reads return unverified
-`BlockRead`s; the TieredStore verifies every segment before use.
+`BlockRead`s: the TieredStore verifies each one, once, before use (deleting a corrupt copy).
 """
 
 from __future__ import annotations
@@ -36,18 +36,24 @@ import redis.exceptions as rx
 from kvstore.errors import (
     CorruptBlock,
     DeadlineExceeded,
-    InvalidFrame,
     TierError,
     TierUnavailable,
 )
-from kvstore.frame import HEADER_PREFIX_BYTES, MAGIC, BlockRead, FrameHeader, LayerRange
+from kvstore.frame import (
+    HEADER_PREFIX_BYTES,
+    MAGIC,
+    BlockRead,
+    FrameBytes,
+    FrameHeader,
+    LayerRange,
+    checked_frame,
+)
 from kvstore.keys import BlockKey, SessionKey
 from kvstore.manifest import SessionManifest
 from kvstore.tiers.base import Buffer, TierStats
 
 __all__ = ["RedisConfig", "RedisTier"]
 
-FrameBytes = bytes | bytearray | memoryview
 _INDEX_MAGIC = b"KVKC"
 # magic | version (8 random bytes) | chunk count u32 | frame size u64 | chunk bytes u32
 _INDEX = struct.Struct("<4s8sIQI")
@@ -130,13 +136,7 @@ class RedisTier:
         return read
 
     def put(self, key: BlockKey, frame: FrameBytes) -> bool:
-        view = memoryview(frame).cast("B") if not isinstance(frame, bytes) else memoryview(frame)
-        try:
-            header = FrameHeader.unpack(view)
-        except CorruptBlock as exc:
-            raise InvalidFrame(f"refusing to store a frame that does not parse: {exc}") from exc
-        if header.frame_size != len(view) or header.key_digest != key.digest:
-            raise InvalidFrame("frame size or key binding does not match")
+        view, _ = checked_frame(frame, key.digest)  # segments: verified by the store's reads
         name = self._block(key)
         ttl = self._config.ttl_seconds
         step = self._config.chunk_bytes

@@ -1,4 +1,5 @@
-"""What the memory tiers (host RAM, device HBM) share: an LRU index of paged blocks with pinning.
+"""`MemoryTier`, what the memory tiers (host RAM, device HBM) share: an LRU index of blocks held
+in pages, with pinning, lending (`borrow`) and receiving in place (`reserve`).
 
 A block's frame is copied into pages from a `SlabPool`; the parsed `FrameHeader` is kept beside
 it, so a layer-range read copies only the bytes of the segments asked for. Subclasses supply
@@ -23,84 +24,21 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
-from kvstore.errors import DeadlineExceeded, InvalidFrame, TierError, TierUnavailable
-from kvstore.frame import BlockRead, FrameHeader, LayerRange
+from kvstore.errors import DeadlineExceeded, TierError, TierUnavailable
+from kvstore.frame import BlockRead, FrameBytes, FrameHeader, LayerRange, checked_frame
 from kvstore.keys import BlockKey, SessionKey
 from kvstore.manifest import SessionManifest
-from kvstore.tiers.base import Buffer, TierStats
+from kvstore.tiers.base import Buffer, TierStats, byte_view
+from kvstore.tiers.capabilities import BorrowedBlock, PageReservation
 from kvstore.tiers.slabs import DEFAULT_ARENA_BYTES, DEFAULT_PAGE_BYTES, SlabPool
 
-__all__ = ["PagedTier", "BorrowedBlock", "PageReservation", "byte_view"]
+__all__ = ["MemoryTier"]
 
 A = TypeVar("A")
-
-
-def byte_view(buf: bytes | bytearray | memoryview, *, writable: bool = False) -> memoryview:
-    """A flat unsigned-byte view of `buf` (any C-contiguous buffer), for slice assignment."""
-    view = memoryview(buf)
-    if view.format != "B" or view.ndim != 1:
-        if not view.c_contiguous:
-            raise TierError("buffer is not C-contiguous")
-        view = view.cast("B")
-    if writable and view.readonly:
-        raise TierError("output buffer is read-only")
-    return view
-
-
-class BorrowedBlock:
-    """A pinned block's bytes in place: `pieces` are views of the tier's pages that hold the
-    segments of `layers`, back to back (not verified). Until `release()` the pages cannot be
-    reused; after it the views must not be touched. Releasing twice is harmless."""
-
-    __slots__ = ("_release", "header", "layers", "pieces", "size")
-
-    def __init__(self, header: FrameHeader, layers: LayerRange, pieces: list[memoryview],
-                 release: Callable[[], None]) -> None:
-        self.header = header
-        self.layers = layers
-        self.pieces = pieces
-        self.size = sum(len(p) for p in pieces)
-        self._release: Callable[[], None] | None = release
-
-    def release(self) -> None:
-        release, self._release = self._release, None
-        if release is not None:
-            release()
-
-
-class PageReservation:
-    """Pages set aside for one frame (see PagedTier.reserve): fill `pieces` (writable views,
-    in frame order, `size` bytes in all), then `commit()` or `abort()`, exactly once. Until
-    then nobody else can see or reuse the pages."""
-
-    __slots__ = ("_done", "_pages", "_tier", "key", "pieces", "size")
-
-    def __init__(self, tier: PagedTier[Any], key: BlockKey, size: int, pages: list[int],
-                 pieces: list[memoryview]) -> None:
-        self.key = key
-        self.size = size
-        self.pieces = pieces
-        self._tier = tier
-        self._pages = pages
-        self._done = False
-
-    def commit(self, header: FrameHeader) -> bool:
-        """Publish the block (whose frame the caller has checked); False if the tier closed.
-        A block published meanwhile by a concurrent put wins, and this copy is dropped."""
-        if self._done:
-            raise TierError("reservation already finished")
-        self._done = True
-        return self._tier._publish_reserved(self.key, self._pages, self.size, header)
-
-    def abort(self) -> None:
-        """Give the pages back (idempotent; a no-op after commit)."""
-        if not self._done:
-            self._done = True
-            self._tier._release_reserved(self._pages)
 
 
 @dataclass(slots=True, eq=False)
@@ -114,7 +52,7 @@ class _Entry:
     dead: bool = False  # deleted while pinned: pages go back when the last pin is released
 
 
-class PagedTier(ABC, Generic[A]):
+class MemoryTier(ABC, Generic[A]):
     """A byte-budgeted LRU tier over pages of arenas of type `A` (see the module docstring)."""
 
     def __init__(self, name: str, byte_budget: int, *, page_bytes: int = DEFAULT_PAGE_BYTES,
@@ -238,7 +176,10 @@ class PagedTier(ABC, Generic[A]):
             if pieces is None:
                 self._free_pages(pages)
                 return None
-        return PageReservation(self, key, size, pages, pieces)
+        return PageReservation(
+            key, size, pieces,
+            publish=lambda header: self._publish_reserved(key, pages, size, header),
+            abort=lambda: self._release_reserved(pages))
 
     def _publish_reserved(self, key: BlockKey, pages: list[int], size: int,
                           header: FrameHeader) -> bool:
@@ -256,14 +197,9 @@ class PagedTier(ABC, Generic[A]):
         with self._lock:
             self._free_pages(pages)
 
-    def put(self, key: BlockKey, frame: bytes | bytearray | memoryview) -> bool:
-        src = byte_view(frame)
-        # Parsing verifies the header checksum; segments are verified by readers, on every read.
-        header = FrameHeader.unpack(src)
-        if header.frame_size != len(src):
-            raise InvalidFrame(f"frame is {len(src)} bytes, its header says {header.frame_size}")
-        if header.key_digest != key.digest:
-            raise InvalidFrame("frame is bound to a different key")
+    def put(self, key: BlockKey, frame: FrameBytes) -> bool:
+        # The header is checked here; the segments by the store, on every read of them.
+        src, header = checked_frame(frame, key.digest)
         npages = self._pool.pages_for(len(src))
         with self._lock:
             self._check_open()

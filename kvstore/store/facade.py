@@ -1,0 +1,410 @@
+"""TieredStore: ordered tiers as data behind one get/put/lookup/manifest API.
+
+The store alone knows the tier order (fastest first, e.g. hbm, host, nvme, remote); it never
+special-cases a tier by name, and it imports no concrete tier: what a tier can do beyond the
+`Tier` protocol it learns from the capability protocols (`kvstore.tiers.capabilities`). Its rules:
+
+- put: validated once (header, size, key binding), written synchronously to the first tier,
+  then copied behind to the lower ones by the write-behind engine (`write_behind.py`), which
+  never makes a put wait. A queued block does not hold a copy of the caller's frame: it is read
+  back from the first tier when its turn comes; only a frame the first tier did not admit is
+  copied into the queue.
+- get: walks the tiers in order and returns the first copy that verifies, verified exactly once:
+  by its tier where the tier checks its own reads (nvme, remote: `BlockRead.verified`), else here
+  (`BlockRead.verified_for`: every segment's checksum and the key binding). What it returns is
+  marked verified, so decoding does not hash it again. A corrupt copy is deleted from its tier
+  and counted, and the walk continues, since a lower tier may hold a good copy. A tier that
+  raises anything is treated as empty for that call and counted. Each get has a deadline (a
+  `time.monotonic()` instant, default `StoreConfig.get_deadline_s` from now); past it the get is
+  a miss. A hit below the first tier schedules a promotion: a background job that copies the
+  block up into the tiers above it (in the background because it needs the whole frame and a
+  copy, and a get must not pay for either).
+- reads before writes: background writers wait while reads are in flight on the tier they are
+  about to write to, for at most `read_priority_max_wait_s` per batch so they cannot starve.
+- lookup: the longest contiguous prefix of keys held by any tier, one batched `contains` per
+  tier.
+- manifests: written to every tier (the first synchronously, the rest behind; a manifest may
+  wait up to `manifest_enqueue_timeout_s` for queue room because failover depends on it);
+  reads ask every tier and return the highest generation, repairing upper tiers that lacked it.
+- accounting: Prometheus only (`kvstore.metrics`); `stats()` is a view of the same counters.
+
+Tiers must honour the deadline they are given: a synchronous call cannot be abandoned safely
+(an abandoned read would still write into the caller's buffer later).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from types import TracebackType
+
+from kvstore.errors import ConfigError, CorruptBlock, InvalidFrame, TierUnavailable
+from kvstore.frame import (
+    BlockRead,
+    FrameBytes,
+    FrameHeader,
+    LayerRange,
+    checked_frame,
+    verify_pieces,
+)
+from kvstore.keys import BlockKey, SessionKey
+from kvstore.manifest import SessionManifest
+from kvstore.metrics import StoreMetrics
+from kvstore.store.config import StoreConfig
+from kvstore.store.stats import StoreStats
+from kvstore.store.tier_calls import DEADLINE_PASSED, TierCalls
+from kvstore.store.write_behind import WriteBehind
+from kvstore.tiers.base import Buffer, Tier, TierStats
+from kvstore.tiers.capabilities import (
+    BorrowedBlock,
+    PageReservation,
+    SupportsBorrow,
+    SupportsReserve,
+)
+from kvstore.tiers.factory import TierSpec, build_tiers
+
+__all__ = ["TieredStore"]
+
+log = logging.getLogger("kvstore.store")
+
+
+class TieredStore:
+    """Ordered tiers behind one verified get/put/lookup API; thread-safe. For asyncio callers,
+    `AsyncTieredStore` wraps one."""
+
+    def __init__(self, tiers: Sequence[Tier], *, config: StoreConfig | None = None,
+                 metrics: StoreMetrics | None = None, close_tiers: bool = True) -> None:
+        if not tiers:
+            raise ConfigError("a TieredStore needs at least one tier")
+        names = [tier.name for tier in tiers]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"tier names must be unique (they label metrics): {names}")
+        self._config = config or StoreConfig()
+        self._calls = TierCalls(tiers, metrics or StoreMetrics())
+        self._close_tiers = close_tiers
+        self._writes = WriteBehind(self._calls, self._config)
+
+    @classmethod
+    def from_specs(cls, specs: Sequence[TierSpec], *, config: StoreConfig | None = None,
+                   metrics: StoreMetrics | None = None) -> TieredStore:
+        """Build the tiers from specs (skipping optional ones this machine lacks, e.g. hbm)."""
+        return cls(build_tiers(specs), config=config, metrics=metrics)
+
+    # -- properties ---------------------------------------------------------------------------
+
+    @property
+    def tiers(self) -> tuple[Tier, ...]:
+        return self._calls.tiers
+
+    @property
+    def config(self) -> StoreConfig:
+        return self._config
+
+    @property
+    def metrics(self) -> StoreMetrics:
+        return self._calls.metrics
+
+    @property
+    def pending_writes(self) -> int:
+        return self._writes.pending
+
+    # -- blocks -------------------------------------------------------------------------------
+
+    def get(self, key: BlockKey, layers: LayerRange | None = None, *,
+            out: Buffer | None = None, deadline: float | None = None) -> BlockRead | None:
+        """The block (or segments of `layers`) from the first tier that has a good copy,
+        verified and marked so (`BlockRead.verified`).
+
+        With `out`, the payload is copied into it and the result's payload is a view of it.
+        Returns None on a miss, including a deadline passed, corrupt copies, failing tiers.
+        """
+        self._check_open()
+        deadline = self.deadline(deadline)
+        for index in range(len(self._calls)):
+            if time.monotonic() >= deadline:
+                self.metrics.deadline_misses.inc()
+                break
+            outcome = self._calls.read(index, key, layers, out, deadline)
+            if outcome is DEADLINE_PASSED:
+                break
+            if outcome is not None:
+                if index > 0 and self._config.promote:
+                    self._writes.promote(key, index, outcome.header)
+                return outcome
+        self.metrics.misses.inc()
+        return None
+
+    def get_many(self, keys: Sequence[BlockKey], layers: LayerRange | None = None, *,
+                 outs: Sequence[Buffer] | None = None, deadline: float | None = None
+                 ) -> list[BlockRead | None]:
+        """`get` for each key under one shared deadline; `outs`, if given, one buffer per key."""
+        if outs is not None and len(outs) != len(keys):
+            raise ConfigError(f"get_many: {len(keys)} keys but {len(outs)} output buffers")
+        deadline = self.deadline(deadline)
+        return [self.get(key, layers, out=None if outs is None else outs[i], deadline=deadline)
+                for i, key in enumerate(keys)]
+
+    def borrow(self, key: BlockKey, layers: LayerRange | None = None, *,
+               verify: bool = True) -> BorrowedBlock | None:
+        """A verified hit in the first tier, lent in place (pinned pages, no copy): what a
+        server sends straight from, e.g. with `socket.sendmsg(block.pieces)`.
+
+        None when the first tier cannot lend (not host memory), does not hold the block, or
+        fails in any way; the caller then uses `get`, which also reads the lower tiers. A copy
+        that fails verification (checksums, key binding) is deleted, as `get` would. The caller
+        must `release()` the result once the bytes are sent.
+
+        verify=False checks only the key binding and leaves the segment checksums to
+        `check_borrowed`, for a server whose client verifies every block itself: it can send
+        first and hash while the client receives, instead of hashing on the critical path.
+        """
+        self._check_open()
+        tier = self.tiers[0]
+        if not isinstance(tier, SupportsBorrow):
+            return None
+        started = time.monotonic()
+        try:
+            block = tier.borrow(key, layers)
+        except Exception:  # a bad layer range, a closed tier: `get` says what it is
+            return None
+        finally:
+            self._calls.observe(0, "get", started)
+        if block is None:
+            return None
+        try:
+            if block.header.key_digest != key.digest:
+                raise CorruptBlock("frame is bound to a different key")
+            if verify:
+                verify_pieces(block.header, block.layers, block.pieces)
+        except CorruptBlock:
+            block.release()
+            self._calls.discard(0, key)
+            return None
+        except BaseException:
+            block.release()
+            raise
+        self._calls.hit(0, block.size)
+        return block
+
+    def check_borrowed(self, key: BlockKey, block: BorrowedBlock) -> bool:
+        """Verify a block lent with `verify=False` (before releasing it). A copy that fails is
+        deleted from the first tier, as `get` would, so the next read finds a good copy below
+        or misses; False then."""
+        try:
+            verify_pieces(block.header, block.layers, block.pieces)
+        except CorruptBlock:
+            self._calls.discard(0, key)
+            return False
+        return True
+
+    def put(self, key: BlockKey, frame: FrameBytes) -> bool:
+        """Store a frame: synchronously in the first tier, in the background below it.
+
+        Returns True if the first tier admitted it or a background write was queued. Raises
+        InvalidFrame if the frame does not parse, has the wrong size or is bound to another key.
+        The caller may reuse `frame`'s buffer as soon as this returns.
+        """
+        self._check_open()
+        view, header = checked_frame(frame, key.digest)
+        admitted = self._calls.put(0, key, view)
+        if len(self._calls) == 1:
+            return admitted
+        # Admitted: the writer reads it back from tier 0 later. Not admitted: keep an immutable
+        # copy (no copy at all when the caller passed bytes).
+        held = None if admitted else frame if isinstance(frame, bytes) else bytes(view)
+        queued = self._writes.copy_down(key, header, held)
+        return admitted or queued
+
+    def put_many(self, items: Sequence[tuple[BlockKey, FrameBytes]]) -> list[bool]:
+        return [self.put(key, frame) for key, frame in items]
+
+    def begin_put(self, key: BlockKey, size: int) -> PageReservation | None:
+        """Pages of the first tier for a `size`-byte frame, to receive it into in place; then
+        `commit_put` (or the reservation's `abort()`). None when the first tier cannot
+        (it already holds the block, has no room, or its pages are not host memory): use
+        `put`, which handles each of those cases."""
+        self._check_open()
+        tier = self.tiers[0]
+        if not isinstance(tier, SupportsReserve):
+            return None
+        try:
+            return tier.reserve(key, size)
+        except Exception:
+            self._calls.failed(0, "put")
+            return None
+
+    def commit_put(self, reservation: PageReservation, header: FrameHeader) -> bool:
+        """Publish a frame received into `begin_put`'s pages, and queue its write-behind to the
+        tiers below, like `put`. The caller has checked the frame (`header` parsed from its
+        first bytes, and its segments against their checksums); this checks the header's size
+        and key binding again and raises InvalidFrame (aborting the reservation) on mismatch."""
+        key = reservation.key
+        if header.frame_size != reservation.size or header.key_digest != key.digest:
+            reservation.abort()
+            raise InvalidFrame("frame header disagrees with its size or key")
+        started = time.monotonic()
+        try:
+            admitted = reservation.commit(header)
+        except Exception:
+            reservation.abort()
+            self._calls.failed(0, "put")
+            admitted = False
+        finally:
+            self._calls.observe(0, "put", started)
+        self._calls.count_put(0, admitted, reservation.size)
+        if len(self._calls) == 1 or not admitted:
+            return admitted
+        self._writes.copy_down(key, header, None)  # read back from tier 0, as for any put
+        return True
+
+    def lookup(self, keys: Sequence[BlockKey], *, deadline: float | None = None) -> int:
+        """How many of `keys`, from the first on, are held by some tier (prefix length)."""
+        self._check_open()
+        deadline = self.deadline(deadline)
+        found = [False] * len(keys)
+        for index, tier in enumerate(self.tiers):
+            ask = [i for i, hit in enumerate(found) if not hit]
+            if not ask:
+                break
+            if time.monotonic() >= deadline:
+                self.metrics.deadline_misses.inc()
+                break
+            started = time.monotonic()
+            try:
+                flags = tier.contains([keys[i] for i in ask])
+                if len(flags) != len(ask):
+                    raise TierUnavailable(f"{tier.name}: contains answered {len(flags)} of "
+                                          f"{len(ask)} keys")
+            except Exception:
+                self._calls.failed(index, "contains")
+                continue
+            finally:
+                self._calls.observe(index, "contains", started)
+            for i, hit in zip(ask, flags, strict=True):
+                if hit:
+                    found[i] = True
+        return next((i for i, hit in enumerate(found) if not hit), len(found))
+
+    def delete(self, keys: Sequence[BlockKey]) -> int:
+        """Remove blocks from every tier (and cancel their queued writes); how many were held.
+
+        A write-behind already writing one of the keys when the delete came sees the delete
+        and undoes its write, but only once its batch is written; this waits for that (one
+        batch at most, bounded by `background_deadline_s`), so that when delete returns the
+        blocks are gone from every tier rather than briefly back in a lower one.
+        """
+        self._check_open()
+        self._writes.cancel(keys)
+        held = [False] * len(keys)
+        for index, tier in enumerate(self.tiers):
+            try:
+                flags = tier.contains(keys)
+                tier.delete(keys)
+            except Exception:
+                self._calls.failed(index, "delete")
+                continue
+            held = [a or bool(b) for a, b in zip(held, flags, strict=False)]
+        if not self._writes.wait_unwritten(keys):
+            log.warning("delete: a write-behind of a deleted block is still running")
+        return sum(held)
+
+    # -- manifests ----------------------------------------------------------------------------
+
+    def put_manifest(self, manifest: SessionManifest) -> None:
+        """Store a manifest in every tier (no tier keeps it if it holds a newer generation)."""
+        self._check_open()
+        self._calls.attempt(0, "put_manifest", lambda t: t.put_manifest(manifest))
+        if len(self._calls) > 1:
+            self._writes.copy_manifest(manifest)
+
+    def get_manifest(self, key: SessionKey, *, deadline: float | None = None
+                     ) -> SessionManifest | None:
+        """The highest generation of the manifest found in any tier, or None."""
+        self._check_open()
+        deadline = self.deadline(deadline)
+        found: list[SessionManifest | None] = []
+        for index, tier in enumerate(self.tiers):
+            if time.monotonic() >= deadline:
+                self.metrics.deadline_misses.inc()
+                break
+            manifest = None
+            try:
+                manifest = tier.get_manifest(key)
+                if manifest is not None and manifest.key != key:
+                    raise CorruptBlock("manifest bound to another session")
+            except CorruptBlock:
+                manifest = None
+                self._calls.corrupt(index, "manifest")
+                self._calls.attempt(index, "delete_manifest", lambda t: t.delete_manifest(key))
+            except Exception:
+                manifest = None
+                self._calls.failed(index, "get_manifest")
+            found.append(manifest)
+        best_index = max((i for i, m in enumerate(found) if m is not None),
+                         key=lambda i: (_generation(found[i]), -i), default=None)
+        if best_index is None:
+            return None
+        best = found[best_index]
+        assert best is not None
+        for index in range(best_index):  # manifests are small: repair upper tiers right away
+            if _generation(found[index]) < best.generation:
+                self._calls.attempt(index, "put_manifest", lambda t: t.put_manifest(best))
+        return best
+
+    def delete_manifest(self, key: SessionKey) -> bool:
+        self._check_open()
+        self._writes.cancel([key])
+        removed = False
+        for index, tier in enumerate(self.tiers):
+            try:
+                removed = tier.delete_manifest(key) or removed
+            except Exception:
+                self._calls.failed(index, "delete_manifest")
+        return removed
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued background write is done; False if `timeout` ran out."""
+        return self._writes.flush(timeout)
+
+    def stats(self) -> StoreStats:
+        """The tiers' own stats and the store's counters (read off its Prometheus metrics)."""
+        tier_stats = []
+        for index, tier in enumerate(self.tiers):
+            try:
+                tier_stats.append(tier.stats())
+            except Exception:
+                self._calls.failed(index, "stats")
+                tier_stats.append(TierStats(tier.name, 0, 0, 0))
+        return StoreStats.of(self.metrics, tuple(tier_stats), self._writes.pending)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Flush (up to `timeout`), stop the writers, drop what is left, close the tiers."""
+        if self._writes.closed:
+            return
+        self._writes.close(timeout)
+        if self._close_tiers:
+            for index in range(len(self._calls)):
+                self._calls.attempt(index, "close", lambda t: t.close())
+
+    def __enter__(self) -> TieredStore:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def deadline(self, deadline: float | None) -> float:
+        """`deadline`, or the default one (`get_deadline_s`) from now."""
+        return deadline if deadline is not None else (
+            time.monotonic() + self._config.get_deadline_s)
+
+    def _check_open(self) -> None:
+        if self._writes.closed:
+            raise TierUnavailable("the store is closed")
+
+
+def _generation(manifest: SessionManifest | None) -> int:
+    return -1 if manifest is None else manifest.generation

@@ -1,0 +1,63 @@
+"""The background jobs of a store: what the write-behind engine is asked to do, one type each.
+
+`seq` orders every job against deletes: a delete cancels the jobs of its keys queued before it
+(a smaller `seq`), never one queued after.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvstore.frame import FrameHeader
+from kvstore.keys import BlockKey, SessionKey
+from kvstore.manifest import SessionManifest
+
+__all__ = ["BlockCopy", "Promotion", "ManifestCopy", "BlockJob", "Job"]
+
+
+@dataclass(frozen=True, slots=True)
+class BlockCopy:
+    """Write-behind of a put: the block goes from the first tier down into `targets`.
+
+    `frame` is None when the first tier admitted the block: the writer reads it back from there
+    when its turn comes (no copy held in the queue). Otherwise it is an immutable copy.
+    """
+
+    seq: int
+    key: BlockKey
+    targets: tuple[int, ...]
+    header: FrameHeader
+    frame: bytes | None = None
+
+    @property
+    def source(self) -> int:
+        return 0
+
+
+@dataclass(frozen=True, slots=True)
+class Promotion:
+    """A hit in tier `source`: copy the whole block up into the tiers above it (`targets`)."""
+
+    seq: int
+    key: BlockKey
+    targets: tuple[int, ...]
+    header: FrameHeader
+    source: int
+
+    @property
+    def frame(self) -> None:
+        return None  # always read back: a get never pays for a copy of the frame
+
+
+@dataclass(frozen=True, slots=True)
+class ManifestCopy:
+    """A session manifest written to the first tier, to be written to `targets` too."""
+
+    seq: int
+    key: SessionKey
+    targets: tuple[int, ...]
+    manifest: SessionManifest
+
+
+BlockJob = BlockCopy | Promotion
+Job = BlockCopy | Promotion | ManifestCopy

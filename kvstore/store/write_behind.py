@@ -1,0 +1,342 @@
+"""The store's write-behind engine: a bounded queue of typed jobs (`kvstore.store.jobs`) and the
+writer threads that carry them out.
+
+- A `BlockCopy` (a put's copy into the lower tiers) and a `Promotion` (a lower-tier hit copied
+  up) are block jobs: the writer asks each target first (`contains`, batched) and skips those
+  that hold the block already, so a prefix block saved by many requests is written down once;
+  it reads the frame back from the job's source tier into a reusable scratch buffer (unless the
+  job holds a copy), gives way to reads in flight on the target (at most
+  `read_priority_max_wait_s` per batch, so it cannot starve), and writes up to `write_batch`
+  blocks at a time, as one `put_many` where the tier has it.
+- A `ManifestCopy` writes a session manifest to every lower tier.
+
+Submitting never blocks a put: when the queue is full the job is dropped and counted (a lost
+background copy costs at worst a later recompute, a blocked put costs latency now). Only
+manifests may wait for room (`manifest_enqueue_timeout_s`), because failover depends on them.
+A delete cancels the queued jobs of its keys; a job already being written when the delete came
+is undone once its batch is written (`wait_unwritten` lets the delete wait for that).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import queue
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from kvstore.errors import CorruptBlock
+from kvstore.frame import FrameBytes, FrameHeader
+from kvstore.keys import BlockKey, SessionKey
+from kvstore.manifest import SessionManifest
+from kvstore.store.config import StoreConfig
+from kvstore.store.jobs import BlockCopy, BlockJob, Job, ManifestCopy, Promotion
+from kvstore.store.tier_calls import TierCalls
+from kvstore.tiers.capabilities import SupportsPutMany
+
+__all__ = ["WriteBehind"]
+
+log = logging.getLogger("kvstore.store")
+
+_JobKey = BlockKey | SessionKey
+
+
+class WriteBehind:
+    """Background copies between the tiers of one store; thread-safe."""
+
+    def __init__(self, calls: TierCalls, config: StoreConfig) -> None:
+        self._calls = calls
+        self._config = config
+        self._queue: queue.Queue[Job | None] = queue.Queue(config.write_queue_depth)
+        # Guards the job accounting below; flush and delete wait on it.
+        self._state = threading.Condition()
+        self._seq = itertools.count()
+        self._pending = 0
+        self._pending_keys: dict[_JobKey, int] = {}
+        self._deleted_at: dict[_JobKey, int] = {}
+        self._promoting: set[BlockKey] = set()
+        # Keys of the batches writers are working on right now (read back, written, undone).
+        self._writing: dict[_JobKey, int] = {}
+        self._closed = False
+        self._writers = [threading.Thread(target=self._writer_main, name=f"kvkeep-writer-{i}",
+                                          daemon=True)
+                         for i in range(config.writer_threads)]
+        for writer in self._writers:
+            writer.start()
+
+    # -- submitting ---------------------------------------------------------------------------
+
+    def copy_down(self, key: BlockKey, header: FrameHeader, frame: bytes | None) -> bool:
+        """Queue a put's copy into every tier below the first (`frame`: see BlockCopy)."""
+        targets = tuple(range(1, len(self._calls)))
+        return self._submit(key, lambda seq: BlockCopy(seq, key, targets, header, frame))
+
+    def promote(self, key: BlockKey, source: int, header: FrameHeader) -> None:
+        """Queue a copy of a block hit in tier `source` into the tiers above it."""
+        with self._state:
+            if key in self._promoting:
+                return  # a layer-by-layer restore reads one block many times: promote it once
+            self._promoting.add(key)
+        targets = tuple(range(source))
+        if not self._submit(key, lambda seq: Promotion(seq, key, targets, header, source)):
+            with self._state:
+                self._promoting.discard(key)
+
+    def copy_manifest(self, manifest: SessionManifest) -> bool:
+        """Queue a manifest's copy into every tier below the first (may wait for room)."""
+        targets = tuple(range(1, len(self._calls)))
+        return self._submit(manifest.key,
+                            lambda seq: ManifestCopy(seq, manifest.key, targets, manifest),
+                            wait=self._config.manifest_enqueue_timeout_s)
+
+    def _submit(self, key: _JobKey, make: Callable[[int], Job], wait: float = 0.0) -> bool:
+        with self._state:
+            if self._closed:
+                self._calls.dropped("closed")
+                return False
+            job = make(next(self._seq))
+            self._pending += 1
+            self._pending_keys[key] = self._pending_keys.get(key, 0) + 1
+            self._calls.metrics.write_queue_depth.set(self._pending)
+        try:
+            if wait > 0:
+                self._queue.put(job, timeout=wait)
+            else:
+                self._queue.put_nowait(job)
+        except queue.Full:
+            self._calls.dropped("queue_full")
+            self._job_done(job)
+            return False
+        return True
+
+    # -- state --------------------------------------------------------------------------------
+
+    @property
+    def pending(self) -> int:
+        with self._state:
+            return self._pending
+
+    @property
+    def closed(self) -> bool:
+        return self._closed  # read on every get and put: a bool needs no lock to be read
+
+    def cancel(self, keys: Sequence[_JobKey]) -> None:
+        """Cancel the jobs of `keys` queued so far (a delete of them is starting)."""
+        with self._state:
+            mark = next(self._seq)  # every job queued before this delete has a smaller seq
+            for key in keys:
+                if key in self._pending_keys:
+                    self._deleted_at[key] = mark
+
+    def wait_unwritten(self, keys: Sequence[_JobKey]) -> bool:
+        """Wait until no writer holds any of `keys` (at most `background_deadline_s`)."""
+        with self._state:
+            return not self._writing or self._state.wait_for(
+                lambda: not any(key in self._writing for key in keys),
+                self._config.background_deadline_s)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued job is done; False if `timeout` ran out."""
+        with self._state:
+            return self._state.wait_for(lambda: self._pending == 0, timeout)
+
+    def close(self, timeout: float) -> None:
+        """Flush (up to `timeout`), refuse new jobs, drop what is left, stop the writers."""
+        self.flush(timeout)
+        with self._state:
+            self._closed = True  # from here on nothing is queued
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                self._calls.dropped("closed")
+                self._job_done(job)
+        for _ in self._writers:
+            self._queue.put(None)
+        for writer in self._writers:
+            writer.join(timeout)
+
+    # -- the writers --------------------------------------------------------------------------
+
+    def _writer_main(self) -> None:
+        if self._config.writer_nice and sys.platform.startswith("linux"):
+            try:  # on Linux the nice value is per thread, and raising it needs no privilege
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(),
+                               os.getpriority(os.PRIO_PROCESS, 0) + self._config.writer_nice)
+            except OSError as exc:
+                log.warning("cannot lower the writer thread's priority: %s", exc)
+        scratch: list[bytearray] = []
+        stop = False
+        while not stop:
+            batch, stop = self._next_batch()
+            if not batch:
+                break
+            with self._state:
+                for job in batch:
+                    self._writing[job.key] = self._writing.get(job.key, 0) + 1
+            try:
+                self._run_batch(batch, scratch)
+            except Exception:  # never let one bad batch kill the writer
+                log.exception("background write batch failed")
+                for _ in batch:
+                    self._calls.dropped("error")
+            finally:
+                with self._state:
+                    for job in batch:
+                        left = self._writing.pop(job.key) - 1
+                        if left:
+                            self._writing[job.key] = left
+                    self._state.notify_all()
+                for job in batch:
+                    self._job_done(job)
+
+    def _next_batch(self) -> tuple[list[Job], bool]:
+        """Up to `write_batch` jobs (waiting for the first), and whether to stop after them."""
+        first = self._queue.get()
+        if first is None:
+            return [], True
+        batch = [first]
+        while len(batch) < self._config.write_batch:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if job is None:
+                return batch, True
+            batch.append(job)
+        return batch, False
+
+    def _run_batch(self, batch: list[Job], scratch: list[bytearray]) -> None:
+        jobs: list[BlockJob] = []
+        seen: set[tuple[BlockKey, tuple[int, ...]]] = set()
+        for job in batch:
+            if isinstance(job, ManifestCopy):
+                self._write_manifest(job)
+            elif not self._cancelled(job) and (job.key, job.targets) not in seen:
+                seen.add((job.key, job.targets))
+                jobs.append(job)
+        # Blocks are put again and again (every request that shares a prefix saves it): ask
+        # each target first, so that a block it already holds costs no read-back and no write.
+        ready: list[tuple[BlockJob, FrameBytes, tuple[int, ...]]] = []
+        for job, targets in zip(jobs, self._missing_targets(jobs), strict=True):
+            if not targets:
+                continue
+            frame = job.frame if job.frame is not None else self._read_back(
+                job, _scratch(scratch, len(ready), job.header.frame_size))
+            if frame is not None:
+                ready.append((job, frame, targets))
+        for target in sorted({t for _, _, targets in ready for t in targets}):
+            items = [(job, frame) for job, frame, targets in ready
+                     if target in targets and not self._cancelled(job)]
+            if items:
+                self._calls.yield_to_reads(target, self._config.read_priority_max_wait_s)
+                self._write_blocks(target, items)
+        for job, _, _ in ready:
+            if self._cancelled(job):  # deleted while we were writing it: undo
+                self._undo(job)
+
+    def _missing_targets(self, jobs: list[BlockJob]) -> list[tuple[int, ...]]:
+        """For each job, the target tiers that do not hold its block yet (one call per tier)."""
+        held: dict[int, set[BlockKey]] = {}
+        for target in sorted({t for job in jobs for t in job.targets}):
+            keys = [job.key for job in jobs if target in job.targets]
+            try:
+                flags = self._calls.tiers[target].contains(keys)
+            except Exception:
+                self._calls.failed(target, "contains")
+                flags = [False] * len(keys)
+            held[target] = {key for key, hit in zip(keys, flags, strict=False) if hit}
+        return [tuple(t for t in job.targets if job.key not in held[t]) for job in jobs]
+
+    def _read_back(self, job: BlockJob, buf: bytearray) -> memoryview | None:
+        """The job's frame, read (and verified, unless its tier did) from its source into
+        `buf`: the header the job carries, then the payload right behind it."""
+        header_size, frame_size = job.header.header_size, job.header.frame_size
+        view = memoryview(buf)
+        try:
+            read = self._calls.tiers[job.source].get(
+                job.key, None, out=view[header_size:frame_size],
+                deadline=time.monotonic() + self._config.background_deadline_s)
+            if read is None:
+                self._calls.dropped("source_gone")
+                return None
+            read = read.verified_for(job.key.digest)
+            header = read.header.pack()
+            if len(header) != header_size or read.header.frame_size != frame_size:
+                raise CorruptBlock("block changed shape between put and read-back")
+        except CorruptBlock:
+            self._calls.discard(job.source, job.key)
+            return None
+        except Exception:
+            self._calls.failed(job.source, "read_back")
+            return None
+        view[:header_size] = header
+        return view[:frame_size]
+
+    def _write_blocks(self, target: int, items: list[tuple[BlockJob, FrameBytes]]) -> None:
+        calls = self._calls
+        tier = calls.tiers[target]
+        started = time.monotonic()
+        pairs = [(job.key, frame) for job, frame in items]
+        results: list[bool] | None = None
+        if len(pairs) > 1 and isinstance(tier, SupportsPutMany):
+            try:
+                results = tier.put_many(pairs)
+            except Exception:
+                calls.failed(target, "put_many")  # retry one by one: one bad item only
+        if results is None:
+            results = [calls.put(target, key, frame, observe=False) for key, frame in pairs]
+        else:
+            for (_, frame), ok in zip(pairs, results, strict=False):
+                calls.count_put(target, ok, len(frame))
+        calls.observe(target, "put", started)
+        for (job, _), ok in zip(items, results, strict=False):
+            if ok and isinstance(job, Promotion):
+                calls.metrics.promotions.labels(calls.names[target]).inc()
+
+    def _undo(self, job: BlockJob) -> None:
+        key = job.key
+        for target in job.targets:
+            self._calls.attempt(target, "delete", lambda t: t.delete([key]))
+
+    def _write_manifest(self, job: ManifestCopy) -> None:
+        manifest = job.manifest
+        for target in job.targets:
+            if self._cancelled(job):
+                return
+            self._calls.attempt(target, "put_manifest", lambda t: t.put_manifest(manifest))
+
+    # -- bookkeeping --------------------------------------------------------------------------
+
+    def _job_done(self, job: Job) -> None:
+        with self._state:
+            self._pending -= 1
+            left = self._pending_keys.get(job.key, 0) - 1
+            if left > 0:
+                self._pending_keys[job.key] = left
+            else:
+                self._pending_keys.pop(job.key, None)
+                self._deleted_at.pop(job.key, None)
+            if isinstance(job, Promotion):
+                self._promoting.discard(job.key)
+            self._calls.metrics.write_queue_depth.set(self._pending)
+            if self._pending == 0:
+                self._state.notify_all()
+
+    def _cancelled(self, job: Job) -> bool:
+        with self._state:
+            return self._deleted_at.get(job.key, -1) > job.seq
+
+
+def _scratch(pool: list[bytearray], slot: int, size: int) -> bytearray:
+    """A writer's reusable buffer number `slot`, at least `size` bytes (touched once, reused)."""
+    while len(pool) <= slot:
+        pool.append(bytearray())
+    if len(pool[slot]) < size:
+        pool[slot] = bytearray(max(size, 2 * len(pool[slot])))
+    return pool[slot]

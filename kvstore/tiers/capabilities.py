@@ -1,0 +1,100 @@
+"""What some tiers can do beyond the `Tier` protocol, as protocols the store checks at runtime.
+
+The store asks `isinstance(tier, SupportsX)` and takes the cheaper path where a tier offers it,
+so it never needs to know a concrete tier class:
+
+- `SupportsPutMany`: store a batch as one (the nvme tier syncs it once);
+- `SupportsBorrow`: lend a block's bytes in place, pinned, to send from (`BorrowedBlock`);
+- `SupportsReserve`: set pages aside to receive a frame into (`PageReservation`).
+
+The memory tiers (`kvstore.tiers.memory_tier`) implement borrow and reserve over host pages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol, runtime_checkable
+
+from kvstore.errors import TierError
+from kvstore.frame import FrameBytes, FrameHeader, LayerRange
+from kvstore.keys import BlockKey
+
+__all__ = ["SupportsPutMany", "SupportsBorrow", "SupportsReserve", "BorrowedBlock",
+           "PageReservation"]
+
+
+class BorrowedBlock:
+    """A pinned block's bytes in place: `pieces` are views of the tier's pages that hold the
+    segments of `layers`, back to back (not verified). Until `release()` the pages cannot be
+    reused; after it the views must not be touched. Releasing twice is harmless."""
+
+    __slots__ = ("_release", "header", "layers", "pieces", "size")
+
+    def __init__(self, header: FrameHeader, layers: LayerRange, pieces: list[memoryview],
+                 release: Callable[[], None]) -> None:
+        self.header = header
+        self.layers = layers
+        self.pieces = pieces
+        self.size = sum(len(p) for p in pieces)
+        self._release: Callable[[], None] | None = release
+
+    def release(self) -> None:
+        release, self._release = self._release, None
+        if release is not None:
+            release()
+
+
+class PageReservation:
+    """Pages set aside for one frame (see `SupportsReserve`): fill `pieces` (writable views, in
+    frame order, `size` bytes in all), then `commit()` or `abort()`, exactly once. Until then
+    nobody else can see or reuse the pages."""
+
+    __slots__ = ("_abort", "_done", "_publish", "key", "pieces", "size")
+
+    def __init__(self, key: BlockKey, size: int, pieces: list[memoryview], *,
+                 publish: Callable[[FrameHeader], bool], abort: Callable[[], None]) -> None:
+        self.key = key
+        self.size = size
+        self.pieces = pieces
+        self._publish = publish
+        self._abort = abort
+        self._done = False
+
+    def commit(self, header: FrameHeader) -> bool:
+        """Publish the block (whose frame the caller has checked); False if the tier closed.
+        A block published meanwhile by a concurrent put wins, and this copy is dropped."""
+        if self._done:
+            raise TierError("reservation already finished")
+        self._done = True
+        return self._publish(header)
+
+    def abort(self) -> None:
+        """Give the pages back (idempotent; a no-op after commit)."""
+        if not self._done:
+            self._done = True
+            self._abort()
+
+
+@runtime_checkable
+class SupportsPutMany(Protocol):
+    """A tier that can store a batch more cheaply than one put at a time (e.g. one fsync)."""
+
+    def put_many(self, items: Sequence[tuple[BlockKey, FrameBytes]]) -> list[bool]: ...
+
+
+@runtime_checkable
+class SupportsBorrow(Protocol):
+    """A tier that can lend a block's bytes in place, pinned: None on a miss or when its pages
+    are not host memory; ValueError for a layer range beyond the block. The caller verifies
+    the bytes and must `release()` the result."""
+
+    def borrow(self, key: BlockKey, layers: LayerRange | None = None
+               ) -> BorrowedBlock | None: ...
+
+
+@runtime_checkable
+class SupportsReserve(Protocol):
+    """A tier whose pages a frame can be received into directly: None when the block is
+    present already, the budget cannot take it, or the pages are not host memory."""
+
+    def reserve(self, key: BlockKey, size: int) -> PageReservation | None: ...
