@@ -51,7 +51,7 @@ from benchmarks.baselines import tcp_loopback_gbps
 from kvstore.commands import MALLOC_ENV
 from kvstore.frame import CodecId, Compression, DType, build_frame
 from kvstore.keys import BlockKey, ModelFingerprint, Namespace
-from kvstore.tiers.daemon_client import DaemonClient, DaemonStat
+from kvstore.net.daemon_client import DaemonClient, DaemonStat
 from kvstore.tiers.remote import RemoteConfig, RemoteTier
 
 __all__ = ["main", "run"]
