@@ -19,6 +19,7 @@ EXISTS). Writes::
                              "rounds": {"get": {"4MiB": [f, ...], ...}, "put": {...}}},
                     "grpc": {...}},
      "tcp_over_grpc": {"get": {"1MiB": f, ...}, "put": {...}},   # median of per-round ratios
+     "grpc_cpu_over_tcp": {"get": {...}, "put": {...}},   # CPU per GB, likewise
      "remote_grpc_only": {"get_gbps": {...}, "put_gbps": {...}},
      "settings": {...}}
 
@@ -28,7 +29,10 @@ rounds. Gets copy into a caller-provided, already-touched buffer, as the connect
 transports, measured in ABBA order in every round (TCP, gRPC, gRPC, TCP: each transport's
 round figure is the mean of its two phases, so machine load that drifts during a round hits
 both alike); `tcp_over_grpc` is the median over rounds of each round's TCP / gRPC ratio
-(paired, so that a loaded round lowers both sides of its own ratio).
+(paired, so that a loaded round lowers both sides of its own ratio). Each phase also records
+the CPU seconds per GB it cost this process and the daemon together (`*_cpu_s_per_gb`,
+`grpc_cpu_over_tcp`): on a machine shared with other work, wall-clock rates mostly measure the
+neighbours, while the CPU a transport burns per byte is its own.
 
 gRPC is measured tuned: the glibc allocator settings the daemon uses apply to this client
 process too, messages of 4 MiB with 16 MiB flow-control windows, the zero-copy codec of the
@@ -125,7 +129,7 @@ def _redis_server(tmp: Path) -> Iterator[int]:
 
 
 @contextlib.contextmanager
-def _daemon(tmp: Path) -> Iterator[str]:
+def _daemon(tmp: Path) -> Iterator[tuple[str, int]]:
     port = _free_port()
     env = {**os.environ, **MALLOC_ENV}
     proc = subprocess.Popen(
@@ -142,7 +146,7 @@ def _daemon(tmp: Path) -> Iterator[str]:
                     break
             time.sleep(0.05)
         probe.close()
-        yield f"127.0.0.1:{port}"
+        yield f"127.0.0.1:{port}", proc.pid
     finally:
         _stop(proc)
 
@@ -201,7 +205,7 @@ def _bench_config(data_plane: bool) -> RemoteConfig:
 _ABBA = ("tcp", "grpc", "grpc", "tcp")
 
 
-def _measure(redis_port: int, address: str, total: int, repeats: int
+def _measure(redis_port: int, address: str, daemon_pid: int, total: int, repeats: int
              ) -> tuple[_Rates, list[float], dict[str, float], str]:
     """Redis and both transports interleaved round by round, so that all see the same machine
     load (these machines are noisy: a run of one after the other compares two moments)."""
@@ -236,21 +240,23 @@ def _measure(redis_port: int, address: str, total: int, repeats: int
                 rates.time(f"redis_set/{label}", size * count, redis_set, record)
                 rates.time(f"redis_get/{label}", size * count, redis_get, record)
                 client.delete(*names)
-                phases: dict[str, list[tuple[float, float]]] = {"tcp": [], "grpc": []}
+                phases: dict[str, list[dict[str, float]]] = {"tcp": [], "grpc": []}
                 for phase, kind in enumerate(_ABBA):
                     keys = [_key(f"{label}-{r}-{phase}", i) for i in range(count)]
                     frames = [(k, _frame(k, size)) for k in keys]
-                    put = _timed(frame_bytes * count, partial(_put, tiers[kind], frames))
+                    nbytes = frame_bytes * count
+                    put, put_cpu = _timed(nbytes, partial(_put, tiers[kind], frames), daemon_pid)
                     _settle(stat)
-                    get = _timed(frame_bytes * count, partial(_get, tiers[kind], keys, out))
-                    phases[kind].append((get, put))
+                    get, get_cpu = _timed(nbytes, partial(_get, tiers[kind], keys, out), daemon_pid)
+                    phases[kind].append({"get": get, "put": put, "get_cpu": get_cpu,
+                                         "put_cpu": put_cpu})
                     tiers[kind].delete(keys)
                     _settle(stat)
                 if record:
                     for kind, pair in phases.items():
-                        for op, i in (("get", 0), ("put", 1)):
-                            rates.samples.setdefault(f"{kind}_{op}/{label}", []).append(
-                                statistics.fmean(p[i] for p in pair))
+                        for name in pair[0]:
+                            rates.samples.setdefault(f"{kind}_{name}/{label}", []).append(
+                                statistics.fmean(p[name] for p in pair))
                     tcp_samples.append(tcp_loopback_gbps(4 << 20, 16, 1))
         # A batched lookup of 1,000 keys, all present; redis answers the same question with a
         # pipeline of 1,000 EXISTS. Interleaved, like the rest.
@@ -288,10 +294,23 @@ def _measure(redis_port: int, address: str, total: int, repeats: int
     return rates, tcp_samples, latency, transport
 
 
-def _timed(nbytes: int, work: Callable[[], None]) -> float:
+def _timed(nbytes: int, work: Callable[[], None], daemon_pid: int) -> tuple[float, float]:
+    """GB/s of `work`, and the CPU seconds per GB it cost this process and the daemon."""
+    cpu = time.process_time() + _cpu_seconds(daemon_pid)
     started = time.perf_counter()
     work()
-    return nbytes / (time.perf_counter() - started) / 1e9
+    elapsed = time.perf_counter() - started
+    cpu = time.process_time() + _cpu_seconds(daemon_pid) - cpu
+    return nbytes / elapsed / 1e9, cpu / (nbytes / 1e9)
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process, all its threads (Linux /proc)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _put(tier: RemoteTier, frames: list[tuple[BlockKey, bytes]]) -> None:
@@ -311,8 +330,8 @@ def run(quick: bool) -> dict[str, object]:
     repeats = 5 if quick else 9
     with tempfile.TemporaryDirectory(prefix="kvkeep-bench-") as tmp_name:
         tmp = Path(tmp_name)
-        with _redis_server(tmp) as port, _daemon(tmp) as address:
-            rates, tcp, latency, transport = _measure(port, address, total, repeats)
+        with _redis_server(tmp) as port, _daemon(tmp) as (address, pid):
+            rates, tcp, latency, transport = _measure(port, address, pid, total, repeats)
     kinds = {kind: {op: {s: rates.median(f"{kind}_{op}/{s}") for s in SIZES}
                     for op in ("get", "put")} for kind in ("tcp", "grpc")}
     deployed = kinds[transport]
@@ -325,10 +344,17 @@ def run(quick: bool) -> dict[str, object]:
                    "lookup_p99_ms": latency["lookup_p99_ms"],
                    "lookup_p50_ms": latency["lookup_p50_ms"],
                    "transport": transport},
-        "transports": {kind: {"get_gbps": figures["get"], "put_gbps": figures["put"],
-                              "rounds": {op: {s: rates.samples[f"{kind}_{op}/{s}"] for s in SIZES}
-                                         for op in ("get", "put")}}
-                       for kind, figures in kinds.items()},
+        "transports": {kind: {
+            "get_gbps": figures["get"], "put_gbps": figures["put"],
+            "get_cpu_s_per_gb": {s: rates.median(f"{kind}_get_cpu/{s}") for s in SIZES},
+            "put_cpu_s_per_gb": {s: rates.median(f"{kind}_put_cpu/{s}") for s in SIZES},
+            "rounds": {op: {s: rates.samples[f"{kind}_{op}/{s}"] for s in SIZES}
+                       for op in ("get", "put", "get_cpu", "put_cpu")}}
+            for kind, figures in kinds.items()},
+        "grpc_cpu_over_tcp": {op: {s: statistics.median(
+            g / t for t, g in zip(rates.samples[f"tcp_{op}_cpu/{s}"],
+                                  rates.samples[f"grpc_{op}_cpu/{s}"], strict=True))
+            for s in SIZES} for op in ("get", "put")},
         "tcp_over_grpc": {op: {s: statistics.median(
             t / g for t, g in zip(rates.samples[f"tcp_{op}/{s}"], rates.samples[f"grpc_{op}/{s}"],
                                   strict=True)) for s in SIZES} for op in ("get", "put")},
@@ -376,6 +402,11 @@ def _print_table(result: dict[str, object]) -> None:
         tp, gp = kinds["tcp"]["put_gbps"][label], kinds["grpc"]["put_gbps"][label]
         print(f"{label:>6} {tg:8.2f} {gg:9.2f} {ratio['get'][label]:6.2f} {tp:8.2f} {gp:9.2f} "
               f"{ratio['put'][label]:6.2f}")
+    cpu = result["grpc_cpu_over_tcp"]
+    assert isinstance(cpu, dict)
+    print("CPU s per GB (this process + the daemon), gRPC / TCP, median of rounds: "
+          + ", ".join(f"{label} get {cpu['get'][label]:.2f} put {cpu['put'][label]:.2f}"
+                      for label in SIZES))
 
 
 def _reexec_with_allocator_settings() -> None:
