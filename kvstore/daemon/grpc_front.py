@@ -25,7 +25,7 @@ from kvstore.daemon.auth import Principal, bearer_token
 from kvstore.daemon.block_io import IncomingBlock, byte_range
 from kvstore.daemon.core import BlockServiceCore, ServiceStatus
 from kvstore.errors import InvalidFrame
-from kvstore.keys import BlockKey
+from kvstore.keys import BlockKey, SessionKey
 from kvstore.net.grpc_messages import decode_put_chunk, encode_get_chunk
 from kvstore.net.grpc_options import KVSTORE_SERVICE
 from kvstore.net.limits import CHUNK_BYTES
@@ -225,7 +225,7 @@ class GrpcFront:
     def _scope(self, principal: Principal, msg: pb.Scope) -> Scope:
         return self._core.scope(principal, bytes(msg.fingerprint), msg.tenant, msg.salt)
 
-    def _session_key(self, request: pb.ManifestKey, context: Any) -> Any:
+    def _session_key(self, request: pb.ManifestKey, context: Any) -> SessionKey:
         scope = self._scope(self._principal(context), request.scope)
         return self._core.session_key(scope, request.session_id)
 
