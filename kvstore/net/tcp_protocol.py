@@ -1,14 +1,16 @@
 """The TCP data plane's protocol: block GET and PUT over plain TCP, beside gRPC.
 
 Why. gRPC's Python stack moves one multi-MiB block per call at ~1.3-1.6 GB/s on these machines
-even with pre-built messages, nothing else in the handlers and tuned options (see
-benchmarks/remote.py for TCP against tuned gRPC, measured in one run), against ~3-4 GB/s for
-loopback TCP and redis-py. So, like Mooncake's transfer engine and Redis itself, a daemon also
-listens on a plain TCP port for the two bulk operations, and both ends move payloads with
-`recv_into` preallocated buffers and `sendmsg` of memoryviews: one kernel copy each way, no
-per-message objects. gRPC keeps everything else (lookup, delete, manifests, stat, health) and is
-the block transport when a daemon has no data port (TLS on, `--data-listen off`, an older
-daemon) or the port cannot be reached.
+even with pre-built messages, nothing else in the handlers and tuned options, against ~3-4 GB/s
+for loopback TCP and redis-py. So, like Mooncake's transfer engine and Redis itself, a daemon
+also listens on a plain TCP port for the two bulk operations, and both ends move payloads with
+`recv_into` preallocated buffers (or the host tier's own pages) and `sendmsg` of memoryviews:
+one kernel copy each way, no per-message objects. Measured against tuned gRPC in one run of
+benchmarks/remote.py (ABBA rounds): 4 MiB blocks ~2.8x faster to get and ~2x to put on a quiet
+machine, at a third to a half of gRPC's CPU per byte on both ends together. gRPC keeps
+everything else (lookup, delete, manifests, stat, health) and is the block transport when a
+daemon has no data port (TLS on, `--data-listen off`, an older daemon) or the port cannot be
+reached.
 
 The daemon advertises the port in its etcd registration (`DaemonInfo.data_address`) and in its
 Stat reply (`data_port`, on the host the client dialed for gRPC). Data-plane TCP is unencrypted:
