@@ -50,9 +50,9 @@ from kvstore.daemon.key_cache import KeyCache
 from kvstore.errors import CorruptBlock, InvalidKey, KVKeepError, TierFull
 from kvstore.frame import (
     HEADER_PREFIX_BYTES,
-    BlockRead,
     FrameHeader,
     LayerRange,
+    checked_frame,
     header_size_from_prefix,
     verify_pieces,
 )
@@ -270,12 +270,7 @@ class BlockServiceCore:
         return self._store.commit_put(reservation, header)
 
     def _store_frame(self, key: BlockKey, frame: memoryview) -> bool:
-        read = BlockRead.from_frame(frame)
-        read.verify()
-        read.verify_key(key.digest)
-        if read.header.frame_size != len(frame):
-            raise CorruptBlock(f"frame of {len(frame)} bytes, its header describes "
-                               f"{read.header.frame_size}")
+        checked_frame(frame, key.digest, segments=True)
         try:
             return self._store.put(key, frame)
         except TierFull:
