@@ -1,25 +1,45 @@
-"""The remote tier against its baselines, all on loopback in one run.
+"""The remote tier against its baselines, and its two block transports against each other, all
+on loopback in one run.
 
     python -m benchmarks.remote --quick --json OUT.json
 
 Measures, in the same run: raw loopback TCP (the ceiling of any network store here), redis-py +
 hiredis GET/SET against a local redis-server (the side-by-side baseline), and the remote tier
-(`RemoteTier` -> one `kvkeep store serve` daemon subprocess) get/put at 1, 4 and 16 MiB blocks,
-plus the p99 latency of a batched lookup of 1,000 keys (and of the same question asked of redis:
-a pipeline of 1,000 EXISTS). Writes::
+(`RemoteTier` -> one `kvkeep store serve` daemon subprocess) get/put at 1, 4 and 16 MiB blocks
+over each block transport: the TCP data plane and gRPC (kvstore/net/), plus the p99 latency of
+a batched lookup of 1,000 keys (and of the same question asked of redis: a pipeline of 1,000
+EXISTS). Writes::
 
     {"baseline": {"tcp_loopback_gbps": f,
                   "redis_get_gbps": {"1MiB": f, "4MiB": f, "16MiB": f}, "redis_set_gbps": {...},
                   "redis_exists_1000_p99_ms": f},
      "remote":   {"get_gbps": {...}, "put_gbps": {...}, "lookup_p99_ms": f,
-                  "transport": "dataplane" | "grpc"},
-     "remote_grpc_only": {"get_gbps": {"4MiB": f}, "put_gbps": {"4MiB": f}},
+                  "transport": "tcp" | "grpc"},
+     "transports": {"tcp":  {"get_gbps": {...}, "put_gbps": {...},
+                             "rounds": {"get": {"4MiB": [f, ...], ...}, "put": {...}}},
+                    "grpc": {...}},
+     "tcp_over_grpc": {"get": {"1MiB": f, ...}, "put": {...}},   # median of per-round ratios
+     "grpc_cpu_over_tcp": {"get": {...}, "put": {...}},   # CPU per GB, likewise
+     "remote_grpc_only": {"get_gbps": {...}, "put_gbps": {...}},
      "settings": {...}}
 
-GB/s are 10^9 bytes of frame per second, sequential calls from one client thread, median of
-several runs. Gets copy into a caller-provided, already-touched buffer, as the connector does.
-The remote tier moves blocks over the daemon's bulk data plane (kvstore/dataplane.py);
-`remote_grpc_only` is the same client with the data plane turned off, for comparison.
+GB/s are 10^9 bytes of frame per second, sequential calls from one client thread, median over
+rounds. Gets copy into a caller-provided, already-touched buffer, as the connector does.
+`remote` is the tier as deployed (blocks over the TCP data plane); `transports` holds both
+transports, measured in ABBA order in every round (TCP, gRPC, gRPC, TCP: each transport's
+round figure is the mean of its two phases, so machine load that drifts during a round hits
+both alike); `tcp_over_grpc` is the median over rounds of each round's TCP / gRPC ratio
+(paired, so that a loaded round lowers both sides of its own ratio). Each phase also records
+the CPU seconds per GB it cost this process and the daemon together (`*_cpu_s_per_gb`,
+`grpc_cpu_over_tcp`): on a machine shared with other work, wall-clock rates mostly measure the
+neighbours, while the CPU a transport burns per byte is its own.
+
+gRPC is measured tuned: the glibc allocator settings the daemon uses apply to this client
+process too, messages of 4 MiB with 16 MiB flow-control windows, the zero-copy codec of the
+bulk messages, and the daemon encodes Get messages straight from the block's pages and copies
+Put data straight into reserved pages. (Other channel options were tried and did not help
+here: HTTP/2 frames up to 4 MiB, larger TCP read chunks and write buffers, no BDP probe, 32 MiB
+messages; see kvstore/net/grpc_options.py.)
 
 Fairness: the process re-executes itself once with the glibc allocator settings the daemon
 also uses (see kvstore/commands.py), so redis-py and the remote tier's client run under the
@@ -45,13 +65,15 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 
 from benchmarks.baselines import tcp_loopback_gbps
 from kvstore.commands import MALLOC_ENV
 from kvstore.frame import CodecId, Compression, DType, build_frame
 from kvstore.keys import BlockKey, ModelFingerprint, Namespace
-from kvstore.tiers.daemon_client import DaemonClient, DaemonStat
+from kvstore.net.daemon_client import DaemonClient, DaemonStat
+from kvstore.net.grpc_options import channel_options
 from kvstore.tiers.remote import RemoteConfig, RemoteTier
 
 __all__ = ["main", "run"]
@@ -107,7 +129,7 @@ def _redis_server(tmp: Path) -> Iterator[int]:
 
 
 @contextlib.contextmanager
-def _daemon(tmp: Path) -> Iterator[str]:
+def _daemon(tmp: Path) -> Iterator[tuple[str, int]]:
     port = _free_port()
     env = {**os.environ, **MALLOC_ENV}
     proc = subprocess.Popen(
@@ -124,7 +146,7 @@ def _daemon(tmp: Path) -> Iterator[str]:
                     break
             time.sleep(0.05)
         probe.close()
-        yield f"127.0.0.1:{port}"
+        yield f"127.0.0.1:{port}", proc.pid
     finally:
         _stop(proc)
 
@@ -180,16 +202,19 @@ def _bench_config(data_plane: bool) -> RemoteConfig:
                         data_plane=data_plane)
 
 
-def _measure(redis_port: int, address: str, total: int, repeats: int
-             ) -> tuple[_Rates, float, dict[str, float], str]:
-    """Redis and remote interleaved round by round, so that both see the same machine load
-    (these machines are noisy: a run of one after the other compares two different moments)."""
+_ABBA = ("tcp", "grpc", "grpc", "tcp")
+
+
+def _measure(redis_port: int, address: str, daemon_pid: int, total: int, repeats: int
+             ) -> tuple[_Rates, list[float], dict[str, float], str]:
+    """Redis and both transports interleaved round by round, so that all see the same machine
+    load (these machines are noisy: a run of one after the other compares two moments)."""
     import redis
 
     rates = _Rates()
     client = redis.Redis(host="127.0.0.1", port=redis_port)
-    tier = RemoteTier.from_addresses({"bench": address}, _bench_config(True))
-    grpc_tier = RemoteTier.from_addresses({"bench": address}, _bench_config(False))
+    tiers = {"tcp": RemoteTier.from_addresses({"bench": address}, _bench_config(True)),
+             "grpc": RemoteTier.from_addresses({"bench": address}, _bench_config(False))}
     stat = DaemonClient("bench", address, data_plane=False)
     tcp_samples: list[float] = []
     latency: dict[str, float] = {}
@@ -201,8 +226,7 @@ def _measure(redis_port: int, address: str, total: int, repeats: int
             frame_bytes = len(_frame(_key(label, 0), size))
             out = bytearray(b"\1" * frame_bytes)  # touched once, reused for every get
             for r in range(repeats + 1):  # round 0 warms up, unrecorded
-                keys = [_key(f"{label}-{r}", i) for i in range(count)]
-                frames = [(k, _frame(k, size)) for k in keys]
+                record = r > 0
 
                 def redis_set(names: list[str] = names, value: bytes = value) -> None:
                     for name in names:
@@ -213,43 +237,30 @@ def _measure(redis_port: int, address: str, total: int, repeats: int
                         if client.get(name) is None:
                             raise RuntimeError("redis lost a value")
 
-                def remote_put(frames: list[tuple[BlockKey, bytes]] = frames) -> None:
-                    for key, frame in frames:
-                        if not tier.put(key, frame):
-                            raise RuntimeError("the daemon did not admit a block")
-
-                def remote_get(keys: list[BlockKey] = keys, out: bytearray = out,
-                               tier: RemoteTier = tier) -> None:
-                    for key in keys:
-                        if tier.get(key, out=out) is None:
-                            raise RuntimeError("a stored block was not found")
-
-                record = r > 0
                 rates.time(f"redis_set/{label}", size * count, redis_set, record)
-                rates.time(f"put/{label}", frame_bytes * count, remote_put, record)
-                _settle(stat)
                 rates.time(f"redis_get/{label}", size * count, redis_get, record)
-                rates.time(f"get/{label}", frame_bytes * count, remote_get, record)
-                if label == "4MiB":  # the same blocks through gRPC alone, for comparison
-                    tier.delete(keys)
-                    _settle(stat)
-
-                    def grpc_put(frames: list[tuple[BlockKey, bytes]] = frames) -> None:
-                        for key, frame in frames:
-                            if not grpc_tier.put(key, frame):
-                                raise RuntimeError("the daemon did not admit a block")
-
-                    rates.time(f"grpc_put/{label}", frame_bytes * count, grpc_put, record)
-                    _settle(stat)
-                    rates.time(f"grpc_get/{label}", frame_bytes * count,
-                               lambda keys=keys: remote_get(keys, tier=grpc_tier), record)
-                    if record:
-                        tcp_samples.append(tcp_loopback_gbps(4 << 20, 16, 1))
-                tier.delete(keys)
                 client.delete(*names)
-                _settle(stat)
+                phases: dict[str, list[dict[str, float]]] = {"tcp": [], "grpc": []}
+                for phase, kind in enumerate(_ABBA):
+                    keys = [_key(f"{label}-{r}-{phase}", i) for i in range(count)]
+                    frames = [(k, _frame(k, size)) for k in keys]
+                    nbytes = frame_bytes * count
+                    put, put_cpu = _timed(nbytes, partial(_put, tiers[kind], frames), daemon_pid)
+                    _settle(stat)
+                    get, get_cpu = _timed(nbytes, partial(_get, tiers[kind], keys, out), daemon_pid)
+                    phases[kind].append({"get": get, "put": put, "get_cpu": get_cpu,
+                                         "put_cpu": put_cpu})
+                    tiers[kind].delete(keys)
+                    _settle(stat)
+                if record:
+                    for kind, pair in phases.items():
+                        for name in pair[0]:
+                            rates.samples.setdefault(f"{kind}_{name}/{label}", []).append(
+                                statistics.fmean(p[name] for p in pair))
+                    tcp_samples.append(tcp_loopback_gbps(4 << 20, 16, 1))
         # A batched lookup of 1,000 keys, all present; redis answers the same question with a
         # pipeline of 1,000 EXISTS. Interleaved, like the rest.
+        tier = tiers["tcp"]
         keys = [_key("lookup", i) for i in range(1000)]
         tier.put_many([(k, _frame(k, 4096)) for k in keys])
         names = [f"bench:lookup:{i}" for i in range(1000)]
@@ -274,13 +285,44 @@ def _measure(redis_port: int, address: str, total: int, repeats: int
         latency["lookup_p99_ms"] = statistics.quantiles(samples[20:], n=100)[98]
         latency["lookup_p50_ms"] = statistics.median(samples[20:])
         latency["redis_exists_1000_p99_ms"] = statistics.quantiles(redis_samples[20:], n=100)[98]
-        transport = "dataplane" if tier.data_plane_addresses().get("bench") else "grpc"
+        transport = "tcp" if tier.data_plane_addresses().get("bench") else "grpc"
     finally:
-        tier.close()
-        grpc_tier.close()
+        for t in tiers.values():
+            t.close()
         stat.close()
         client.close()
-    return rates, statistics.median(tcp_samples), latency, transport
+    return rates, tcp_samples, latency, transport
+
+
+def _timed(nbytes: int, work: Callable[[], None], daemon_pid: int) -> tuple[float, float]:
+    """GB/s of `work`, and the CPU seconds per GB it cost this process and the daemon."""
+    cpu = time.process_time() + _cpu_seconds(daemon_pid)
+    started = time.perf_counter()
+    work()
+    elapsed = time.perf_counter() - started
+    cpu = time.process_time() + _cpu_seconds(daemon_pid) - cpu
+    return nbytes / elapsed / 1e9, cpu / (nbytes / 1e9)
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process, all its threads (Linux /proc)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _put(tier: RemoteTier, frames: list[tuple[BlockKey, bytes]]) -> None:
+    for key, frame in frames:
+        if not tier.put(key, frame):
+            raise RuntimeError("the daemon did not admit a block")
+
+
+def _get(tier: RemoteTier, keys: list[BlockKey], out: bytearray) -> None:
+    for key in keys:
+        if tier.get(key, out=out) is None:
+            raise RuntimeError("a stored block was not found")
 
 
 def run(quick: bool) -> dict[str, object]:
@@ -288,28 +330,47 @@ def run(quick: bool) -> dict[str, object]:
     repeats = 5 if quick else 9
     with tempfile.TemporaryDirectory(prefix="kvkeep-bench-") as tmp_name:
         tmp = Path(tmp_name)
-        with _redis_server(tmp) as port, _daemon(tmp) as address:
-            rates, tcp, latency, transport = _measure(port, address, total, repeats)
+        with _redis_server(tmp) as port, _daemon(tmp) as (address, pid):
+            rates, tcp, latency, transport = _measure(port, address, pid, total, repeats)
+    kinds = {kind: {op: {s: rates.median(f"{kind}_{op}/{s}") for s in SIZES}
+                    for op in ("get", "put")} for kind in ("tcp", "grpc")}
+    deployed = kinds[transport]
     return {
-        "baseline": {"tcp_loopback_gbps": tcp,
+        "baseline": {"tcp_loopback_gbps": statistics.median(tcp),
                      "redis_get_gbps": {s: rates.median(f"redis_get/{s}") for s in SIZES},
                      "redis_set_gbps": {s: rates.median(f"redis_set/{s}") for s in SIZES},
                      "redis_exists_1000_p99_ms": latency["redis_exists_1000_p99_ms"]},
-        "remote": {"get_gbps": {s: rates.median(f"get/{s}") for s in SIZES},
-                   "put_gbps": {s: rates.median(f"put/{s}") for s in SIZES},
+        "remote": {"get_gbps": deployed["get"], "put_gbps": deployed["put"],
                    "lookup_p99_ms": latency["lookup_p99_ms"],
                    "lookup_p50_ms": latency["lookup_p50_ms"],
                    "transport": transport},
-        "remote_grpc_only": {"get_gbps": {"4MiB": rates.median("grpc_get/4MiB")},
-                             "put_gbps": {"4MiB": rates.median("grpc_put/4MiB")}},
+        "transports": {kind: {
+            "get_gbps": figures["get"], "put_gbps": figures["put"],
+            "get_cpu_s_per_gb": {s: rates.median(f"{kind}_get_cpu/{s}") for s in SIZES},
+            "put_cpu_s_per_gb": {s: rates.median(f"{kind}_put_cpu/{s}") for s in SIZES},
+            "rounds": {op: {s: rates.samples[f"{kind}_{op}/{s}"] for s in SIZES}
+                       for op in ("get", "put", "get_cpu", "put_cpu")}}
+            for kind, figures in kinds.items()},
+        "grpc_cpu_over_tcp": {op: {s: statistics.median(
+            g / t for t, g in zip(rates.samples[f"tcp_{op}_cpu/{s}"],
+                                  rates.samples[f"grpc_{op}_cpu/{s}"], strict=True))
+            for s in SIZES} for op in ("get", "put")},
+        "tcp_over_grpc": {op: {s: statistics.median(
+            t / g for t, g in zip(rates.samples[f"tcp_{op}/{s}"], rates.samples[f"grpc_{op}/{s}"],
+                                  strict=True)) for s in SIZES} for op in ("get", "put")},
+        "remote_grpc_only": {"get_gbps": kinds["grpc"]["get"], "put_gbps": kinds["grpc"]["put"]},
         "settings": {
             "malloc_env": {k: os.environ.get(k) for k in MALLOC_ENV},
             "malloc_env_applied_to": ["this process (redis-py client, remote tier client)",
                                       "the kvstore daemon"],
+            "grpc_channel_options": dict(channel_options()),
+            "order": "per round: redis set/get, then the transports in ABBA order "
+                     f"{'/'.join(_ABBA)}, each phase a put of every block then a get",
             "redis_server": "C, unaffected; --save '' --appendonly no (nothing on disk)",
             "daemon_write_behind": "puts persisted to its nvme tier; each put phase is "
                                    "followed by a wait for the write-behind to finish",
-            "rounds": repeats, "bytes_per_size_per_round": total,
+            "rounds": repeats, "bytes_per_size_per_phase": total,
+            "tcp_loopback_rounds": tcp,
         },
     }
 
@@ -330,10 +391,22 @@ def _print_table(result: dict[str, object]) -> None:
     print(f"lookup of 1,000 keys: p99 {remote['lookup_p99_ms']:.2f} ms "
           f"(p50 {remote['lookup_p50_ms']:.2f}; redis 1,000 EXISTS pipelined: p99 "
           f"{base['redis_exists_1000_p99_ms']:.2f} ms); transport: {remote['transport']}")
-    grpc_only = result["remote_grpc_only"]
-    assert isinstance(grpc_only, dict)
-    print(f"gRPC only, 4 MiB: get {grpc_only['get_gbps']['4MiB']:.2f} GB/s, "
-          f"put {grpc_only['put_gbps']['4MiB']:.2f} GB/s")
+    kinds = result["transports"]
+    ratio = result["tcp_over_grpc"]
+    assert isinstance(kinds, dict) and isinstance(ratio, dict)
+    print("block transports, ABBA rounds (GB/s, medians; ratio: median of per-round TCP/gRPC):")
+    print(f"{'size':>6} {'tcp get':>8} {'grpc get':>9} {'ratio':>6} {'tcp put':>8} "
+          f"{'grpc put':>9} {'ratio':>6}")
+    for label in SIZES:
+        tg, gg = kinds["tcp"]["get_gbps"][label], kinds["grpc"]["get_gbps"][label]
+        tp, gp = kinds["tcp"]["put_gbps"][label], kinds["grpc"]["put_gbps"][label]
+        print(f"{label:>6} {tg:8.2f} {gg:9.2f} {ratio['get'][label]:6.2f} {tp:8.2f} {gp:9.2f} "
+              f"{ratio['put'][label]:6.2f}")
+    cpu = result["grpc_cpu_over_tcp"]
+    assert isinstance(cpu, dict)
+    print("CPU s per GB (this process + the daemon), gRPC / TCP, median of rounds: "
+          + ", ".join(f"{label} get {cpu['get'][label]:.2f} put {cpu['put'][label]:.2f}"
+                      for label in SIZES))
 
 
 def _reexec_with_allocator_settings() -> None:

@@ -84,7 +84,7 @@ def scrape_engine(worker_url: str, timeout_s: float = 5.0) -> EngineCache | None
 
 def scrape_stores(daemons: Iterable[tuple[str, str]], timeout_s: float = 2.0) -> StoreTraffic:
     """Sum of the Stat counters of `(node_id, host:port)` daemons; unreachable ones skipped."""
-    from kvstore.tiers.daemon_client import DaemonClient
+    from kvstore.net.daemon_client import DaemonClient
 
     total = StoreTraffic()
     for node_id, address in daemons:

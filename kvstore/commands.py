@@ -4,7 +4,7 @@
                        --node-id ID [--etcd URL] [--token-file F]
                        [--tls-cert F --tls-key F [--tls-ca F]] [--data-listen auto|off|H:P] ...
 
-Blocks travel over a plain TCP data plane beside gRPC (kvstore/dataplane.py: same tokens,
+Blocks travel over a plain TCP data plane beside gRPC (kvstore/net/tcp_protocol.py: same tokens,
 tenants and limits, every block verified; ~2-3x gRPC's throughput here), on `--data-listen`
 (default: the --listen host, any free port, advertised in etcd and in Stat). Give it a fixed
 HOST:PORT where a firewall needs one; it is off with TLS, since it is not encrypted.

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from kvstore.commands import MALLOC_ENV
 from kvstore.errors import KVKeepError
-from kvstore.tiers.daemon_client import DaemonClient
+from kvstore.net.daemon_client import DaemonClient
 from tests.services import free_port, stop_process
 
 __all__ = ["DaemonProcess", "start_daemon", "running_daemons", "wait_healthy", "REPO_ROOT"]

@@ -17,8 +17,10 @@ from kvstore.errors import TierUnavailable
 from kvstore.frame import BlockRead, FrameHeader, LayerRange
 from kvstore.keys import BlockKey, Namespace
 from kvstore.manifest import SessionManifest
-from kvstore.tiers.daemon_client import DaemonClient
-from kvstore.wire import MAX_FRAME_BYTES, MAX_KEYS_PER_CALL, MAX_MESSAGE_BYTES, scope_of
+from kvstore.net.daemon_client import DaemonClient
+from kvstore.net.grpc_messages import scope_to_pb
+from kvstore.net.limits import MAX_FRAME_BYTES, MAX_KEYS_PER_CALL, MAX_MESSAGE_BYTES
+from kvstore.net.scope import scope_of
 from proto.gen import kvstore_pb2 as pb
 from proto.gen import kvstore_pb2_grpc
 from tests.blockframes import FINGERPRINT, block_key, corrupt, make_frame, session_key
@@ -55,7 +57,7 @@ def put_stream(key: BlockKey, frame: bytes, *, size: int | None = None,
     for start in range(0, len(frame), chunk):
         msg = pb.PutChunk(data=frame[start:start + chunk])
         if start == 0:
-            msg.scope.CopyFrom(scope_of(key).to_pb())
+            msg.scope.CopyFrom(scope_to_pb(scope_of(key)))
             msg.block_hash = key.block_hash
             msg.frame_size = len(frame) if size is None else size
         yield msg
@@ -155,8 +157,8 @@ def test_malformed_puts_are_refused_and_store_nothing(daemon: DaemonProcess,
         "announced size beyond the frame": list(put_stream(key, good, size=len(good) + 10)),
         "garbage": list(put_stream(key, b"\x00" * 5000)),
         "no scope": [pb.PutChunk(block_hash=key.block_hash, frame_size=10, data=b"x" * 10)],
-        "data before a block": [pb.PutChunk(scope=scope_of(key).to_pb(), data=b"x")],
-        "bad block hash": [pb.PutChunk(scope=scope_of(key).to_pb(), block_hash=b"h" * 65,
+        "data before a block": [pb.PutChunk(scope=scope_to_pb(scope_of(key)), data=b"x")],
+        "bad block hash": [pb.PutChunk(scope=scope_to_pb(scope_of(key)), block_hash=b"h" * 65,
                                        frame_size=100, data=b"x" * 100)],
         "bad tenant": [pb.PutChunk(scope=pb.Scope(fingerprint=FINGERPRINT.digest,
                                                   tenant="../etc"),
@@ -178,16 +180,16 @@ def test_size_limits_are_enforced(daemon: DaemonProcess, client: DaemonClient) -
     scope = scope_of(key)
     big = raw_stub(daemon, max_send=64 << 20)
     # A message over the limit: refused by gRPC on the daemon's side.
-    oversized = pb.PutChunk(scope=scope.to_pb(), block_hash=key.block_hash,
+    oversized = pb.PutChunk(scope=scope_to_pb(scope), block_hash=key.block_hash,
                             frame_size=MAX_MESSAGE_BYTES + 10,
                             data=b"\0" * (MAX_MESSAGE_BYTES + 10))
     assert _code(lambda: big.Put(iter([oversized]), timeout=T)) == \
         grpc.StatusCode.RESOURCE_EXHAUSTED
     # A frame announced bigger than any block may be.
-    huge = pb.PutChunk(scope=scope.to_pb(), block_hash=key.block_hash,
+    huge = pb.PutChunk(scope=scope_to_pb(scope), block_hash=key.block_hash,
                        frame_size=MAX_FRAME_BYTES + 1, data=b"\0")
     assert _code(lambda: big.Put(iter([huge]), timeout=T)) == grpc.StatusCode.RESOURCE_EXHAUSTED
-    many = pb.LookupRequest(scope=scope.to_pb(),
+    many = pb.LookupRequest(scope=scope_to_pb(scope),
                             block_hashes=[b"k"] * (MAX_KEYS_PER_CALL + 1))
     assert _code(lambda: big.Lookup(many, timeout=T)) == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert client.lookup(scope, [key.block_hash], timeout=T) == [False]

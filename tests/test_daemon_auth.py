@@ -17,8 +17,10 @@ from hypothesis import strategies as st
 from kvstore.errors import ConfigError
 from kvstore.keys import Namespace
 from kvstore.manifest import SessionManifest
-from kvstore.tiers.daemon_client import ClientTLS, DaemonClient
-from kvstore.wire import MAX_MESSAGE_BYTES, scope_of
+from kvstore.net.daemon_client import ClientTLS, DaemonClient
+from kvstore.net.grpc_messages import scope_to_pb
+from kvstore.net.limits import MAX_MESSAGE_BYTES
+from kvstore.net.scope import scope_of
 from proto.gen import kvstore_pb2 as pb
 from tests.blockframes import block_key, make_frame, session_key
 from tests.daemon_process import REPO_ROOT, DaemonProcess, start_daemon
@@ -59,7 +61,7 @@ def _raw(channel: grpc.Channel, method: str) -> Callable[..., Any]:
 def _requests() -> dict[str, bytes | list[bytes]]:
     """One valid request per method, for tenant-a."""
     key = block_key(1)
-    scope = scope_of(key).to_pb()
+    scope = scope_to_pb(scope_of(key))
     frame = make_frame(key)
     # Fixed timestamps: the fuzzer's draws depend on message lengths, which must not vary.
     manifest = SessionManifest(session_key("auth-1"), (key.block_hash,), token_count=16,

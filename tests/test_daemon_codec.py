@@ -6,13 +6,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstore.chunk_codec import (
+from kvstore.errors import InvalidFrame
+from kvstore.net.grpc_messages import (
     decode_get_chunk,
     decode_put_chunk,
     encode_get_chunk,
     encode_put_chunk,
 )
-from kvstore.errors import InvalidFrame
 from proto.gen import kvstore_pb2 as pb
 
 u32 = st.integers(0, 2**32 - 1)

@@ -10,8 +10,8 @@ from pathlib import Path
 
 from kvstore.errors import KVKeepError
 from kvstore.keys import BlockKey
-from kvstore.tiers.daemon_client import DaemonClient
-from kvstore.wire import scope_of
+from kvstore.net.daemon_client import DaemonClient
+from kvstore.net.scope import scope_of
 from tests.blockframes import block_key, make_frame
 from tests.daemon_process import start_daemon
 

@@ -16,12 +16,12 @@ from kvstore.errors import ConfigError, DeadlineExceeded
 from kvstore.frame import BlockRead, LayerRange
 from kvstore.keys import BlockKey
 from kvstore.manifest import SessionManifest
+from kvstore.net.daemon_client import DaemonClient
+from kvstore.net.scope import scope_of
 from kvstore.tiers.base import Tier
-from kvstore.tiers.daemon_client import DaemonClient
 from kvstore.tiers.placement import place, rank, rank_many
 from kvstore.tiers.remote import RemoteConfig, RemoteTier
 from kvstore.tiers.resilience import BreakerState, CircuitBreaker, RetryPolicy
-from kvstore.wire import scope_of
 from tests.blockframes import block_key, make_frame, session_key
 from tests.daemon_process import DaemonProcess, running_daemons
 from tests.services import free_port

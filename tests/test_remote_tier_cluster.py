@@ -15,9 +15,9 @@ from pathlib import Path
 from kvstore.errors import KVKeepError
 from kvstore.keys import BlockKey
 from kvstore.manifest import SessionManifest
-from kvstore.tiers.daemon_client import DaemonClient
+from kvstore.net.daemon_client import DaemonClient
+from kvstore.net.scope import scope_of
 from kvstore.tiers.remote import RemoteConfig, RemoteTier
-from kvstore.wire import scope_of
 from tests.blockframes import block_key, make_frame, session_key
 from tests.daemon_process import DaemonProcess, running_daemons
 from tests.services import EtcdServer

@@ -66,7 +66,7 @@ def http_json(url: str, timeout: float = 2.0) -> Any:
 
 def daemon_serving(node_id: str, address: str) -> bool:
     """Whether the kvstore daemon's standard gRPC health service says SERVING."""
-    from kvstore.tiers.daemon_client import DaemonClient
+    from kvstore.net.daemon_client import DaemonClient
 
     client = DaemonClient(node_id, address, data_plane=False)
     try:

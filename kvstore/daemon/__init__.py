@@ -1,4 +1,5 @@
-"""The kvstore daemon: one per node, serving KV blocks over gRPC (`kvkeep store serve`)."""
+"""The kvstore daemon: one per node, serving KV blocks over gRPC and a TCP data plane
+(`kvkeep store serve`): one transport-neutral core (core.py) and a thin front per transport."""
 
 from __future__ import annotations
 

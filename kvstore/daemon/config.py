@@ -5,11 +5,12 @@ from __future__ import annotations
 import ipaddress
 import re
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvstore.errors import ConfigError
 from kvstore.keys import validate_name
+from kvstore.net.grpc_options import Keepalive
 from kvstore.tiers.discovery import DEFAULT_PREFIX
 
 __all__ = ["DaemonConfig", "parse_size", "split_host_port", "is_loopback"]
@@ -54,7 +55,7 @@ class DaemonConfig:
     (with a wildcard host replaced by this machine's hostname).
     peer_token: the token used to push blocks to peers during re-replication; defaults to the
     first all-tenant (`*`) token in the token file.
-    data_listen: where the bulk data plane (kvstore/dataplane.py) listens: "auto" (the host of
+    data_listen: where the TCP data plane (kvstore/net/tcp_protocol.py) listens: "auto" (the host of
     `listen`, any free port), "off", or HOST:PORT. It is always off with TLS (it is plain TCP).
     """
 
@@ -77,6 +78,9 @@ class DaemonConfig:
     drain_timeout: float = 15.0
     workers: int = 4
     data_listen: str = "auto"
+    keepalive: Keepalive = field(default_factory=Keepalive)
+    """gRPC keepalive, shared with the clients' (kvstore/net/grpc_options.py); no flag: the
+    defaults suit every deployment, tests shorten it."""
 
     def __post_init__(self) -> None:
         validate_name(self.node_id, "node id")

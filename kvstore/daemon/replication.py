@@ -24,14 +24,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from kvstore.daemon.catalog import KeyCatalog
-from kvstore.daemon.service import store_contains
+from kvstore.daemon.core import store_contains
 from kvstore.errors import KVKeepError
 from kvstore.keys import BlockKey
+from kvstore.net.daemon_client import ClientTLS, DaemonClient
+from kvstore.net.limits import CHUNK_BYTES
+from kvstore.net.scope import Scope, scope_of
 from kvstore.store import TieredStore
-from kvstore.tiers.daemon_client import ClientTLS, DaemonClient
 from kvstore.tiers.discovery import DaemonInfo
 from kvstore.tiers.placement import place
-from kvstore.wire import CHUNK_BYTES, Scope, scope_of
 
 __all__ = ["Rereplicator", "RepairReport"]
 

@@ -1,5 +1,6 @@
-"""One kvstore daemon: the store, the gRPC server and the bulk data plane beside it
-(kvstore/daemon/dataplane.py), etcd registration, re-replication, draining.
+"""One kvstore daemon: the store, the core over it (kvstore/daemon/core.py) with its two fronts,
+gRPC (grpc_front.py) and the TCP data plane (tcp_front.py), etcd registration,
+re-replication, draining.
 
 Lifecycle: open the store (the nvme tier rebuilds its index from disk, so a restarted daemon
 serves what it held) and the key catalog, bind, report SERVING, register in etcd, and start the
@@ -25,17 +26,19 @@ import grpc  # type: ignore[import-untyped, unused-ignore]
 from kvstore.daemon.auth import TokenTable
 from kvstore.daemon.catalog import KeyCatalog
 from kvstore.daemon.config import DaemonConfig
-from kvstore.daemon.dataplane import DataPlaneServer
+from kvstore.daemon.core import BlockServiceCore, store_contains
+from kvstore.daemon.grpc_front import GrpcFront
+from kvstore.daemon.grpc_health import HealthService
 from kvstore.daemon.registration import Registrar
 from kvstore.daemon.replication import Rereplicator
-from kvstore.daemon.service import HealthService, KVStoreService, store_contains
+from kvstore.daemon.tcp_front import TcpFront
 from kvstore.errors import ConfigError, KVKeepError
 from kvstore.keys import BlockKey
+from kvstore.net.daemon_client import ClientTLS
+from kvstore.net.grpc_options import server_options
 from kvstore.store import StoreConfig, TieredStore
-from kvstore.tiers.daemon_client import ClientTLS
 from kvstore.tiers.discovery import DaemonInfo, MembershipWatcher
 from kvstore.tiers.factory import HostSpec, NvmeSpec, TierSpec
-from kvstore.wire import GRPC_CHANNEL_OPTIONS
 
 __all__ = ["Daemon", "run_daemon"]
 
@@ -51,8 +54,8 @@ def _read(path: Path, what: str) -> bytes:
 
 
 def _open_store(config: DaemonConfig) -> TieredStore:
-    # Every frame reaches the nvme tier already verified: on receipt (KVStoreService
-    # .verify_and_store) and again when the write-behind reads it back from the host tier, so
+    # Every frame reaches the nvme tier already verified: on receipt (BlockServiceCore's put
+    # commit) and again when the write-behind reads it back from the host tier, so
     # the nvme tier's own check on put would hash each block a third time. Its reads verify.
     specs: list[TierSpec] = [
         HostSpec(config.mem_budget, name="host"),
@@ -81,7 +84,7 @@ class Daemon:
         self._stopped = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._server: Any = None
-        self.dataplane: DataPlaneServer | None = None
+        self.tcp_front: TcpFront | None = None
         self._registrar: Registrar | None = None
         self._membership: MembershipWatcher | None = None
         self.rereplicator: Rereplicator | None = None
@@ -90,13 +93,14 @@ class Daemon:
         self.catalog = KeyCatalog(config.data_dir / "keys.log")
         self._prune_catalog()
         self.health = HealthService()
-        self.service = KVStoreService(config.node_id, self.store, self.catalog,
-                                      tokens=self.tokens, executor=self.executor)
+        self.core = BlockServiceCore(config.node_id, self.store, self.catalog,
+                                     tokens=self.tokens)
+        self.grpc_front = GrpcFront(self.core, self.executor)
 
     async def start(self) -> None:
         cfg = self.config
-        self._server = grpc.aio.server(options=list(GRPC_CHANNEL_OPTIONS))
-        self._server.add_generic_rpc_handlers((self.service.generic_handler(),
+        self._server = grpc.aio.server(options=server_options(cfg.keepalive))
+        self._server.add_generic_rpc_handlers((self.grpc_front.generic_handler(),
                                                self.health.generic_handler()))
         if cfg.tls_enabled:
             assert cfg.tls_cert is not None and cfg.tls_key is not None
@@ -112,13 +116,13 @@ class Daemon:
         data_address = ""
         bind = cfg.data_bind()
         if bind is not None:
-            self.dataplane = DataPlaneServer(self.service, *bind)
+            self.tcp_front = TcpFront(self.core, *bind)
             try:
-                port = self.dataplane.start()
+                port = self.tcp_front.start()
             except OSError as exc:
                 raise ConfigError(f"cannot listen on {bind[0]}:{bind[1]} (data plane): {exc}"
                                   ) from exc
-            self.service.data_port = port
+            self.core.data_port = port
             data_address = cfg.advertised_data_address(port)
         await self._server.start()
         await self.health.set_serving(True)
@@ -158,7 +162,7 @@ class Daemon:
         _log.info("draining %s: refusing new puts, finishing streams (up to %.0fs)",
                   cfg.node_id, cfg.drain_timeout)
         await self.health.set_serving(False)
-        self.service.start_draining()
+        self.core.start_draining()
         if self._registrar is not None:
             await self._registrar.deregister()
         for task in self._tasks:
@@ -170,8 +174,8 @@ class Daemon:
                 _log.warning("task %s did not stop within 5s", task.get_name())
         loop = asyncio.get_running_loop()
         stopping = []
-        if self.dataplane is not None:
-            stopping.append(loop.run_in_executor(None, self.dataplane.stop, cfg.drain_timeout))
+        if self.tcp_front is not None:
+            stopping.append(loop.run_in_executor(None, self.tcp_front.stop, cfg.drain_timeout))
         if self._server is not None:
             stopping.append(self._server.stop(cfg.drain_timeout))
         await asyncio.gather(*stopping)
@@ -186,7 +190,7 @@ class Daemon:
     # -- private ------------------------------------------------------------------------------
 
     def _count_repaired(self, blocks: int) -> None:
-        self.service.counters.repaired_blocks += blocks
+        self.core.count(repaired_blocks=blocks)
 
     def _prune_catalog(self) -> None:
         """Drop catalog entries for blocks the store no longer holds (lost in a crash, evicted)."""

@@ -58,7 +58,7 @@ class DaemonInfo:
     """host:port that clients dial."""
     started_at: float = 0.0
     data_address: str = ""
-    """host:port of the bulk data plane (kvstore/dataplane.py); empty when there is none."""
+    """host:port of the TCP data plane (kvstore/net/tcp_protocol.py); empty when there is none."""
 
     def __post_init__(self) -> None:
         validate_name(self.node_id, "node id")

@@ -40,8 +40,9 @@ from kvstore.errors import (
 from kvstore.frame import BlockRead, LayerRange
 from kvstore.keys import BlockKey, SessionKey
 from kvstore.manifest import SessionManifest
+from kvstore.net.daemon_client import ClientTLS, DaemonClient
+from kvstore.net.scope import group_by_scope, scope_of
 from kvstore.tiers.base import Buffer, TierStats
-from kvstore.tiers.daemon_client import ClientTLS, DaemonClient
 from kvstore.tiers.discovery import (
     DEFAULT_PREFIX,
     DaemonInfo,
@@ -51,7 +52,6 @@ from kvstore.tiers.discovery import (
 )
 from kvstore.tiers.placement import rank, rank_many
 from kvstore.tiers.resilience import CircuitBreaker, RetryPolicy
-from kvstore.wire import group_by_scope, scope_of
 
 __all__ = ["RemoteConfig", "RemoteTier", "RemoteCounters", "WriteAck"]
 
@@ -89,7 +89,7 @@ class RemoteConfig:
     """Bytes/s a put may assume at worst: a batch's deadline is call_timeout + bytes / this."""
     data_plane: bool = True
     """Move single blocks over the daemons' bulk data plane when they have one
-    (kvstore/dataplane.py); False keeps everything on gRPC."""
+    (kvstore/net/tcp_protocol.py); False keeps block bytes on gRPC too."""
 
     def __post_init__(self) -> None:
         if self.replicas < 1 or self.extra_ranks < 0 or self.fanout_threads < 1:

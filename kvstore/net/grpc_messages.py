@@ -1,4 +1,5 @@
-"""A zero-copy codec for the two bulk messages of the block service: PutChunk and GetChunk.
+"""The gRPC messages of proto/kvstore.proto as kvstore types: a zero-copy codec for the two bulk
+messages (PutChunk and GetChunk), and conversions of the small ones (scopes, layer ranges).
 
 The generated protobuf classes copy a `bytes` field on every step: into the message when it is
 built, into a new buffer when it is serialized, out of the parsed message when it is read. For
@@ -16,16 +17,20 @@ Decoding is strict: truncated varints or fields, unknown wire types and groups r
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
 from google.protobuf.message import DecodeError
 
 from kvstore.errors import InvalidFrame
+from kvstore.frame import LayerRange
+from kvstore.net.scope import Scope
 from proto.gen import kvstore_pb2 as pb
 
 __all__ = ["PutChunkView", "GetChunkView", "encode_put_chunk", "decode_put_chunk",
-           "encode_get_chunk", "decode_get_chunk"]
+           "encode_get_chunk", "decode_get_chunk", "scope_to_pb", "scope_from_pb",
+           "layers_to_pb", "layers_from_pb"]
 
 Bytes = bytes | bytearray | memoryview
 M = TypeVar("M", pb.Scope, pb.LayerRange)
@@ -86,15 +91,19 @@ def encode_put_chunk(data: Bytes, *, scope: pb.Scope | None = None, block_hash: 
     return b"".join(parts)
 
 
-def encode_get_chunk(data: Bytes, *, index: int = 0, found: bool = False, header: bytes = b"",
-                     layers: tuple[int, int] | None = None, payload_size: int = 0) -> bytes:
-    """The wire bytes of a GetChunk, with `data` copied once (into the result)."""
+def encode_get_chunk(data: Bytes | Sequence[Bytes], *, index: int = 0, found: bool = False,
+                     header: bytes = b"", layers: tuple[int, int] | None = None,
+                     payload_size: int = 0) -> bytes:
+    """The wire bytes of a GetChunk, with `data` (one buffer, or pieces that are its bytes in
+    order, e.g. a block's pages) copied once, into the result."""
     head = pb.GetChunk(index=index, found=found, header=header, payload_size=payload_size)
     if layers is not None:
         head.layers.start, head.layers.stop = layers
+    pieces: Sequence[Bytes] = data if isinstance(data, list | tuple) else (data,)
+    size = sum(len(p) for p in pieces)
     parts: list[Bytes] = [head.SerializeToString()]
-    if len(data):
-        parts.extend(_data_field(_GET_DATA, data))
+    if size:
+        parts += [bytes([(_GET_DATA << 3) | _LEN]), _varint(size), *pieces]
     return b"".join(parts)
 
 
@@ -199,3 +208,22 @@ def _read_varint(raw: bytes, pos: int) -> tuple[int, int]:
         if not byte & 0x80:
             return result & 0xFFFFFFFFFFFFFFFF, pos
         shift += 7
+
+
+def scope_to_pb(scope: Scope) -> pb.Scope:
+    return pb.Scope(fingerprint=scope.fingerprint, tenant=scope.namespace.tenant,
+                    salt=scope.namespace.salt)
+
+
+def scope_from_pb(msg: pb.Scope) -> Scope:
+    """Validate a scope from the wire; raises InvalidKey."""
+    return Scope.parse(bytes(msg.fingerprint), msg.tenant, msg.salt)
+
+
+def layers_to_pb(layers: LayerRange | None) -> pb.LayerRange | None:
+    return None if layers is None else pb.LayerRange(start=layers.start, stop=layers.stop)
+
+
+def layers_from_pb(msg: pb.LayerRange) -> LayerRange:
+    """Raises ValueError for an empty or inverted range."""
+    return LayerRange(msg.start, msg.stop)

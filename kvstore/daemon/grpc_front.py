@@ -1,0 +1,264 @@
+"""The daemon's gRPC front: the KVStore service of proto/kvstore.proto over the core.
+
+A thin translation (the decisions are the core's, kvstore/daemon/core.py): each handler parses
+its request, asks the core, and writes the answer; a `Refusal` becomes the gRPC status of the
+same number. Requests arrive as raw bytes and are parsed here, so bytes that are not a protobuf
+message get INVALID_ARGUMENT rather than gRPC's generic INTERNAL. The bulk messages use the
+zero-copy codec (kvstore/net/grpc_messages.py): Get encodes its messages straight from the
+block's pages, Put copies each message's data straight into the pages reserved for the frame.
+
+Handlers run on the daemon's asyncio loop; storage calls (copies, disk reads, checksums) run on
+a small thread pool so that one slow disk read never stalls other streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, NoReturn, TypeVar
+
+import grpc  # type: ignore[import-untyped, unused-ignore]
+from google.protobuf.message import DecodeError, Message
+
+from kvstore.daemon.auth import Principal, bearer_token
+from kvstore.daemon.block_io import IncomingBlock, byte_range
+from kvstore.daemon.core import BlockServiceCore, ServiceStatus
+from kvstore.errors import InvalidFrame
+from kvstore.keys import BlockKey, SessionKey
+from kvstore.net.grpc_messages import decode_put_chunk, encode_get_chunk
+from kvstore.net.grpc_options import KVSTORE_SERVICE
+from kvstore.net.limits import CHUNK_BYTES
+from kvstore.net.refusal import Refusal, RefusalReason
+from kvstore.net.scope import Scope
+from proto.gen import kvstore_pb2 as pb
+
+__all__ = ["GrpcFront", "abort_with"]
+
+T = TypeVar("T")
+M = TypeVar("M", bound=Message)
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+# Lookups of up to this many keys run on the event loop itself (about a millisecond at most):
+# cheaper than the hop to a worker thread, and a lookup must not queue behind puts that wait
+# for the disk.
+_INLINE_LOOKUP_KEYS = 4096
+
+
+async def abort_with(context: Any, refusal: Refusal) -> NoReturn:
+    """End a call with the status of the refusal's reason."""
+    await context.abort(_CODES[int(refusal.reason)], refusal.message)
+    raise AssertionError("context.abort returned")  # grpc.aio's abort always raises
+
+
+class GrpcFront:
+    """The KVStore gRPC service over one `BlockServiceCore`."""
+
+    def __init__(self, core: BlockServiceCore, executor: ThreadPoolExecutor, *,
+                 chunk_bytes: int = CHUNK_BYTES) -> None:
+        self._core = core
+        self._executor = executor
+        self._chunk = chunk_bytes
+
+    def generic_handler(self) -> Any:
+        def unary(fn: Callable[[Any, Any], Awaitable[Message]], cls: type[Message]) -> Any:
+            async def handler(raw: bytes, context: Any) -> Message:
+                try:
+                    return await fn(_parse(cls, raw), context)
+                except Refusal as refusal:
+                    await abort_with(context, refusal)
+            return grpc.unary_unary_rpc_method_handler(handler, response_serializer=_serialize)
+
+        async def get(raw: bytes, context: Any) -> AsyncIterator[bytes]:
+            try:
+                async for message in self.get(_parse(pb.GetRequest, raw), context):
+                    yield message
+            except Refusal as refusal:
+                await abort_with(context, refusal)
+
+        async def put(raw: AsyncIterator[bytes], context: Any) -> pb.PutReply:
+            try:
+                return await self.put(raw, context)
+            except Refusal as refusal:
+                await abort_with(context, refusal)
+
+        handlers = {
+            "Put": grpc.stream_unary_rpc_method_handler(put, response_serializer=_serialize),
+            "Get": grpc.unary_stream_rpc_method_handler(get, response_serializer=None),
+            "Lookup": unary(self.lookup, pb.LookupRequest),
+            "Delete": unary(self.delete, pb.DeleteRequest),
+            "PutManifest": unary(self.put_manifest, pb.PutManifestRequest),
+            "GetManifest": unary(self.get_manifest, pb.ManifestKey),
+            "DeleteManifest": unary(self.delete_manifest, pb.ManifestKey),
+            "Stat": unary(self.stat, pb.StatRequest),
+        }
+        return grpc.method_handlers_generic_handler(KVSTORE_SERVICE, handlers)
+
+    # -- RPCs (each raises Refusal; generic_handler turns it into the call's status) ------------
+
+    async def put(self, requests: AsyncIterator[bytes], context: Any) -> pb.PutReply:
+        core = self._core
+        principal = self._principal(context)
+        core.admit_put_call()
+        statuses: list[pb.PutStatus] = []
+        scope: Scope | None = None
+        incoming: IncomingBlock | None = None
+        received = 0
+        try:
+            async for raw in requests:
+                try:
+                    msg = decode_put_chunk(raw)
+                except InvalidFrame as exc:
+                    raise Refusal(RefusalReason.INVALID_ARGUMENT, f"bad PutChunk: {exc}") from None
+                if scope is None:
+                    if msg.scope is None:
+                        raise Refusal(RefusalReason.INVALID_ARGUMENT,
+                                      "the first message of a put must carry the scope")
+                    scope = self._scope(principal, msg.scope)
+                if msg.block_hash:
+                    if incoming is not None:
+                        raise core.invalid_put("a block began before the last one ended")
+                    incoming = core.begin_put(scope, bytes(msg.block_hash), int(msg.frame_size))
+                    received = 0
+                elif incoming is None:
+                    raise core.invalid_put("data outside a block")
+                data = msg.data
+                core.count(put_bytes_received=len(data))
+                if received + len(data) > incoming.size:
+                    raise core.invalid_put(f"block carries more than its {incoming.size} bytes")
+                incoming.write(received, data)
+                received += len(data)
+                if received == incoming.size:
+                    block, incoming = incoming, None
+                    admitted = await self._run(block.commit)
+                    statuses.append(pb.PUT_STATUS_STORED if admitted else
+                                    pb.PUT_STATUS_NOT_ADMITTED)
+            if incoming is not None:
+                raise core.invalid_put("the put stream ended in the middle of a block")
+            return pb.PutReply(status=statuses)
+        finally:
+            if incoming is not None:
+                incoming.abort()
+
+    async def get(self, request: pb.GetRequest, context: Any) -> AsyncIterator[bytes]:
+        scope = self._scope(self._principal(context), request.scope)
+        keys = self._core.keys(scope, request.block_hashes)
+        layers = (request.layers.start, request.layers.stop) if request.HasField("layers") \
+            else None
+        single = request.single_reply
+        if single and len(keys) != 1:
+            raise Refusal(RefusalReason.INVALID_ARGUMENT, "single_reply needs exactly one key")
+        for index, key in enumerate(keys):
+            for message in await self._run(self._messages, key, layers, index, single):
+                yield message
+
+    async def lookup(self, request: pb.LookupRequest, context: Any) -> pb.LookupReply:
+        scope = self._scope(self._principal(context), request.scope)
+        keys = self._core.keys(scope, request.block_hashes)
+        if len(keys) <= _INLINE_LOOKUP_KEYS:
+            present = self._core.lookup(keys)
+        else:
+            present = await self._run(self._core.lookup, keys)
+        prefix = next((i for i, hit in enumerate(present) if not hit), len(present))
+        return pb.LookupReply(present=present, prefix_length=prefix)
+
+    async def delete(self, request: pb.DeleteRequest, context: Any) -> pb.DeleteReply:
+        scope = self._scope(self._principal(context), request.scope)
+        keys = self._core.keys(scope, request.block_hashes)
+        return pb.DeleteReply(deleted=await self._run(self._core.delete, keys))
+
+    async def put_manifest(self, request: pb.PutManifestRequest, context: Any
+                           ) -> pb.PutManifestReply:
+        await self._run(self._core.put_manifest, self._principal(context), request.manifest)
+        return pb.PutManifestReply()
+
+    async def get_manifest(self, request: pb.ManifestKey, context: Any) -> pb.GetManifestReply:
+        manifest = await self._run(self._core.get_manifest, self._session_key(request, context))
+        if manifest is None:
+            return pb.GetManifestReply(found=False)
+        return pb.GetManifestReply(found=True, manifest=manifest.encode())
+
+    async def delete_manifest(self, request: pb.ManifestKey, context: Any) -> pb.DeleteReply:
+        deleted = await self._run(self._core.delete_manifest, self._session_key(request, context))
+        return pb.DeleteReply(deleted=int(bool(deleted)))
+
+    async def stat(self, request: pb.StatRequest, context: Any) -> pb.StatReply:
+        self._principal(context)
+        return _stat_reply(await self._run(self._core.status))
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _messages(self, key: BlockKey, layers: tuple[int, int] | None, index: int,
+                  single: bool) -> list[bytes]:
+        """The Get messages that carry one block (on the thread pool).
+
+        The messages are encoded straight from the block's pages (one copy), which are then
+        checked; if that copy turns out corrupt it was dropped, and the block is read again
+        (the nvme copy, or a miss) before anything is sent.
+        """
+        for _ in range(2):
+            block = self._core.open_read(key, layers)
+            if block is None:
+                break
+            try:
+                chunk = self._chunk
+                size = block.size
+                # single_reply and too big for one message: no data, the client will stream it.
+                first = 0 if single and size > chunk else min(size, chunk)
+                messages = [encode_get_chunk(byte_range(block.pieces, 0, first), index=index,
+                                             found=True, header=block.header.pack(),
+                                             layers=(block.layers.start, block.layers.stop),
+                                             payload_size=size)]
+                if not single:
+                    messages += [encode_get_chunk(byte_range(block.pieces, start, start + chunk),
+                                                  index=index)
+                                 for start in range(chunk, size, chunk)]
+            finally:
+                good = block.finish()
+            if good:
+                self._core.count(get_bytes_sent=size if not single else first)
+                return messages
+        return [encode_get_chunk(b"", index=index, found=False)]
+
+    def _principal(self, context: Any) -> Principal:
+        return self._core.authenticate(bearer_token(context.invocation_metadata()))
+
+    def _scope(self, principal: Principal, msg: pb.Scope) -> Scope:
+        return self._core.scope(principal, bytes(msg.fingerprint), msg.tenant, msg.salt)
+
+    def _session_key(self, request: pb.ManifestKey, context: Any) -> SessionKey:
+        scope = self._scope(self._principal(context), request.scope)
+        return self._core.session_key(scope, request.session_id)
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+
+def _stat_reply(status: ServiceStatus) -> pb.StatReply:
+    c, tiers = status.counters, status.tiers
+    # The lowest tier holds (nearly) everything the upper ones cache: count blocks there.
+    return pb.StatReply(
+        node_id=status.node_id, draining=status.draining,
+        blocks=max((t.blocks for t in tiers), default=0),
+        bytes_used=sum(t.bytes_used for t in tiers),
+        bytes_budget=sum(t.bytes_budget for t in tiers),
+        put_bytes_received=c.put_bytes_received, get_bytes_sent=c.get_bytes_sent,
+        puts=c.puts, rejected_puts=c.rejected_puts, invalid_puts=c.invalid_puts,
+        gets=c.gets, hits=c.hits, misses=c.misses, lookups=c.lookups,
+        repaired_blocks=c.repaired_blocks, data_port=status.data_port,
+        pending_writes=status.pending_writes,
+        tiers=[pb.TierStat(name=t.name, blocks=t.blocks, bytes_used=t.bytes_used,
+                           bytes_budget=t.bytes_budget, hits=t.hits, misses=t.misses,
+                           puts=t.puts, rejected_puts=t.rejected_puts, corrupt=t.corrupt,
+                           errors=t.errors) for t in tiers])
+
+
+def _serialize(message: Any) -> bytes:
+    return bytes(message.SerializeToString())
+
+
+def _parse(cls: type[M], raw: bytes) -> M:
+    try:
+        return cls.FromString(raw)
+    except DecodeError as exc:
+        raise Refusal(RefusalReason.INVALID_ARGUMENT,
+                      f"not a {cls.DESCRIPTOR.name} message: {exc}") from None

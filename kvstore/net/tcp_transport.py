@@ -1,0 +1,289 @@
+"""The TCP data plane's client half: a `BlockTransport` over kvstore/net/tcp_protocol.py.
+
+A small pool of connections per daemon; each call takes one (or opens one) and gives it back
+only after a complete exchange. A connection that saw any error or timeout is closed, never
+reused. Batches of puts are pipelined: a window of requests goes out back to back, then its
+replies are read.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Sequence
+
+from kvstore.errors import (
+    ConfigError,
+    CorruptBlock,
+    DeadlineExceeded,
+    KVKeepError,
+    TierError,
+    TierUnavailable,
+)
+from kvstore.frame import BlockRead, FrameHeader, LayerRange
+from kvstore.net.limits import MAX_FRAME_BYTES
+from kvstore.net.refusal import OK, client_error
+from kvstore.net.scope import Scope
+from kvstore.net.tcp_protocol import (
+    MAX_TOKEN_BYTES,
+    OP_GET,
+    OP_PUT,
+    REPLY_HEAD,
+    Reply,
+    decode_reply_head,
+    encode_request,
+    recv_exact,
+    send_parts,
+)
+from kvstore.net.transport import FrameBytes, TransportUnreachable
+from kvstore.tiers.base import Buffer
+
+__all__ = ["TcpBlockTransport"]
+
+# A pipelined put window: the replies of this many requests wait in the client's receive buffer
+# (32 bytes each) while it sends, so a window must not outgrow that buffer.
+_WINDOW_BLOCKS = 256
+_WINDOW_BYTES = 64 << 20
+
+
+def _flat(buf: FrameBytes | Buffer) -> memoryview:
+    view = memoryview(buf)
+    if view.format != "B" or view.ndim != 1:
+        if not view.c_contiguous:
+            raise TierError("buffer is not C-contiguous")
+        view = view.cast("B")
+    return view
+
+
+class TcpBlockTransport:
+    """Blocks to and from one daemon's data port (see the module docstring). Thread-safe."""
+
+    def __init__(self, node_id: str, address: str, *, token: str | None = None,
+                 max_idle: int = 8) -> None:
+        host, sep, port = address.rpartition(":")
+        if not sep or not port.isdigit():
+            raise ConfigError(f"data plane address {address!r} is not host:port")
+        self.node_id = node_id
+        self.address = address
+        self._target = (host.strip("[]"), int(port))
+        self._token = (token or "").encode()
+        if len(self._token) > MAX_TOKEN_BYTES:
+            raise ConfigError(f"token longer than {MAX_TOKEN_BYTES} bytes")
+        self._max_idle = max_idle
+        self._idle: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    @property
+    def kind(self) -> str:
+        return "tcp"
+
+    def get(self, scope: Scope, block_hash: bytes, layers: LayerRange | None = None, *,
+            out: Buffer | None = None, timeout: float) -> BlockRead | None:
+        """One block (or the segments of `layers`), unverified; None on a miss.
+
+        With `out` large enough, the payload is received straight into it."""
+        request = encode_request(OP_GET, scope, block_hash, self._token, layers=layers)
+        (result,) = self._exchange(f"get from {self.node_id}", OP_GET, [request], 1, out,
+                                   time.monotonic() + timeout)
+        assert not isinstance(result, bool)
+        return result
+
+    def put(self, scope: Scope, blocks: Sequence[tuple[bytes, FrameBytes]], *,
+            timeout: float) -> list[bool]:
+        """Store whole frames, pipelined: a window of requests goes out back to back and then
+        its replies are read, so a batch of small blocks costs one round trip per window, not
+        per block. One flag per block; raises the first refusal (after the rest of its window
+        was answered: each block is stored whole or not at all, independently)."""
+        what = f"put to {self.node_id}"
+        deadline = time.monotonic() + timeout
+        done: list[bool] = []
+        window: list[bytes | memoryview] = []
+        count = size = 0
+        for i, (block_hash, frame) in enumerate(blocks):
+            view = _flat(frame)
+            if len(view) > MAX_FRAME_BYTES:
+                raise TierError(f"{what}: RESOURCE_EXHAUSTED: frame of {len(view)} bytes "
+                                f"exceeds {MAX_FRAME_BYTES}")
+            window += [encode_request(OP_PUT, scope, block_hash, self._token,
+                                      body_len=len(view)), view]
+            count, size = count + 1, size + len(view)
+            if count == _WINDOW_BLOCKS or size >= _WINDOW_BYTES or i == len(blocks) - 1:
+                results = self._exchange(what, OP_PUT, window, count, None, deadline)
+                done.extend(r is True for r in results)
+                window, count, size = [], 0, 0
+        return done
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for sock in idle:
+            sock.close()
+
+    # -- private ------------------------------------------------------------------------------
+
+    def _exchange(self, what: str, op: int, parts: list[bytes | memoryview], count: int,
+                  out: Buffer | None, deadline: float) -> list[BlockRead | bool | None]:
+        # A pooled connection may have been closed by a restarted daemon; that shows only when
+        # it is used. Such a failure before any reply byte arrived is retried once on a fresh
+        # connection (GET and PUT are both idempotent).
+        for attempt in range(2):
+            sock, reused = self._connection(what, deadline)
+            keep = False
+            try:
+                results, keep = self._on(sock, what, op, parts, count, out, deadline)
+                return results
+            except _Refusal as refusal:
+                keep = refusal.keep
+                raise refusal.error from None
+            except _Stale as exc:
+                if reused and attempt == 0:
+                    continue
+                # Dropped before any reply (a daemon at its connection limit, or going away):
+                # the caller may try another transport (both operations are idempotent).
+                raise TransportUnreachable(f"{what}: connection dropped before a reply: "
+                                           f"{exc.__cause__}") from exc
+            finally:
+                if keep:
+                    self._release(sock)
+                else:
+                    sock.close()
+        raise AssertionError("unreachable")
+
+    def _on(self, sock: socket.socket, what: str, op: int, parts: list[bytes | memoryview],
+            count: int, out: Buffer | None, deadline: float
+            ) -> tuple[list[BlockRead | bool | None], bool]:
+        """Send `count` requests, read their replies: (results, whether the connection may be
+        reused). A refusal is raised as _Refusal once every reply was read."""
+        head = bytearray(REPLY_HEAD.size)
+        try:
+            sock.settimeout(_remaining(what, deadline))
+            send_parts(sock, parts)
+            sock.settimeout(_remaining(what, deadline))
+            n = sock.recv_into(head)
+            if n == 0:
+                raise ConnectionError("connection closed by peer")
+        except TimeoutError as exc:  # DeadlineExceeded included
+            raise DeadlineExceeded(f"{what}: deadline passed") from exc
+        except OSError as exc:
+            raise _Stale() from exc
+        results: list[BlockRead | bool | None] = []
+        refused: KVKeepError | None = None
+        keep = True
+        try:
+            for i in range(count):
+                if i:
+                    n = 0
+                sock.settimeout(_remaining(what, deadline))
+                if n < len(head):
+                    recv_exact(sock, memoryview(head)[n:])
+                reply = decode_reply_head(head)
+                message = self._read(sock, reply.message_len, what, deadline)
+                keep = not reply.close
+                if reply.close and i < count - 1:
+                    refused = refused or TierUnavailable(
+                        f"{what}: the daemon closed the connection after {i + 1} of {count} "
+                        f"replies: {message.decode(errors='replace')}")
+                if reply.status != OK:
+                    refused = refused or client_error(reply.status, what,
+                                                          message.decode(errors="replace"))
+                    if reply.close or reply.header_len or reply.payload_len:
+                        raise _Refusal(refused, False)
+                    results.append(None)
+                elif op == OP_PUT:
+                    if reply.header_len or reply.payload_len:
+                        raise CorruptBlock(f"{what}: a put reply carrying data")
+                    results.append(reply.result)
+                else:
+                    results.append(self._block(sock, reply, what, out, deadline))
+                if not keep:
+                    break
+            if refused is not None:
+                raise _Refusal(refused, keep)
+            return results, keep
+        except TimeoutError as exc:  # DeadlineExceeded included
+            raise DeadlineExceeded(f"{what}: deadline passed") from exc
+        except OSError as exc:  # ConnectionError included
+            raise TierUnavailable(f"{what}: connection lost: {exc}") from exc
+
+    def _block(self, sock: socket.socket, reply: Reply, what: str, out: Buffer | None,
+               deadline: float) -> BlockRead | None:
+        """The rest of a GET reply: None on a miss, else the header and the payload."""
+        if not reply.result:
+            if reply.header_len or reply.payload_len:
+                raise CorruptBlock(f"{what}: a miss carrying data")
+            return None
+        raw_header = self._read(sock, reply.header_len, what, deadline)
+        try:
+            header = FrameHeader.unpack(raw_header)
+            layers = LayerRange(*reply.layers)
+            start, stop = header.span(layers)
+        except ValueError as exc:  # InvalidFrame is a ValueError too
+            raise CorruptBlock(f"{what}: bad header in reply: {exc}") from exc
+        if reply.payload_len != stop - start:
+            raise CorruptBlock(f"{what}: payload of {reply.payload_len} bytes for a span "
+                               f"of {stop - start}")
+        size = reply.payload_len
+        dst = _flat(out) if out is not None else None
+        if dst is not None and not dst.readonly and len(dst) >= size:
+            payload: memoryview = dst[:size]
+        else:
+            payload = memoryview(bytearray(size))
+        sock.settimeout(_remaining(what, deadline))
+        recv_exact(sock, payload)
+        return BlockRead(header, layers, payload)
+
+    def _read(self, sock: socket.socket, size: int, what: str, deadline: float) -> bytes:
+        if not size:
+            return b""
+        buf = bytearray(size)
+        sock.settimeout(_remaining(what, deadline))
+        recv_exact(sock, memoryview(buf))
+        return bytes(buf)
+
+    def _connection(self, what: str, deadline: float) -> tuple[socket.socket, bool]:
+        with self._lock:
+            if self._closed:
+                raise TierUnavailable(f"{what}: client closed")
+            if self._idle:
+                return self._idle.pop(), True
+        connect_timeout = _remaining(what, deadline)
+        try:
+            sock = socket.create_connection(self._target, timeout=connect_timeout)
+        except TimeoutError as exc:
+            raise TransportUnreachable(f"{what}: connecting to {self.address} timed out") from exc
+        except OSError as exc:
+            raise TransportUnreachable(f"{what}: cannot connect to {self.address}: {exc}"
+                                       ) from exc
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock, False
+
+    def _release(self, sock: socket.socket) -> None:
+        with self._lock:
+            if not self._closed and len(self._idle) < self._max_idle:
+                self._idle.append(sock)
+                return
+        sock.close()
+
+
+class _Stale(Exception):
+    """Sending the request or reading the first reply byte failed (the cause is chained)."""
+
+
+class _Refusal(Exception):
+    """The daemon refused the request: the error to raise, and whether the connection is
+    still in step (reusable)."""
+
+    def __init__(self, error: KVKeepError, keep: bool) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.keep = keep
+
+
+def _remaining(what: str, deadline: float) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise DeadlineExceeded(f"{what}: deadline passed")
+    return left
