@@ -267,7 +267,9 @@ class SimRouter:
         creq = self._parsed.get(cache_key)
         if creq is not None:
             return creq
-        prompt: Any = list(req.tokens) if self.spec.input == "tokens" else req.text
+        tokens = req.tokens
+        prompt: Any = req.text if self.spec.input == "text" else (
+            tokens.tolist() if hasattr(tokens, "tolist") else list(tokens))
         body = {"model": self.model, "prompt": prompt, "max_tokens": req.max_tokens,
                 "stream": True, "ignore_eos": True}
         creq = parse_request(Endpoint.COMPLETIONS, json.dumps(body).encode(), session)

@@ -41,15 +41,16 @@ class TextRenderer:
     """Token id -> 4 characters of [a-zA-Z0-9]; 62^4 covers any real vocabulary."""
 
     __slots__ = ("_table",)
+    _table: np.ndarray
 
     def __init__(self, vocab: int) -> None:
         n = len(_ALPHABET)
         if vocab > n ** CHARS_PER_TOKEN:
             raise ValueError(f"vocabulary of {vocab} does not fit {CHARS_PER_TOKEN} characters")
-        a = _ALPHABET
-        self._table = [a[i // (n ** 3) % n] + a[i // (n * n) % n] + a[i // n % n] + a[i % n]
-                       for i in range(vocab)]
+        a = np.frombuffer(_ALPHABET.encode("ascii"), dtype=np.uint8)
+        ids = np.arange(vocab, dtype=np.int64)
+        digits = [a[ids // (n ** k) % n] for k in range(CHARS_PER_TOKEN - 1, -1, -1)]
+        self._table = np.stack(digits, axis=1).copy()  # [vocab, 4] ASCII codes
 
     def render(self, tokens: np.ndarray) -> str:
-        table = self._table
-        return "".join([table[t] for t in tokens.tolist()])
+        return self._table[np.asarray(tokens, dtype=np.int64)].tobytes().decode("ascii")
