@@ -36,6 +36,7 @@ import msgpack  # type: ignore[import-untyped]
 
 import router.service as _service_module
 import router.workers as _workers_module
+from kvstore.errors import ConfigError
 from router.api import Endpoint, parse_request
 from router.config import RouterConfig
 from router.errors import RouterError
@@ -44,6 +45,7 @@ from router.indexer.subscriber import KVEventSubscriber
 from router.policy import Thresholds, build_policy
 from router.registry import Registry
 from router.scheduler import Scheduler
+from router.scorers import SCORERS
 from router.service import Placement, RouterService
 from router.workers import WorkerId, WorkerInfo, WorkerLoad
 
@@ -71,6 +73,12 @@ class PolicySpec:
     def __post_init__(self) -> None:
         if self.input not in ("text", "tokens"):
             raise ValueError(f"policy {self.name}: input must be 'text' or 'tokens'")
+        # build_policy itself raises a bare KeyError on an unknown scorer (only the command
+        # line's parse_weights checks names): check with the router's own table
+        unknown = set(self.weights) - set(SCORERS)
+        if unknown:
+            raise ConfigError(f"policy {self.name}: unknown scorers {sorted(unknown)}; "
+                              f"known: {sorted(SCORERS)}")
         build_policy(self.router_policy, weights=self.weights,
                      thresholds=Thresholds(**self.thresholds))  # fails early on a bad name
 
