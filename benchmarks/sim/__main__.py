@@ -70,7 +70,7 @@ def run_ladder(params: SimParams, specs: dict[str, PolicySpec], *, quick: bool, 
 def _chat(params: SimParams, quick: bool, seed: int) -> ChatWorkload:
     eng = params.engine
     if quick:
-        return ChatWorkload(sessions=240, session_rate=1.6, vocab=params.model.vocab,
+        return ChatWorkload(sessions=200, session_rate=1.6, vocab=params.model.vocab,
                             block_size=eng.block_size, seed=seed)
     return ChatWorkload(sessions=600, session_rate=3.0, vocab=params.model.vocab,
                         block_size=eng.block_size, seed=seed)
@@ -98,6 +98,8 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
         if missing:
             raise SystemExit(f"unknown policies {missing}; known: {sorted(specs)}")
         specs = {n: specs[n] for n in wanted}
+    elif args.quick and not args.diagnose:
+        specs = {n: s for n, s in specs.items() if s.group == "main"}
 
     def log(msg: str) -> None:
         sys.stderr.write(f"[sim] {msg}\n")
@@ -151,6 +153,8 @@ def _extra(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plots", type=Path, help="directory for the PNG plots")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-failover", action="store_true")
+    parser.add_argument("--diagnose", action="store_true",
+                        help="with --quick, also run the text-prompt diagnosis policies")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -125,13 +125,15 @@ class Simulation:
         events = self.router.uses_kv_events
         self.replicas = [Replica(i, params.engine, params.timing, self, store=self.store,
                                  record_events=events,
-                                 on_store_events=self._store_events if events else None)
+                                 on_store_events=self._store_events
+                                 if events and spec.store_events else None)
                          for i in range(replicas)]
         self.kills = list(kills)
         self.records: list[Record] = []
         self.affected: set[str] = set()
         self.moved_sessions = 0
         self.events_delivered = 0
+        self._store_pending: dict[int, list[dict[str, Any]]] = {}
 
     def _clock(self) -> float:
         return self.now
@@ -232,12 +234,15 @@ class Simulation:
         replica.finish_step(self.now)
         if self.router.uses_kv_events:
             events = replica.pool.take_events()
+            store_events = self._store_pending.pop(replica.index, None)
+            if store_events:
+                events.extend(store_events)  # one batch per step, as vLLM publishes
             if events:
                 self._deliver(replica.index, events)
         self._kick(replica)
 
     def _store_events(self, index: int, events: list[dict[str, Any]]) -> None:
-        self._deliver(index, events)
+        self._store_pending.setdefault(index, []).extend(events)
 
     def _deliver(self, index: int, events: list[dict[str, Any]]) -> None:
         self.at(self.now + self.params.router.kv_event_delay_s, self._events_arrive,

@@ -69,6 +69,8 @@ class PolicySpec:
     approx_chunk_chars: int = TEXT_CHUNK_CHARS
     approx_max_chunks: int | None = None
     approx_lru_per_server: int | None = None
+    group: str = "main"
+    store_events: bool = True  # the connector announces checkpointed blocks as KV events
 
     def __post_init__(self) -> None:
         if self.input not in ("text", "tokens"):
