@@ -18,8 +18,8 @@ _KILL_AT = 12.0
 def _simulate(store: bool, node: bool, seed: int = 0) -> Simulation:
     params = load_params().with_overrides("engine", kv_tokens=16384, block_size=16)
     params = params.with_overrides("store", replicas_per_node=2)
-    wl = ChatWorkload(sessions=40, session_rate=2.0, turns=4, system_prompts=2,
-                      system_tokens=600, user_tokens=120, output_tokens=40, think_s=3.0,
+    wl = ChatWorkload(sessions=48, session_rate=4.0, turns=4, system_prompts=2,
+                      system_tokens=600, user_tokens=120, output_tokens=150, think_s=3.0,
                       vocab=params.model.vocab, block_size=16, seed=seed)
     spec = dataclasses.replace(load_policies()["kvkeep"], store=store)
     sim = Simulation(params, spec, wl, replicas=4, seed=seed, kills=[Kill(_KILL_AT, (0,), node)])
@@ -47,7 +47,7 @@ def test_killed_replica_sessions_move_and_restore(node: bool) -> None:
         assert all("w0" not in r.workers for r in sim.records if r.sent_at > lease_end)
         assert sim.moved_sessions > 0
         # every session finished all its turns
-        turns = {}
+        turns: dict[str | None, int] = {}
         for r in sim.records:
             turns[r.spec.session] = max(turns.get(r.spec.session, 0), r.spec.turn)
         assert set(turns.values()) == {3}
@@ -67,5 +67,6 @@ def test_broken_streams_resume_with_the_tokens_already_sent() -> None:
     for r in resumed:
         assert r.resumes == 1 and r.failed is None
         assert r.workers[0] == "w0" and r.workers[-1] != "w0"
-        assert r.resumed_token_at is not None and r.resumed_token_at > r.broken_at
+        assert r.resumed_token_at is not None and r.broken_at is not None
+        assert r.resumed_token_at > r.broken_at
         assert r.delivered == len(r.spec.output)

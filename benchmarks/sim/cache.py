@@ -24,8 +24,16 @@ class OutOfBlocks(Exception):
 
 
 class BlockPool:
-    __slots__ = ("_ref", "_evictable", "block_size", "events", "evictions", "free_empty",
-                 "num_blocks", "record_events")
+    __slots__ = (
+        "_evictable",
+        "_ref",
+        "block_size",
+        "events",
+        "evictions",
+        "free_empty",
+        "num_blocks",
+        "record_events",
+    )
 
     def __init__(self, num_blocks: int, block_size: int, *, record_events: bool = True) -> None:
         self.num_blocks = num_blocks

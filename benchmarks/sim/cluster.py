@@ -24,7 +24,6 @@ from benchmarks.sim.params import SimParams
 from benchmarks.sim.router_adapter import (
     PolicySpec,
     RouteRefused,
-    Routed,
     RouterInput,
     SimRouter,
     simulated_time,

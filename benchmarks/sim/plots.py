@@ -9,9 +9,9 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-from benchmarks.sim.cluster import SimResult  # noqa: E402
+from benchmarks.sim.cluster import SimResult
 
 __all__ = ["ladder_plots", "failover_plot"]
 

@@ -95,7 +95,9 @@ def _goodputs(block: Mapping[str, Any]) -> list[float]:
 
 def summary(policies: Mapping[str, Mapping[str, Any]],
             candidates: Sequence[str] = ("kvkeep", "kvkeep_no_store", "kvkeep_tokens",
-                                         "kvkeep_tokens_no_store")) -> dict[str, Any]:
+                                         "kvkeep_tokens_no_store", "kvkeep_proposed",
+                                         "kvkeep_proposed_no_store", "kvkeep_proposed_text",
+                                         "kvkeep_proposed_text_no_store")) -> dict[str, Any]:
     """Goodput ratios over the ladder (sums over the QPS points) and the worst QPS point
     against llm-d's precise scheduler."""
     out: dict[str, Any] = {}
@@ -116,7 +118,9 @@ def summary(policies: Mapping[str, Mapping[str, Any]],
             out[f"{prefix}_min_ratio_vs_llmd_per_qps"] = _r(min(per)) if per else None
             out[f"{prefix}_ratio_vs_llmd_per_qps"] = [_r(x, 3) for x in per]
     for with_store, without in (("kvkeep", "kvkeep_no_store"),
-                                ("kvkeep_tokens", "kvkeep_tokens_no_store")):
+                                ("kvkeep_tokens", "kvkeep_tokens_no_store"),
+                                ("kvkeep_proposed", "kvkeep_proposed_no_store"),
+                                ("kvkeep_proposed_text", "kvkeep_proposed_text_no_store")):
         a, b = policies.get(with_store), policies.get(without)
         if a is not None and b is not None:
             out[f"store_adds_goodput_{with_store}"] = _r(ratio(sum(_goodputs(a)),

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import msgpack  # type: ignore[import-untyped]
+import numpy as np
 
 import router.service as _service_module
 import router.workers as _workers_module
@@ -82,7 +83,17 @@ class PolicySpec:
             raise ConfigError(f"policy {self.name}: unknown scorers {sorted(unknown)}; "
                               f"known: {sorted(SCORERS)}")
         build_policy(self.router_policy, weights=self.weights,
-                     thresholds=Thresholds(**self.thresholds))  # fails early on a bad name
+                     thresholds=self.router_thresholds())  # fails early on a bad name
+
+    def router_thresholds(self) -> Thresholds:
+        """The router's `Thresholds` with this policy's overrides (TOML numbers to the field
+        types: counts stay integers)."""
+        defaults = Thresholds()
+        values: dict[str, Any] = {}
+        for name, value in self.thresholds.items():
+            current = getattr(defaults, name)
+            values[name] = int(value) if isinstance(current, int) else float(value)
+        return Thresholds(**values)
 
     @property
     def uses_kv_events(self) -> bool:
@@ -106,7 +117,7 @@ class RouterInput:
 
     key: object  # equal keys: equal prompts (the parsed request is reused)
     text: str
-    tokens: Sequence[int]
+    tokens: Sequence[int] | np.ndarray[Any, Any]
     max_tokens: int
     session: str | None
 
@@ -141,15 +152,16 @@ class _Clock:
 @contextlib.contextmanager
 def simulated_time(now: Callable[[], float]) -> Iterator[None]:
     modules = (_service_module, _workers_module)
-    saved = [m.time for m in modules]
+    attr = "time"  # each module's `import time`
+    saved = [getattr(m, attr) for m in modules]
     shim = _Clock(now)
     for m in modules:
-        m.time = shim  # type: ignore[assignment]
+        setattr(m, attr, shim)
     try:
         yield
     finally:
         for m, t in zip(modules, saved, strict=True):
-            m.time = t
+            setattr(m, attr, t)
 
 
 class SimRouter:
@@ -159,7 +171,7 @@ class SimRouter:
                  block_size: int, now: Callable[[], float], seed: int = 0) -> None:
         self.spec = spec
         self.model = model
-        thresholds = Thresholds(**spec.thresholds)
+        thresholds = spec.router_thresholds()
         config = RouterConfig(policy=spec.router_policy, weights=tuple(spec.weights.items()),
                               thresholds=thresholds, block_size=block_size)
         svc = RouterService(config)
