@@ -40,6 +40,7 @@ import router.workers as _workers_module
 from kvstore.errors import ConfigError
 from router.api import Endpoint, parse_request
 from router.config import RouterConfig
+from router.context import DecisionContext
 from router.errors import RouterError
 from router.indexer.keys import TEXT_CHUNK_CHARS, text_prefix_keys
 from router.indexer.subscriber import KVEventSubscriber
@@ -211,6 +212,7 @@ class SimRouter:
             limit = self.spec.approx_max_chunks or 512
             route = dataclasses.replace(route, prefix_keys=text_prefix_keys(
                 creq.prompt_text, self.spec.approx_chunk_chars, limit))
+        self._count_soft_fallback(route)
         try:
             placement = self._loop.run_until_complete(svc.place(creq, route))
         except RouterError as exc:
@@ -283,6 +285,22 @@ class SimRouter:
         return len(self.service.blocks)
 
     # --- private -----------------------------------------------------------------------------
+    def _count_soft_fallback(self, route: Any) -> None:
+        """Diagnostics only (decides nothing): would the policy's own soft filters leave no
+        usable worker for this request, so that the scheduler ranks by least utilisation and
+        ignores every score? Counted as `soft_filter_fallback`."""
+        svc = self.service
+        policy = svc.scheduler.policy
+        if not policy.soft_filters or route.session_id is not None:
+            return
+        ctx = DecisionContext(route, svc.scheduler._clock())
+        kept = [w for w in svc.pool.states() if w.usable(ctx.now)]
+        for soft in policy.soft_filters:
+            kept = soft.apply(ctx, kept)
+        if not kept:
+            self.decisions["soft_filter_fallback"] = \
+                self.decisions.get("soft_filter_fallback", 0) + 1
+
     def _parse(self, req: RouterInput) -> Any:
         session = req.session if self.spec.sessions else None
         cache_key = (req.key, session, req.max_tokens)
