@@ -13,6 +13,8 @@ the published ones.
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 import sys
 import time
 from pathlib import Path
@@ -89,7 +91,33 @@ def run_failover(params: SimParams, spec: PolicySpec, *, quick: bool, seed: int,
     return out[0], out[1]
 
 
+def _merge(args: argparse.Namespace) -> dict[str, Any]:
+    """Combine runs of single policies (run in parallel processes) into one report."""
+    parts = [json.loads(Path(p).read_text()) for p in args.merge]
+    blocks: dict[str, Any] = {}
+    out: dict[str, Any] = {}
+    for part in parts:
+        blocks.update(part["policies"])
+        for key in ("workload", "params_file", "policy_file", "replicas", "failover"):
+            if key in part:
+                out.setdefault(key, part[key])
+    out["policies"] = blocks
+    quick = out.get("replicas") == 4
+    if out.get("workload") != "chat":
+        out["calibration"] = calibration(blocks, tok_scale=0.5 if quick else 1.0)
+    out["summary"] = summary(blocks)
+    plots_dir = args.plots or (args.json.parent / "sim-plots" if args.json else
+                               Path("bench-results/sim-plots"))
+    out["plots"] = ladder_plots(blocks, plots_dir, f"{out.get('workload')}, "
+                                f"{out.get('replicas')} simulated replicas")
+    out["plots"] += [p for part in parts for p in part.get("plots", [])
+                     if p.endswith("failover.png")]
+    return out
+
+
 def _measure(args: argparse.Namespace) -> dict[str, Any]:
+    if args.merge:
+        return _merge(args)
     params = load_params(args.params)
     specs = load_policies(args.policy_file)
     if args.policies:
@@ -104,6 +132,10 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     def log(msg: str) -> None:
         sys.stderr.write(f"[sim] {msg}\n")
 
+    # the router logs every dead worker and rebinding; the report counts them instead
+    logging.getLogger("router").setLevel(logging.ERROR)
+    if args.failover_only:
+        specs = {}
     blocks, _ = run_ladder(params, specs, quick=args.quick, seed=args.seed,
                            workload=args.workload, log=log)
     out: dict[str, Any] = {"workload": args.workload, "params_file": str(args.params),
@@ -115,7 +147,7 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     plots_dir = args.plots or (args.json.parent / "sim-plots" if args.json else
                                Path("bench-results/sim-plots"))
     plots = ladder_plots(blocks, plots_dir, f"{args.workload}, "
-                         f"{out['replicas']} simulated replicas")
+                         f"{out['replicas']} simulated replicas") if blocks else []
     if not args.no_failover:
         spec = load_policies(args.policy_file)["kvkeep"]
         kill_at = 60.0 if args.quick else 100.0
@@ -153,6 +185,10 @@ def _extra(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plots", type=Path, help="directory for the PNG plots")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-failover", action="store_true")
+    parser.add_argument("--merge", nargs="+", metavar="JSON",
+                        help="combine reports of single-policy runs instead of simulating")
+    parser.add_argument("--failover-only", action="store_true",
+                        help="only the failover run (no ladder)")
     parser.add_argument("--diagnose", action="store_true",
                         help="with --quick, also run the text-prompt diagnosis policies")
 
