@@ -62,7 +62,7 @@ def _published_errors(block: Mapping[str, Any], column: int, tok_scale: float
         published = pub[column] * tok_scale
         err = abs(sim - published) / published
         errs.append(err)
-        per_rate[str(qps)] = {"simulated": sim, "published": round(published, 1),
+        per_rate[f"{qps:g}"] = {"simulated": sim, "published": round(published, 1),
                               "rel_err": round(err, 4)}
     mean = sum(errs) / len(errs) if errs else float("nan")
     return {"mean_rel_err": _r(mean), "per_rate": per_rate}
