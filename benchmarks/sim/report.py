@@ -117,6 +117,15 @@ def summary(policies: Mapping[str, Mapping[str, Any]],
             per = [ratio(a, b) for a, b in zip(mine, theirs, strict=True) if b > 0]
             out[f"{prefix}_min_ratio_vs_llmd_per_qps"] = _r(min(per)) if per else None
             out[f"{prefix}_ratio_vs_llmd_per_qps"] = [_r(x, 3) for x in per]
+    targets: dict[str, Any] = {}
+    for name in candidates:
+        prefix = "kvkeep" if name == "kvkeep" else name
+        vs_rr = out.get(f"{prefix}_vs_round_robin_goodput")
+        worst = out.get(f"{prefix}_min_ratio_vs_llmd_per_qps")
+        if vs_rr is not None and worst is not None:
+            targets[name] = {"goodput_ge_2.2x_round_robin": vs_rr >= 2.2,
+                             "goodput_ge_1.0x_llmd_precise_every_qps": worst >= 1.0}
+    out["targets"] = targets
     for with_store, without in (("kvkeep", "kvkeep_no_store"),
                                 ("kvkeep_tokens", "kvkeep_tokens_no_store"),
                                 ("kvkeep_proposed", "kvkeep_proposed_no_store"),
@@ -170,6 +179,10 @@ def failover_block(with_store: SimResult, without: SimResult) -> dict[str, Any]:
         "ttft_p50_affected_recompute_s": b["ttft_p50_affected_s"],
         "restore_vs_recompute_p99": _r(ratio(a["ttft_p99_affected_s"] or 0.0,
                                              b["ttft_p99_affected_s"] or 0.0)),
+        "targets": {"zero_lost_sessions": a["lost_sessions"] == 0,
+                    "p99_with_store_le_0.5x_without": ratio(
+                        a["ttft_p99_affected_s"] or 0.0,
+                        b["ttft_p99_affected_s"] or 0.0) <= 0.5},
         "with_store": a, "without_store": b,
         "kills": [{"at_s": k.at, "replicas": list(k.replicas), "node": k.node}
                   for k in with_store.kills],
