@@ -102,6 +102,11 @@ def _merge(args: argparse.Namespace) -> dict[str, Any]:
             if key in part:
                 out.setdefault(key, part[key])
     out["policies"] = blocks
+    fo = out.get("failover")
+    if fo is not None and "targets" not in fo:  # a report from before targets were added
+        fo["targets"] = {"zero_lost_sessions": fo["lost_sessions"] == 0,
+                         "p99_with_store_le_0.5x_without":
+                             (fo["restore_vs_recompute_p99"] or 1.0) <= 0.5}
     quick = out.get("replicas") == 4
     if out.get("workload") != "chat":
         out["calibration"] = calibration(blocks, tok_scale=0.5 if quick else 1.0)

@@ -73,6 +73,10 @@ class PolicySpec:
     approx_lru_per_server: int | None = None
     group: str = "main"
     store_events: bool = True  # the connector announces checkpointed blocks as KV events
+    # False: the policy's soft filters removed (the proposed router change: when no worker
+    # passes them, the scheduler ranks by least utilisation and ignores every score; the
+    # thresholds cannot express "off", since KV usage reaches 1.0 at saturation)
+    soft_filters: bool = True
 
     def __post_init__(self) -> None:
         if self.input not in ("text", "tokens"):
@@ -180,6 +184,8 @@ class SimRouter:
         svc.sessions.clock = now
         policy = build_policy(config.policy, weights=dict(config.weights),
                               thresholds=thresholds, rng=random.Random(seed))
+        if not spec.soft_filters:
+            policy = dataclasses.replace(policy, soft_filters=())
         svc.scheduler = Scheduler(svc.pool, policy, history=svc.history, blocks=svc.blocks,
                                   clock=now)
         svc.rebinder.scheduler = svc.scheduler
