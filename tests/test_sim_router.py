@@ -21,11 +21,12 @@ def _small() -> SimParams:
     return load_params().with_overrides("engine", kv_tokens=16384, block_size=16)
 
 
-def _run(spec: PolicySpec, *, seed: int = 0, replicas: int = 4) -> SimResult:
-    params = _small()
+def _run(spec: PolicySpec, *, seed: int = 0, replicas: int = 4, kv_tokens: int = 16384,
+         output_tokens: int = 40, rate: float = 12) -> SimResult:
+    params = _small().with_overrides("engine", kv_tokens=kv_tokens)
     wl = SharedPrefixWorkload(groups=12, prompts_per_group=4, system_tokens=800,
-                              question_tokens=100, output_tokens=40,
-                              stages=((6, 8), (12, 8)), vocab=params.model.vocab,
+                              question_tokens=100, output_tokens=output_tokens,
+                              stages=((rate / 2, 8), (rate, 8)), vocab=params.model.vocab,
                               block_size=params.engine.block_size, seed=seed)
     return Simulation(params, spec, wl, replicas=replicas, seed=seed).run()
 
@@ -93,3 +94,16 @@ def test_store_turns_evictions_into_restores() -> None:
     assert hits["host"] + hits["remote"] > 0
     assert tier_hits(without.records)["host"] == 0
     assert Counter(r.failed for r in with_store.records) == Counter({None: 48 + 96 + 0})
+
+
+def test_kvkeep_soft_filter_fallback_ignores_the_prefix_signal() -> None:
+    # Under KV pressure every worker is over the default policy's 85 % KV threshold: the
+    # router's scheduler then ranks by least utilisation (router/scheduler.py `_rank`) and the
+    # prefix scores count for nothing. Without the soft filters the prefix wins again.
+    spec = dataclasses.replace(load_policies()["kvkeep"], store=False)
+    default = _run(spec, kv_tokens=8192, output_tokens=300, rate=16.0)
+    unfiltered = _run(dataclasses.replace(spec, soft_filters=False), kv_tokens=8192,
+                      output_tokens=300, rate=16.0)
+    assert default.decisions.get("soft_filter_fallback", 0) > len(default.records) // 4
+    assert "soft_filter_fallback" not in unfiltered.decisions
+    assert _groups_per_worker(unfiltered) < _groups_per_worker(default)
