@@ -176,8 +176,8 @@ class Replica:
         self._step_decodes = len(self.decoding)
         work = StepWork(prefill, self._step_decodes, len(self.running), self.pool.usage())
         seconds = step_seconds(work, self.timing, self.engine)
-        if self.store is not None and self.store.params.load_mode == "sync":
-            seconds += load_s
+        if self.store is not None:
+            seconds += load_s  # sync loads (the connector's default): the step waits
         if seconds > 0.0:
             self.steps += 1
             self.busy_s += seconds
