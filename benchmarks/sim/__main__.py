@@ -98,7 +98,8 @@ def _merge(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for part in parts:
         blocks.update(part["policies"])
-        for key in ("workload", "params_file", "policy_file", "replicas", "failover"):
+        for key in ("workload", "params_file", "policy_file", "replicas", "failover",
+                    "failover_node"):
             if key in part:
                 out.setdefault(key, part[key])
     out["policies"] = blocks
@@ -116,7 +117,7 @@ def _merge(args: argparse.Namespace) -> dict[str, Any]:
     out["plots"] = ladder_plots(blocks, plots_dir, f"{out.get('workload')}, "
                                 f"{out.get('replicas')} simulated replicas")
     out["plots"] += [p for part in parts for p in part.get("plots", [])
-                     if p.endswith("failover.png")]
+                     if "failover" in Path(p).name]
     return out
 
 
@@ -156,11 +157,15 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     if not args.no_failover:
         spec = load_policies(args.policy_file)["kvkeep"]
         kill_at = 60.0 if args.quick else 100.0
+        killed = tuple(int(i) for i in args.kill.split(","))
         with_store, without = run_failover(params, spec, quick=args.quick, seed=args.seed,
-                                           kill_at=kill_at)
-        out["failover"] = failover_block(with_store, without)
+                                           kill_at=kill_at, replicas_killed=killed,
+                                           node=args.kill_node)
+        key = "failover_node" if args.kill_node else "failover"
+        out[key] = failover_block(with_store, without)
         plots.append(failover_plot([("kvkeep with store", with_store),
-                                    ("kvkeep without store", without)], plots_dir))
+                                    ("kvkeep without store", without)], plots_dir,
+                                   name=f"{key}.png"))
         log("failover done")
     out["plots"] = plots
     return out
@@ -192,6 +197,11 @@ def _extra(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-failover", action="store_true")
     parser.add_argument("--merge", nargs="+", metavar="JSON",
                         help="combine reports of single-policy runs instead of simulating")
+    parser.add_argument("--kill", default="0,1",
+                        help="replicas the failover run kills (default 0,1: two pods)")
+    parser.add_argument("--kill-node", action="store_true",
+                        help="the killed replicas' node daemons die too (host tiers lost); "
+                             "kill all of a node's replicas, e.g. --kill 0,1,2,3")
     parser.add_argument("--failover-only", action="store_true",
                         help="only the failover run (no ladder)")
     parser.add_argument("--diagnose", action="store_true",

@@ -99,8 +99,8 @@ def _timeline(result: SimResult, bin_s: float) -> tuple[list[float], list[float]
     return xs, p90, tput
 
 
-def failover_plot(runs: Sequence[tuple[str, SimResult]], out: Path, bin_s: float = 5.0
-                  ) -> str:
+def failover_plot(runs: Sequence[tuple[str, SimResult]], out: Path, bin_s: float = 5.0,
+                  name: str = "failover.png") -> str:
     out.mkdir(parents=True, exist_ok=True)
     fig, axes = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
     for label, result in runs:
@@ -119,7 +119,7 @@ def failover_plot(runs: Sequence[tuple[str, SimResult]], out: Path, bin_s: float
         ax.grid(True, alpha=0.3)
     fig.suptitle("failover: multi-turn chat, replicas killed mid-run")
     fig.tight_layout()
-    path = out / "failover.png"
+    path = out / name
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return str(path)
