@@ -17,10 +17,14 @@ __all__ = ["ladder_plots", "failover_plot"]
 
 
 def _series(ax: Any, policies: Mapping[str, Mapping[str, Any]], key: str, *,
-            log: bool = False, style: str = "-o") -> None:
-    for name, block in policies.items():
+            log: bool = False) -> None:
+    cmap = plt.get_cmap("tab20")
+    colours = [cmap(i / 19) for i in range(20)]
+    markers = "os^vD<>"
+    for i, (name, block) in enumerate(policies.items()):
         ys = [y if y is not None else float("nan") for y in block[key]]
-        ax.plot(block["qps"], ys, style, label=name, markersize=3, linewidth=1.2)
+        ax.plot(block["qps"], ys, "-" + markers[i % len(markers)], label=name, markersize=3,
+                linewidth=1.2, color=colours[i % len(colours)])
     ax.set_xlabel("QPS")
     if log:
         ax.set_yscale("log")
