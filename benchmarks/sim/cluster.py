@@ -26,7 +26,6 @@ from benchmarks.sim.router_adapter import (
     RouteRefused,
     RouterInput,
     SimRouter,
-    simulated_time,
 )
 from benchmarks.sim.store import KVStore
 from benchmarks.sim.workloads import RequestSpec, Stage
@@ -145,22 +144,21 @@ class Simulation:
         heapq.heappush(self._heap, (t, self._seq, fn, args))
 
     def run(self, until: float = float("inf")) -> SimResult:
-        with simulated_time(self._clock):
-            self.workload.start(self._submit, 0.0)
-            self.at(0.0, self._scrape)
-            for kill in self.kills:
-                self.at(kill.at, self._kill, kill)
-            heap = self._heap
-            while heap:
-                t, _, fn, args = heapq.heappop(heap)
-                if t > until:
-                    break
-                self.now = t
-                if fn != self._scrape:
-                    self._live -= 1
-                fn(*args)
-                if self._live == 0:
-                    break  # only the scrape timer is left
+        self.workload.start(self._submit, 0.0)
+        self.at(0.0, self._scrape)
+        for kill in self.kills:
+            self.at(kill.at, self._kill, kill)
+        heap = self._heap
+        while heap:
+            t, _, fn, args = heapq.heappop(heap)
+            if t > until:
+                break
+            self.now = t
+            if fn != self._scrape:
+                self._live -= 1
+            fn(*args)
+            if self._live == 0:
+                break  # only the scrape timer is left
         self.router.close()
         return SimResult(
             self.spec.name, self.records, list(self.workload.stages),
@@ -248,7 +246,7 @@ class Simulation:
                 self.names[index], events, self.now)
 
     def _events_arrive(self, worker: str, events: list[dict[str, Any]], sent: float) -> None:
-        if worker in self.router.service.pool:
+        if self.router.knows(worker):
             self.router.kv_events(worker, events, sent)
             self.events_delivered += len(events)
 

@@ -1,58 +1,47 @@
-"""The simulator's only contact with the router: the router's own objects, driven in simulated
-time.
+"""The simulator's only contact with the router: its core (`router.core.RouterCore`), driven in
+simulated time.
 
-Every routing decision is the router's code: `RouterService.route_request` (text-chunk keys,
-token-block keys, the session's remembered blocks), `RouterService.place` (the session rules,
-migration cooldown and compare-and-swap binding on the in-process backend),
-`Scheduler.decide` / `commit` (filters, scorers, picker, optimistic charging), `WorkerPool`
-(scraped load, releases, failures), `KVEventSubscriber.handle` (vLLM's msgpack KV-event batches
-into the `KVBlockIndex`), `Registry.delete_worker` and `Rebinder.rebind` (a dead worker's
-sessions moved with a restore hint). Policies come from `router.policy.build_policy` with the
-weights and thresholds of `policies.toml`.
+Every routing decision is the router's code: `RouterCore.route` (text-chunk keys, token-block
+keys, a session's remembered blocks), `RouterCore.place_now` (the session rules, migration
+cooldown and compare-and-swap binding on the in-memory backend, then the pre-request hooks:
+optimistic charging, routing history), `RouterCore.finish` (release, the session's tokens, the
+restore hint settled), `set_load` (scraped metrics), `apply_kv_events` (vLLM's KV-event maps
+into the `KVBlockIndex`), `remove_worker` (lease expired: caches forgotten, sessions rebound
+with a restore hint), `WorkerPool.record_failure` (a broken stream or refused connection).
+Policies are the router's presets (`router.policy.policy_preset`) with the weights, thresholds
+and soft filters of `policies.toml`; the core's clock is the simulation's.
 
-What this module adds is the glue the HTTP proxy does (`Proxy._place`, `_release`, `_failed`)
-and the clock: the router reads wall time directly in two places that matter here
-(`router/service.py` `place`: `time.time()` for the migration cooldown;
-`router/workers.py` `record_failure`: `time.monotonic()` for suspect windows), so while a
-simulation runs those modules' `time` is a shim that answers simulated time. When the router
-exposes an injectable clock, `simulated_time` goes and nothing else changes.
+What this module adds is the glue the HTTP front does (`router/dispatch.py`: place, finish
+once per attempt, mark a failed worker) and the translation from the simulator's requests to
+`RequestFeatures`.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import dataclasses
-import json
 import random
-import time
 import tomllib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import msgpack  # type: ignore[import-untyped]
 import numpy as np
 
-import router.service as _service_module
-import router.workers as _workers_module
 from kvstore.errors import ConfigError
-from router.api import Endpoint, parse_request
-from router.config import RouterConfig
+from kvstore.keys import SessionId
 from router.context import DecisionContext
+from router.core import RouterCore
+from router.decision import Placement, RequestFeatures, RouteRequest
 from router.errors import RouterError
+from router.hooks import FAILED, Outcome
 from router.indexer.keys import TEXT_CHUNK_CHARS, text_prefix_keys
-from router.indexer.subscriber import KVEventSubscriber
-from router.policy import Thresholds, build_policy
-from router.registry import Registry
-from router.scheduler import Scheduler
+from router.policy import Policy, Thresholds, policy_preset
 from router.scorers import SCORERS
-from router.service import Placement, RouterService
-from router.workers import WorkerId, WorkerInfo, WorkerLoad
+from router.workers import WorkerId, WorkerInfo
 
 __all__ = ["PolicySpec", "load_policies", "DEFAULT_POLICIES", "SimRouter", "Routed",
-           "RouteRefused", "simulated_time", "RouterInput"]
+           "RouteRefused", "RouterInput"]
 
 DEFAULT_POLICIES = Path(__file__).with_name("policies.toml")
 
@@ -87,8 +76,7 @@ class PolicySpec:
         if unknown:
             raise ConfigError(f"policy {self.name}: unknown scorers {sorted(unknown)}; "
                               f"known: {sorted(SCORERS)}")
-        build_policy(self.router_policy, weights=self.weights,
-                     thresholds=self.router_thresholds())  # fails early on a bad name
+        self.build()  # the router's own checks: unknown names, bad thresholds
 
     def router_thresholds(self) -> Thresholds:
         """The router's `Thresholds` with this policy's overrides (TOML numbers to the field
@@ -100,10 +88,17 @@ class PolicySpec:
             values[name] = int(value) if isinstance(current, int) else float(value)
         return Thresholds(**values)
 
+    def build(self, seed: int = 0) -> Policy:
+        """The router's preset with this policy's weights, thresholds and filters."""
+        spec = policy_preset(self.router_policy).with_weights(self.weights)
+        spec = dataclasses.replace(spec, thresholds=self.router_thresholds())
+        if not self.soft_filters:
+            spec = dataclasses.replace(spec, filters=())
+        return spec.build(random.Random(seed))
+
     @property
     def uses_kv_events(self) -> bool:
-        policy = build_policy(self.router_policy, weights=self.weights)
-        return any(s.name in ("precise-prefix", "best-prefix") for s, _ in policy.scorers)
+        return any(s.name in ("precise-prefix", "best-prefix") for s, _ in self.build().scorers)
 
     def with_weights(self, **weights: float) -> PolicySpec:
         return dataclasses.replace(self, weights={**self.weights, **weights})
@@ -145,30 +140,6 @@ class RouteRefused(Exception):
         self.status = status
 
 
-class _Clock:
-    """Stands in for the `time` module inside router modules that read the wall clock."""
-
-    def __init__(self, now: Callable[[], float]) -> None:
-        self.time = now
-        self.monotonic = now
-        self.perf_counter = time.perf_counter
-
-
-@contextlib.contextmanager
-def simulated_time(now: Callable[[], float]) -> Iterator[None]:
-    modules = (_service_module, _workers_module)
-    attr = "time"  # each module's `import time`
-    saved = [getattr(m, attr) for m in modules]
-    shim = _Clock(now)
-    for m in modules:
-        setattr(m, attr, shim)
-    try:
-        yield
-    finally:
-        for m, t in zip(modules, saved, strict=True):
-            setattr(m, attr, t)
-
-
 class SimRouter:
     """One router replica running `spec` over `workers`, in simulated time `now`."""
 
@@ -176,151 +147,106 @@ class SimRouter:
                  block_size: int, now: Callable[[], float], seed: int = 0) -> None:
         self.spec = spec
         self.model = model
-        thresholds = spec.router_thresholds()
-        config = RouterConfig(policy=spec.router_policy, weights=tuple(spec.weights.items()),
-                              thresholds=thresholds, block_size=block_size)
-        svc = RouterService(config)
-        svc.backend.clock = now  # type: ignore[attr-defined]
-        svc.sessions.clock = now
-        policy = build_policy(config.policy, weights=dict(config.weights),
-                              thresholds=thresholds, rng=random.Random(seed))
-        if not spec.soft_filters:
-            policy = dataclasses.replace(policy, soft_filters=())
-        svc.scheduler = Scheduler(svc.pool, policy, history=svc.history, blocks=svc.blocks,
-                                  clock=now)
-        svc.rebinder.scheduler = svc.scheduler
+        self.core = RouterCore(spec.build(seed), block_size=block_size, clock=now)
         if spec.approx_lru_per_server is not None:
-            svc.history.capacity = spec.approx_lru_per_server * len(workers)
-        self.service = svc
-        self.subscriber = KVEventSubscriber(svc.blocks)
-        self._gone: list[WorkerId] = []
-        self.registry = Registry(svc.pool, self._gone.append, self.subscriber, svc.history)
+            self.core.history.capacity = spec.approx_lru_per_server * len(workers)
         for w in workers:
-            self.registry.put_worker(WorkerInfo(WorkerId(w), f"http://{w}", (model,)))
-        self._loop = asyncio.new_event_loop()
-        self._parsed: dict[object, Any] = {}
-        self._seq: dict[str, int] = {}
+            self.core.add_worker(WorkerInfo(WorkerId(w), f"http://{w}", (model,)))
         self.uses_kv_events = spec.uses_kv_events
         self.decisions: dict[str, int] = {}
 
     def close(self) -> None:
-        self._loop.close()
-        self.subscriber._ctx.term()
+        """Nothing to release: the core holds no sockets or tasks."""
 
     # --- requests ---------------------------------------------------------------------------
     def place(self, req: RouterInput, tried: frozenset[str] = frozenset()) -> Routed:
-        """`Proxy._place`: route, decide and bind, commit the pick."""
-        svc = self.service
-        creq = self._parse(req)
-        route = svc.route_request(creq, frozenset(WorkerId(w) for w in tried))
+        """What the HTTP front does per attempt: route, place (decide, bind, hooks)."""
+        core = self.core
+        route = core.route(self._features(req), frozenset(WorkerId(w) for w in tried))
         if self.spec.approx_max_chunks is not None or \
                 self.spec.approx_chunk_chars != TEXT_CHUNK_CHARS:
             limit = self.spec.approx_max_chunks or 512
+            text = req.text if self.spec.input == "text" else " ".join(map(str, route_tokens(req)))
             route = dataclasses.replace(route, prefix_keys=text_prefix_keys(
-                creq.prompt_text, self.spec.approx_chunk_chars, limit))
+                text, self.spec.approx_chunk_chars, limit))
         self._count_soft_fallback(route)
         try:
-            placement = self._loop.run_until_complete(svc.place(creq, route))
+            placement = core.place_now(route)
         except RouterError as exc:
             raise RouteRefused(exc.status, str(exc)) from exc
-        svc.scheduler.commit(route, placement.decision)
         label = placement.label
         self.decisions[label] = self.decisions.get(label, 0) + 1
-        restore = placement.restore_from
-        return Routed(placement.worker, label, restore, placement)
+        return Routed(placement.worker, label, placement.restore_from, placement)
 
     def release(self, routed: Routed) -> None:
-        """`Proxy._release`: the request ended (done, failed or moved)."""
-        p = routed.placement
-        self.service.pool.release(p.worker, p.route.tokens)
+        """The attempt ended without an answer to keep (moved elsewhere)."""
+        self.core.finish(routed.placement, FAILED)
 
     def failed(self, routed: Routed, *, hard: bool) -> None:
-        """`Proxy._failed`: the worker failed this request (connection refused, broken
-        stream)."""
-        self.release(routed)
-        self.service.pool.record_failure(routed.placement.worker, hard=hard)
+        """The worker failed this attempt (connection refused, broken stream)."""
+        self.core.finish(routed.placement, FAILED)
+        self.core.pool.record_failure(routed.placement.worker, hard=hard)
 
     def succeeded(self, routed: Routed, prompt: Sequence[int], output: Sequence[int]) -> None:
-        """A stream ended with [DONE]: remember the session's tokens, settle the binding."""
-        svc = self.service
-        self.release(routed)
-        svc.pool.record_success(routed.placement.worker)
-        session = routed.placement.route.session_id
-        if session is None:
-            return
-        svc.remember_tokens(session, list(prompt), list(output))
-        self._loop.run_until_complete(self._settle(routed.placement))
-
-    async def _settle(self, placement: Placement) -> None:
-        svc = self.service
-        svc.settle(placement)
-        pending = list(svc._background)
-        if pending:
-            await asyncio.gather(*pending, return_exceptions=True)
+        """A stream ended with [DONE] and returned its token ids."""
+        self.core.pool.record_success(routed.placement.worker)
+        self.core.finish(routed.placement, Outcome(True, prompt, output))
 
     # --- what the router learns from the workers ---------------------------------------------
     def scraped(self, worker: str, running: int, waiting: int, kv_usage: float,
                 now: float) -> None:
-        self.service.pool.update_load(WorkerId(worker), WorkerLoad(running, waiting,
-                                                                   kv_usage, now))
+        self.core.set_load(WorkerId(worker), running=running, waiting=waiting,
+                           kv_usage=kv_usage)
 
     def kv_events(self, worker: str, events: list[dict[str, Any]], now: float) -> None:
-        """One batch of a worker's KV events, as vLLM's ZMQ publisher frames it."""
-        seq = self._seq.get(worker, -1) + 1
-        self._seq[worker] = seq
-        payload = msgpack.packb([now, events, 0])
-        self.subscriber.handle(WorkerId(worker), [b"kv", seq.to_bytes(8, "big", signed=True),
-                                                  payload])
+        """One batch of a worker's KV events (vLLM's maps, as the subscriber decodes them)."""
+        self.core.apply_kv_events(WorkerId(worker), events)
 
     def worker_gone(self, worker: str) -> int:
-        """The worker's lease expired: the registry forgets it and its sessions are rebound
-        (with a restore hint). Returns how many sessions moved."""
+        """The worker's lease expired: the core forgets it and rebinds its sessions (with a
+        restore hint). Returns how many sessions moved."""
         wid = WorkerId(worker)
-        self.registry.delete_worker(wid)
-        moved = 0
-        while self._gone:
-            gone = self._gone.pop()
-            moved += self._loop.run_until_complete(self.service.rebinder.rebind(gone))
-        return moved
+        before = len(self.core.sessions.bound_to(wid))
+        self.core.remove_worker(wid)
+        return before - len(self.core.sessions.bound_to(wid))
 
     def bound_sessions(self, worker: str) -> list[str]:
-        return [str(s) for s in self.service.sessions.bound_to(WorkerId(worker))]
+        return [str(s) for s in self.core.sessions.bound_to(WorkerId(worker))]
+
+    def knows(self, worker: str) -> bool:
+        return WorkerId(worker) in self.core.pool
 
     @property
     def index_blocks(self) -> int:
-        return len(self.service.blocks)
+        return len(self.core.blocks)
 
     # --- private -----------------------------------------------------------------------------
-    def _count_soft_fallback(self, route: Any) -> None:
+    def _count_soft_fallback(self, route: RouteRequest) -> None:
         """Diagnostics only (decides nothing): would the policy's own soft filters leave no
         usable worker for this request, so that the scheduler ranks by least utilisation and
         ignores every score? Counted as `soft_filter_fallback`."""
-        svc = self.service
-        policy = svc.scheduler.policy
+        core = self.core
+        policy = core.policy
         if not policy.soft_filters or route.session_id is not None:
             return
-        ctx = DecisionContext(route, svc.scheduler._clock())
-        kept = [w for w in svc.pool.states() if w.usable(ctx.now)]
+        ctx = DecisionContext(route, core.clock())
+        kept = [w for w in core.pool.states() if w.usable(ctx.now)]
         for soft in policy.soft_filters:
             kept = soft.apply(ctx, kept)
         if not kept:
             self.decisions["soft_filter_fallback"] = \
                 self.decisions.get("soft_filter_fallback", 0) + 1
 
-    def _parse(self, req: RouterInput) -> Any:
-        session = req.session if self.spec.sessions else None
-        cache_key = (req.key, session, req.max_tokens)
-        creq = self._parsed.get(cache_key)
-        if creq is not None:
-            return creq
-        tokens = req.tokens
-        prompt: Any = req.text if self.spec.input == "text" else (
-            tokens.tolist() if hasattr(tokens, "tolist") else list(tokens))
-        body = {"model": self.model, "prompt": prompt, "max_tokens": req.max_tokens,
-                "stream": True, "ignore_eos": True}
-        creq = parse_request(Endpoint.COMPLETIONS, json.dumps(body).encode(), session)
-        if req.key is not None:
-            if len(self._parsed) > 4096:
-                self._parsed.clear()
-            self._parsed[cache_key] = creq
-        return creq
+    def _features(self, req: RouterInput) -> RequestFeatures:
+        session = SessionId(req.session) if req.session is not None and self.spec.sessions \
+            else None
+        if self.spec.input == "tokens":
+            return RequestFeatures(self.model, session, prompt_tokens=route_tokens(req),
+                                   max_tokens=req.max_tokens)
+        return RequestFeatures(self.model, session, prompt_text=req.text,
+                               max_tokens=req.max_tokens)
+
+
+def route_tokens(req: RouterInput) -> tuple[int, ...]:
+    tokens = req.tokens
+    return tuple(tokens.tolist() if isinstance(tokens, np.ndarray) else tokens)
