@@ -28,7 +28,6 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.errors import ConfigError
 from kvstore.keys import SessionId
 from router.context import DecisionContext
 from router.core import RouterCore
@@ -37,7 +36,6 @@ from router.errors import RouterError
 from router.hooks import FAILED, Outcome
 from router.indexer.keys import TEXT_CHUNK_CHARS, text_prefix_keys
 from router.policy import Policy, Thresholds, policy_preset
-from router.scorers import SCORERS
 from router.workers import WorkerId, WorkerInfo
 
 __all__ = ["PolicySpec", "load_policies", "DEFAULT_POLICIES", "SimRouter", "Routed",
@@ -70,12 +68,6 @@ class PolicySpec:
     def __post_init__(self) -> None:
         if self.input not in ("text", "tokens"):
             raise ValueError(f"policy {self.name}: input must be 'text' or 'tokens'")
-        # build_policy itself raises a bare KeyError on an unknown scorer (only the command
-        # line's parse_weights checks names): check with the router's own table
-        unknown = set(self.weights) - set(SCORERS)
-        if unknown:
-            raise ConfigError(f"policy {self.name}: unknown scorers {sorted(unknown)}; "
-                              f"known: {sorted(SCORERS)}")
         self.build()  # the router's own checks: unknown names, bad thresholds
 
     def router_thresholds(self) -> Thresholds:
