@@ -178,6 +178,11 @@ class KVKeepL2Adapter(L2AdapterInterface):  # type: ignore[misc, unused-ignore]
         if gone:
             self._notify_keys_deleted(gone, sizes)
 
+    def debug_has_key(self, key: ObjectKey) -> bool:
+        """Whether the daemons hold `key`, asked synchronously: the hook LMCache's
+        storage-manager tests poll on an adapter (its mock has the same)."""
+        return not self._closed and self._objects.lookup([_ref(key)]) == [True]
+
     def report_status(self) -> dict[str, Any]:
         return {"is_healthy": (not self._closed) and self._objects.healthy(),
                 "type": "KVKeepL2Adapter", "tenant": self._settings.tenant,

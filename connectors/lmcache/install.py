@@ -15,6 +15,8 @@ the plugin's transport in a fresh interpreter to prove the stubs load. Re-run it
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -34,15 +36,14 @@ _KVKEEP_ROOT = Path(__file__).resolve().parents[2]
 
 def install_stubs(site: Path) -> Path:
     """Generate the stubs into `site`/PACKAGE/proto_gen and enable them; return the package."""
+    # Looked up by name: proto/ is a build tool outside the type-checked packages.
     try:
-        from proto.generate import generate
+        generate = importlib.import_module("proto.generate").generate
     except ImportError as exc:
         raise ConfigError(f"kvkeep's proto package is not importable: {exc}") from exc
-    try:
-        import grpc_tools  # noqa: F401  (generate() needs it; say so before writing anything)
-    except ImportError as exc:
+    if importlib.util.find_spec("grpc_tools") is None:  # say so before writing anything
         raise ConfigError("this environment has no grpcio-tools: pip install grpcio-tools "
-                          "at the version of its grpcio") from exc
+                          "at the version of its grpcio")
     package = site / PACKAGE
     staging = site / f".{PACKAGE}.tmp"
     shutil.rmtree(staging, ignore_errors=True)
