@@ -145,7 +145,7 @@ def test_kv_objects_round_trip(daemons: list[DaemonProcess], shape: tuple[int, .
                                dtype: torch.dtype) -> None:
     adapter = build(params_for(daemons))
     try:
-        keys = ([key(i) for i in range(3)] + [key(0, rank=1), key(0, salt="user/a@b")])
+        keys = ([key(i) for i in range(3)] + [key(0, rank=1), key(0, salt="user 42:a+b")])
         objs = [kv_object(shape, dtype, seed) for seed in range(len(keys))]
         result = store(adapter, keys, objs)
         assert result.is_successful()

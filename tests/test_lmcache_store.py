@@ -324,9 +324,24 @@ def test_stubs_install_for_another_environment(tmp_path: Path) -> None:
     site.mkdir()
     package = install_stubs(site)
     assert (package / "proto_gen" / "kvstore_pb2.py").is_file()
-    probe = ("import site, sys; site.addsitedir(sys.argv[1]); import proto.gen.kvstore_pb2 as pb;"
-             "import connectors.lmcache.transport; print(pb.__file__)")
+    probe = ("import site, sys; site.addsitedir(sys.argv[1]); import proto;"
+             "import proto.gen.kvstore_pb2 as pb; import connectors.lmcache.transport;"
+             "print(pb.__file__); print(proto.__file__)")
     root = Path(__file__).resolve().parent.parent
-    done = subprocess.run([sys.executable, "-c", probe, str(site)], cwd=root, check=True,
-                          capture_output=True, text=True)
-    assert Path(done.stdout.strip()).resolve().is_relative_to(package.resolve())
+
+    def imported() -> tuple[Path, Path]:
+        done = subprocess.run([sys.executable, "-c", probe, str(site)], cwd=root, check=True,
+                              capture_output=True, text=True)
+        gen, top = done.stdout.split()
+        return Path(gen).resolve(), Path(top).resolve()
+
+    gen, top = imported()
+    assert gen.is_relative_to(package.resolve())
+    assert top == (root / "proto" / "__init__.py").resolve()  # kvkeep's own `proto`
+    # A `proto` installed in that site (proto-plus, in LMCache's environment) keeps its name;
+    # kvkeep's stubs then load as its `gen` submodule. (A stand-in package, not proto-plus.)
+    (site / "proto").mkdir()
+    (site / "proto" / "__init__.py").write_text("PLUS = True\n")
+    gen, top = imported()
+    assert gen.is_relative_to(package.resolve())
+    assert top == (site / "proto" / "__init__.py").resolve()

@@ -15,7 +15,6 @@ the plugin's transport in a fresh interpreter to prove the stubs load. Re-run it
 from __future__ import annotations
 
 import argparse
-import importlib
 import importlib.util
 import os
 import shutil
@@ -36,11 +35,15 @@ _KVKEEP_ROOT = Path(__file__).resolve().parents[2]
 
 def install_stubs(site: Path) -> Path:
     """Generate the stubs into `site`/PACKAGE/proto_gen and enable them; return the package."""
-    # Looked up by name: proto/ is a build tool outside the type-checked packages.
-    try:
-        generate = importlib.import_module("proto.generate").generate
-    except ImportError as exc:
-        raise ConfigError(f"kvkeep's proto package is not importable: {exc}") from exc
+    # Loaded by path: in an environment the stubs were installed in before, the name `proto`
+    # may be proto-plus's (see stub_finder), and proto/ is outside the type-checked packages.
+    spec = importlib.util.spec_from_file_location("kvkeep_proto_generate",
+                                                  _KVKEEP_ROOT / "proto" / "generate.py")
+    if spec is None or spec.loader is None:
+        raise ConfigError(f"kvkeep's proto/generate.py is not under {_KVKEEP_ROOT}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    generate = module.generate
     if importlib.util.find_spec("grpc_tools") is None:  # say so before writing anything
         raise ConfigError("this environment has no grpcio-tools: pip install grpcio-tools "
                           "at the version of its grpcio")

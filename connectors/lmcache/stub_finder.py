@@ -9,6 +9,11 @@ as the package's `__init__.py`, and adds a .pth line that calls `install()` at s
 From then on `import proto.gen...` in that environment loads the local stubs, whichever copy of
 kvkeep (a checkout on sys.path, an installed wheel) provides the `proto` package; the kvkeep
 environment and the repository are untouched.
+
+The top-level name `proto` is also proto-plus's (google-cloud-*'s protobuf wrapper, which
+LMCache's dependencies install). Where proto-plus is installed beside this package, `proto`
+resolves to it, as its users (google.cloud.bigtable) require, and kvkeep's stubs are loaded as
+its `gen` submodule: kvkeep needs nothing else of its own `proto` package at run time.
 """
 
 from __future__ import annotations
@@ -27,13 +32,18 @@ GEN_PACKAGE = "proto.gen"
 
 
 class ProtoGenFinder(importlib.abc.MetaPathFinder):
-    """Finds `proto.gen` in `gen_dir`; its submodules then load from there as usual."""
+    """Finds `proto.gen` in `gen_dir`, and `proto` in `site_dir` when something installed one
+    there (proto-plus); its submodules then load from there as usual."""
 
-    def __init__(self, gen_dir: Path) -> None:
+    def __init__(self, gen_dir: Path, site_dir: Path | None = None) -> None:
         self.gen_dir = gen_dir
+        self.site_dir = site_dir
 
     def find_spec(self, fullname: str, path: Sequence[str] | None,
                   target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname == "proto" and self.site_dir is not None:
+            # None when nothing named `proto` is installed here: kvkeep's own then loads.
+            return importlib.machinery.PathFinder.find_spec(fullname, [str(self.site_dir)])
         if fullname != GEN_PACKAGE:
             return None
         return importlib.util.spec_from_file_location(
@@ -41,9 +51,10 @@ class ProtoGenFinder(importlib.abc.MetaPathFinder):
             submodule_search_locations=[str(self.gen_dir)])
 
 
-def install(gen_dir: Path | None = None) -> None:
-    """Put a finder for `gen_dir` (default: `proto_gen` beside this file) first in
-    sys.meta_path; idempotent."""
-    directory = gen_dir or Path(__file__).resolve().parent / "proto_gen"
+def install(gen_dir: Path | None = None, site_dir: Path | None = None) -> None:
+    """Put a finder first in sys.meta_path (default: `proto_gen` beside this file, and the
+    site-packages this package sits in); idempotent."""
+    here = Path(__file__).resolve().parent
     if not any(isinstance(f, ProtoGenFinder) for f in sys.meta_path):
-        sys.meta_path.insert(0, ProtoGenFinder(directory))
+        sys.meta_path.insert(0, ProtoGenFinder(gen_dir or here / "proto_gen",
+                                               site_dir or here.parent))
