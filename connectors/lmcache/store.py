@@ -249,6 +249,7 @@ class ObjectStore:
             return False
         if address_of(read.payload) != address_of(dest):
             dest[:] = byte_view(read.payload)  # the transport could not land it in place
+            self._count("load_copies")
         return True
 
     def _scratch(self, size: int) -> memoryview:
