@@ -256,7 +256,11 @@ def test_a_corrupt_block_is_a_miss_never_wrong_bytes(tmp_path: Path) -> None:
         refs, data = objects(2, 40_000, base=8000)
         assert store.store(refs, data).ok
         key = ScopeMapper("default").key(refs[0])
-        time.sleep(0.5)  # the daemon's write-behind to disk
+        stat = daemon.client()
+        deadline = time.monotonic() + 30
+        while stat.stat(timeout=5).pending_writes and time.monotonic() < deadline:
+            time.sleep(0.05)  # the daemon's write-behind to disk
+        daemon.close_clients()
         daemon.terminate()
         (path,) = daemon.data_dir.glob(f"blocks/**/{key.digest.hex()}*")
         raw = bytearray(path.read_bytes())
