@@ -39,7 +39,7 @@ if [ ! -f "$STAMP" ]; then
     # --no-build-isolation makes the extensions link against the torch that runs them.
     pip_ install -q "torch==2.13.0" ninja "packaging>=24.2" \
         "setuptools>=77.0.3,<81.0.0" "setuptools_scm>=8" "grpcio==1.78.0" \
-        "grpcio-tools==1.78.0" wheel
+        "grpcio-tools==1.78.0" wheel "numpy<=2.2.6"
     rm -rf "$VENV/src" && mkdir -p "$VENV/src"
     pip_ download -q --no-deps --no-binary :all: --no-build-isolation \
         "lmcache==$LMCACHE_VERSION" -d "$VENV/src"
