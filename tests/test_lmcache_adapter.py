@@ -176,6 +176,19 @@ def test_usage_accounting_and_delete(daemons: list[DaemonProcess]) -> None:
         adapter.delete(keys[:2])
         assert adapter.get_usage().total_bytes_used == size
         assert lookup(adapter, keys) == [False, False, True]
+        # Gone behind its back (another client, or the daemon's own eviction): LMCache's
+        # delete still takes it out of the usage, which would otherwise never shrink.
+        params = params_for(daemons)
+        params["model_revision"] = adapter.report_status()["model_revision"]
+        other = build(params)
+        try:
+            other.delete(keys[2:])
+            assert lookup(adapter, keys[2:]) == [False]
+            assert other.get_usage().total_bytes_used == 0  # it never stored it
+        finally:
+            other.close()
+        adapter.delete(keys[2:])
+        assert adapter.get_usage().total_bytes_used == 0
     finally:
         adapter.close()
 

@@ -159,19 +159,26 @@ class KVKeepL2Adapter(L2AdapterInterface):  # type: ignore[misc, unused-ignore]
     # -- eviction, status, close ------------------------------------------------------------
 
     def delete(self, keys: list[ObjectKey]) -> None:
-        """Remove objects from the daemons (LMCache's L2 eviction); best effort, never raises."""
+        """Remove objects from the daemons (LMCache's L2 eviction); best effort, never raises.
+
+        Every object this adapter accounted for leaves its usage once the delete went through,
+        held or not: a daemon may have evicted it on its own budget already, and usage that
+        never shrank would make LMCache's eviction ask again forever.
+        """
         if not keys or self._closed:
             return
         try:
-            deleted = self._objects.delete([_ref(k) for k in keys])
+            outcome = self._objects.delete([_ref(k) for k in keys])
         except Exception:
             _log.exception("kvkeep LMCache plugin: delete failed")
+            return
+        if outcome is None:
             return
         gone: list[ObjectKey] = []
         sizes: list[int] = []
         with self._lock:
-            for key, was_held in zip(keys, deleted, strict=True):
-                size = self._sizes.pop(key, None) if was_held else None
+            for key in keys:
+                size = self._sizes.pop(key, None)
                 if size is not None:
                     gone.append(key)
                     sizes.append(size)
@@ -186,6 +193,7 @@ class KVKeepL2Adapter(L2AdapterInterface):  # type: ignore[misc, unused-ignore]
     def report_status(self) -> dict[str, Any]:
         return {"is_healthy": (not self._closed) and self._objects.healthy(),
                 "type": "KVKeepL2Adapter", "tenant": self._settings.tenant,
+                "model_revision": self._settings.model_revision,
                 "daemons": self._objects.daemons(), "objects": self._objects.counters()}
 
     def close(self) -> None:

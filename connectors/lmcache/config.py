@@ -8,7 +8,10 @@
         "tenant": "default",                 # the namespace every object is stored in
         "token_file": "/etc/kvkeep/token",   # first line: the bearer token for `tenant`
         "replicas": 2, "write_ack": "all",   # copies per object; wait for all or one
-        "timeout_ms": 2000, "lookup_timeout_ms": 500,
+        "timeout_ms": 2000,                  # a load of one object, at most
+        "lookup_timeout_ms": 500,            # a batched lookup
+        "store_timeout_ms": 30000,           # a store task (the daemons hold acks while
+                                             # their disk catches up: back-pressure)
         "load_threads": 4,                   # objects of one load task fetched in parallel
         "put_batch_mb": 64,                  # frames sent per put call at most
         "skip_present": true,                # look up before storing; send only new objects
@@ -35,8 +38,8 @@ __all__ = ["PluginSettings", "TLSPaths", "read_token"]
 
 _KEYS: Final = frozenset({
     "etcd", "prefix", "daemons", "tenant", "token_file", "replicas", "write_ack",
-    "timeout_ms", "lookup_timeout_ms", "load_threads", "put_batch_mb", "skip_present",
-    "model_revision", "max_capacity_gb", "tls", "data_plane",
+    "timeout_ms", "lookup_timeout_ms", "store_timeout_ms", "load_threads", "put_batch_mb",
+    "skip_present", "model_revision", "max_capacity_gb", "tls", "data_plane",
 })
 _TLS_KEYS: Final = frozenset({"ca", "cert", "key"})
 DEFAULT_PREFIX: Final = "/kvkeep/stores/"
@@ -63,6 +66,7 @@ class PluginSettings:
     write_ack: Literal["one", "all"] = "all"
     timeout_s: float = 2.0
     lookup_timeout_s: float = 0.5
+    store_timeout_s: float = 30.0
     load_threads: int = 4
     put_batch_bytes: int = 64 << 20
     skip_present: bool = True
@@ -77,8 +81,9 @@ class PluginSettings:
         _valid_name(self.tenant, "tenant")
         if self.replicas < 1 or self.load_threads < 1 or self.put_batch_bytes < 1:
             raise ConfigError("replicas, load_threads and put_batch_mb must be positive")
-        if self.timeout_s <= 0 or self.lookup_timeout_s <= 0:
-            raise ConfigError("timeout_ms and lookup_timeout_ms must be positive")
+        if min(self.timeout_s, self.lookup_timeout_s, self.store_timeout_s) <= 0:
+            raise ConfigError("timeout_ms, lookup_timeout_ms and store_timeout_ms must be "
+                              "positive")
         if self.write_ack not in ("one", "all"):
             raise ConfigError(f"write_ack must be 'one' or 'all', not {self.write_ack!r}")
         if self.max_capacity_bytes < 0:
@@ -102,6 +107,7 @@ class PluginSettings:
             write_ack=_write_ack(params.get("write_ack", "all")),
             timeout_s=_number(params, "timeout_ms", 2000.0) / 1000,
             lookup_timeout_s=_number(params, "lookup_timeout_ms", 500.0) / 1000,
+            store_timeout_s=_number(params, "store_timeout_ms", 30000.0) / 1000,
             load_threads=_int(params, "load_threads", 4),
             put_batch_bytes=int(_number(params, "put_batch_mb", 64.0) * (1 << 20)),
             skip_present=_bool(params, "skip_present", True),

@@ -126,8 +126,9 @@ class ObjectStore:
         self._count("load_misses", len(refs) - hits)
         return loaded
 
-    def delete(self, refs: Sequence[ObjectRef]) -> list[bool]:
-        """Remove objects from every daemon that may hold them; True where one was held."""
+    def delete(self, refs: Sequence[ObjectRef]) -> list[bool] | None:
+        """Remove objects from every daemon that may hold them; True where one was held.
+        None when the delete itself failed (then some may still be held)."""
         keys = self._keys(refs, "delete")
         valid = [i for i, key in enumerate(keys) if key is not None]
         present = self._contains(_pick(keys, valid), "delete_lookup")
@@ -138,7 +139,7 @@ class ObjectStore:
                 self._blocks.delete(_pick(keys, gone))
             except KVKeepError as exc:
                 self._failed("delete_errors", exc)
-                return deleted
+                return None
         for i, hit in zip(valid, present, strict=True):
             deleted[i] = hit
         return deleted

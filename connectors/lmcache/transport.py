@@ -57,8 +57,11 @@ def connect(settings: PluginSettings) -> BlockStore:
         tls = ClientTLS(Path(settings.tls.ca),
                         None if settings.tls.cert is None else Path(settings.tls.cert),
                         None if settings.tls.key is None else Path(settings.tls.key))
+    # The tier's call timeout bounds puts (and deletes): stores run in the background and
+    # the daemons hold their acks while the disk catches up. Loads pass their own, shorter
+    # deadline (`timeout_s`) per call; lookups have theirs.
     config = RemoteConfig(replicas=settings.replicas, write_ack=settings.write_ack,
-                          call_timeout=settings.timeout_s,
+                          call_timeout=settings.store_timeout_s,
                           lookup_timeout=settings.lookup_timeout_s,
                           token=read_token(settings.token_file), tls=tls,
                           data_plane=settings.data_plane, name="lmcache-remote")
