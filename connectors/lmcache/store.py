@@ -147,7 +147,7 @@ class ObjectStore:
     # -- state ----------------------------------------------------------------------------
 
     def counters(self) -> dict[str, int]:
-        """Objects by outcome since start: stored, already_present, not_admitted, lookup_hits,
+        """Objects by outcome since start: stored, already_present, not_stored, lookup_hits,
         load_hits, load_misses, ..., and errors by operation (`*_errors`)."""
         with self._lock:
             return dict(self._counts)
