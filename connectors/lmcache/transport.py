@@ -19,10 +19,10 @@ from typing import Protocol
 from connectors.lmcache.config import PluginSettings, read_token
 from kvstore.frame import BlockRead, LayerRange
 from kvstore.keys import BlockKey
+from kvstore.net.daemon_client import ClientTLS
+from kvstore.net.limits import MAX_FRAME_BYTES
 from kvstore.tiers.base import Buffer
-from kvstore.tiers.daemon_client import ClientTLS
 from kvstore.tiers.remote import RemoteConfig, RemoteTier
-from kvstore.wire import MAX_FRAME_BYTES
 
 __all__ = ["BlockStore", "connect", "MAX_FRAME_BYTES"]
 
