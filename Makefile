@@ -60,6 +60,17 @@ bench: setup
 	$(PY) -m benchmarks.router --quick --json bench-results/router.json
 	$(PY) -m benchmarks.restore --quick --json bench-results/restore.json
 
+## bench-lmcache: LMCache 0.5.6 built CPU-only from its source package in .venv-lmcache (which keeps
+## LMCache's protobuf < 7 away from .venv), LMCache's adapter tests and the plugin's against kvkeep
+## daemons, then kvkeep beside LMCache's fs_native and RESP adapters in one run
+LMCACHE_VENV ?= .venv-lmcache
+.PHONY: bench-lmcache
+bench-lmcache: setup
+	bash benchmarks/lmcache_env.sh $(LMCACHE_VENV)
+	bash benchmarks/lmcache_tests.sh $(LMCACHE_VENV) $(PY)
+	mkdir -p bench-results
+	$(PY) -m benchmarks.lmcache --quick --lmcache-venv $(LMCACHE_VENV) --json bench-results/lmcache.json
+
 ## demo: a worker SIGKILLed mid-stream on a real local cluster; summary in bench-results/
 demo: setup
 	$(PY) -m kvstore.cli demo --json bench-results/demo.json

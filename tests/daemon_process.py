@@ -24,6 +24,9 @@ from tests.services import free_port, stop_process
 __all__ = ["DaemonProcess", "start_daemon", "running_daemons", "wait_healthy", "REPO_ROOT"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+# Tests run from another environment (the LMCache plugin's, which has protobuf < 7) still
+# start the daemon from kvkeep's own: KVKEEP_DAEMON_PYTHON names its interpreter.
+DAEMON_PYTHON = os.environ.get("KVKEEP_DAEMON_PYTHON") or sys.executable
 
 
 @dataclass
@@ -55,7 +58,7 @@ class DaemonProcess:
                                                           env.get("PYTHONPATH")]))
         log = open(self.log_path, "ab")  # noqa: SIM115  (the child owns it from here on)
         try:
-            self.proc = subprocess.Popen([sys.executable, "-m", "kvstore.daemon", *self.args],
+            self.proc = subprocess.Popen([DAEMON_PYTHON, "-m", "kvstore.daemon", *self.args],
                                          cwd=REPO_ROOT, env=env, stdout=log,
                                          stderr=subprocess.STDOUT)
         finally:

@@ -1,0 +1,120 @@
+"""LMCache object keys as kvkeep block keys.
+
+LMCache names a stored object by (model name, KV rank, object group, cache salt, chunk hash).
+kvkeep names a block by (16-byte scope fingerprint, Namespace(tenant, salt), block hash). The
+mapping:
+
+- fingerprint: a blake2b-128 digest of the model name, KV rank, object group, the plugin's
+  `model_revision` and the object format below. Its canonical JSON carries `"kind":
+  "lmcache-object"`, a field no `ModelFingerprint` has, so an LMCache scope never shares
+  blocks with a vLLM connector's fingerprint. Objects of one model, rank and group share a
+  scope, so a batch is one request per daemon.
+- namespace: the plugin's tenant (what its token may touch) and LMCache's cache salt. A salt
+  that is already a valid kvkeep name is used as is; any other salt (LMCache allows 128
+  characters of almost anything) becomes `h.` + a digest of it. Salts starting with `h.` are
+  always digested, so two different salts can never map to the same namespace.
+- block hash: LMCache's chunk hash when it is 1-64 bytes, else a 64-byte digest of it.
+
+Nothing here imports LMCache: `ObjectRef` carries the fields of its `ObjectKey`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvstore.errors import InvalidKey
+from kvstore.keys import MAX_BLOCK_HASH_BYTES, BlockHash, BlockKey, Namespace
+
+__all__ = ["OBJECT_FORMAT", "ObjectRef", "ScopeMapper", "salt_name", "block_hash_of"]
+
+OBJECT_FORMAT = "lmcache-bytes/1"
+"""The frame layout id of an LMCache object stored in kvkeep (one raw segment)."""
+
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+_DIGEST_SALT_PREFIX = "h."
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectRef:
+    """The fields of one LMCache `ObjectKey`."""
+
+    chunk_hash: bytes
+    model_name: str
+    kv_rank: int
+    object_group_id: int = 0
+    cache_salt: str = ""
+
+
+@dataclass(slots=True)
+class ScopeMapper:
+    """Maps `ObjectRef`s to `BlockKey`s for one tenant; caches the per-scope work.
+
+    Not frozen: it memoises fingerprints and namespaces (a few per process). Thread-safe in the
+    sense that matters: a racing insert stores an equal value.
+    """
+
+    tenant: str
+    model_revision: str = ""
+    _fingerprints: dict[tuple[str, int, int], bytes] = field(default_factory=dict, repr=False)
+    _namespaces: dict[str, Namespace] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        Namespace(self.tenant)  # validates the tenant (raises InvalidKey)
+
+    def key(self, ref: ObjectRef) -> BlockKey:
+        """The block key of one object; raises InvalidKey for an unusable LMCache key."""
+        return BlockKey(self.fingerprint(ref.model_name, ref.kv_rank, ref.object_group_id),
+                        self.namespace(ref.cache_salt), block_hash_of(ref.chunk_hash))
+
+    def keys(self, refs: Sequence[ObjectRef]) -> list[BlockKey]:
+        return [self.key(ref) for ref in refs]
+
+    def fingerprint(self, model_name: str, kv_rank: int, object_group_id: int) -> bytes:
+        memo = (model_name, kv_rank, object_group_id)
+        digest = self._fingerprints.get(memo)
+        if digest is None:
+            if not model_name:
+                raise InvalidKey("LMCache key without a model name")
+            if kv_rank < 0 or object_group_id < 0:
+                raise InvalidKey("LMCache kv_rank and object_group_id must be >= 0")
+            canonical = json.dumps(
+                {"v": 1, "kind": "lmcache-object", "model_name": model_name,
+                 "kv_rank": kv_rank, "object_group_id": object_group_id,
+                 "model_revision": self.model_revision, "format": OBJECT_FORMAT},
+                sort_keys=True, separators=(",", ":")).encode()
+            digest = hashlib.blake2b(canonical, digest_size=16).digest()
+            self._fingerprints[memo] = digest
+        return digest
+
+    def namespace(self, cache_salt: str) -> Namespace:
+        ns = self._namespaces.get(cache_salt)
+        if ns is None:
+            ns = Namespace(self.tenant, salt_name(cache_salt))
+            self._namespaces[cache_salt] = ns
+        return ns
+
+
+def salt_name(cache_salt: str) -> str:
+    """LMCache's cache salt as a valid, injective kvkeep salt ("" stays "")."""
+    if not cache_salt:
+        return ""
+    if _NAME_RE.fullmatch(cache_salt) and not cache_salt.startswith(_DIGEST_SALT_PREFIX):
+        return cache_salt
+    digest = hashlib.blake2b(cache_salt.encode("utf-8", "surrogatepass"), digest_size=24)
+    return _DIGEST_SALT_PREFIX + digest.hexdigest()
+
+
+def block_hash_of(chunk_hash: bytes) -> BlockHash:
+    """LMCache's chunk hash as a kvkeep block hash (1-64 bytes)."""
+    if not isinstance(chunk_hash, bytes | bytearray | memoryview):
+        raise InvalidKey(f"LMCache chunk hash must be bytes, not {type(chunk_hash).__name__}")
+    raw = bytes(chunk_hash)
+    if not raw:
+        raise InvalidKey("empty LMCache chunk hash")
+    if len(raw) <= MAX_BLOCK_HASH_BYTES:
+        return BlockHash(raw)
+    return BlockHash(hashlib.blake2b(raw, digest_size=MAX_BLOCK_HASH_BYTES).digest())
