@@ -45,7 +45,7 @@ def inference_perf_config(data: dict[str, Any], stages: tuple[Stage, ...], *, ba
             "summary": True, "per_stage": True, "per_request": True,
             # Timings only: the prompts would make the per-request file megabytes long.
             "per_request_fields": {"request": False, "response": False,
-                                   "response_chunks": False}}},
+                                   "response_chunks": False, "computed_metrics": True}}},
         "storage": {"local_storage": {"path": str(out_dir)}},
     }
 

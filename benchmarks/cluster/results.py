@@ -178,8 +178,8 @@ def read_aiperf(out_dir: Path) -> LoadSummary:
 
 
 def read_timeline(out_dir: Path) -> list[TimelinePoint]:
-    """Per request: when it was sent and its TTFT (the tool's own `computed_metrics`), from
-    inference-perf's per-request file."""
+    """Per request: when it was sent and its TTFT (the tool's own `computed_metrics`, else its
+    first chunk time), from inference-perf's per-request file."""
     path = out_dir / "per_request_lifecycle_metrics.json"
     try:
         entries = json.loads(path.read_text())
@@ -193,6 +193,9 @@ def read_timeline(out_dir: Path) -> list[TimelinePoint]:
         info = entry.get("info") or {}
         computed = entry.get("computed_metrics") or {}
         ttft = _opt_float(computed.get("time_to_first_token"))
+        if ttft is None:  # computed_metrics off: the first streamed chunk, as the tool saw it
+            chunks = (info.get("response_metrics") or {}).get("chunk_times") or []
+            ttft = float(chunks[0]) - start if chunks else None
         if entry.get("error"):
             ttft = None
         extra = info.get("extra_info") or {}

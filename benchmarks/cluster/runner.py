@@ -48,7 +48,7 @@ from deploy.observe import EngineCache, StoreTraffic, scrape_engine, scrape_stor
 from kvstore.errors import KVKeepError
 
 __all__ = ["Variant", "VARIANTS", "QUICK_VARIANTS", "WORKLOADS", "RunContext", "run_variant",
-           "engine_kv_tokens"]
+           "engine_kv_tokens", "router_counters"]
 
 MODEL_NAME = "tiny"  # the served name every worker registers (EngineSettings' default)
 
@@ -103,6 +103,31 @@ def engine_kv_tokens(worker_url: str) -> int | None:
                 if labels.get("num_gpu_blocks", "None") != "None":
                     return int(labels["num_gpu_blocks"]) * int(labels["block_size"])
     return None
+
+
+_ROUTER_COUNTERS = {
+    "kvkeep_router_decisions": "decisions",
+    "kvkeep_router_upstream_failures": "upstream_failures",
+    "kvkeep_router_stream_resumptions": "streams_resumed",
+    "kvkeep_router_session_rebinds": "sessions_rebound",
+}
+
+
+def router_counters(router_url: str) -> dict[str, float]:
+    """The router's own counters (`/metrics`), each summed over its labels."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals = dict.fromkeys(_ROUTER_COUNTERS.values(), 0.0)
+    try:
+        text = httpx.get(f"{router_url}/metrics", timeout=3.0).text
+    except httpx.HTTPError:
+        return totals
+    for family in text_string_to_metric_families(text):
+        key = _ROUTER_COUNTERS.get(family.name)
+        if key is not None:
+            totals[key] = sum(x.value for x in family.samples if x.name.endswith("_total"))
+    return totals
 
 
 def run_variant(variant: Variant, ctx: RunContext) -> dict[str, Any]:
@@ -204,6 +229,7 @@ class _Killer:
                  sessions: list[str]) -> None:
         self.cluster, self.worker, self.after_s, self.sessions = cluster, worker, after_s, sessions
         self.killed_at: float | None = None
+        self.load_started_at: float | None = None
         self.noticed_after_s: float | None = None
         self.bound_sessions: list[str] = []
         self.error: str | None = None
@@ -218,10 +244,17 @@ class _Killer:
         self._thread.join(30)
 
     def _run(self) -> None:
+        # The tool spends seconds loading its tokenizer and generating prompts before its first
+        # request: the clock starts at the router's first routing decision, not at the launch.
+        url = self.cluster.router_url
+        baseline = router_counters(url)["decisions"]
+        while router_counters(url)["decisions"] <= baseline:
+            if self._cancel.wait(0.1):
+                return
+        self.load_started_at = time.monotonic()
         if self._cancel.wait(self.after_s):
             return
         try:
-            url = self.cluster.router_url
             for sid in self.sessions:
                 binding = http_json(f"{url}/kvkeep/sessions/{sid}", timeout=1.0)
                 if isinstance(binding, dict) and binding.get("worker") == self.worker:
@@ -261,7 +294,7 @@ def _multi_turn_kill(cluster: LocalCluster, ctx: RunContext, raw: Path) -> dict[
 
 def _kill_report(killer: _Killer, timeline: list[TimelinePoint]) -> dict[str, Any]:
     assert killer.killed_at is not None
-    t0 = timeline[0].start_s if timeline else killer.killed_at
+    t0 = timeline[0].start_s if timeline else (killer.load_started_at or killer.killed_at)
     after = [p for p in timeline if p.start_s >= killer.killed_at]
     affected = set(killer.bound_sessions)
     affected_after = [p for p in after if p.session in affected]
@@ -300,19 +333,23 @@ _WORKLOAD_RUNNERS: dict[str, Callable[[LocalCluster, RunContext, Path], dict[str
 
 
 # --- server-side counters (context for the tools' figures) ---------------------------------
-def _server_counters(cluster: LocalCluster) -> tuple[dict[str, EngineCache], StoreTraffic]:
+_Counters = tuple[dict[str, EngineCache], StoreTraffic, dict[str, float]]
+
+
+def _server_counters(cluster: LocalCluster) -> _Counters:
     engines = {wid: scrape_engine(w.url, timeout_s=3.0) for wid, w in cluster.workers.items()
                if w.alive}
     stores = scrape_stores([(d.node_id, d.address) for d in cluster.daemons])
-    return {k: v for k, v in engines.items() if v is not None}, stores
+    return ({k: v for k, v in engines.items() if v is not None}, stores,
+            router_counters(cluster.router_url))
 
 
-def _server_delta(before: tuple[dict[str, EngineCache], StoreTraffic],
-                  after: tuple[dict[str, EngineCache], StoreTraffic]) -> dict[str, Any]:
-    """Prefix-cache tokens per engine (vLLM's counters) and blocks the daemons served, over
-    one workload. A worker killed during it is missing from `after` and so from the sums."""
-    engines_before, stores_before = before
-    engines_after, stores_after = after
+def _server_delta(before: _Counters, after: _Counters) -> dict[str, Any]:
+    """Prefix-cache tokens per engine (vLLM's counters), blocks the daemons served and the
+    router's decisions, resumptions and rebinds, over one workload. A worker killed during it
+    is missing from `after` and so from the engine sums."""
+    engines_before, stores_before, router_before = before
+    engines_after, stores_after, router_after = after
     total = EngineCache()
     for wid, now in engines_after.items():
         d = now - engines_before.get(wid, EngineCache())
@@ -327,4 +364,5 @@ def _server_delta(before: tuple[dict[str, EngineCache], StoreTraffic],
         "connector_hit_tokens": total.external_hits,
         "store_blocks_served": store.hits, "store_bytes_served": store.get_bytes,
         "engines_counted": sorted(engines_after),
+        "router": {k: router_after[k] - router_before.get(k, 0.0) for k in router_after},
     }
