@@ -241,7 +241,7 @@ def test_reads_a_kill_runs_per_request_timeline() -> None:
 
 
 # --- summary and plots ----------------------------------------------------------------------
-def _run(ttft: float, tok_s: float) -> dict[str, Any]:
+def _run(ttft: float, tok_s: float, probe: float = 0.2) -> dict[str, Any]:
     summary = {"requests": 10, "successes": 10, "errors": 0, "ttft_mean_s": ttft,
                "ttft_p50_s": ttft, "ttft_p90_s": 2 * ttft, "ttft_p99_s": 3 * ttft,
                "output_tok_s": tok_s, "requests_per_s": 1.0, "cached_fraction": 0.5}
@@ -252,20 +252,26 @@ def _run(ttft: float, tok_s: float) -> dict[str, Any]:
             "affected_sessions_after_kill": {"requests": 1, "failed": 0},
             "timeline": [[0.0, ttft, "user_session_0"], [4.0, None, "user_session_1"]]}
     return {"policy": "x", "shared_prefix": {"tool": "inference-perf", "summary": summary,
-                                             "stages": stages},
+                                             "stages": stages,
+                                             "machine_probe": {"uncached_prefill_s": probe},
+                                             "server": {"local_prefix_hit_fraction": 0.4}},
             "multi_turn_kill": {"tool": "inference-perf", "summary": summary, "kill": kill},
             "aiperf_shared_prefix": {"failed": "KVKeepError: boom"}}
 
 
 def test_summary_reports_ratios_to_round_robin_and_what_the_store_adds(tmp_path: Path) -> None:
-    runs = {"round_robin": _run(0.4, 50.0), "kvkeep": _run(0.1, 100.0),
+    # kvkeep ran while the machine was twice as slow (its probe says so).
+    runs = {"round_robin": _run(0.4, 50.0), "kvkeep": _run(0.1, 100.0, probe=0.4),
             "kvkeep_no_store": _run(0.2, 80.0)}
     table = policy_table(runs)
     assert set(table["kvkeep"]) == {"shared_prefix", "multi_turn_kill"}  # failed one left out
     assert table["kvkeep"]["multi_turn_kill"]["kill"]["sessions_bound_to_killed_worker"] == 1
     r = ratios(table)
     assert r["kvkeep_vs_round_robin"]["shared_prefix"] == {
-        "ttft_mean": 0.25, "ttft_p90": 0.25, "output_tok_s": 2.0}
+        "ttft_mean": 0.25, "ttft_p90": 0.25, "output_tok_s": 2.0, "ttft_mean_over_probe": 0.125}
+    assert table["kvkeep"]["shared_prefix"]["local_prefix_hit_fraction"] == 0.4
+    # No probe for a workload: no normalised figure rather than a made-up one.
+    assert r["kvkeep_vs_round_robin"]["multi_turn_kill"]["ttft_mean_over_probe"] is None
     assert r["store_adds_kvkeep"]["shared_prefix"]["ttft_mean"] == 0.5
     text = render({"policies": table, "summary": r, "runs": runs})
     assert "FAILED kvkeep aiperf_shared_prefix" in text

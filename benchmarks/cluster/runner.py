@@ -48,7 +48,7 @@ from deploy.observe import EngineCache, StoreTraffic, scrape_engine, scrape_stor
 from kvstore.errors import KVKeepError
 
 __all__ = ["Variant", "VARIANTS", "QUICK_VARIANTS", "WORKLOADS", "RunContext", "run_variant",
-           "engine_kv_tokens", "router_counters"]
+           "engine_kv_tokens", "router_counters", "machine_probe"]
 
 MODEL_NAME = "tiny"  # the served name every worker registers (EngineSettings' default)
 
@@ -152,7 +152,9 @@ def run_variant(variant: Variant, ctx: RunContext) -> dict[str, Any]:
                 f"{result['kv_tokens_per_worker']} tokens per worker")
         for workload in ctx.workloads:
             raw = ctx.out_dir / "raw" / variant.name / workload
-            ctx.say(f"[{variant.name}] {workload} ...")
+            probe = machine_probe(cluster, plan.shared_prefix.prompt_tokens)
+            ctx.say(f"[{variant.name}] {workload} (machine probe: a {probe['prompt_tokens']}-"
+                    f"token prefill takes {_fmt(probe['uncached_prefill_s'])}s now) ...")
             before = _server_counters(cluster)
             try:
                 entry = _WORKLOAD_RUNNERS[workload](cluster, ctx, raw)
@@ -160,6 +162,7 @@ def run_variant(variant: Variant, ctx: RunContext) -> dict[str, Any]:
                 entry = {"failed": f"{type(exc).__name__}: {exc}"}
                 ctx.say(f"[{variant.name}] {workload} FAILED: {str(exc).splitlines()[0]}")
             entry["server"] = _server_delta(before, _server_counters(cluster))
+            entry["machine_probe"] = probe
             entry["raw_dir"] = str(raw)
             result[workload] = entry
             if "summary" in entry:
@@ -173,6 +176,36 @@ def run_variant(variant: Variant, ctx: RunContext) -> dict[str, Any]:
 
 def _fmt(value: float | None, digits: int = 3) -> str:
     return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def machine_probe(cluster: LocalCluster, prompt_tokens: int, repeats: int = 3,
+                  seed: int = 0) -> dict[str, Any]:
+    """The machine's own baseline, taken right before a workload: the median time of a
+    `prompt_tokens` prefill with nothing cached (fresh random token ids, one output token),
+    sent straight to a live worker. The machine is shared and its load drifts over a run;
+    TTFTs divided by this compare policies measured minutes apart."""
+    import random
+
+    import httpx
+
+    rng = random.Random(seed + int(time.monotonic() * 1000))
+    worker = next((w for w in cluster.workers.values() if w.alive), None)
+    times: list[float] = []
+    if worker is not None:
+        with httpx.Client(timeout=60.0) as client:
+            for _ in range(repeats):
+                ids = [rng.randrange(10, 500) for _ in range(prompt_tokens)]  # in every vocab
+                start = time.perf_counter()
+                try:
+                    client.post(f"{worker.url}/v1/completions", json={
+                        "model": MODEL_NAME, "prompt": ids, "max_tokens": 1,
+                        "temperature": 0}).raise_for_status()
+                except httpx.HTTPError:
+                    continue
+                times.append(time.perf_counter() - start)
+    return {"prompt_tokens": prompt_tokens, "worker": None if worker is None else worker.worker_id,
+            "uncached_prefill_s": statistics.median(times) if times else None,
+            "samples": len(times)}
 
 
 # --- workloads ---------------------------------------------------------------------------

@@ -1,6 +1,12 @@
 """From the per-variant runs to the figures the benchmark reports: per policy and workload the
 tools' TTFT mean/p50/p90, output tok/s, requests and errors, and ratios to round robin (the
-baseline measured in the same run) and, where both ran, what the store adds."""
+baseline measured in the same run) and, where both ran, what the store adds.
+
+`cached` is the tool's cached / prompt tokens (the server's usage: local prefix cache plus KV
+the connector loaded); `local` is vLLM's own local prefix-cache hit fraction over the workload
+(what placement alone achieved); `/probe` is TTFT mean over the machine probe taken right
+before the workload (one uncached prefill), which makes policies run minutes apart on a
+machine whose load drifts comparable."""
 
 from __future__ import annotations
 
@@ -22,6 +28,11 @@ def policy_table(runs: dict[str, dict[str, Any]]) -> dict[str, dict[str, dict[st
                 continue
             row = {k: entry["summary"].get(k) for k in _FIELDS}
             row["tool"] = entry.get("tool")
+            probe = (entry.get("machine_probe") or {}).get("uncached_prefill_s")
+            row["machine_probe_prefill_s"] = probe
+            row["ttft_mean_over_probe"] = _ratio(row["ttft_mean_s"], probe)
+            server = entry.get("server") or {}
+            row["local_prefix_hit_fraction"] = server.get("local_prefix_hit_fraction")
             if entry.get("stages"):
                 row["stages"] = [{k: s.get(k) for k in ("requested_rate", "achieved_rate",
                                                         *_FIELDS)} for s in entry["stages"]]
@@ -60,6 +71,8 @@ def ratios(table: dict[str, dict[str, dict[str, Any]]], baseline: str = "round_r
                 "ttft_mean": _ratio(row.get("ttft_mean_s"), ref.get("ttft_mean_s")),
                 "ttft_p90": _ratio(row.get("ttft_p90_s"), ref.get("ttft_p90_s")),
                 "output_tok_s": _ratio(row.get("output_tok_s"), ref.get("output_tok_s")),
+                "ttft_mean_over_probe": _ratio(row.get("ttft_mean_over_probe"),
+                                               ref.get("ttft_mean_over_probe")),
             }
         key = (f"store_adds_{variant}" if base == f"{variant}_no_store"
                else f"{variant}_vs_{base}")
@@ -85,7 +98,7 @@ def render(results: dict[str, Any]) -> str:
                      f"planned, shared prefixes {setup.get('prefix_fraction_of_cluster_kv')} of "
                      "the cluster's KV")
     header = f"{'policy':<22}{'workload':<22}{'ok/req':>9}{'err':>5}{'TTFT mean':>11}" \
-             f"{'p50':>8}{'p90':>8}{'out tok/s':>11}{'cached':>8}"
+             f"{'p50':>8}{'p90':>8}{'out tok/s':>11}{'cached':>8}{'local':>7}{'/probe':>8}"
     lines.append(header)
     for variant, rows in results.get("policies", {}).items():
         for workload, row in rows.items():
@@ -93,7 +106,9 @@ def render(results: dict[str, Any]) -> str:
                 f"{variant:<22}{workload:<22}{row['successes']:>4}/{row['requests']:<4}"
                 f"{row['errors']:>5}{_cell(row['ttft_mean_s']):>11}{_cell(row['ttft_p50_s']):>8}"
                 f"{_cell(row['ttft_p90_s']):>8}{_cell(row['output_tok_s'], 1):>11}"
-                f"{_cell(row['cached_fraction'], 2):>8}")
+                f"{_cell(row['cached_fraction'], 2):>8}"
+                f"{_cell(row.get('local_prefix_hit_fraction'), 2):>7}"
+                f"{_cell(row.get('ttft_mean_over_probe'), 2):>8}")
             kill = row.get("kill")
             if kill:
                 after = kill.get("after_kill") or {}
@@ -110,5 +125,6 @@ def render(results: dict[str, Any]) -> str:
     for name, per_workload in results.get("summary", {}).items():
         for workload, r in per_workload.items():
             lines.append(f"{name:<34}{workload:<22} TTFT mean x{_cell(r['ttft_mean'])}, "
-                         f"p90 x{_cell(r['ttft_p90'])}, tok/s x{_cell(r['output_tok_s'])}")
+                         f"p90 x{_cell(r['ttft_p90'])}, tok/s x{_cell(r['output_tok_s'])}, "
+                         f"TTFT/probe x{_cell(r.get('ttft_mean_over_probe'))}")
     return "\n".join(lines)
