@@ -233,11 +233,28 @@ def test_malformed_outputs_are_clear_errors(tmp_path: Path) -> None:
         parse_aiperf({"schema_version": "1.4"})
 
 
-def test_reads_a_kill_runs_per_request_timeline() -> None:
+def test_reads_a_kill_runs_per_request_timeline(tmp_path: Path) -> None:
     points = read_timeline(DATA / "inference-perf-kill")
+    raw = json.loads((DATA / "inference-perf-kill" / "per_request_lifecycle_metrics.json")
+                     .read_text())
+    assert len(points) == len(raw)
     assert points == sorted(points, key=lambda p: p.start_s)
     assert all(p.session and p.session.startswith("user_session_") for p in points)
-    assert any(p.ttft_s is not None and p.ttft_s > 0 for p in points)
+    assert {p.ttft_s for p in points} == {e["computed_metrics"]["time_to_first_token"]
+                                          for e in raw}
+    # Without computed metrics the first streamed chunk gives (nearly) the same TTFT; a
+    # request with an error has none.
+    for entry in raw:
+        del entry["computed_metrics"]
+    raw[0]["error"] = {"error_type": "ClientConnectorError", "error_msg": "refused"}
+    (tmp_path / "per_request_lifecycle_metrics.json").write_text(json.dumps(raw))
+    fallback = read_timeline(tmp_path)
+    failed = [p for p in fallback if p.ttft_s is None]
+    assert len(failed) == 1
+    by_start = {p.start_s: p.ttft_s for p in points}
+    for p in fallback:
+        if p.ttft_s is not None:
+            assert p.ttft_s == pytest.approx(by_start[p.start_s], abs=0.05)
 
 
 # --- summary and plots ----------------------------------------------------------------------
