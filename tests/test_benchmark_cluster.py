@@ -43,7 +43,7 @@ from benchmarks.cluster.results import (
     read_inference_perf,
     read_timeline,
 )
-from benchmarks.cluster.summary import policy_table, ratios, render
+from benchmarks.cluster.summary import policy_table, ratios, render, render_markdown
 from benchmarks.cluster.tools import LoadTools, aiperf_env, inference_perf_env, run_tool
 from deploy.local.cluster import REPO_ROOT
 from kvstore.errors import ConfigError, DeadlineExceeded, KVKeepError
@@ -293,6 +293,9 @@ def test_summary_reports_ratios_to_round_robin_and_what_the_store_adds(tmp_path:
     text = render({"policies": table, "summary": r, "runs": runs})
     assert "FAILED kvkeep aiperf_shared_prefix" in text
     assert "kill w2 at 3.0s" in text
+    md = render_markdown({"policies": table}).splitlines()
+    assert "| shared_prefix | kvkeep | 10 / 10 | 0 | 0.100 |" in "\n".join(md)
+    assert any(line.startswith("| kvkeep | 3.0 s | 2.10 s | 1 | 4 / 0 |") for line in md)
     plots = write_plots({"policies": table, "runs": runs}, tmp_path)
     assert {p.name for p in plots} == {"cluster-policies.png", "cluster-shared-prefix-ladder.png",
                                        "cluster-kill-timeline.png"}

@@ -26,7 +26,7 @@ from benchmarks.cluster.runner import (
     RunContext,
     run_variant,
 )
-from benchmarks.cluster.summary import policy_table, ratios, render
+from benchmarks.cluster.summary import policy_table, ratios, render, render_markdown
 from benchmarks.cluster.tools import LoadTools
 from deploy.local.cluster import REPO_ROOT
 from kvstore.errors import ConfigError, KVKeepError
@@ -130,6 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     json_path: Path = args.json or out_dir / "cluster.json"
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(results, indent=2) + "\n")
+    (out_dir / "cluster.md").write_text(render_markdown(results) + "\n")
     print(render(results))
     print(f"results: {json_path}; plots: {', '.join(results['plots']) or 'none'}")
     failed = interrupted or len(runs) < len(variants) or any(

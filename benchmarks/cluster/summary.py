@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["policy_table", "ratios", "render"]
+__all__ = ["policy_table", "ratios", "render", "render_markdown"]
 
 _FIELDS = ("requests", "successes", "errors", "ttft_mean_s", "ttft_p50_s", "ttft_p90_s",
            "ttft_p99_s", "output_tok_s", "requests_per_s", "cached_fraction")
@@ -128,3 +128,39 @@ def render(results: dict[str, Any]) -> str:
                          f"p90 x{_cell(r['ttft_p90'])}, tok/s x{_cell(r['output_tok_s'])}, "
                          f"TTFT/probe x{_cell(r.get('ttft_mean_over_probe'))}")
     return "\n".join(lines)
+
+
+def render_markdown(results: dict[str, Any]) -> str:
+    """The per-policy table as Markdown (for the README after a measured run)."""
+    rows = ["| workload | policy | ok / requests | errors | TTFT mean | p50 | p90 | output tok/s "
+            "| cached | local hits | TTFT / probe |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    workloads: dict[str, list[tuple[str, dict[str, Any]]]] = {}
+    for variant, per_workload in results.get("policies", {}).items():
+        for workload, row in per_workload.items():
+            workloads.setdefault(workload, []).append((variant, row))
+    for workload, entries in workloads.items():
+        for variant, row in entries:
+            rows.append(
+                f"| {workload} | {variant} | {row['successes']} / {row['requests']} | "
+                f"{row['errors']} | {_cell(row['ttft_mean_s'])} | {_cell(row['ttft_p50_s'])} | "
+                f"{_cell(row['ttft_p90_s'])} | {_cell(row['output_tok_s'], 1)} | "
+                f"{_cell(row['cached_fraction'], 2)} | "
+                f"{_cell(row.get('local_prefix_hit_fraction'), 2)} | "
+                f"{_cell(row.get('ttft_mean_over_probe'), 2)} |")
+    kills = []
+    for variant, per_workload in results.get("policies", {}).items():
+        kill = per_workload.get("multi_turn_kill", {}).get("kill")
+        if kill:
+            after = kill.get("after_kill") or {}
+            affected = kill.get("affected_sessions_after_kill") or {}
+            kills.append(
+                f"| {variant} | {kill['at_s']} s | {_cell(kill['router_noticed_after_s'], 2)} s "
+                f"| {kill['sessions_bound_to_killed_worker']} | {after.get('requests', 0)} / "
+                f"{after.get('failed', 0)} | {_cell(after.get('ttft_mean_s'))} | "
+                f"{_cell(affected.get('ttft_mean_s'))} |")
+    if kills:
+        rows += ["", "| kill run | killed at | router stopped routing to it after | sessions "
+                 "bound to it | requests after / failed | TTFT mean after | those sessions' "
+                 "TTFT mean after |", "|---|---|---|---|---|---|---|", *kills]
+    return "\n".join(rows)
