@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 APT_PACKAGES := etcd-server etcd-client redis-server redis-tools
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: test setup system-deps venv lint typecheck pytest bench demo clean
+.PHONY: test setup system-deps venv lint typecheck pytest bench demo clean bench-cluster
 
 ## test: install everything needed (apt, venv, pip), lint, type-check, run the whole suite
 test: setup lint typecheck pytest
@@ -70,6 +70,30 @@ bench-lmcache: setup
 	bash benchmarks/lmcache_tests.sh $(LMCACHE_VENV) $(PY)
 	mkdir -p bench-results
 	$(PY) -m benchmarks.lmcache --quick --lmcache-venv $(LMCACHE_VENV) --json bench-results/lmcache.json
+
+## bench-cluster: a real 3-worker cluster under inference-perf and aiperf, per routing policy
+## (CLUSTER_ARGS=--quick for a short run); JSON and PNG plots in bench-results/cluster/
+# The load generators get venvs of their own: inference-perf 0.7 needs Python >= 3.12 (pyenv's
+# 3.12 on these machines, else python3.12 from PATH); aiperf 0.13 runs on 3.11.
+INFERENCE_PERF_VENV := .venv-inference-perf
+AIPERF_VENV := .venv-aiperf
+PYTHON312 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) $(shell command -v python3.12))
+CLUSTER_ARGS ?=
+
+$(INFERENCE_PERF_VENV)/.installed:
+	@test -n "$(PYTHON312)" || { echo "inference-perf needs Python >= 3.12: set PYTHON312=/path/to/python3.12"; exit 1; }
+	$(PYTHON312) -m venv $(INFERENCE_PERF_VENV)
+	$(INFERENCE_PERF_VENV)/bin/python -m pip install -q "inference-perf==0.7.0"
+	touch $@
+
+$(AIPERF_VENV)/.installed:
+	python3 -m venv $(AIPERF_VENV)
+	$(AIPERF_VENV)/bin/python -m pip install -q "aiperf==0.13.0"
+	touch $@
+
+bench-cluster: setup $(INFERENCE_PERF_VENV)/.installed $(AIPERF_VENV)/.installed
+	mkdir -p bench-results/cluster
+	$(PY) -m benchmarks.cluster $(CLUSTER_ARGS) --json bench-results/cluster/cluster.json
 
 ## demo: a worker SIGKILLed mid-stream on a real local cluster; summary in bench-results/
 demo: setup

@@ -52,6 +52,8 @@ class ClusterSpec:
     vllm_start_timeout_s: float = 240.0
     engine: EngineSettings | None = None
     """Overrides for the workers' engine (its model_dir is replaced by the cluster's)."""
+    router_args: tuple[str, ...] = ()
+    """Extra `kvkeep router serve` flags for every router (e.g. `--policy round-robin`)."""
 
     def __post_init__(self) -> None:
         if self.daemons < 1 or self.workers < 1 or self.routers < 1:
@@ -310,6 +312,6 @@ class LocalCluster:
         process = self._kvkeep(f"router-{replica_id}", [
             "router", "serve", "--listen", f"127.0.0.1:{port}", "--etcd", self.etcd_url,
             "--replica-id", replica_id, "--block-size", str(self.engine.block_size),
-            "--stream-idle-timeout", "20"])
+            "--stream-idle-timeout", "20", *self.spec.router_args])
         self.routers.append(Router(replica_id, port, process.start()))
 

@@ -38,6 +38,8 @@ class EngineSettings:
     checkpoint_tokens: int = 32
     restore_deadline_ms: int = 3000
     tenant: str = "demo"
+    connector: bool = True
+    """False: plain vLLM, no kvkeep connector and no store (a baseline for what the store adds)."""
 
 
 def kv_transfer_config(settings: EngineSettings, etcd_url: str,
@@ -83,7 +85,8 @@ def vllm_argv(settings: EngineSettings, *, port: int, events_port: int,
         "--host", "127.0.0.1", "--port", str(port),
         "--enable-prompt-tokens-details", "--uvicorn-log-level", "warning",
         "--kv-events-config", json.dumps(events),
-        "--kv-transfer-config", json.dumps(kv_transfer_config(settings, etcd_url)),
+        *(["--kv-transfer-config", json.dumps(kv_transfer_config(settings, etcd_url))]
+          if settings.connector else []),
     ]
 
 
