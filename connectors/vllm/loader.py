@@ -27,14 +27,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from connectors.vllm.caches import PagedCaches, recorded_event
+from connectors.vllm.caches import recorded_event
 from connectors.vllm.metadata import BlockRun, LoadReport, LoadSpec, SaveReport
-from connectors.vllm.outbox import WorkerOutbox
-from connectors.vllm.stats import Counter, Counters
+from connectors.vllm.stats import Counter
+from connectors.vllm.worker_context import WorkerContext
 from kvstore.block import decode_layer_batch
-from kvstore.frame import BlockRead, CodecId, LayerRange
-from kvstore.keys import BlockKey, ModelFingerprint, Namespace
-from kvstore.store import TieredStore
+from kvstore.frame import BlockRead, LayerRange
+from kvstore.keys import BlockKey, Namespace
 
 __all__ = ["Loader", "LoadBlock", "LoadJob", "layer_stages"]
 
@@ -147,17 +146,11 @@ class _Fetched:
 
 
 class Loader:
-    def __init__(self, *, store: TieredStore, caches: PagedCaches, fingerprint: ModelFingerprint,
-                 codec: CodecId, outbox: WorkerOutbox, counters: Counters,
-                 deadline_s: float, first_stage_layers: int | None = None) -> None:
-        self._store = store
-        self._caches = caches
-        self._fp = fingerprint
-        self._codec = codec
-        self._outbox = outbox
-        self._counters = counters
+    def __init__(self, context: WorkerContext, *, deadline_s: float,
+                 first_stage_layers: int | None = None) -> None:
+        self._ctx = context
         self._deadline_s = deadline_s
-        self._stages = layer_stages(fingerprint.num_layers, first_stage_layers)
+        self._stages = layer_stages(context.fingerprint.num_layers, first_stage_layers)
         self._sync = ThreadPoolExecutor(1, thread_name_prefix="kvkeep-load")
         self._async = ThreadPoolExecutor(1, thread_name_prefix="kvkeep-aload")
         # Reads of a job's next stage, while the loader decodes this one (I/O mostly waits on
@@ -211,7 +204,7 @@ class Loader:
             self._async_jobs = [job for job in self._async_jobs if not job.finished.is_set()]
         for job in done:
             self._account(job)
-            self._outbox.finished_recving(job.req_ids)
+            self._ctx.outbox.finished_recving(job.req_ids)
 
     def shutdown(self) -> None:
         job = self._step_job
@@ -235,11 +228,12 @@ class Loader:
         budget = max(self._deadline_s if spec.deadline_s is None else spec.deadline_s
                      for spec in specs)
         return LoadJob(tuple(blocks), tuple(spec.run.req_id for spec in specs),
-                       time.monotonic() + budget, self._fp.num_layers)
+                       time.monotonic() + budget, self._ctx.fingerprint.num_layers)
 
     def _blocks(self, run: BlockRun) -> list[LoadBlock]:
         namespace = Namespace.from_label(run.namespace)
-        return [LoadBlock(block_id, BlockKey.of(self._fp, namespace, block_hash), run.req_id,
+        fingerprint = self._ctx.fingerprint
+        return [LoadBlock(block_id, BlockKey.of(fingerprint, namespace, block_hash), run.req_id,
                           run.first + i)
                 for i, (block_id, block_hash) in enumerate(zip(run.block_ids, run.block_hashes,
                                                                strict=True))]
@@ -258,8 +252,8 @@ class Loader:
 
     def _load(self, job: LoadJob) -> None:
         staging = torch.empty((min(len(job.blocks), _LOAD_CHUNK_BLOCKS),
-                               *self._caches.block_shape),
-                              dtype=self._caches.torch_dtype, device="cpu")
+                               *self._ctx.caches.block_shape),
+                              dtype=self._ctx.caches.torch_dtype, device="cpu")
         pending: Future[list[_Fetched]] | None = self._fetch.submit(
             self._read_stage, job, self._stages[0], job.blocks)
         for number, stage in enumerate(self._stages):
@@ -284,8 +278,8 @@ class Loader:
         wanted = [block for block in blocks if block.block_id not in job.failed]
         if not wanted or job.cancelled:
             return []
-        whole = len(layers) == self._fp.num_layers
-        reads = self._store.get_many([block.key for block in wanted],
+        whole = len(layers) == self._ctx.fingerprint.num_layers
+        reads = self._ctx.store.get_many([block.key for block in wanted],
                                      None if whole else layers, deadline=job.deadline)
         fetched: list[_Fetched] = []
         for block, read in zip(wanted, reads, strict=True):
@@ -296,7 +290,7 @@ class Loader:
                 log.warning("kvkeep: frame for %s does not match this engine: %s",
                             block.key.storage_name, reason)
                 job.fail(block.block_id, Counter.LOAD_MISMATCH)
-                self._store.delete([block.key])  # it can never be used under this key
+                self._ctx.store.delete([block.key])  # it can never be used under this key
             else:
                 fetched.append(_Fetched(block, read))
         return fetched
@@ -305,7 +299,7 @@ class Loader:
                        staging: torch.Tensor) -> bool:
         """Decode and scatter each layer of a stage; False once the job is cancelled or late."""
         for layer in range(layers.start, layers.stop):
-            cache = self._caches.tensors[layer]
+            cache = self._ctx.caches.tensors[layer]
             wanted = [entry for entry in fetched if entry.block.block_id not in job.failed]
             for start in range(0, len(wanted), _LOAD_CHUNK_BLOCKS):
                 if not self._scatter_chunk(job, layer, wanted[start:start + _LOAD_CHUNK_BLOCKS],
@@ -337,7 +331,7 @@ class Loader:
         for row, (entry, error) in enumerate(zip(chunk, errors, strict=True)):
             if error is not None:
                 job.fail(entry.block.block_id, Counter.LOAD_CORRUPT)
-                self._store.delete([entry.block.key])
+                self._ctx.store.delete([entry.block.key])
                 continue
             rows.append(row)
             targets.append(entry.block.block_id)
@@ -345,28 +339,28 @@ class Loader:
             if not job.still_on_time():
                 return False
             if rows:
-                cache = self._caches.tensors[layer]
+                cache = self._ctx.caches.tensors[layer]
                 data = staging.index_select(0, torch.tensor(rows, device=staging.device))
-                self._caches.bound[layer].scatter(
+                self._ctx.caches.bound[layer].scatter(
                     cache, torch.tensor(targets, device=cache.device), data.to(cache.device))
         return True
 
     def _mismatch(self, read: BlockRead) -> str | None:
         """Why a verified frame is not one this engine would have written, or None."""
-        header, spec = read.header, self._caches.layout
-        expect = (self._codec, self._caches.dtype, spec.layout_id, spec.block_shape,
-                  spec.block_size, self._fp.num_layers)
+        header, spec = read.header, self._ctx.caches.layout
+        expect = (self._ctx.codec, self._ctx.caches.dtype, spec.layout_id, spec.block_shape,
+                  spec.block_size, self._ctx.fingerprint.num_layers)
         found = (header.codec, header.dtype, header.layout_id, tuple(header.layer_shape),
                  header.token_count, header.num_layers)
         return None if found == expect else f"frame has {found}, expected {expect}"
 
     def _account(self, job: LoadJob) -> None:
         for reason in job.failed.values():
-            self._counters.add(reason)
-        self._counters.add(Counter.LOADED_BLOCKS, job.loaded)
-        self._outbox.loads(job.reports(), job.failed)
+            self._ctx.counters.add(reason)
+        self._ctx.counters.add(Counter.LOADED_BLOCKS, job.loaded)
+        self._ctx.outbox.loads(job.reports(), job.failed)
         # The scheduler may count these blocks as stored (its lookup found them): they are
         # not, or not usable, so they must be saved again once recomputed.
-        self._outbox.saves(SaveReport(block.req_id, block.index, block.key.block_hash, False,
+        self._ctx.outbox.saves(SaveReport(block.req_id, block.index, block.key.block_hash, False,
                                       True)
                            for block in job.blocks if block.block_id in job.failed)

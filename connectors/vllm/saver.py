@@ -22,16 +22,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from connectors.vllm.caches import PagedCaches, recorded_event
+from connectors.vllm.caches import recorded_event
 from connectors.vllm.config import ConnectorConfig
 from connectors.vllm.metadata import BlockRun, SaveReport, SaveSpec
-from connectors.vllm.outbox import WorkerOutbox
-from connectors.vllm.stats import Counter, Counters
+from connectors.vllm.stats import Counter
+from connectors.vllm.worker_context import WorkerContext
 from kvstore.block import encode_block
 from kvstore.errors import KVKeepError
-from kvstore.frame import CodecId
-from kvstore.keys import BlockKey, ModelFingerprint, Namespace
-from kvstore.store import TieredStore
+from kvstore.keys import BlockKey, Namespace
 
 __all__ = ["Saver", "SaveItem"]
 
@@ -67,16 +65,9 @@ class _Batch:
 
 
 class Saver:
-    def __init__(self, *, store: TieredStore, caches: PagedCaches, fingerprint: ModelFingerprint,
-                 codec: CodecId, config: ConnectorConfig, outbox: WorkerOutbox,
-                 counters: Counters) -> None:
-        self._store = store
-        self._caches = caches
-        self._fp = fingerprint
-        self._codec = codec
+    def __init__(self, context: WorkerContext, config: ConnectorConfig) -> None:
+        self._ctx = context
         self._config = config
-        self._outbox = outbox
-        self._counters = counters
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvkeep-save")
         self._lock = threading.Lock()
         self._inflight = 0
@@ -91,8 +82,8 @@ class Saver:
         step = self._step
         if step is None:
             return
-        cache = self._caches.tensors[layer]
-        step.layers[layer] = self._caches.bound[layer].gather(cache,
+        cache = self._ctx.caches.tensors[layer]
+        step.layers[layer] = self._ctx.caches.bound[layer].gather(cache,
                                                               step.block_ids.to(cache.device))
         if cache.is_cuda:
             # The saver thread encodes on its own stream: it must see the finished gather.
@@ -106,12 +97,12 @@ class Saver:
         if step is not None:
             if not loads_ok:
                 # KV computed this step may have attended to blocks that failed to load.
-                self._counters.add(Counter.SAVE_DROPPED_AFTER_LOAD_ERROR, len(step.items))
-                self._outbox.saves(item.report(ok=False, retry_now=True) for item in step.items)
+                self._ctx.counters.add(Counter.SAVE_DROPPED_AFTER_LOAD_ERROR, len(step.items))
+                self._ctx.outbox.saves(item.report(ok=False, retry_now=True) for item in step.items)
                 self._release(len(step.items))
             elif not step.gathered:
-                self._counters.add(Counter.SAVE_FAILED, len(step.items))
-                self._outbox.saves(item.report(ok=False) for item in step.items)
+                self._ctx.counters.add(Counter.SAVE_FAILED, len(step.items))
+                self._ctx.outbox.saves(item.report(ok=False) for item in step.items)
                 self._release(len(step.items))
             else:
                 futures.append(self._executor.submit(self._encode_and_put, step))
@@ -139,17 +130,17 @@ class Saver:
         items: list[SaveItem] = []
         for run in runs:
             namespace = Namespace.from_label(run.namespace)
-            keys = [BlockKey.of(self._fp, namespace, h) for h in run.block_hashes]
+            keys = [BlockKey.of(self._ctx.fingerprint, namespace, h) for h in run.block_hashes]
             # Stored blocks of a run are almost always its leading ones (a restored or shared
             # prefix): one batched lookup finds them. Any other duplicate is re-put, which a
             # store treats as a no-op. No local "saved lately" cache: the store may have
             # evicted or deleted (corrupt) a block since, and then it must be saved again.
             try:
-                present = self._store.lookup(keys)
+                present = self._ctx.store.lookup(keys)
             except KVKeepError:
                 present = 0
-            self._counters.add(Counter.SAVE_SKIPPED_PRESENT, present)
-            self._outbox.saves(SaveReport(run.req_id, run.first + i, run.block_hashes[i], True)
+            self._ctx.counters.add(Counter.SAVE_SKIPPED_PRESENT, present)
+            self._ctx.outbox.saves(SaveReport(run.req_id, run.first + i, run.block_hashes[i], True)
                                for i in range(present))
             items.extend(SaveItem(run.req_id, run.first + i, run.block_ids[i], keys[i])
                          for i in range(present, len(run)))
@@ -158,12 +149,12 @@ class Saver:
             taken, dropped = items[:room], items[room:]
             self._inflight += len(taken)
         if dropped:
-            self._counters.add(Counter.SAVE_BACKPRESSURE, len(dropped))
-            self._outbox.saves(item.report(ok=False) for item in dropped)
+            self._ctx.counters.add(Counter.SAVE_BACKPRESSURE, len(dropped))
+            self._ctx.outbox.saves(item.report(ok=False) for item in dropped)
         if not taken:
             return None
         return _Batch(tuple(taken), torch.tensor([item.block_id for item in taken]),
-                      [None] * self._fp.num_layers)
+                      [None] * self._ctx.fingerprint.num_layers)
 
     def _flush(self, run: BlockRun) -> list[Future[None]]:
         """Save a finished request's last blocks straight from the paged tensors."""
@@ -171,15 +162,15 @@ class Saver:
         try:
             batch = self._select([run]) if len(run) else None
             if batch is not None:
-                for layer, cache in enumerate(self._caches.tensors):
+                for layer, cache in enumerate(self._ctx.caches.tensors):
                     ids = batch.block_ids.to(cache.device)
-                    batch.layers[layer] = self._caches.bound[layer].gather(cache, ids)
+                    batch.layers[layer] = self._ctx.caches.bound[layer].gather(cache, ids)
                     if cache.is_cuda:
                         batch.ready.append(recorded_event())
                 futures.append(self._executor.submit(self._encode_and_put, batch))
         finally:
             # The gathered copies no longer need the paged blocks: vLLM may free them now.
-            self._outbox.finished_sending(run.req_id)
+            self._ctx.outbox.finished_sending(run.req_id)
         return futures
 
     def _encode_and_put(self, batch: _Batch) -> None:
@@ -188,18 +179,18 @@ class Saver:
                 event.synchronize()
             for j, item in enumerate(batch.items):
                 ok = self._put(item, [layer[j] for layer in batch.layers if layer is not None])
-                self._counters.add(Counter.SAVED_BLOCKS if ok else Counter.SAVE_FAILED)
-                self._outbox.saves((item.report(ok=ok),))
+                self._ctx.counters.add(Counter.SAVED_BLOCKS if ok else Counter.SAVE_FAILED)
+                self._ctx.outbox.saves((item.report(ok=ok),))
         finally:
             self._release(len(batch.items))
 
     def _put(self, item: SaveItem, layers: Iterable[torch.Tensor]) -> bool:
         try:
-            frame = encode_block(list(layers), codec=self._codec, key=item.key,
-                                 token_count=self._caches.layout.block_size,
-                                 layout_id=self._caches.layout.layout_id,
+            frame = encode_block(list(layers), codec=self._ctx.codec, key=item.key,
+                                 token_count=self._ctx.caches.layout.block_size,
+                                 layout_id=self._ctx.caches.layout.layout_id,
                                  compression=self._config.compression)
-            return self._store.put(item.key, frame)
+            return self._ctx.store.put(item.key, frame)
         except KVKeepError:
             log.warning("kvkeep: saving a block failed", exc_info=True)
             return False

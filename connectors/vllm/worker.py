@@ -35,6 +35,7 @@ from connectors.vllm.metadata import (
 from connectors.vllm.outbox import WorkerOutbox
 from connectors.vllm.saver import Saver
 from connectors.vllm.stats import Counter, Counters
+from connectors.vllm.worker_context import WorkerContext
 from kvstore.errors import KVKeepError
 from kvstore.frame import CodecId
 from kvstore.keys import BlockKey, ModelFingerprint, Namespace
@@ -56,11 +57,9 @@ class WorkerSide:
         codec = CodecId.INT8 if config.codec == "int8" else CodecId.RAW
         self._caches = PagedCaches(layout, fingerprint.num_layers)
         self._outbox = WorkerOutbox()
-        self._loader = Loader(store=store, caches=self._caches, fingerprint=fingerprint,
-                              codec=codec, outbox=self._outbox, counters=counters,
-                              deadline_s=config.restore_deadline_s)
-        self._saver = Saver(store=store, caches=self._caches, fingerprint=fingerprint,
-                            codec=codec, config=config, outbox=self._outbox, counters=counters)
+        context = WorkerContext(store, self._caches, fingerprint, codec, self._outbox, counters)
+        self._loader = Loader(context, deadline_s=config.restore_deadline_s)
+        self._saver = Saver(context, config)
         self._manifests = ManifestWriter(store, counters)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
