@@ -4,7 +4,9 @@ bound to the layout that gathers and scatters whole blocks of it."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
+import numpy as np
 import torch
 
 from connectors.vllm.layouts import BoundLayout, LayoutSpec
@@ -22,6 +24,9 @@ class PagedCaches:
         self.num_layers = num_layers
         self.tensors: list[torch.Tensor] = []
         self.bound: list[BoundLayout] = []
+        self.host_blocks: list[np.ndarray[Any, Any] | None] = []
+        """Per layer, where the layout allows it: the cache's blocks as frames hold them, for
+        decoding straight into (see `BoundLayout.host_blocks`)."""
         self._index: dict[str, int] = {}
         self._dtype: DType | None = None
 
@@ -37,6 +42,8 @@ class PagedCaches:
         if len(dtypes) != 1:
             raise ConfigError(f"kvkeep: KV cache layers differ in dtype: {dtypes}")
         self.bound = [self.layout.bind(t) for t in tensors]
+        self.host_blocks = [bound.host_blocks(t) for bound, t in zip(self.bound, tensors,
+                                                                     strict=True)]
         self.tensors = tensors
         self._index = {name: i for i, name in enumerate(names)}
         self._dtype = DType.from_name(str(tensors[0].dtype))

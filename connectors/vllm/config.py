@@ -52,7 +52,7 @@ DEFAULT_REPLICAS: Final = 2
 _TOP_KEYS: Final = frozenset({
     "store", "codec", "compression", "checkpoint_tokens", "restore_deadline_ms",
     "hinted_restore_deadline_ms", "save_timeout_ms", "load_mode", "tenant", "model_id",
-    "weights_revision", "max_inflight_saves", "lookup",
+    "weights_revision", "max_inflight_saves", "lookup", "restore_first_layers",
 })
 _STORE_KEYS: Final = frozenset({"host_bytes", "nvme", "remote", "redis", "name"})
 _NVME_KEYS: Final = frozenset({"path", "bytes", "durable"})
@@ -106,6 +106,9 @@ class ConnectorConfig:
     max_inflight_saves: int = 256
     """Blocks staged for saving beyond which new saves are skipped (a slow store must not
     grow memory without bound); skipped blocks are retried at the next checkpoint."""
+    restore_first_layers: int = 0
+    """A restore reads layers [0, k) of every block first and the rest while the forward pass
+    computes those (one more read per block); 0: all layers in one read."""
     lookup: LookupMode = "auto"
     """Where the scheduler's lookups run. "auto": in the scheduler's process when the worker
     shares it (vLLM's in-process executor), else in the worker, one engine step later, via the
@@ -148,6 +151,8 @@ class ConnectorConfig:
             max_inflight_saves=_positive_int(extra.get("max_inflight_saves", 256),
                                              "max_inflight_saves"),
             lookup=cast(LookupMode, _choice(extra, "lookup", ("auto", "worker"), "auto")),
+            restore_first_layers=_nonnegative_int(extra.get("restore_first_layers", 0),
+                                                  "restore_first_layers"),
         )
 
     def restore_deadline_for(self, *, hinted: bool) -> float:
@@ -256,6 +261,10 @@ def _positive_int(value: object, what: str) -> int:
     if number <= 0 or (isinstance(value, float) and value != number):
         raise ConfigError(f"{what} must be a positive integer, got {value!r}")
     return number
+
+
+def _nonnegative_int(value: object, what: str) -> int:
+    return 0 if value == 0 and not isinstance(value, bool) else _positive_int(value, what)
 
 
 def _positive_ms(mapping: Mapping[str, Any], key: str, default_ms: float) -> float:

@@ -24,14 +24,17 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
+import numpy as np
 import torch
 
-from connectors.vllm.caches import recorded_event
+from connectors.vllm.caches import PagedCaches, recorded_event
 from connectors.vllm.metadata import BlockRun, LoadReport, LoadSpec, SaveReport
 from connectors.vllm.stats import Counter
 from connectors.vllm.worker_context import WorkerContext
-from kvstore.block import decode_layer_batch
+from kvstore.block import decode_layer, decode_layer_batch
+from kvstore.errors import CodecError, CorruptBlock
 from kvstore.frame import BlockRead, LayerRange
 from kvstore.keys import BlockKey, Namespace
 
@@ -44,15 +47,14 @@ log = logging.getLogger(__name__)
 _LOAD_CHUNK_BLOCKS = 256
 
 
-def layer_stages(num_layers: int, first_stage_layers: int | None) -> tuple[LayerRange, ...]:
-    """The layer ranges a load reads one after the other: everything at once (None), or
-    `[0, k)` first and then the rest in ranges of k layers, so layer 0 can be computed while
-    later layers are still being read."""
-    if first_stage_layers is None or first_stage_layers >= num_layers:
+def layer_stages(num_layers: int, first_layers: int) -> tuple[LayerRange, ...]:
+    """The layer ranges a load reads one after the other: everything at once (0), or `[0, k)`
+    first and then the rest in one more read, so the forward pass computes the first layers
+    while the rest are in flight (two reads per block, not one per layer: a remote read
+    costs a round trip)."""
+    if first_layers <= 0 or first_layers >= num_layers:
         return (LayerRange(0, num_layers),)
-    step = max(1, first_stage_layers)
-    return tuple(LayerRange(start, min(start + step, num_layers))
-                 for start in range(0, num_layers, step))
+    return (LayerRange(0, first_layers), LayerRange(first_layers, num_layers))
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,12 +147,28 @@ class _Fetched:
     read: BlockRead
 
 
+class _Staging:
+    """The host tensor a load decodes into before scattering (layouts that rearrange blocks,
+    device caches); allocated on first use, as layouts decoded in place need none."""
+
+    def __init__(self, caches: PagedCaches, blocks: int) -> None:
+        self._caches = caches
+        self._rows = min(blocks, _LOAD_CHUNK_BLOCKS)
+        self._tensor: torch.Tensor | None = None
+
+    def rows(self) -> torch.Tensor:
+        if self._tensor is None:
+            self._tensor = torch.empty((self._rows, *self._caches.block_shape),
+                                       dtype=self._caches.torch_dtype, device="cpu")
+        return self._tensor
+
+
 class Loader:
     def __init__(self, context: WorkerContext, *, deadline_s: float,
-                 first_stage_layers: int | None = None) -> None:
+                 first_layers: int = 0) -> None:
         self._ctx = context
         self._deadline_s = deadline_s
-        self._stages = layer_stages(context.fingerprint.num_layers, first_stage_layers)
+        self._stages = layer_stages(context.fingerprint.num_layers, first_layers)
         self._sync = ThreadPoolExecutor(1, thread_name_prefix="kvkeep-load")
         self._async = ThreadPoolExecutor(1, thread_name_prefix="kvkeep-aload")
         # Reads of a job's next stage, while the loader decodes this one (I/O mostly waits on
@@ -251,9 +269,7 @@ class Loader:
             job.release_waiters()
 
     def _load(self, job: LoadJob) -> None:
-        staging = torch.empty((min(len(job.blocks), _LOAD_CHUNK_BLOCKS),
-                               *self._ctx.caches.block_shape),
-                              dtype=self._ctx.caches.torch_dtype, device="cpu")
+        staging = _Staging(self._ctx.caches, len(job.blocks))
         pending: Future[list[_Fetched]] | None = self._fetch.submit(
             self._read_stage, job, self._stages[0], job.blocks)
         for number, stage in enumerate(self._stages):
@@ -296,21 +312,49 @@ class Loader:
         return fetched
 
     def _scatter_stage(self, job: LoadJob, layers: LayerRange, fetched: Sequence[_Fetched],
-                       staging: torch.Tensor) -> bool:
+                       staging: _Staging) -> bool:
         """Decode and scatter each layer of a stage; False once the job is cancelled or late."""
         for layer in range(layers.start, layers.stop):
             cache = self._ctx.caches.tensors[layer]
             wanted = [entry for entry in fetched if entry.block.block_id not in job.failed]
-            for start in range(0, len(wanted), _LOAD_CHUNK_BLOCKS):
-                if not self._scatter_chunk(job, layer, wanted[start:start + _LOAD_CHUNK_BLOCKS],
-                                           staging):
+            direct = self._ctx.caches.host_blocks[layer]
+            if direct is not None:
+                if not self._decode_into_cache(job, layer, wanted, direct):
                     return False
+            else:
+                for start in range(0, len(wanted), _LOAD_CHUNK_BLOCKS):
+                    if not self._scatter_chunk(job, layer,
+                                               wanted[start:start + _LOAD_CHUNK_BLOCKS],
+                                               staging.rows()):
+                        return False
             with job.lock:
                 if not job.still_on_time():
                     return False
                 if cache.is_cuda and wanted:
                     job.device_done[layer] = recorded_event()
             job.layer_done[layer].set()
+        return True
+
+    def _decode_into_cache(self, job: LoadJob, layer: int, entries: Sequence[_Fetched],
+                           blocks: np.ndarray[Any, Any]) -> bool:
+        """Decode one layer of each block straight into its paged block (a layout that holds
+        frames verbatim, in host memory: the read's bytes are copied once, by the decoder).
+        Each block is decoded under the job's lock, so none is written after a cancel; the
+        segment is verified before a byte is written. False once the job is cancelled or late.
+        """
+        for entry in entries:
+            block = entry.block
+            with job.lock:
+                if not job.still_on_time():
+                    return False
+                try:
+                    decode_layer(entry.read, layer, out=blocks[block.block_id], key=block.key)
+                    continue
+                except (CorruptBlock, CodecError):
+                    # (an int8 segment refused for its scales may be half written: the
+                    # block fails, and vLLM recomputes it over whatever is there)
+                    job.fail(block.block_id, Counter.LOAD_CORRUPT)
+            self._ctx.store.delete([block.key])
         return True
 
     def _scatter_chunk(self, job: LoadJob, layer: int, chunk: Sequence[_Fetched],

@@ -58,7 +58,8 @@ class WorkerSide:
         self._caches = PagedCaches(layout, fingerprint.num_layers)
         self._outbox = WorkerOutbox()
         context = WorkerContext(store, self._caches, fingerprint, codec, self._outbox, counters)
-        self._loader = Loader(context, deadline_s=config.restore_deadline_s)
+        self._loader = Loader(context, deadline_s=config.restore_deadline_s,
+                              first_layers=config.restore_first_layers)
         self._saver = Saver(context, config)
         self._manifests = ManifestWriter(store, counters)
 
