@@ -46,6 +46,11 @@ log = logging.getLogger(__name__)
 # beside vLLM's cache) while keeping each copy up large (256 blocks of 128 KiB = 32 MiB).
 _LOAD_CHUNK_BLOCKS = 256
 
+# A stage's blocks are read by this many concurrent store calls: a store reads a batch one
+# block after the other, and a remote read is mostly a round trip's waiting, not bytes.
+_READ_THREADS = 4
+_MIN_BLOCKS_PER_READ = 4
+
 
 def layer_stages(num_layers: int, first_layers: int) -> tuple[LayerRange, ...]:
     """The layer ranges a load reads one after the other: everything at once (0), or `[0, k)`
@@ -174,6 +179,7 @@ class Loader:
         # Reads of a job's next stage, while the loader decodes this one (I/O mostly waits on
         # a socket or a copy that releases the GIL). One per loader thread.
         self._fetch = ThreadPoolExecutor(2, thread_name_prefix="kvkeep-fetch")
+        self._readers = ThreadPoolExecutor(_READ_THREADS, thread_name_prefix="kvkeep-read")
         self._lock = threading.Lock()
         self._step_job: LoadJob | None = None
         self._async_jobs: list[LoadJob] = []
@@ -234,6 +240,7 @@ class Loader:
         self._sync.shutdown(wait=True)
         self._async.shutdown(wait=True)
         self._fetch.shutdown(wait=True)
+        self._readers.shutdown(wait=True)
 
     # -- a job ----------------------------------------------------------------------------------
 
@@ -294,9 +301,7 @@ class Loader:
         wanted = [block for block in blocks if block.block_id not in job.failed]
         if not wanted or job.cancelled:
             return []
-        whole = len(layers) == self._ctx.fingerprint.num_layers
-        reads = self._ctx.store.get_many([block.key for block in wanted],
-                                     None if whole else layers, deadline=job.deadline)
+        reads = self._read(job, layers, wanted)
         fetched: list[_Fetched] = []
         for block, read in zip(wanted, reads, strict=True):
             if read is None:
@@ -310,6 +315,21 @@ class Loader:
             else:
                 fetched.append(_Fetched(block, read))
         return fetched
+
+    def _read(self, job: LoadJob, layers: LayerRange,
+              blocks: Sequence[LoadBlock]) -> list[BlockRead | None]:
+        """One verified read of `layers` per block, by up to `_READ_THREADS` store calls at
+        once, under the job's deadline."""
+        whole = None if len(layers) == self._ctx.fingerprint.num_layers else layers
+        keys = [block.key for block in blocks]
+        parts = max(1, min(_READ_THREADS, len(keys) // _MIN_BLOCKS_PER_READ))
+        if parts == 1:
+            return self._ctx.store.get_many(keys, whole, deadline=job.deadline)
+        size = -(-len(keys) // parts)
+        calls = [self._readers.submit(self._ctx.store.get_many, keys[i:i + size], whole,
+                                      deadline=job.deadline)
+                 for i in range(0, len(keys), size)]
+        return [read for call in calls for read in call.result()]
 
     def _scatter_stage(self, job: LoadJob, layers: LayerRange, fetched: Sequence[_Fetched],
                        staging: _Staging) -> bool:
