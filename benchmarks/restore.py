@@ -8,7 +8,9 @@ prefill costs seconds on these CPUs) serves prompts of 512-4096 tokens. For each
 - recompute_ttft_s: time to first token with nothing cached (an engine without the connector);
 - restore_ttft_s[tier]: the same prompt after the blocks were saved to that tier alone and
   vLLM's own prefix cache was reset, so the KV comes from the store (host RAM, the nvme tier
-  on local disk, a `kvkeep store serve` daemon on loopback);
+  on local disk, a `kvkeep store serve` daemon on loopback); `remote_pipelined` is the daemon
+  with layer-pipelined reads (`restore_first_layers: 1`: layer 0 of every block first, the
+  rest while layer 0 computes), and `remote_over_host` compares both remote figures with host;
 - raw_outputs_identical: greedy outputs after every restore equal the recomputed ones.
 
 Also measured: decode throughput of a batch with the connector saving every completed block,
@@ -34,6 +36,7 @@ Writes::
     {"model": {...}, "context_tokens": [..],
      "recompute_ttft_s": [..], "restore_ttft_s": {"host": [..], "nvme": [..], "remote": [..]},
      "restore_over_recompute": {"host": [..], ...},
+     "remote_over_host": {"remote": [..], "remote_pipelined": [..]},
      "int8_greedy_token_match": f, "int8_teacher_forced_match": f,
      "int8_greedy_token_match_random_model": f, "int8_teacher_forced_match_random_model": f,
      "int8_eval": {"trained": {...}, "random": {...}},
@@ -42,8 +45,9 @@ Writes::
 TTFTs are medians over trials, decode rates the best of 3 runs in each of two alternating
 rounds of engines (connector off, on, off, on). Engines run in this process
 (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, `OMP_NUM_THREADS=1` unless set). Targets: restore
-<= 0.25x recompute at 2048 tokens from every tier, save overhead <= 10 %, raw outputs
-identical, int8 match >= 95 %.
+<= 0.25x recompute at 2048 tokens from every tier, host restore <= 0.1x recompute and
+pipelined remote restore <= 1.3x host restore at 2048 tokens, save overhead <= 10 %, raw
+outputs identical, int8 match >= 95 %.
 """
 
 from __future__ import annotations
@@ -310,15 +314,17 @@ def run(*, quick: bool, hidden: int = 1024, layers: int | None = None,
         identical = True
         restore: dict[str, list[float]] = {}
         with _daemon(tmp) as address:
-            stores = {
-                "host": {"host_bytes": 2 << 30, "name": "bench-host"},
-                "nvme": {"nvme": {"path": str(tmp / "nvme"), "bytes": 4 << 30},
-                         "name": "bench-nvme"},
-                "remote": {"remote": {"daemons": {"bench": address}, "timeout_ms": 5000},
-                           "name": "bench-remote"},
+            daemon = {"daemons": {"bench": address}, "timeout_ms": 5000}
+            stores: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+                "host": ({"host_bytes": 2 << 30, "name": "bench-host"}, {}),
+                "nvme": ({"nvme": {"path": str(tmp / "nvme"), "bytes": 4 << 30},
+                          "name": "bench-nvme"}, {}),
+                "remote": ({"remote": daemon, "name": "bench-remote"}, {}),
+                "remote_pipelined": ({"remote": daemon, "name": "bench-remote-pipelined"},
+                                     {"restore_first_layers": 1}),
             }
-            for tier, store in stores.items():
-                with _engine(model, _kv_config(store, restore_deadline_ms=20000),
+            for tier, (store, extra) in stores.items():
+                with _engine(model, _kv_config(store, restore_deadline_ms=20000, **extra),
                              **engine_kwargs) as llm:
                     times = []
                     for ctx in contexts:
@@ -334,6 +340,9 @@ def run(*, quick: bool, hidden: int = 1024, layers: int | None = None,
         out["restore_over_recompute"] = {
             tier: [round(r / c, 4) for r, c in zip(times, recompute, strict=True)]
             for tier, times in restore.items()}
+        out["remote_over_host"] = {
+            tier: [round(r / h, 4) for r, h in zip(restore[tier], restore["host"], strict=True)]
+            for tier in ("remote", "remote_pipelined")}
         out["raw_outputs_identical"] = identical
         decode_off, decode_on = _decode_overhead(model, engine_kwargs, decode_batch,
                                                  decode_tokens, 3, 2)

@@ -22,9 +22,9 @@ from connectors.vllm.metadata import (
 )
 from connectors.vllm.params import RestoreParams, namespace_for, parse_params
 from connectors.vllm.scheduler import SchedulerSide
-from connectors.vllm.stats import Counters
+from connectors.vllm.stats import Counter, Counters
 from kvstore.errors import ConfigError, InvalidKey
-from kvstore.keys import ModelFingerprint
+from kvstore.keys import ModelFingerprint, SessionId
 from tests.blockframes import block_key
 
 BS = 32
@@ -114,19 +114,18 @@ def test_worker_reports_aggregate_failure_wins() -> None:
 
 
 def test_load_reports_count_the_run_before_the_first_failure() -> None:
-    from connectors.vllm.worker import _load_reports, _LoadJob
+    from connectors.vllm.loader import LoadBlock, LoadJob
 
     keys = [block_key(i) for i in range(7)]
     # r1 loads its blocks 2-5 into paged blocks 10-13, r2 its blocks 0-2 into 20-22.
-    job = _LoadJob([(10 + i, keys[i]) for i in range(4)] + [(20 + i, keys[4 + i])
-                                                            for i in range(3)],
-                   {**{10 + i: ("r1", 2 + i) for i in range(4)},
-                    **{20 + i: ("r2", i) for i in range(3)}}, ("r1", "r2"), 0.0, 2)
-    job.fail(12, "load_corrupt")  # r1's block 4: vLLM recomputes 4 and 5, keeps 2 and 3
-    job.fail(13, "load_missing")
-    assert set(_load_reports(job)) == {LoadReport("r1", 2, 4, 2), LoadReport("r2", 0, 3, 3)}
-    job.fail(20, "load_late")
-    assert LoadReport("r2", 0, 3, 0) in _load_reports(job)
+    job = LoadJob(tuple([LoadBlock(10 + i, keys[i], "r1", 2 + i) for i in range(4)]
+                        + [LoadBlock(20 + i, keys[4 + i], "r2", i) for i in range(3)]),
+                  ("r1", "r2"), 0.0, 2)
+    job.fail(12, Counter.LOAD_CORRUPT)  # r1's block 4: vLLM recomputes 4 and 5, keeps 2, 3
+    job.fail(13, Counter.LOAD_MISSING)
+    assert set(job.reports()) == {LoadReport("r1", 2, 4, 2), LoadReport("r2", 0, 3, 3)}
+    job.fail(20, Counter.LOAD_LATE)
+    assert LoadReport("r2", 0, 3, 0) in job.reports()
     # With tensor parallelism a block is restored only where every rank loaded it.
     a = WorkerReport(loads=(LoadReport("r1", 2, 4, 4), LoadReport("r2", 0, 3, 3)))
     b = WorkerReport(loads=(LoadReport("r1", 2, 4, 1),))
@@ -328,3 +327,145 @@ def test_failed_saves_are_planned_again() -> None:
     req.all_token_ids.append(1)
     meta = side.build_connector_meta(_step(cached=[(req, [], 1)]))
     assert [(s.run.first, len(s.run)) for s in meta.saves] == [(1, 2)]
+
+
+# -- the router's fields: hints, epochs, deadlines ---------------------------------------------
+
+def test_router_fields_parse_and_are_checked() -> None:
+    params = parse_params({"session_id": "s", "restore": "auto", "session_epoch": 3,
+                           "restore_reason": "failover", "previous_worker": "10.0.0.7:8000",
+                           "some_other_component": {"x": 1}})  # unknown fields are ignored
+    assert params == RestoreParams(SessionId("s"), "auto", None, 3, "failover", "10.0.0.7:8000")
+    assert params.hinted and not parse_params({"session_epoch": 0}).hinted
+    assert parse_params({"session_id": 42}).session_id == "42"
+    for bad in ({"session_epoch": -1}, {"session_epoch": True}, {"session_epoch": "3"},
+                {"session_epoch": 1 << 40}, {"restore_reason": "bored"},
+                {"restore_reason": ["failover"]}, {"previous_worker": "w1\nFAKE LOG LINE"},
+                {"previous_worker": ""}, {"previous_worker": "x" * 300},
+                {"previous_worker": 7}, {"session_id": {"a": 1}}, {"session_id": True}):
+        with pytest.raises(InvalidKey):
+            parse_params(bad)
+
+
+def test_hinted_restore_deadline() -> None:
+    base = {"store": {"host_bytes": 1}}
+    default = ConnectorConfig.from_extra(base)
+    assert (default.restore_deadline_s, default.hinted_restore_deadline_s) == (2.0, 5.0)
+    assert default.restore_deadline_for(hinted=True) == 5.0
+    assert default.restore_deadline_for(hinted=False) == 2.0
+    long = ConnectorConfig.from_extra({**base, "restore_deadline_ms": 8000})
+    assert long.hinted_restore_deadline_s == 8.0  # never below the cold deadline
+    set_ = ConnectorConfig.from_extra({**base, "restore_deadline_ms": 100,
+                                       "hinted_restore_deadline_ms": 900})
+    assert (set_.restore_deadline_s, set_.hinted_restore_deadline_s) == (0.1, 0.9)
+    with pytest.raises(ConfigError):
+        ConnectorConfig.from_extra({**base, "restore_deadline_ms": 1000,
+                                    "hinted_restore_deadline_ms": 500})
+
+
+def test_remote_replicas_default_to_two() -> None:
+    def replicas(remote: dict[str, Any]) -> int:
+        spec = ConnectorConfig.from_extra({"store": {"remote": remote}}).store.remote
+        assert spec is not None
+        return spec.replicas
+
+    assert replicas({"etcd": "http://e:2379"}) == 2
+    assert replicas({"daemons": {"a": "h:1", "b": "h:2", "c": "h:3"}}) == 2
+    assert replicas({"daemons": {"a": "h:1"}}) == 1  # one listed daemon holds one copy
+    assert replicas({"etcd": "http://e:2379", "replicas": 3}) == 3
+    with pytest.raises(ConfigError):
+        replicas({"daemons": {"a": "h:1", "b": "h:2"}, "replicas": 3})
+
+
+def test_manifest_generations_fence_stale_writers() -> None:
+    from connectors.vllm.manifests import EPOCH_STRIDE_US, manifest_generation
+
+    t = 1_750_000_000_000_000
+
+    def gen(started: int, epoch: int | None, previous: int = 0) -> int:
+        return manifest_generation(started_us=started, epoch=epoch, previous=previous)
+
+    # Each write of a request outranks its previous one.
+    assert gen(t, 2, previous=gen(t, 2)) == gen(t, 2) + 1
+    # The worker that lost the session: its request began before the takeover.
+    assert gen(t + 5_000_000, 1) > gen(t, 0, previous=gen(t, 0) + 1000)
+    # A lagging router sent a request to the old worker after the takeover: older epoch.
+    assert gen(t, 1) > gen(t + EPOCH_STRIDE_US // 2, 0)
+    # No router (no epoch): the later request wins, as it always did.
+    assert gen(t + 1, None) > gen(t, None)
+    # A binding that expired after an hour idle restarts at epoch 0 and still wins.
+    assert gen(t + 3600_000_000, 0) > gen(t, 10, previous=gen(t, 10) + 5000)
+
+
+def test_hinted_requests_get_the_longer_deadline_and_count_misses() -> None:
+    side = _side(FakeStore(present=2), restore_deadline_ms=100, hinted_restore_deadline_ms=700)
+    counters = side._counters
+    moved = FakeRequest("a", list(range(5 * BS + 3)), 5 * BS + 3,
+                        {"session_id": "s", "restore_reason": "failover",
+                         "previous_worker": "w2", "session_epoch": 4})
+    cold = FakeRequest("b", list(range(5 * BS + 3)), 5 * BS + 3)
+    for req in (moved, cold):
+        assert side.get_num_new_matched_tokens(req, 0) == (2 * BS, False)  # type: ignore[arg-type]
+        side.update_state_after_alloc(req, _blocks([1, 2, 3, 4, 5, 6]),  # type: ignore[arg-type]
+                                      2 * BS)
+    meta = side.build_connector_meta(_step(new=[(moved, [1, 2, 3, 4, 5, 6], 3 * BS + 3),
+                                                (cold, [1, 2, 3, 4, 5, 6], 3 * BS + 3)]))
+    deadlines = {load.run.req_id: load.deadline_s for load in meta.loads}
+    assert deadlines == {"a": 0.7, "b": 0.1}
+    snapshot = counters.snapshot()
+    assert snapshot[Counter.RESTORES_HINTED] == 1
+    assert snapshot[Counter.HINTED_BLOCKS_MISSING] == 5 - 2  # asked 5, the store held 2
+    assert snapshot["restores_hinted"] == 1  # by value as well as by member
+
+    probing = _side(FakeStore(), lookup="worker", restore_deadline_ms=100,
+                    hinted_restore_deadline_ms=700)
+    probing._store = None
+    assert probing.get_num_new_matched_tokens(moved, 0) == (None, False)  # type: ignore[arg-type]
+    (probe,) = probing.build_connector_meta(_step()).probes
+    assert probe.deadline_s == 0.7
+
+
+def test_two_workers_of_one_session_write_fenced_manifests() -> None:
+    """A real store: the worker that lost the session keeps writing; the holder's manifest
+    stays. Two scheduler halves share one host tier, as two workers share the daemons."""
+    from kvstore.keys import Namespace, SessionKey
+    from kvstore.store import TieredStore
+    from kvstore.tiers.host import HostTier
+
+    store = TieredStore([HostTier(8 << 20)])
+    try:
+        stale, holder = _side(store), _side(store)  # type: ignore[arg-type]
+        history = list(range(3 * BS + 5))
+        old = FakeRequest("old", list(history), len(history),
+                          {"session_id": "s", "session_epoch": 0})
+        new = FakeRequest("new", list(history) + [7] * BS, len(history) + BS,
+                          {"session_id": "s", "session_epoch": 1,
+                           "restore_reason": "failover", "previous_worker": "w1"})
+        for side, req in ((stale, old), (holder, new)):
+            side.get_num_new_matched_tokens(req, 0)  # type: ignore[arg-type]
+        _saved(holder, holder.build_connector_meta(_step(new=[(new, [1, 2, 3, 4, 5],
+                                                               new.num_tokens)])))
+        holder.drain_manifests()
+        _saved(stale, stale.build_connector_meta(_step(new=[(old, [1, 2, 3, 4],
+                                                             old.num_tokens)])))
+        stale.drain_manifests()
+        key = SessionKey.of(holder._fp, Namespace("default"), "s")
+        manifest = store.get_manifest(key)
+        assert manifest is not None and manifest.token_count == 4 * BS  # the holder's
+        assert manifest.token_ids == tuple(new.all_token_ids)
+        assert stale._counters.snapshot()[Counter.MANIFESTS_WRITTEN] == 1  # tried, refused
+
+        # A lagging router replica sends the old worker a request after the takeover, with
+        # the old epoch: it began later, and still loses. With the holder's epoch it wins.
+        for epoch, wins in ((0, False), (1, True)):
+            params = {"session_id": "s", "session_epoch": epoch}
+            late = FakeRequest(f"late-{epoch}", list(history), len(history), params)
+            side = _side(store)  # type: ignore[arg-type]
+            side.get_num_new_matched_tokens(late, 0)  # type: ignore[arg-type]
+            _saved(side, side.build_connector_meta(_step(new=[(late, [1, 2, 3, 4],
+                                                               late.num_tokens)])))
+            side.drain_manifests()
+            got = store.get_manifest(key)
+            assert got is not None and (got.token_count == 3 * BS) == wins, epoch
+    finally:
+        store.close()

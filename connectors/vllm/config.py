@@ -8,7 +8,8 @@ Example (every key optional except a store with at least one tier)::
                           "replicas": 2, "timeout_ms": 1000},
                "redis": {"url": "redis://redis:6379/0", "prefix": "kvkeep"}},
      "codec": "raw", "compression": "none",
-     "checkpoint_tokens": 32, "restore_deadline_ms": 2000, "save_timeout_ms": 2000,
+     "checkpoint_tokens": 32, "restore_deadline_ms": 2000, "hinted_restore_deadline_ms": 5000,
+     "save_timeout_ms": 2000,
      "load_mode": "sync", "tenant": "default",
      "model_id": "llama-3-8b", "weights_revision": "abc123"}
 
@@ -37,6 +38,7 @@ __all__ = [
     "Compression",
     "LoadMode",
     "LookupMode",
+    "DEFAULT_REPLICAS",
 ]
 
 Codec = Literal["raw", "int8"]
@@ -44,10 +46,13 @@ LoadMode = Literal["sync", "async"]
 LookupMode = Literal["auto", "worker"]
 Compression = Literal["none", "auto", "zstd"]
 
+DEFAULT_REPLICAS: Final = 2
+"""Copies of each block on the remote daemons unless `store.remote.replicas` says otherwise."""
+
 _TOP_KEYS: Final = frozenset({
     "store", "codec", "compression", "checkpoint_tokens", "restore_deadline_ms",
-    "save_timeout_ms", "load_mode", "tenant", "model_id", "weights_revision",
-    "max_inflight_saves", "lookup",
+    "hinted_restore_deadline_ms", "save_timeout_ms", "load_mode", "tenant", "model_id",
+    "weights_revision", "max_inflight_saves", "lookup", "restore_first_layers",
 })
 _STORE_KEYS: Final = frozenset({"host_bytes", "nvme", "remote", "redis", "name"})
 _NVME_KEYS: Final = frozenset({"path", "bytes", "durable"})
@@ -87,6 +92,10 @@ class ConnectorConfig:
     restore_deadline_s: float = 2.0
     """Past this, a lookup reports what it has (or nothing) and a load reports the rest as
     failed: vLLM computes instead of waiting."""
+    hinted_restore_deadline_s: float = 5.0
+    """The same for a request the router sent with a `restore_reason` (its session moved: its
+    KV was checkpointed elsewhere and is known to be in the store, so waiting for it beats
+    recomputing it). Never below `restore_deadline_s`."""
     save_timeout_s: float = 2.0
     """How long `wait_for_save` waits for one step's saves before letting them finish in the
     background (they are reported when they do)."""
@@ -97,6 +106,9 @@ class ConnectorConfig:
     max_inflight_saves: int = 256
     """Blocks staged for saving beyond which new saves are skipped (a slow store must not
     grow memory without bound); skipped blocks are retried at the next checkpoint."""
+    restore_first_layers: int = 0
+    """A restore reads layers [0, k) of every block first and the rest while the forward pass
+    computes those (one more read per block); 0: all layers in one read."""
     lookup: LookupMode = "auto"
     """Where the scheduler's lookups run. "auto": in the scheduler's process when the worker
     shares it (vLLM's in-process executor), else in the worker, one engine step later, via the
@@ -118,12 +130,18 @@ class ConnectorConfig:
         tenant = _name(extra.get("tenant", "default"), "tenant")
         model_id = extra.get("model_id")
         revision = extra.get("weights_revision")
+        deadline = _positive_ms(extra, "restore_deadline_ms", 2000)
+        hinted = _positive_ms(extra, "hinted_restore_deadline_ms", max(5000, deadline * 1000))
+        if hinted < deadline:
+            raise ConfigError("hinted_restore_deadline_ms must not be below restore_deadline_ms "
+                              "(a restore known to be in the store waits at least as long)")
         return cls(
             store=_store(extra["store"]),
             codec=cast(Codec, codec),
             compression=cast(Compression, compression),
             checkpoint_tokens=checkpoint,
-            restore_deadline_s=_positive_ms(extra, "restore_deadline_ms", 2000),
+            restore_deadline_s=deadline,
+            hinted_restore_deadline_s=hinted,
             save_timeout_s=_positive_ms(extra, "save_timeout_ms", 2000),
             load_mode=cast(LoadMode, load_mode),
             tenant=tenant,
@@ -133,7 +151,13 @@ class ConnectorConfig:
             max_inflight_saves=_positive_int(extra.get("max_inflight_saves", 256),
                                              "max_inflight_saves"),
             lookup=cast(LookupMode, _choice(extra, "lookup", ("auto", "worker"), "auto")),
+            restore_first_layers=_nonnegative_int(extra.get("restore_first_layers", 0),
+                                                  "restore_first_layers"),
         )
+
+    def restore_deadline_for(self, *, hinted: bool) -> float:
+        """Seconds a lookup or load may take: longer when the router hinted a restore."""
+        return self.hinted_restore_deadline_s if hinted else self.restore_deadline_s
 
     def checkpoint_interval(self, block_size: int) -> int:
         """Tokens between decode-time checkpoints; never below one block (blocks are the unit
@@ -178,7 +202,7 @@ def _store(raw: object) -> StoreSpec:
         remote = RemoteSpec(
             etcd=None if etcd is None else _nonempty_str(etcd, "store.remote.etcd"),
             prefix=str(spec.get("prefix", "/kvkeep/stores/")),
-            replicas=_positive_int(spec.get("replicas", 1), "store.remote.replicas"),
+            replicas=_replicas(spec, daemons),
             daemons=daemons,
             timeout_s=_positive_ms(spec, "timeout_ms", 1000),
             token_file=(None if spec.get("token_file") is None
@@ -200,6 +224,18 @@ def _redis(raw: object) -> RedisSpec:
                      prefix=_nonempty_str(raw.get("prefix", "kvkeep"), "store.redis.prefix"),
                      ttl_s=None if ttl is None else _positive_int(ttl, "store.redis.ttl_seconds"),
                      timeout_s=_positive_ms(raw, "timeout_ms", 5000))
+
+
+def _replicas(spec: Mapping[str, Any], daemons: tuple[tuple[str, str], ...]) -> int:
+    """R: 2 by default (one lost daemon loses no KV); capped at a static list's length, since a
+    write acknowledged by all R owners could never succeed with fewer daemons than R."""
+    if "replicas" not in spec:
+        return min(DEFAULT_REPLICAS, len(daemons)) if daemons else DEFAULT_REPLICAS
+    replicas = _positive_int(spec["replicas"], "store.remote.replicas")
+    if daemons and replicas > len(daemons):
+        raise ConfigError(f"store.remote.replicas is {replicas} but only {len(daemons)} "
+                          f"daemon(s) are listed")
+    return replicas
 
 
 def _reject_unknown(where: str, mapping: Mapping[str, Any], allowed: frozenset[str]) -> None:
@@ -225,6 +261,10 @@ def _positive_int(value: object, what: str) -> int:
     if number <= 0 or (isinstance(value, float) and value != number):
         raise ConfigError(f"{what} must be a positive integer, got {value!r}")
     return number
+
+
+def _nonnegative_int(value: object, what: str) -> int:
+    return 0 if value == 0 and not isinstance(value, bool) else _positive_int(value, what)
 
 
 def _positive_ms(mapping: Mapping[str, Any], key: str, default_ms: float) -> float:

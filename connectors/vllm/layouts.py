@@ -27,8 +27,9 @@ the id keeps "restored output == recomputed output" true on each platform.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Final, Literal, Protocol
+from typing import Any, Final, Literal, Protocol
 
+import numpy as np
 import torch
 
 from kvstore.errors import ConfigError
@@ -67,6 +68,13 @@ class BoundLayout(Protocol):
     def scatter(self, kv_layer: torch.Tensor, block_ids: torch.Tensor,
                 blocks: torch.Tensor) -> None:
         """Write `[len(block_ids), *block_shape]` blocks into the paged tensor in place."""
+        ...
+
+    def host_blocks(self, kv_layer: torch.Tensor) -> np.ndarray[Any, Any] | None:
+        """`[num_blocks, *block_shape]` over the paged tensor's own memory (16-bit dtypes as
+        their uint16 bit patterns), when each block holds a frame's layer verbatim and lives
+        in host memory: a decoder writes into the cache with no copy in between. None where
+        the layout rearranges (K transposed, a device tensor)."""
         ...
 
 
@@ -169,6 +177,9 @@ class _CpuTransposedK:
         raw[:, :, 1].view(count, h, n, d).copy_(blocks[:, 1].permute(0, 2, 1, 3))
         kv_layer.index_copy_(0, block_ids, raw.view(count, h, n, 2 * d))
 
+    def host_blocks(self, kv_layer: torch.Tensor) -> np.ndarray[Any, Any] | None:
+        return None  # frames hold K untransposed: decoding needs a rearranging copy
+
 
 @dataclass(frozen=True, slots=True)
 class _CpuRaw:
@@ -187,6 +198,15 @@ class _CpuRaw:
                 blocks: torch.Tensor) -> None:
         kv_layer.index_copy_(0, block_ids,
                              blocks.reshape(-1, self.h, self.n, 2 * self.d).to(kv_layer.dtype))
+
+    def host_blocks(self, kv_layer: torch.Tensor) -> np.ndarray[Any, Any] | None:
+        if kv_layer.device.type != "cpu" or not kv_layer.is_contiguous():
+            return None
+        shape = (kv_layer.shape[0], self.h, 2 * self.n, self.d)
+        if kv_layer.dtype == torch.float32:
+            return kv_layer.detach().numpy().reshape(shape)
+        # numpy has no bf16: the bit patterns, which is what the codecs write.
+        return kv_layer.detach().view(torch.int16).numpy().view(np.uint16).reshape(shape)
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,3 +231,6 @@ class _FlashLayout:
             kv_layer.index_copy_(0, block_ids, blocks.to(kv_layer.dtype))
         else:
             kv_layer.index_copy_(1, block_ids, blocks.transpose(0, 1).to(kv_layer.dtype))
+
+    def host_blocks(self, kv_layer: torch.Tensor) -> np.ndarray[Any, Any] | None:
+        return None  # device memory (and K/V split across the tensor for kv_dim 0)

@@ -43,6 +43,9 @@ class LoadSpec:
 
     run: BlockRun
     is_async: bool = False
+    deadline_s: float | None = None
+    """Seconds the load may take from its start; None: the config's `restore_deadline_ms`
+    (a request the router hinted gets `hinted_restore_deadline_ms`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +67,8 @@ class Probe:
     namespace: str
     first: int
     block_hashes: tuple[bytes, ...]
+    deadline_s: float | None = None
+    """Seconds the lookup may take; None: the config's `restore_deadline_ms`."""
 
 
 @dataclass(frozen=True, slots=True)

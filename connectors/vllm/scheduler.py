@@ -11,8 +11,11 @@ Per request it keeps where its blocks live and which of them are known saved. Ea
 - plans saves of blocks that the step completes: during prefill all of them, during decode once
   at least `checkpoint_interval` tokens of completed blocks are unsaved;
 - learns from the worker which saves landed, and writes the session manifest (blocks in order,
-  token ids so far) once its saved prefix grows. A manifest names only blocks the worker
+  token ids so far) once its saved prefix grows, through `connectors.vllm.manifests` (whose
+  generations the router's `session_epoch` fences). A manifest names only blocks the worker
   confirmed stored (a store may still evict them later; a restore then recomputes them);
+- gives a request the router sent with a `restore_reason` (its session moved here) the longer
+  `hinted_restore_deadline_ms` for its lookup and load;
 - when vLLM publishes KV events, adds a `BlockStored` for each request's grown saved prefix to
   them (medium `KVKEEP_SHARED` for a store with remote daemons, else `KVKEEP_LOCAL`), so a
   router knows which prefixes the store can restore. Each event carries the whole saved prefix
@@ -25,11 +28,16 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from connectors.vllm.config import ConnectorConfig
+from connectors.vllm.manifests import (
+    ManifestRelay,
+    ManifestSink,
+    ManifestWriter,
+    manifest_generation,
+    now_us,
+)
 from connectors.vllm.metadata import (
     BlockRun,
     LoadSpec,
@@ -39,9 +47,10 @@ from connectors.vllm.metadata import (
     WorkerReport,
 )
 from connectors.vllm.params import RestoreParams, namespace_for, parse_params
-from connectors.vllm.stats import Counters
+from connectors.vllm.stats import Counter, Counters
+from connectors.vllm.tracking import LookupAnswer, PendingProbe, TrackedRequest
 from kvstore.errors import KVKeepError
-from kvstore.keys import BlockHash, BlockKey, ModelFingerprint, Namespace, SessionKey
+from kvstore.keys import BlockHash, BlockKey, ModelFingerprint, SessionKey
 from kvstore.manifest import SessionManifest
 from kvstore.store import TieredStore
 
@@ -60,34 +69,6 @@ log = logging.getLogger(__name__)
 _LOOKUP_TTL_S = 1.0
 
 
-@dataclass(slots=True)
-class _Tracked:
-    request: Request
-    namespace: Namespace
-    params: RestoreParams
-    block_ids: list[int] = field(default_factory=list)
-    local_blocks: int = 0
-    lookup: tuple[int, int, int, float] | None = None  # (first, count, hit, at)
-    probe: tuple[int, int, float] | None = None  # (first, count, sent at): awaiting the worker
-    pending_load: LoadSpec | None = None
-    planned: int = 0
-    """Blocks [0, planned) have a save planned, done, or found present."""
-    hold_until_tokens: int = 0
-    """After a failed save, no new plan before this many computed tokens (no hot retry)."""
-    saved: set[int] = field(default_factory=set)
-    saved_prefix: int = 0
-    manifest_blocks: int = 0
-    generation: int = 0
-    finished: bool = False
-    flush: Literal["none", "wanted", "sent"] = "none"
-    """A finished request's last blocks: to be saved before vLLM frees them."""
-    loading_async: bool = False
-    restored_blocks: int = 0
-    """Blocks of this request whose KV came from the store (over all of its loads)."""
-    published_blocks: int = 0
-    """The saved prefix announced in a KV event so far."""
-
-
 class SchedulerSide:
     def __init__(self, *, config: ConnectorConfig, fingerprint: ModelFingerprint,
                  store: TieredStore | None, block_size: int, num_layers: int,
@@ -103,12 +84,15 @@ class SchedulerSide:
         self._num_layers = num_layers
         self._interval = config.checkpoint_interval(block_size)
         self._counters = counters
-        self._reqs: dict[str, _Tracked] = {}
+        self._reqs: dict[str, TrackedRequest] = {}
         self._finished_last_step: list[str] = []
         self._probes: list[Probe] = []
-        self._manifests: list[bytes] = []
-        # Manifests go through the store (an fsync on nvme): off the scheduler loop, in order.
-        self._manifest_writer = ThreadPoolExecutor(1, thread_name_prefix="kvkeep-manifest")
+        self._relay: ManifestRelay | None = None
+        self._manifests: ManifestSink
+        if store is None:
+            self._manifests = self._relay = ManifestRelay()
+        else:
+            self._manifests = ManifestWriter(store, counters)
 
     # -- vLLM scheduler API --------------------------------------------------------------------
 
@@ -116,8 +100,8 @@ class SchedulerSide:
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         tracked = self._track(request)
         if not tracked.params.usable_for(self._num_layers):
-            self._counters.add("restore_none" if tracked.params.mode == "none"
-                               else "partial_layer_unusable")
+            self._counters.add(Counter.RESTORE_NONE if tracked.params.mode == "none"
+                               else Counter.PARTIAL_LAYER_UNUSABLE)
             return 0, False
         if request.skip_reading_prefix_cache:
             return 0, False
@@ -153,7 +137,8 @@ class SchedulerSide:
             # vLLM allocated fewer blocks than it agreed to load: a broken invariant upstream.
             raise RuntimeError(f"kvkeep: {request.request_id} has {len(run)} blocks for "
                                f"{count} external blocks")
-        tracked.pending_load = LoadSpec(run, is_async=self._config.load_mode == "async")
+        tracked.pending_load = LoadSpec(run, is_async=self._config.load_mode == "async",
+                                        deadline_s=self._deadline_s(tracked))
         tracked.loading_async = tracked.pending_load.is_async
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> StepMetadata:
@@ -189,8 +174,8 @@ class SchedulerSide:
             self._plan_saves(running, done, saves)
         saves.extend(self._flushes())
         probes, self._probes = self._probes, []
-        manifests, self._manifests = self._manifests, []
-        return StepMetadata(tuple(loads), tuple(saves), tuple(probes), tuple(manifests))
+        manifests = self._relay.take() if self._relay is not None else ()
+        return StepMetadata(tuple(loads), tuple(saves), tuple(probes), manifests)
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         report = output.kv_connector_worker_meta
@@ -199,10 +184,10 @@ class SchedulerSide:
             for answer in report.probes:
                 tracked = self._reqs.get(answer.req_id)
                 if tracked is not None and tracked.probe is not None \
-                        and tracked.probe[:2] == (answer.first, answer.count):
-                    self._counters.add("lookup_hit_blocks", answer.hit)
-                    tracked.lookup = (answer.first, answer.count, answer.hit, time.monotonic())
+                        and tracked.probe.asks(answer.first, answer.count):
                     tracked.probe = None
+                    self._record_lookup(tracked, LookupAnswer(
+                        answer.first, answer.count, answer.hit, time.monotonic()))
             for load in report.loads:
                 if (tracked := self._reqs.get(load.req_id)) is not None:
                     tracked.restored_blocks += load.restored
@@ -256,18 +241,18 @@ class SchedulerSide:
     def has_pending_work(self) -> bool:
         """Probes or manifests waiting for a step to carry them to the worker (keeps vLLM's
         engine loop stepping when nothing else runs)."""
-        return bool(self._probes or self._manifests)
+        return bool(self._probes) or self._manifests.pending
 
     def drain_manifests(self, timeout: float = 10.0) -> None:
         """Wait until every manifest handed to the writer so far is written (tests, shutdown)."""
-        self._manifest_writer.submit(lambda: None).result(timeout)
+        self._manifests.drain(timeout)
 
     def shutdown(self) -> None:
-        self._manifest_writer.shutdown(wait=True)
+        self._manifests.shutdown()
 
     # -- helpers -------------------------------------------------------------------------------
 
-    def _track(self, request: Request) -> _Tracked:
+    def _track(self, request: Request) -> TrackedRequest:
         tracked = self._reqs.get(request.request_id)
         if tracked is not None and tracked.request is request:
             return tracked
@@ -275,58 +260,80 @@ class SchedulerSide:
             params = parse_params(request.kv_transfer_params)
         except ValueError as exc:
             log.warning("kvkeep: ignoring kv_transfer_params of %s: %s", request.request_id, exc)
-            self._counters.add("bad_params")
+            self._counters.add(Counter.BAD_PARAMS)
             params = RestoreParams()
-        tracked = _Tracked(request, namespace_for(self._config.tenant, request.cache_salt),
-                           params)
+        if params.hinted:
+            self._counters.add(Counter.RESTORES_HINTED)
+        tracked = TrackedRequest(request, namespace_for(self._config.tenant, request.cache_salt),
+                                 params, now_us())
         self._reqs[request.request_id] = tracked
         return tracked
 
-    def _lookup(self, tracked: _Tracked, first: int, count: int) -> int | None:
+    def _deadline_s(self, tracked: TrackedRequest) -> float:
+        return self._config.restore_deadline_for(hinted=tracked.params.hinted)
+
+    def _lookup(self, tracked: TrackedRequest, first: int, count: int) -> int | None:
         """Blocks of [first, first+count) the store holds as a prefix; None: ask again later."""
         now = time.monotonic()
         cached = tracked.lookup
-        if cached is not None and cached[:2] == (first, count) and now - cached[3] < _LOOKUP_TTL_S:
-            return cached[2]
+        if cached is not None and cached.answers(first, count) and now - cached.at < _LOOKUP_TTL_S:
+            return cached.hit
         hashes = tracked.request.block_hashes[first:first + count]
         if self._store is None:
             return self._probe(tracked, first, count, now)
         keys = [BlockKey.of(self._fp, tracked.namespace, bytes(h)) for h in hashes]
-        deadline = now + self._config.restore_deadline_s
-        self._counters.add("lookups")
+        deadline = now + self._deadline_s(tracked)
+        self._counters.add(Counter.LOOKUPS)
         try:
             hit = self._store.lookup(keys, deadline=deadline)
         except KVKeepError:
             log.warning("kvkeep: lookup failed; computing instead", exc_info=True)
-            self._counters.add("lookup_errors")
+            self._counters.add(Counter.LOOKUP_ERRORS)
             hit = 0
         if time.monotonic() >= deadline:
             # The store answered with what it had found in time; report none of it, since a
             # store this slow would make the load late too.
-            self._counters.add("lookup_deadline")
+            self._counters.add(Counter.LOOKUP_DEADLINE)
             hit = 0
-        self._counters.add("lookup_hit_blocks", hit)
-        tracked.lookup = (first, count, hit, now)
+        self._record_lookup(tracked, LookupAnswer(first, count, hit, now))
         return hit
 
-    def _probe(self, tracked: _Tracked, first: int, count: int, now: float) -> int | None:
+    def _record_lookup(self, tracked: TrackedRequest, answer: LookupAnswer) -> None:
+        self._counters.add(Counter.LOOKUP_HIT_BLOCKS, answer.hit)
+        tracked.lookup = answer
+        params = tracked.params
+        if params.hinted and not tracked.hint_checked:
+            tracked.hint_checked = True
+            missing = answer.count - answer.hit
+            self._counters.add(Counter.HINTED_BLOCKS_MISSING, missing)
+            if missing:
+                # The session's KV should all be in the store: what is not was never
+                # checkpointed (lost with its worker, or late) or was evicted since.
+                log.info("kvkeep: %s (%s from %s): the store holds %d of %d blocks; the "
+                         "rest is recomputed", tracked.request_id, params.reason,
+                         params.previous_worker or "an unnamed worker", answer.hit,
+                         answer.count)
+
+    def _probe(self, tracked: TrackedRequest, first: int, count: int, now: float) -> int | None:
         probe = tracked.probe
-        if probe is not None and probe[:2] == (first, count):
-            if now - probe[2] < self._config.restore_deadline_s:
+        deadline_s = self._deadline_s(tracked)
+        if probe is not None and probe.asks(first, count):
+            if now - probe.sent_at < deadline_s:
                 return None
             # The worker did not answer in time (a slow store, a long step): compute.
-            self._counters.add("lookup_deadline")
+            self._counters.add(Counter.LOOKUP_DEADLINE)
             tracked.probe = None
-            tracked.lookup = (first, count, 0, now)
+            self._record_lookup(tracked, LookupAnswer(first, count, 0, now))
             return 0
-        self._counters.add("lookups")
-        tracked.probe = (first, count, now)
+        self._counters.add(Counter.LOOKUPS)
+        tracked.probe = PendingProbe(first, count, now)
         hashes = tracked.request.block_hashes[first:first + count]
-        self._probes.append(Probe(tracked.request.request_id, tracked.namespace.label, first,
-                                  tuple(bytes(h) for h in hashes)))
+        self._probes.append(Probe(tracked.request_id, tracked.namespace.label, first,
+                                  tuple(bytes(h) for h in hashes), deadline_s))
         return None
 
-    def _plan_saves(self, tracked: _Tracked, done_tokens: int, out: list[SaveSpec]) -> None:
+    def _plan_saves(self, tracked: TrackedRequest, done_tokens: int,
+                    out: list[SaveSpec]) -> None:
         request = tracked.request
         complete = min(done_tokens // self._bs, len(request.block_hashes),
                        len(tracked.block_ids))
@@ -353,7 +360,7 @@ class SchedulerSide:
             tracked.flush = "sent"
         return flushes
 
-    def _run(self, tracked: _Tracked, first: int, stop: int) -> BlockRun:
+    def _run(self, tracked: TrackedRequest, first: int, stop: int) -> BlockRun:
         request = tracked.request
         return BlockRun(
             req_id=request.request_id,
@@ -377,7 +384,7 @@ class SchedulerSide:
         events, self._events = self._events, []
         return events
 
-    def _maybe_publish(self, tracked: _Tracked) -> None:
+    def _maybe_publish(self, tracked: TrackedRequest) -> None:
         if self._event_medium is None or tracked.saved_prefix <= tracked.published_blocks:
             return
         from vllm.distributed.kv_events import BlockStored
@@ -390,16 +397,16 @@ class SchedulerSide:
             parent_block_hash=None, token_ids=list(request.all_token_ids[:count * self._bs]),
             block_size=self._bs, lora_id=None, medium=self._event_medium, lora_name=None))
         tracked.published_blocks = count
-        self._counters.add("published_blocks", count)
+        self._counters.add(Counter.PUBLISHED_BLOCKS, count)
 
-    def _maybe_write_manifest(self, tracked: _Tracked) -> None:
+    def _maybe_write_manifest(self, tracked: TrackedRequest) -> None:
         session = tracked.params.session_id
         if session is None or tracked.saved_prefix <= tracked.manifest_blocks:
             return
         request = tracked.request
-        # Microseconds since the epoch, and always above our last one: a later writer of the
-        # session (the worker that took over) wins, and no read is needed first.
-        tracked.generation = max(tracked.generation + 1, time.time_ns() // 1000)
+        tracked.generation = manifest_generation(started_us=tracked.started_us,
+                                                 epoch=tracked.params.epoch,
+                                                 previous=tracked.generation)
         manifest = SessionManifest(
             key=SessionKey.of(self._fp, tracked.namespace, session),
             block_hashes=tuple(BlockHash(bytes(h))
@@ -409,21 +416,9 @@ class SchedulerSide:
             token_ids=tuple(request.all_token_ids),
         )
         tracked.manifest_blocks = tracked.saved_prefix
-        if self._store is None:
-            self._manifests.append(manifest.encode())
-        else:
-            self._manifest_writer.submit(self._write_manifest, manifest)
+        self._manifests.submit(manifest)
 
-    def _write_manifest(self, manifest: SessionManifest) -> None:
-        assert self._store is not None
-        try:
-            self._store.put_manifest(manifest)
-            self._counters.add("manifests_written")
-        except KVKeepError:
-            log.warning("kvkeep: manifest write failed", exc_info=True)
-            self._counters.add("manifest_errors")
-
-    def _response(self, tracked: _Tracked) -> dict[str, Any] | None:
+    def _response(self, tracked: TrackedRequest) -> dict[str, Any] | None:
         """What the request's final output carries back in `kv_transfer_params` (the router
         turns it into X-KVKeep-* headers)."""
         restored = {"restored_tokens": tracked.restored_blocks * self._bs}

@@ -1,7 +1,8 @@
 """Counters that say what the connector did and, when it fell back to recompute, why.
 
-Each half keeps its own `Counters`; `snapshot()` returns a frozen copy. The names are stable
-(tests and dashboards read them):
+Each half keeps its own `Counters`; `snapshot()` returns a frozen copy that can be indexed by a
+`Counter` member or by its value (`snapshot[Counter.LOADED_BLOCKS] == snapshot["loaded_blocks"]`):
+the values are stable, dashboards and tests read them.
 
 scheduler half
     lookups, lookup_hit_blocks       batched store lookups and the blocks they found
@@ -10,6 +11,10 @@ scheduler half
     restore_none                     requests that asked for no restore
     partial_layer_unusable           `{"layers": [a, b]}` hints that cannot be used (see docs)
     bad_params                       malformed kv_transfer_params (ignored)
+    restores_hinted                  requests the router sent with a `restore_reason` (their
+                                     session's KV is elsewhere: they get the longer deadline)
+    hinted_blocks_missing            blocks such a request's lookup did not find in the store
+                                     (a failover that finds less than its prefix recomputes it)
     manifests_written, manifest_errors
     published_blocks                 blocks announced in KV events (see `scheduler`), counted
                                      once per event that carries them
@@ -22,41 +27,77 @@ worker half
     load_errors                      other failures of a load (store down, bug)
     saved_blocks, save_skipped_present, save_failed, save_dropped_after_load_error,
     save_backpressure                saves not attempted because too many were in flight
+    manifests_written, manifest_errors  (manifests the scheduler handed over in step metadata)
 """
 
 from __future__ import annotations
 
+import enum
 import threading
-from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-__all__ = ["Counters", "CounterSnapshot"]
+__all__ = ["Counter", "Counters", "CounterSnapshot", "LOAD_FAILURES"]
+
+
+class Counter(enum.StrEnum):
+    LOOKUPS = "lookups"
+    LOOKUP_HIT_BLOCKS = "lookup_hit_blocks"
+    LOOKUP_DEADLINE = "lookup_deadline"
+    LOOKUP_ERRORS = "lookup_errors"
+    RESTORE_NONE = "restore_none"
+    PARTIAL_LAYER_UNUSABLE = "partial_layer_unusable"
+    BAD_PARAMS = "bad_params"
+    RESTORES_HINTED = "restores_hinted"
+    HINTED_BLOCKS_MISSING = "hinted_blocks_missing"
+    MANIFESTS_WRITTEN = "manifests_written"
+    MANIFEST_ERRORS = "manifest_errors"
+    PUBLISHED_BLOCKS = "published_blocks"
+    LOADED_BLOCKS = "loaded_blocks"
+    LOAD_MISSING = "load_missing"
+    LOAD_CORRUPT = "load_corrupt"
+    LOAD_MISMATCH = "load_mismatch"
+    LOAD_LATE = "load_late"
+    LOAD_ERRORS = "load_errors"
+    SAVED_BLOCKS = "saved_blocks"
+    SAVE_SKIPPED_PRESENT = "save_skipped_present"
+    SAVE_FAILED = "save_failed"
+    SAVE_DROPPED_AFTER_LOAD_ERROR = "save_dropped_after_load_error"
+    SAVE_BACKPRESSURE = "save_backpressure"
+
+
+LOAD_FAILURES = frozenset({Counter.LOAD_MISSING, Counter.LOAD_CORRUPT, Counter.LOAD_MISMATCH,
+                           Counter.LOAD_LATE, Counter.LOAD_ERRORS})
+"""The reasons a block fails to load (each is also the counter that counts it)."""
 
 
 @dataclass(frozen=True, slots=True)
 class CounterSnapshot:
+    """Counter values by name; a `Counter` member is its name (a `StrEnum`). Names beyond the
+    enum (the store's `store_*`, `tier_*`, added by the connector) read the same way."""
+
     values: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
 
     def __getitem__(self, name: str) -> int:
-        return self.values.get(name, 0)
+        return self.values.get(str(name), 0)
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.values)
 
 
 class Counters:
-    """Thread-safe named counters (loader and saver threads count too)."""
+    """Thread-safe counters (loader and saver threads count too)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._values: Counter[str] = Counter()
+        self._values: dict[str, int] = {}
 
-    def add(self, name: str, amount: int = 1) -> None:
+    def add(self, counter: Counter, amount: int = 1) -> None:
         if amount:
+            name = counter.value
             with self._lock:
-                self._values[name] += amount
+                self._values[name] = self._values.get(name, 0) + amount
 
     def snapshot(self) -> CounterSnapshot:
         with self._lock:

@@ -1,0 +1,430 @@
+"""Restores: blocks from the store into vLLM's paged KV cache, verified, layer by layer.
+
+`start` hands a step's synchronous loads to the loader thread as one `LoadJob` (they share the
+forward pass, so they share its wait) and each asynchronous load to another thread as its own
+job. A job reads its blocks in *stages*, each a layer range of every block (the frames hold
+one segment per layer, so a range is one contiguous read in every tier); the next stage's read
+is in flight on the fetch thread while this one is checked (codec, dtype, layout, shape, token
+and layer count: what this engine would have written), decoded and scattered layer by layer.
+`wait_for_layer(i)` waits for just layer i, so the forward pass computes layer 0 while later
+layers are still arriving.
+
+A block that is missing, corrupt, mismatched or not there by the deadline fails (the reason is
+its counter) and is reported through `WorkerOutbox`: vLLM recomputes it and every later block
+of its request. Once the deadline has passed the job is cancelled under the lock it scatters
+under, so the loader never writes into a block after vLLM was told it failed (from then on
+the block may be recomputed, or freed and reused).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from connectors.vllm.caches import PagedCaches, recorded_event
+from connectors.vllm.metadata import BlockRun, LoadReport, LoadSpec, SaveReport
+from connectors.vllm.stats import Counter
+from connectors.vllm.worker_context import WorkerContext
+from kvstore.block import decode_layer, decode_layer_batch
+from kvstore.errors import CodecError, CorruptBlock
+from kvstore.frame import BlockRead, LayerRange
+from kvstore.keys import BlockKey, Namespace
+
+__all__ = ["Loader", "LoadBlock", "LoadJob", "layer_stages"]
+
+log = logging.getLogger(__name__)
+
+# Blocks decoded and scattered per step of a load: bounds the staging tensor (a GPU's memory
+# beside vLLM's cache) while keeping each copy up large (256 blocks of 128 KiB = 32 MiB).
+_LOAD_CHUNK_BLOCKS = 256
+
+# A stage's blocks are read by this many concurrent store calls: a store reads a batch one
+# block after the other, and a remote read is mostly a round trip's waiting, not bytes.
+_READ_THREADS = 4
+_MIN_BLOCKS_PER_READ = 4
+
+
+def layer_stages(num_layers: int, first_layers: int) -> tuple[LayerRange, ...]:
+    """The layer ranges a load reads one after the other: everything at once (0), or `[0, k)`
+    first and then the rest in one more read, so the forward pass computes the first layers
+    while the rest are in flight (two reads per block, not one per layer: a remote read
+    costs a round trip)."""
+    if first_layers <= 0 or first_layers >= num_layers:
+        return (LayerRange(0, num_layers),)
+    return (LayerRange(0, first_layers), LayerRange(first_layers, num_layers))
+
+
+@dataclass(frozen=True, slots=True)
+class LoadBlock:
+    """One block to restore: where it goes (paged block id), what it is (key), whose it is."""
+
+    block_id: int
+    key: BlockKey
+    req_id: str
+    index: int
+    """The block's index in its request."""
+
+
+@dataclass(slots=True)
+class LoadJob:
+    """One batch of loads: a step's synchronous loads, or one asynchronous request."""
+
+    blocks: tuple[LoadBlock, ...]
+    req_ids: tuple[str, ...]
+    deadline: float
+    num_layers: int
+    layer_done: list[threading.Event] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    cancelled: bool = False
+    failed: dict[int, Counter] = field(default_factory=dict)
+    """Paged block id -> why it failed (a `LOAD_FAILURES` counter)."""
+    device_done: list[torch.cuda.Event | None] = field(default_factory=list)
+    """Per layer, on a GPU: the scatter's completion on the loader's stream, which the forward's
+    stream waits for (the host-side event only says the copy was enqueued)."""
+    loaded: int = 0
+    finished: threading.Event = field(default_factory=threading.Event)
+
+    def __post_init__(self) -> None:
+        self.layer_done = [threading.Event() for _ in range(self.num_layers)]
+        self.device_done = [None] * self.num_layers
+
+    def fail(self, block_id: int, reason: Counter) -> None:
+        self.failed.setdefault(block_id, reason)
+
+    def fail_all(self, reason: Counter) -> None:
+        for block in self.blocks:
+            self.fail(block.block_id, reason)
+
+    def cancel(self, reason: Counter) -> None:
+        """Stop the loader; every block it had not fully loaded fails with `reason`."""
+        with self.lock:
+            if self.cancelled or self.finished.is_set():
+                return
+            self.cancelled = True
+            self.fail_all(reason)
+        self.release_waiters()
+
+    def release_waiters(self) -> None:
+        for event in self.layer_done:
+            event.set()
+
+    def still_on_time(self) -> bool:
+        """Under `lock`: False if the job was cancelled or is now past its deadline."""
+        if self.cancelled:
+            return False
+        if time.monotonic() > self.deadline:
+            self.cancelled = True
+            self.fail_all(Counter.LOAD_LATE)
+            return False
+        return True
+
+    def reports(self) -> list[LoadReport]:
+        """Per request of a finished load: its blocks, and how many of them from the first on
+        loaded before one failed (vLLM recomputes from a failed block on, so later ones are
+        lost)."""
+        runs: dict[str, list[int]] = {}  # request -> its block indexes, in load order
+        broken: dict[str, int] = {}  # request -> the first failed block index
+        for block in self.blocks:
+            runs.setdefault(block.req_id, []).append(block.index)
+            if block.block_id in self.failed:
+                broken[block.req_id] = min(broken.get(block.req_id, block.index), block.index)
+        reports = []
+        for req_id, indexes in runs.items():
+            first = min(indexes)
+            restored = broken.get(req_id, first + len(indexes)) - first
+            reports.append(LoadReport(req_id, first, len(indexes), restored))
+        return reports
+
+
+@dataclass(frozen=True, slots=True)
+class _Fetched:
+    """A block whose current stage was read: its read holds that stage's layers."""
+
+    block: LoadBlock
+    read: BlockRead
+
+
+class _Staging:
+    """The host tensor a load decodes into before scattering (layouts that rearrange blocks,
+    device caches); allocated on first use, as layouts decoded in place need none."""
+
+    def __init__(self, caches: PagedCaches, blocks: int) -> None:
+        self._caches = caches
+        self._rows = min(blocks, _LOAD_CHUNK_BLOCKS)
+        self._tensor: torch.Tensor | None = None
+
+    def rows(self) -> torch.Tensor:
+        if self._tensor is None:
+            self._tensor = torch.empty((self._rows, *self._caches.block_shape),
+                                       dtype=self._caches.torch_dtype, device="cpu")
+        return self._tensor
+
+
+class Loader:
+    def __init__(self, context: WorkerContext, *, deadline_s: float,
+                 first_layers: int = 0) -> None:
+        self._ctx = context
+        self._deadline_s = deadline_s
+        self._stages = layer_stages(context.fingerprint.num_layers, first_layers)
+        self._sync = ThreadPoolExecutor(1, thread_name_prefix="kvkeep-load")
+        self._async = ThreadPoolExecutor(1, thread_name_prefix="kvkeep-aload")
+        # Reads of a job's next stage, while the loader decodes this one (I/O mostly waits on
+        # a socket or a copy that releases the GIL). One per loader thread.
+        self._fetch = ThreadPoolExecutor(2, thread_name_prefix="kvkeep-fetch")
+        self._readers = ThreadPoolExecutor(_READ_THREADS, thread_name_prefix="kvkeep-read")
+        self._lock = threading.Lock()
+        self._step_job: LoadJob | None = None
+        self._async_jobs: list[LoadJob] = []
+
+    # -- the engine's calls ---------------------------------------------------------------------
+
+    def start(self, loads: Sequence[LoadSpec]) -> None:
+        sync = [spec for spec in loads if not spec.is_async]
+        if sync:
+            job = self._new_job(sync)
+            self._step_job = job
+            self._sync.submit(self._run, job)
+        for spec in loads:
+            if spec.is_async:
+                job = self._new_job([spec])
+                with self._lock:
+                    self._async_jobs.append(job)
+                self._async.submit(self._run, job)
+
+    def wait_for_layer(self, layer: int) -> None:
+        job = self._step_job
+        if job is None:
+            return
+        if not job.layer_done[layer].wait(max(0.0, job.deadline - time.monotonic())):
+            job.cancel(Counter.LOAD_LATE)
+        event = job.device_done[layer]
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)
+
+    def finish_step(self) -> bool:
+        """Settle the step's synchronous loads; True if all of them succeeded."""
+        job, self._step_job = self._step_job, None
+        if job is None:
+            return True
+        if not job.finished.wait(max(0.0, job.deadline - time.monotonic())):
+            # Once cancelled (under the loader's scatter lock) the loader writes nothing more,
+            # so there is no need to wait for it: it may be stuck in a slow store call.
+            job.cancel(Counter.LOAD_LATE)
+        self._account(job)
+        return not job.failed
+
+    def finish_async(self) -> None:
+        """Account every finished asynchronous load and tell vLLM its requests are ready."""
+        with self._lock:
+            done = [job for job in self._async_jobs if job.finished.is_set()]
+            self._async_jobs = [job for job in self._async_jobs if not job.finished.is_set()]
+        for job in done:
+            self._account(job)
+            self._ctx.outbox.finished_recving(job.req_ids)
+
+    def shutdown(self) -> None:
+        job = self._step_job
+        if job is not None:
+            job.cancel(Counter.LOAD_LATE)
+        with self._lock:
+            for async_job in self._async_jobs:
+                async_job.cancel(Counter.LOAD_LATE)
+        self._sync.shutdown(wait=True)
+        self._async.shutdown(wait=True)
+        self._fetch.shutdown(wait=True)
+        self._readers.shutdown(wait=True)
+
+    # -- a job ----------------------------------------------------------------------------------
+
+    def _new_job(self, specs: Sequence[LoadSpec]) -> LoadJob:
+        blocks: list[LoadBlock] = []
+        for spec in specs:
+            blocks.extend(self._blocks(spec.run))
+        # A step's synchronous loads share the forward pass, so they share its wait: the
+        # longest any of them may take (a hinted restore's, if one is among them).
+        budget = max(self._deadline_s if spec.deadline_s is None else spec.deadline_s
+                     for spec in specs)
+        return LoadJob(tuple(blocks), tuple(spec.run.req_id for spec in specs),
+                       time.monotonic() + budget, self._ctx.fingerprint.num_layers)
+
+    def _blocks(self, run: BlockRun) -> list[LoadBlock]:
+        namespace = Namespace.from_label(run.namespace)
+        fingerprint = self._ctx.fingerprint
+        return [LoadBlock(block_id, BlockKey.of(fingerprint, namespace, block_hash), run.req_id,
+                          run.first + i)
+                for i, (block_id, block_hash) in enumerate(zip(run.block_ids, run.block_hashes,
+                                                               strict=True))]
+
+    def _run(self, job: LoadJob) -> None:
+        try:
+            self._load(job)
+        except Exception:  # a bug or a dead store: every block not loaded is recomputed
+            log.exception("kvkeep: load failed")
+            with job.lock:
+                job.fail_all(Counter.LOAD_ERRORS)
+                job.cancelled = True
+        finally:
+            job.finished.set()
+            job.release_waiters()
+
+    def _load(self, job: LoadJob) -> None:
+        staging = _Staging(self._ctx.caches, len(job.blocks))
+        pending: Future[list[_Fetched]] | None = self._fetch.submit(
+            self._read_stage, job, self._stages[0], job.blocks)
+        for number, stage in enumerate(self._stages):
+            assert pending is not None
+            fetched = pending.result()
+            alive = [entry for entry in fetched if entry.block.block_id not in job.failed]
+            following = self._stages[number + 1] if number + 1 < len(self._stages) else None
+            pending = None if following is None else self._fetch.submit(
+                self._read_stage, job, following, tuple(entry.block for entry in alive))
+            try:
+                if not self._scatter_stage(job, stage, alive, staging):
+                    return
+            finally:
+                if pending is not None and job.cancelled:
+                    pending.cancel()
+        job.loaded = sum(1 for block in job.blocks if block.block_id not in job.failed)
+
+    def _read_stage(self, job: LoadJob, layers: LayerRange,
+                    blocks: Sequence[LoadBlock]) -> list[_Fetched]:
+        """Read `layers` of `blocks` (one verified read each); fail the ones that are missing or
+        were written by another configuration."""
+        wanted = [block for block in blocks if block.block_id not in job.failed]
+        if not wanted or job.cancelled:
+            return []
+        reads = self._read(job, layers, wanted)
+        fetched: list[_Fetched] = []
+        for block, read in zip(wanted, reads, strict=True):
+            if read is None:
+                job.fail(block.block_id, Counter.LOAD_LATE if time.monotonic() >= job.deadline
+                         else Counter.LOAD_MISSING)
+            elif (reason := self._mismatch(read)) is not None:
+                log.warning("kvkeep: frame for %s does not match this engine: %s",
+                            block.key.storage_name, reason)
+                job.fail(block.block_id, Counter.LOAD_MISMATCH)
+                self._ctx.store.delete([block.key])  # it can never be used under this key
+            else:
+                fetched.append(_Fetched(block, read))
+        return fetched
+
+    def _read(self, job: LoadJob, layers: LayerRange,
+              blocks: Sequence[LoadBlock]) -> list[BlockRead | None]:
+        """One verified read of `layers` per block, by up to `_READ_THREADS` store calls at
+        once, under the job's deadline."""
+        whole = None if len(layers) == self._ctx.fingerprint.num_layers else layers
+        keys = [block.key for block in blocks]
+        parts = max(1, min(_READ_THREADS, len(keys) // _MIN_BLOCKS_PER_READ))
+        if parts == 1:
+            return self._ctx.store.get_many(keys, whole, deadline=job.deadline)
+        size = -(-len(keys) // parts)
+        calls = [self._readers.submit(self._ctx.store.get_many, keys[i:i + size], whole,
+                                      deadline=job.deadline)
+                 for i in range(0, len(keys), size)]
+        return [read for call in calls for read in call.result()]
+
+    def _scatter_stage(self, job: LoadJob, layers: LayerRange, fetched: Sequence[_Fetched],
+                       staging: _Staging) -> bool:
+        """Decode and scatter each layer of a stage; False once the job is cancelled or late."""
+        for layer in range(layers.start, layers.stop):
+            cache = self._ctx.caches.tensors[layer]
+            wanted = [entry for entry in fetched if entry.block.block_id not in job.failed]
+            direct = self._ctx.caches.host_blocks[layer]
+            if direct is not None:
+                if not self._decode_into_cache(job, layer, wanted, direct):
+                    return False
+            else:
+                for start in range(0, len(wanted), _LOAD_CHUNK_BLOCKS):
+                    if not self._scatter_chunk(job, layer,
+                                               wanted[start:start + _LOAD_CHUNK_BLOCKS],
+                                               staging.rows()):
+                        return False
+            with job.lock:
+                if not job.still_on_time():
+                    return False
+                if cache.is_cuda and wanted:
+                    job.device_done[layer] = recorded_event()
+            job.layer_done[layer].set()
+        return True
+
+    def _decode_into_cache(self, job: LoadJob, layer: int, entries: Sequence[_Fetched],
+                           blocks: np.ndarray[Any, Any]) -> bool:
+        """Decode one layer of each block straight into its paged block (a layout that holds
+        frames verbatim, in host memory: the read's bytes are copied once, by the decoder).
+        Each block is decoded under the job's lock, so none is written after a cancel; the
+        segment is verified before a byte is written. False once the job is cancelled or late.
+        """
+        for entry in entries:
+            block = entry.block
+            with job.lock:
+                if not job.still_on_time():
+                    return False
+                try:
+                    decode_layer(entry.read, layer, out=blocks[block.block_id], key=block.key)
+                    continue
+                except (CorruptBlock, CodecError):
+                    # (an int8 segment refused for its scales may be half written: the
+                    # block fails, and vLLM recomputes it over whatever is there)
+                    job.fail(block.block_id, Counter.LOAD_CORRUPT)
+            self._ctx.store.delete([block.key])
+        return True
+
+    def _scatter_chunk(self, job: LoadJob, layer: int, chunk: Sequence[_Fetched],
+                       staging: torch.Tensor) -> bool:
+        """Decode one layer of `chunk`'s blocks and scatter the good ones into the cache;
+        False when the job was cancelled or ran late (then nothing more may be written).
+
+        Decoded on the host, then copied to the cache's device: the path measured on an H200
+        (int8 restores at 0.19-0.24x a pageable copy up). Staging on the GPU instead makes
+        `decode_layer_batch` send a chunk's segments up in one copy and decode them there; it
+        is tested (on CPU and under the gpu marker) but not yet measured, so not the default:
+        `python -m benchmarks.gpu` compares both ("batched").
+        """
+        errors = decode_layer_batch([entry.read for entry in chunk], layer, staging,
+                                    keys=[entry.block.key for entry in chunk])
+        rows: list[int] = []  # rows of `staging` that hold this layer, verified
+        targets: list[int] = []  # and the paged blocks they go to
+        for row, (entry, error) in enumerate(zip(chunk, errors, strict=True)):
+            if error is not None:
+                job.fail(entry.block.block_id, Counter.LOAD_CORRUPT)
+                self._ctx.store.delete([entry.block.key])
+                continue
+            rows.append(row)
+            targets.append(entry.block.block_id)
+        with job.lock:
+            if not job.still_on_time():
+                return False
+            if rows:
+                cache = self._ctx.caches.tensors[layer]
+                data = staging.index_select(0, torch.tensor(rows, device=staging.device))
+                self._ctx.caches.bound[layer].scatter(
+                    cache, torch.tensor(targets, device=cache.device), data.to(cache.device))
+        return True
+
+    def _mismatch(self, read: BlockRead) -> str | None:
+        """Why a verified frame is not one this engine would have written, or None."""
+        header, spec = read.header, self._ctx.caches.layout
+        expect = (self._ctx.codec, self._ctx.caches.dtype, spec.layout_id, spec.block_shape,
+                  spec.block_size, self._ctx.fingerprint.num_layers)
+        found = (header.codec, header.dtype, header.layout_id, tuple(header.layer_shape),
+                 header.token_count, header.num_layers)
+        return None if found == expect else f"frame has {found}, expected {expect}"
+
+    def _account(self, job: LoadJob) -> None:
+        for reason in job.failed.values():
+            self._ctx.counters.add(reason)
+        self._ctx.counters.add(Counter.LOADED_BLOCKS, job.loaded)
+        self._ctx.outbox.loads(job.reports(), job.failed)
+        # The scheduler may count these blocks as stored (its lookup found them): they are
+        # not, or not usable, so they must be saved again once recomputed.
+        self._ctx.outbox.saves(SaveReport(block.req_id, block.index, block.key.block_hash, False,
+                                      True)
+                           for block in job.blocks if block.block_id in job.failed)

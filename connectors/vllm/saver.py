@@ -1,0 +1,200 @@
+"""Saves: completed blocks from vLLM's paged KV cache into the store, one frame per block.
+
+For each step's planned blocks, `plan` (before the forward pass) drops those the store already
+holds, and `save_layer` gathers the rest's layer into a compact copy right after the layer's
+attention ran (full blocks never change afterwards). `finish_step` hands the copies to the
+saver thread, which encodes one frame per block and puts it, and waits up to `save_timeout_s`
+for that. If any load of the step failed, all of the step's saves are dropped: a block
+computed this step may have attended to bad KV. Finished requests with unsaved blocks
+("flushes") are gathered straight from the paged tensors in `finish_step`, after which vLLM
+may free them. Saves beyond `max_inflight_saves` blocks are skipped (a slow store must not
+grow memory without bound) and retried at the next checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from connectors.vllm.caches import recorded_event
+from connectors.vllm.config import ConnectorConfig
+from connectors.vllm.metadata import BlockRun, SaveReport, SaveSpec
+from connectors.vllm.stats import Counter
+from connectors.vllm.worker_context import WorkerContext
+from kvstore.block import encode_block
+from kvstore.errors import KVKeepError
+from kvstore.keys import BlockKey, Namespace
+
+__all__ = ["Saver", "SaveItem"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class SaveItem:
+    """One block to save: whose it is, where it is now (paged block id), and its key."""
+
+    req_id: str
+    index: int
+    """The block's index in its request."""
+    block_id: int
+    key: BlockKey
+
+    def report(self, *, ok: bool, retry_now: bool = False) -> SaveReport:
+        return SaveReport(self.req_id, self.index, self.key.block_hash, ok, retry_now)
+
+
+@dataclass(slots=True)
+class _Batch:
+    """Blocks to save together, and their per-layer gathered copies."""
+
+    items: tuple[SaveItem, ...]
+    block_ids: torch.Tensor
+    layers: list[torch.Tensor | None]
+    ready: list[torch.cuda.Event] = field(default_factory=list)
+
+    @property
+    def gathered(self) -> bool:
+        return all(layer is not None for layer in self.layers)
+
+
+class Saver:
+    def __init__(self, context: WorkerContext, config: ConnectorConfig) -> None:
+        self._ctx = context
+        self._config = config
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvkeep-save")
+        self._lock = threading.Lock()
+        self._inflight = 0
+        self._step: _Batch | None = None
+
+    def plan(self, saves: Sequence[SaveSpec]) -> None:
+        """Before the forward pass: which of the step's planned (not flushed) blocks to gather."""
+        runs = [spec.run for spec in saves if not spec.flush and len(spec.run)]
+        self._step = self._select(runs) if runs else None
+
+    def save_layer(self, layer: int) -> None:
+        step = self._step
+        if step is None:
+            return
+        cache = self._ctx.caches.tensors[layer]
+        step.layers[layer] = self._ctx.caches.bound[layer].gather(cache,
+                                                              step.block_ids.to(cache.device))
+        if cache.is_cuda:
+            # The saver thread encodes on its own stream: it must see the finished gather.
+            step.ready.append(recorded_event())
+
+    def finish_step(self, saves: Sequence[SaveSpec], *, loads_ok: bool) -> None:
+        """After the forward pass: put the step's gathered blocks and flush finished requests,
+        waiting up to `save_timeout_s` (later ones finish in the background)."""
+        step, self._step = self._step, None
+        futures: list[Future[None]] = []
+        if step is not None:
+            if not loads_ok:
+                # KV computed this step may have attended to blocks that failed to load.
+                self._ctx.counters.add(Counter.SAVE_DROPPED_AFTER_LOAD_ERROR, len(step.items))
+                self._ctx.outbox.saves(item.report(ok=False, retry_now=True) for item in step.items)
+                self._release(len(step.items))
+            elif not step.gathered:
+                self._ctx.counters.add(Counter.SAVE_FAILED, len(step.items))
+                self._ctx.outbox.saves(item.report(ok=False) for item in step.items)
+                self._release(len(step.items))
+            else:
+                futures.append(self._executor.submit(self._encode_and_put, step))
+        for spec in saves:
+            if spec.flush:
+                futures.extend(self._flush(spec.run))
+        deadline = time.monotonic() + self._config.save_timeout_s
+        for future in futures:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                future.result(timeout=remaining)
+            except TimeoutError:
+                break  # it finishes in the background and is reported when it does
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=True)
+
+    # -- helpers --------------------------------------------------------------------------------
+
+    def _select(self, runs: Sequence[BlockRun]) -> _Batch | None:
+        """The blocks of `runs` not already stored (deduplication by key), within the room
+        `max_inflight_saves` leaves."""
+        items: list[SaveItem] = []
+        for run in runs:
+            namespace = Namespace.from_label(run.namespace)
+            keys = [BlockKey.of(self._ctx.fingerprint, namespace, h) for h in run.block_hashes]
+            # Stored blocks of a run are almost always its leading ones (a restored or shared
+            # prefix): one batched lookup finds them. Any other duplicate is re-put, which a
+            # store treats as a no-op. No local "saved lately" cache: the store may have
+            # evicted or deleted (corrupt) a block since, and then it must be saved again.
+            try:
+                present = self._ctx.store.lookup(keys)
+            except KVKeepError:
+                present = 0
+            self._ctx.counters.add(Counter.SAVE_SKIPPED_PRESENT, present)
+            self._ctx.outbox.saves(SaveReport(run.req_id, run.first + i, run.block_hashes[i], True)
+                               for i in range(present))
+            items.extend(SaveItem(run.req_id, run.first + i, run.block_ids[i], keys[i])
+                         for i in range(present, len(run)))
+        with self._lock:
+            room = max(self._config.max_inflight_saves - self._inflight, 0)
+            taken, dropped = items[:room], items[room:]
+            self._inflight += len(taken)
+        if dropped:
+            self._ctx.counters.add(Counter.SAVE_BACKPRESSURE, len(dropped))
+            self._ctx.outbox.saves(item.report(ok=False) for item in dropped)
+        if not taken:
+            return None
+        return _Batch(tuple(taken), torch.tensor([item.block_id for item in taken]),
+                      [None] * self._ctx.fingerprint.num_layers)
+
+    def _flush(self, run: BlockRun) -> list[Future[None]]:
+        """Save a finished request's last blocks straight from the paged tensors."""
+        futures: list[Future[None]] = []
+        try:
+            batch = self._select([run]) if len(run) else None
+            if batch is not None:
+                for layer, cache in enumerate(self._ctx.caches.tensors):
+                    ids = batch.block_ids.to(cache.device)
+                    batch.layers[layer] = self._ctx.caches.bound[layer].gather(cache, ids)
+                    if cache.is_cuda:
+                        batch.ready.append(recorded_event())
+                futures.append(self._executor.submit(self._encode_and_put, batch))
+        finally:
+            # The gathered copies no longer need the paged blocks: vLLM may free them now.
+            self._ctx.outbox.finished_sending(run.req_id)
+        return futures
+
+    def _encode_and_put(self, batch: _Batch) -> None:
+        try:
+            for event in batch.ready:
+                event.synchronize()
+            for j, item in enumerate(batch.items):
+                ok = self._put(item, [layer[j] for layer in batch.layers if layer is not None])
+                self._ctx.counters.add(Counter.SAVED_BLOCKS if ok else Counter.SAVE_FAILED)
+                self._ctx.outbox.saves((item.report(ok=ok),))
+        finally:
+            self._release(len(batch.items))
+
+    def _put(self, item: SaveItem, layers: Iterable[torch.Tensor]) -> bool:
+        try:
+            frame = encode_block(list(layers), codec=self._ctx.codec, key=item.key,
+                                 token_count=self._ctx.caches.layout.block_size,
+                                 layout_id=self._ctx.caches.layout.layout_id,
+                                 compression=self._config.compression)
+            return self._ctx.store.put(item.key, frame)
+        except KVKeepError:
+            log.warning("kvkeep: saving a block failed", exc_info=True)
+            return False
+
+    def _release(self, count: int) -> None:
+        with self._lock:
+            self._inflight -= count

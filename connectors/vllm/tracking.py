@@ -1,0 +1,80 @@
+"""What the scheduler half remembers about each request it has seen."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+from connectors.vllm.metadata import LoadSpec
+from connectors.vllm.params import RestoreParams
+from kvstore.keys import Namespace
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+__all__ = ["TrackedRequest", "LookupAnswer", "PendingProbe", "FlushState"]
+
+FlushState = Literal["none", "wanted", "sent"]
+
+
+@dataclass(frozen=True, slots=True)
+class LookupAnswer:
+    """How many blocks of [first, first + count) the store held as a prefix, and when asked
+    (`time.monotonic()`)."""
+
+    first: int
+    count: int
+    hit: int
+    at: float
+
+    def answers(self, first: int, count: int) -> bool:
+        return (self.first, self.count) == (first, count)
+
+
+@dataclass(frozen=True, slots=True)
+class PendingProbe:
+    """A lookup of [first, first + count) sent to the worker half at `sent_at`, unanswered."""
+
+    first: int
+    count: int
+    sent_at: float
+
+    def asks(self, first: int, count: int) -> bool:
+        return (self.first, self.count) == (first, count)
+
+
+@dataclass(slots=True)
+class TrackedRequest:
+    request: Request
+    namespace: Namespace
+    params: RestoreParams
+    started_us: int
+    """Wall-clock microseconds when the connector first saw the request (orders manifests)."""
+    block_ids: list[int] = field(default_factory=list)
+    local_blocks: int = 0
+    lookup: LookupAnswer | None = None
+    probe: PendingProbe | None = None
+    pending_load: LoadSpec | None = None
+    """To send with the next step's metadata."""
+    planned: int = 0
+    """Blocks [0, planned) have a save planned, done, or found present."""
+    hold_until_tokens: int = 0
+    """After a failed save, no new plan before this many computed tokens (no hot retry)."""
+    saved: set[int] = field(default_factory=set)
+    saved_prefix: int = 0
+    manifest_blocks: int = 0
+    generation: int = 0
+    finished: bool = False
+    flush: FlushState = "none"
+    """A finished request's last blocks: to be saved before vLLM frees them."""
+    loading_async: bool = False
+    restored_blocks: int = 0
+    """Blocks of this request whose KV came from the store (over all of its loads)."""
+    published_blocks: int = 0
+    """The saved prefix announced in a KV event so far."""
+    hint_checked: bool = False
+    """A hinted restore's first lookup was compared with what it asked for."""
+
+    @property
+    def request_id(self) -> str:
+        return str(self.request.request_id)

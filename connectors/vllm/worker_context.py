@@ -1,0 +1,25 @@
+"""What the loader and the saver share: the store, the registered caches, the model's
+fingerprint and codec, where results go (`WorkerOutbox`) and the worker half's counters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from connectors.vllm.caches import PagedCaches
+from connectors.vllm.outbox import WorkerOutbox
+from connectors.vllm.stats import Counters
+from kvstore.frame import CodecId
+from kvstore.keys import ModelFingerprint
+from kvstore.store import TieredStore
+
+__all__ = ["WorkerContext"]
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerContext:
+    store: TieredStore
+    caches: PagedCaches
+    fingerprint: ModelFingerprint
+    codec: CodecId
+    outbox: WorkerOutbox
+    counters: Counters
