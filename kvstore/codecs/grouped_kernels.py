@@ -1,0 +1,397 @@
+"""Fused numba kernels for the grouped codecs: one scale (and zero point) per group of elements,
+the groups laid out by loop plans (`arrangement.Plane`), on the raw bits of fp16, bf16, fp32.
+
+Three schemes, quantize and dequantize each:
+- symmetric 8-bit: scale = absmax / 127, q = round_half_even(x * 127 / absmax) in [-127, 127];
+- asymmetric 8-bit and 4-bit (KIVI / LMDeploy style): zero = min, scale = (max - min) / top,
+  q = round_half_even((x - min) * top / (max - min)) in [0, top], top = 255 or 15; 4-bit
+  values are packed two per byte (element 2i in the low nibble, 2i+1 in the high one).
+
+Error per element before rounding to the output dtype: at most half a step (scale / 2) plus a
+few float32 ulps. A group whose absmax (symmetric) or range (asymmetric) is below TINY_ABSMAX
+gets scale 0 and decodes to zero (symmetric) or to its minimum (asymmetric). inf and NaN cannot
+be represented: a group holding one gets a NaN scale and is counted, and the codec raises.
+
+How the loops are shaped (see `arrangement` for the plans): per (p, a, c) tile, pass 1 keeps
+one running max (and min) per position e over the b axis, a fold turns those into the group
+scales and spreads 1/scale back over e, pass 2 converts. The innermost loop always runs over the
+contiguous axis e, so both passes vectorize. Plans whose scale covers one contiguous run per
+tile (B == 1: per-token and group-wise scales on canonical blocks) take a shorter path with no
+running buffers, like the per-row int8 kernels. Kernels are serial and release the GIL; a
+per-layer block is far below the size where splitting over threads pays (`kernels`).
+
+Every kernel is one Python function compiled per dtype: `tag` (see `bits.TAGS`) selects the
+element conversion at compile time.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numba
+import numpy as np
+import numpy.typing as npt
+from numba import types
+
+from kvstore.codecs.bits import (
+    TAG_TYPES,
+    TAGS,
+    TINY_ABSMAX,
+    f2u,
+    from_f32,
+    magnitude,
+    magnitude_value,
+    non_finite_magnitude,
+    round_i8,
+    to_f32,
+    u2f,
+    valid_scale,
+)
+from kvstore.frame import DType
+
+__all__ = ["quantize_sym", "dequantize_sym", "quantize_asym", "dequantize_asym", "warmup"]
+
+Array = npt.NDArray[Any]
+
+_FLT_MAX = np.float32(3.4028234663852886e38)
+
+
+def _sym_scale_py(m: Any, tag: Any) -> Any:
+    """(scale, 1/scale, bad) for magnitude bits `m`: bad = 1 when the group holds inf/NaN."""
+    if m >= non_finite_magnitude(tag):
+        return np.float32(np.nan), np.float32(0.0), 1
+    absmax = magnitude_value(tag, m)
+    if absmax < np.float32(TINY_ABSMAX):
+        return np.float32(0.0), np.float32(0.0), 0
+    scale = absmax / np.float32(127.0)
+    if np.isinf(scale * np.float32(127.0)):  # fp32 absmax within an ulp of FLT_MAX
+        scale = u2f(f2u(scale) - np.uint32(1))
+    return scale, np.float32(127.0) / absmax, 0
+
+
+def _asym_scale_py(lo: Any, hi: Any, m: Any, tag: Any, top: Any) -> Any:
+    """(scale, 1/scale, bad) of a group with minimum `lo`, maximum `hi`, magnitude bits `m`."""
+    if m >= non_finite_magnitude(tag):
+        return np.float32(np.nan), np.float32(0.0), 1
+    span = hi - lo
+    if not span <= _FLT_MAX:  # the range overflows float32: not representable
+        return np.float32(np.nan), np.float32(0.0), 1
+    if span < np.float32(TINY_ABSMAX):
+        return np.float32(0.0), np.float32(0.0), 0
+    scale = span / top
+    # lo + top * scale must stay finite on decode (only near FLT_MAX can it not).
+    while np.isinf(lo + top * scale):
+        scale = u2f(f2u(scale) - np.uint32(1))
+    return scale, top / span, 0
+
+
+_sym_scale = numba.njit(inline="always")(_sym_scale_py)
+_asym_scale = numba.njit(inline="always")(_asym_scale_py)
+
+
+def _quantize_sym(src: Array, tag: Any, plan: Array, scales: Array, q: Array) -> int:
+    width = 1
+    for r in range(plan.shape[0]):
+        width = max(width, plan[r, 9])
+    acc = np.empty(width, np.uint32)
+    fac = np.empty(width, np.float32)
+    bad = 0
+    g_base = 0
+    for r in range(plan.shape[0]):
+        base, n_p, sp, n_a, sa = plan[r, 0], plan[r, 1], plan[r, 2], plan[r, 3], plan[r, 4]
+        n_b, sb, n_c, sc = plan[r, 5], plan[r, 6], plan[r, 7], plan[r, 8]
+        n_e, fold = plan[r, 9], plan[r, 10]
+        ng = n_e // fold if fold > 0 else -fold
+        for p in range(n_p):
+            for a in range(n_a):
+                for c in range(n_c):
+                    o0 = base + p * sp + a * sa + c * sc
+                    g0 = g_base + ((p * n_a + a) * n_c + c) * ng
+                    if n_b == 1 and fold > 0:  # contiguous runs: no running buffers
+                        for g in range(ng):
+                            lo = o0 + g * fold
+                            m = np.uint32(0)
+                            for e in range(fold):
+                                m = max(m, magnitude(tag, src[lo + e]))
+                            scale, inv, flag = _sym_scale(m, tag)
+                            scales[g0 + g] = scale
+                            bad += flag
+                            for e in range(fold):
+                                q[lo + e] = round_i8(to_f32(tag, src[lo + e]) * inv)
+                        continue
+                    for e in range(n_e):
+                        acc[e] = 0
+                    for b in range(n_b):
+                        o = o0 + b * sb
+                        for e in range(n_e):
+                            acc[e] = max(acc[e], magnitude(tag, src[o + e]))
+                    stride = 1 if fold > 0 else ng
+                    run = fold if fold > 0 else n_e // ng
+                    for g in range(ng):
+                        first = g * fold if fold > 0 else g
+                        m = np.uint32(0)
+                        for k in range(run):
+                            m = max(m, acc[first + k * stride])
+                        scale, inv, flag = _sym_scale(m, tag)
+                        scales[g0 + g] = scale
+                        bad += flag
+                        for k in range(run):
+                            fac[first + k * stride] = inv
+                    for b in range(n_b):
+                        o = o0 + b * sb
+                        for e in range(n_e):
+                            q[o + e] = round_i8(to_f32(tag, src[o + e]) * fac[e])
+        g_base += n_p * n_a * n_c * ng
+    return bad
+
+
+def _dequantize_sym(q: Array, scales: Array, tag: Any, plan: Array, dst: Array) -> int:
+    width = 1
+    for r in range(plan.shape[0]):
+        width = max(width, plan[r, 9])
+    fac = np.empty(width, np.float32)
+    bad = 0
+    g_base = 0
+    for r in range(plan.shape[0]):
+        base, n_p, sp, n_a, sa = plan[r, 0], plan[r, 1], plan[r, 2], plan[r, 3], plan[r, 4]
+        n_b, sb, n_c, sc = plan[r, 5], plan[r, 6], plan[r, 7], plan[r, 8]
+        n_e, fold = plan[r, 9], plan[r, 10]
+        ng = n_e // fold if fold > 0 else -fold
+        for p in range(n_p):
+            for a in range(n_a):
+                for c in range(n_c):
+                    o0 = base + p * sp + a * sa + c * sc
+                    g0 = g_base + ((p * n_a + a) * n_c + c) * ng
+                    if n_b == 1 and fold > 0:
+                        for g in range(ng):
+                            lo = o0 + g * fold
+                            scale = scales[g0 + g]
+                            if not valid_scale(scale):
+                                bad += 1
+                                scale = np.float32(0.0)
+                            for e in range(fold):
+                                dst[lo + e] = from_f32(tag, np.float32(q[lo + e]) * scale)
+                        continue
+                    stride = 1 if fold > 0 else ng
+                    run = fold if fold > 0 else n_e // ng
+                    for g in range(ng):
+                        first = g * fold if fold > 0 else g
+                        scale = scales[g0 + g]
+                        if not valid_scale(scale):
+                            bad += 1
+                            scale = np.float32(0.0)
+                        for k in range(run):
+                            fac[first + k * stride] = scale
+                    for b in range(n_b):
+                        o = o0 + b * sb
+                        for e in range(n_e):
+                            dst[o + e] = from_f32(tag, np.float32(q[o + e]) * fac[e])
+        g_base += n_p * n_a * n_c * ng
+    return bad
+
+
+def _quantize_asym(src: Array, tag: Any, plan: Array, top: Any, scales: Array, zeros: Array,
+                   q: Array) -> int:
+    """`q` holds one byte per element (top 255) or one per two elements (top 15)."""
+    width = 1
+    for r in range(plan.shape[0]):
+        width = max(width, plan[r, 9])
+    lo_acc = np.empty(width, np.float32)
+    hi_acc = np.empty(width, np.float32)
+    mag = np.empty(width, np.uint32)
+    fac = np.empty(width, np.float32)
+    off = np.empty(width, np.float32)
+    level = np.empty(width, np.uint8)
+    packed = top < np.float32(16.0)
+    bad = 0
+    g_base = 0
+    for r in range(plan.shape[0]):
+        base, n_p, sp, n_a, sa = plan[r, 0], plan[r, 1], plan[r, 2], plan[r, 3], plan[r, 4]
+        n_b, sb, n_c, sc = plan[r, 5], plan[r, 6], plan[r, 7], plan[r, 8]
+        n_e, fold = plan[r, 9], plan[r, 10]
+        ng = n_e // fold if fold > 0 else -fold
+        stride = 1 if fold > 0 else ng
+        run = fold if fold > 0 else n_e // ng
+        for p in range(n_p):
+            for a in range(n_a):
+                for c in range(n_c):
+                    o0 = base + p * sp + a * sa + c * sc
+                    g0 = g_base + ((p * n_a + a) * n_c + c) * ng
+                    for e in range(n_e):
+                        lo_acc[e] = np.float32(np.inf)
+                        hi_acc[e] = np.float32(-np.inf)
+                        mag[e] = 0
+                    for b in range(n_b):
+                        o = o0 + b * sb
+                        for e in range(n_e):
+                            x = src[o + e]
+                            v = to_f32(tag, x)
+                            lo_acc[e] = min(lo_acc[e], v)
+                            hi_acc[e] = max(hi_acc[e], v)
+                            mag[e] = max(mag[e], magnitude(tag, x))
+                    for g in range(ng):
+                        first = g * fold if fold > 0 else g
+                        lo = np.float32(np.inf)
+                        hi = np.float32(-np.inf)
+                        m = np.uint32(0)
+                        for k in range(run):
+                            i = first + k * stride
+                            lo = min(lo, lo_acc[i])
+                            hi = max(hi, hi_acc[i])
+                            m = max(m, mag[i])
+                        scale, inv, flag = _asym_scale(lo, hi, m, tag, top)
+                        scales[g0 + g] = scale
+                        zeros[g0 + g] = lo if flag == 0 else np.float32(0.0)
+                        bad += flag
+                        for k in range(run):
+                            fac[first + k * stride] = inv
+                            off[first + k * stride] = lo if flag == 0 else np.float32(0.0)
+                    for b in range(n_b):
+                        o = o0 + b * sb
+                        if packed:
+                            for e in range(n_e):
+                                level[e] = np.uint8(round_i8((to_f32(tag, src[o + e]) - off[e])
+                                                             * fac[e]))
+                            half = o >> 1
+                            for e in range(n_e >> 1):
+                                q[half + e] = level[2 * e] | (level[2 * e + 1] << np.uint8(4))
+                        else:
+                            for e in range(n_e):
+                                q[o + e] = np.uint8(round_i8((to_f32(tag, src[o + e]) - off[e])
+                                                             * fac[e]))
+        g_base += n_p * n_a * n_c * ng
+    return bad
+
+
+def _dequantize_asym(q: Array, scales: Array, zeros: Array, tag: Any, plan: Array, top: Any,
+                     dst: Array) -> int:
+    width = 1
+    for r in range(plan.shape[0]):
+        width = max(width, plan[r, 9])
+    fac = np.empty(width, np.float32)
+    off = np.empty(width, np.float32)
+    packed = top < np.float32(16.0)
+    bad = 0
+    g_base = 0
+    for r in range(plan.shape[0]):
+        base, n_p, sp, n_a, sa = plan[r, 0], plan[r, 1], plan[r, 2], plan[r, 3], plan[r, 4]
+        n_b, sb, n_c, sc = plan[r, 5], plan[r, 6], plan[r, 7], plan[r, 8]
+        n_e, fold = plan[r, 9], plan[r, 10]
+        ng = n_e // fold if fold > 0 else -fold
+        stride = 1 if fold > 0 else ng
+        run = fold if fold > 0 else n_e // ng
+        for p in range(n_p):
+            for a in range(n_a):
+                for c in range(n_c):
+                    o0 = base + p * sp + a * sa + c * sc
+                    g0 = g_base + ((p * n_a + a) * n_c + c) * ng
+                    for g in range(ng):
+                        first = g * fold if fold > 0 else g
+                        scale = scales[g0 + g]
+                        zero = zeros[g0 + g]
+                        # What our writers store: a finite scale >= 0 and a finite zero whose
+                        # top level is finite too. Anything else passed a checksum but was
+                        # written wrong (or forged).
+                        if not (valid_scale(scale) and abs(zero) <= _FLT_MAX
+                                and abs(zero + top * scale) <= _FLT_MAX):
+                            bad += 1
+                            scale = np.float32(0.0)
+                            zero = np.float32(0.0)
+                        for k in range(run):
+                            fac[first + k * stride] = scale
+                            off[first + k * stride] = zero
+                    for b in range(n_b):
+                        o = o0 + b * sb
+                        if packed:
+                            half = o >> 1
+                            for e in range(n_e >> 1):
+                                byte = q[half + e]
+                                i = 2 * e
+                                dst[o + i] = from_f32(
+                                    tag, np.float32(byte & np.uint8(15)) * fac[i] + off[i])
+                                dst[o + i + 1] = from_f32(
+                                    tag, np.float32(byte >> np.uint8(4)) * fac[i + 1]
+                                    + off[i + 1])
+                        else:
+                            for e in range(n_e):
+                                dst[o + e] = from_f32(tag, np.float32(q[o + e]) * fac[e]
+                                                      + off[e])
+        g_base += n_p * n_a * n_c * ng
+    return bad
+
+
+# ---------------------------------------------------------------------------------------------
+# Signatures (read-only inputs, so writable arrays convert too) and compilation on first use.
+
+
+def _ro(kind: Any) -> Any:
+    return types.Array(kind, 1, "C", readonly=True)
+
+
+_SRC = {DType.FLOAT16: types.uint16, DType.BFLOAT16: types.uint16, DType.FLOAT32: types.float32}
+_PLAN = types.Array(types.int64, 2, "C", readonly=True)
+_F32_W, _F32_RO = types.float32[::1], _ro(types.float32)
+
+
+def _signature(kind: str, dtype: DType) -> Any:
+    elem, tag = _SRC[dtype], TAG_TYPES[dtype]
+    if kind == "qs":
+        return types.int64(_ro(elem), tag, _PLAN, _F32_W, types.int8[::1])
+    if kind == "ds":
+        return types.int64(_ro(types.int8), _F32_RO, tag, _PLAN, elem[::1])
+    if kind == "qa":
+        return types.int64(_ro(elem), tag, _PLAN, types.float32, _F32_W, _F32_W,
+                           types.uint8[::1])
+    return types.int64(_ro(types.uint8), _F32_RO, _F32_RO, tag, _PLAN, types.float32,
+                       elem[::1])
+
+
+_PY: dict[str, Callable[..., int]] = {"qs": _quantize_sym, "ds": _dequantize_sym,
+                                      "qa": _quantize_asym, "da": _dequantize_asym}
+_compile_lock = threading.Lock()
+_compiled: dict[tuple[str, DType], Callable[..., Any]] = {}
+
+
+def _kernel(kind: str, dtype: DType) -> Callable[..., Any]:
+    fn = _compiled.get((kind, dtype))
+    if fn is None:
+        with _compile_lock:
+            fn = _compiled.get((kind, dtype))
+            if fn is None:
+                fn = numba.njit(_signature(kind, dtype), cache=True, nogil=True)(_PY[kind])
+                _compiled[(kind, dtype)] = fn
+    return fn
+
+
+def quantize_sym(src: Array, dtype: DType, plan: Array, scales: Array, q: Array) -> int:
+    """Symmetric 8-bit: flat element bits `src` -> `scales` [groups], `q` [elements] int8.
+    Returns the number of groups holding inf or NaN."""
+    return int(_kernel("qs", dtype)(src, TAGS[dtype], plan, scales, q))
+
+
+def dequantize_sym(q: Array, scales: Array, dtype: DType, plan: Array, dst: Array) -> int:
+    """The inverse of `quantize_sym` into flat bits `dst`; returns the invalid scales' count."""
+    return int(_kernel("ds", dtype)(q, scales, TAGS[dtype], plan, dst))
+
+
+def quantize_asym(src: Array, dtype: DType, plan: Array, top: int, scales: Array,
+                  zeros: Array, q: Array) -> int:
+    """Asymmetric `top` (255 or 15) levels: `src` -> `scales`, `zeros`, `q` (uint8; packed in
+    nibbles for 15). Returns the number of groups holding inf or NaN or too wide a range."""
+    return int(_kernel("qa", dtype)(src, TAGS[dtype], plan, np.float32(top), scales, zeros, q))
+
+
+def dequantize_asym(q: Array, scales: Array, zeros: Array, dtype: DType, plan: Array,
+                    top: int, dst: Array) -> int:
+    """The inverse of `quantize_asym`; returns the number of groups with an invalid scale or
+    zero point (their elements are written as zeros)."""
+    return int(_kernel("da", dtype)(q, scales, zeros, TAGS[dtype], plan, np.float32(top), dst))
+
+
+def warmup(dtypes: tuple[DType, ...] = tuple(DType)) -> None:
+    """Compile (or load from numba's cache) every grouped kernel for `dtypes`."""
+    for dtype in dtypes:
+        for kind in _PY:
+            _kernel(kind, dtype)
