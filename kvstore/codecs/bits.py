@@ -26,7 +26,8 @@ from kvstore.frame import DType
 
 __all__ = ["TINY_ABSMAX", "TAGS", "h2f", "f2h", "b2f", "f2b", "u2f", "f2u", "abs_bits",
            "round_i8", "row_scale", "set_scale", "valid_scale", "to_f32", "from_f32",
-           "magnitude", "magnitude_value", "non_finite_magnitude"]
+           "magnitude", "magnitude_buffer", "no_magnitude", "magnitude_value",
+           "non_finite_magnitude", "order_key", "key_value", "key_ceiling", "non_finite_keys"]
 
 # Importing numba loads llvmlite, whose `lib` object breaks vLLM's CPU start-up scan of
 # sys.modules; make it harmless here, where the import happens (see llvmlite_compat).
@@ -84,6 +85,37 @@ def _f2b_ir(b: Any, x: Any) -> Any:
 
 
 f2b = _bitop("f2b", types.uint16(types.float32), _f2b_ir)
+
+
+def _order_key_ir(width: int) -> Callable[[Any, Any], Any]:
+    """Sign-magnitude bits -> an unsigned key that orders like the values: positives get the
+    top bit set, negatives are inverted. Integer min/max on keys vectorize where float min/max
+    reductions cannot (without fast-math, LLVM keeps them scalar for NaN's sake)."""
+    kind = ir.IntType(width)
+    top, rest = 1 << (width - 1), (1 << (width - 1)) - 1
+
+    def build(b: Any, x: Any) -> Any:
+        sign = b.lshr(x, ir.Constant(kind, width - 1))
+        mask = b.or_(b.mul(sign, ir.Constant(kind, rest)), ir.Constant(kind, top))
+        return b.xor(x, mask)
+    return build
+
+
+def _from_order_key_ir(width: int) -> Callable[[Any, Any], Any]:
+    """The inverse of `_order_key_ir`."""
+    kind = ir.IntType(width)
+    full, rest = (1 << width) - 1, (1 << (width - 1)) - 1
+
+    def build(b: Any, k: Any) -> Any:
+        sign = b.lshr(k, ir.Constant(kind, width - 1))
+        return b.xor(k, b.xor(ir.Constant(kind, full), b.mul(sign, ir.Constant(kind, rest))))
+    return build
+
+
+key16 = _bitop("key16", types.uint16(types.uint16), _order_key_ir(16))
+unkey16 = _bitop("unkey16", types.uint16(types.uint16), _from_order_key_ir(16))
+key32 = _bitop("key32", types.uint32(types.uint32), _order_key_ir(32))
+unkey32 = _bitop("unkey32", types.uint32(types.uint32), _from_order_key_ir(32))
 
 
 def _row_scale_py(absmax: Any) -> Any:
@@ -156,7 +188,18 @@ def from_f32(tag: Any, value: Any) -> Any:
 
 
 def magnitude(tag: Any, x: Any) -> Any:
-    """The magnitude bits of an element as uint32: they order like the magnitudes."""
+    """The magnitude bits of an element (uint16 for 16-bit dtypes, uint32 for fp32): they
+    order like the magnitudes. Kept 16-bit where it can be: twice the lanes per vector max."""
+    raise NotImplementedError("numba only")
+
+
+def magnitude_buffer(tag: Any, size: Any) -> Any:
+    """An uninitialized array of `size` magnitudes of the tag's type."""
+    raise NotImplementedError("numba only")
+
+
+def no_magnitude(tag: Any) -> Any:
+    """A zero magnitude of the tag's type (the start of a running max)."""
     raise NotImplementedError("numba only")
 
 
@@ -168,6 +211,78 @@ def magnitude_value(tag: Any, m: Any) -> Any:
 def non_finite_magnitude(tag: Any) -> Any:
     """The smallest magnitude bits of an inf or NaN of the dtype."""
     raise NotImplementedError("numba only")
+
+
+def order_key(tag: Any, x: Any) -> Any:
+    """An element as an unsigned key (the type of `magnitude`) that orders like its value."""
+    raise NotImplementedError("numba only")
+
+
+def key_value(tag: Any, k: Any) -> Any:
+    """The float32 value of an order key."""
+    raise NotImplementedError("numba only")
+
+
+def key_ceiling(tag: Any) -> Any:
+    """The largest key of the tag's type (the start of a running min)."""
+    raise NotImplementedError("numba only")
+
+
+def non_finite_keys(tag: Any) -> Any:
+    """(key of -inf, key of +inf): a key at or beyond either is an inf or a NaN."""
+    raise NotImplementedError("numba only")
+
+
+@_overload(order_key)
+def _order_key(tag: Any, x: Any) -> Any:
+    if _dtype_of(tag) is DType.FLOAT32:
+        def impl1(tag: Any, x: Any) -> Any:
+            return key32(f2u(x))
+        return impl1
+    def impl2(tag: Any, x: Any) -> Any:
+        return key16(x)
+    return impl2
+
+
+@_overload(key_value)
+def _key_value(tag: Any, k: Any) -> Any:
+    dtype = _dtype_of(tag)
+    if dtype is DType.FLOAT16:
+        def impl1(tag: Any, k: Any) -> Any:
+            return h2f(unkey16(k))
+        return impl1
+    if dtype is DType.BFLOAT16:
+        def impl2(tag: Any, k: Any) -> Any:
+            return b2f(unkey16(k))
+        return impl2
+    def impl3(tag: Any, k: Any) -> Any:
+        return u2f(unkey32(k))
+    return impl3
+
+
+@_overload(key_ceiling)
+def _key_ceiling(tag: Any) -> Any:
+    if _dtype_of(tag) is DType.FLOAT32:
+        def impl1(tag: Any) -> Any:
+            return np.uint32(0xFFFFFFFF)
+        return impl1
+    def impl2(tag: Any) -> Any:
+        return np.uint16(0xFFFF)
+    return impl2
+
+
+@_overload(non_finite_keys)
+def _non_finite_keys(tag: Any) -> Any:
+    dtype = _dtype_of(tag)
+    if dtype is DType.FLOAT32:  # -inf 0xFF800000, +inf 0x7F800000
+        def impl1(tag: Any) -> Any:
+            return np.uint32(0x007FFFFF), np.uint32(0xFF800000)
+        return impl1
+    low, high = (0x03FF, 0xFC00) if dtype is DType.FLOAT16 else (0x007F, 0xFF80)
+
+    def impl2(tag: Any) -> Any:
+        return np.uint16(low), np.uint16(high)
+    return impl2
 
 
 @_overload(to_f32)
@@ -209,7 +324,29 @@ def _magnitude(tag: Any, x: Any) -> Any:
             return abs_bits(x)
         return impl1
     def impl2(tag: Any, x: Any) -> Any:
-        return np.uint32(x & np.uint16(0x7FFF))
+        return np.uint16(x & np.uint16(0x7FFF))
+    return impl2
+
+
+@_overload(magnitude_buffer)
+def _magnitude_buffer(tag: Any, size: Any) -> Any:
+    if _dtype_of(tag) is DType.FLOAT32:
+        def impl1(tag: Any, size: Any) -> Any:
+            return np.empty(size, np.uint32)
+        return impl1
+    def impl2(tag: Any, size: Any) -> Any:
+        return np.empty(size, np.uint16)
+    return impl2
+
+
+@_overload(no_magnitude)
+def _no_magnitude(tag: Any) -> Any:
+    if _dtype_of(tag) is DType.FLOAT32:
+        def impl1(tag: Any) -> Any:
+            return np.uint32(0)
+        return impl1
+    def impl2(tag: Any) -> Any:
+        return np.uint16(0)
     return impl2
 
 
@@ -231,8 +368,12 @@ def _magnitude_value(tag: Any, m: Any) -> Any:
 
 @_overload(non_finite_magnitude)
 def _non_finite_magnitude(tag: Any) -> Any:
-    bound = {DType.FLOAT16: 0x7C00, DType.BFLOAT16: 0x7F80,
-             DType.FLOAT32: 0x7F800000}[_dtype_of(tag)]
-    def impl1(tag: Any) -> Any:
-        return np.uint32(bound)
-    return impl1
+    dtype = _dtype_of(tag)
+    if dtype is DType.FLOAT32:
+        def impl1(tag: Any) -> Any:
+            return np.uint32(0x7F800000)
+        return impl1
+    bound = 0x7C00 if dtype is DType.FLOAT16 else 0x7F80
+    def impl2(tag: Any) -> Any:
+        return np.uint16(bound)
+    return impl2
