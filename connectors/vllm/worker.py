@@ -45,8 +45,9 @@ from connectors.vllm.metadata import (
 )
 from connectors.vllm.stats import Counters
 from kvstore.block import decode_layer_batch, encode_block
+from kvstore.codecs import get_codec
 from kvstore.errors import ConfigError, KVKeepError
-from kvstore.frame import BlockRead, CodecId, DType
+from kvstore.frame import BlockRead, DType
 from kvstore.keys import BlockKey, ModelFingerprint, Namespace
 from kvstore.manifest import SessionManifest
 from kvstore.store import TieredStore
@@ -135,7 +136,7 @@ class WorkerSide:
         self._spec = layout
         self._store = store
         self._counters = counters
-        self._codec = CodecId.INT8 if config.codec == "int8" else CodecId.RAW
+        self._codec = get_codec(config.codec).codec_id
         self._num_layers = fingerprint.num_layers
         self._caches: list[torch.Tensor] = []
         self._bound: list[BoundLayout] = []
@@ -471,7 +472,8 @@ class WorkerSide:
                     frame = encode_block(layers, codec=self._codec, key=key,
                                          token_count=self._spec.block_size,
                                          layout_id=self._spec.layout_id,
-                                         compression=self._config.compression)
+                                         compression=self._config.compression,
+                                         arrangement=self._spec.arrangement)
                     ok = self._store.put(key, frame)
                 except KVKeepError:
                     log.warning("kvkeep: saving a block failed", exc_info=True)

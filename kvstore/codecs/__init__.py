@@ -2,9 +2,12 @@
 and the grouped ones that follow the block's arrangement (`int8-asym`, `int8-kivi`, `int8-g32`,
 `int4`; see `grouped`).
 
-`"int8"` names the default int8 scheme, `DEFAULT_INT8`: the one `benchmarks.quant` measured
-best on trained models (README, "Quantized KV"). Frames record the codec id, never an alias, so
-changing the default never changes how a stored frame decodes.
+Names. `get_codec` takes each codec's own name, and `"int8"` as the old name of `int8-sym`
+(which it was called before the others came), so code written against it keeps its bytes.
+A deployment's `"codec": "int8"` (the connector config) instead means `DEFAULT_INT8`, the int8
+scheme `benchmarks.quant` measured best on trained models (README, "Quantized KV"):
+`config_codec_name` resolves it. Frames record the codec id, never a name, so changing the
+default never changes how a stored frame decodes.
 
 See `kvstore.codecs.base` for the contract (shapes, dtypes, arrangements, where outputs go) and
 `kvstore.block` for how encoded layers become a checksummed frame.
@@ -40,30 +43,38 @@ __all__ = [
     "Scheme",
     "TensorLike",
     "canonical_name",
+    "config_codec_name",
     "describe",
     "get_codec",
     "warmup",
 ]
 
 DEFAULT_INT8 = "int8-sym"
-"""What `"codec": "int8"` means (see the module docstring)."""
+"""What a connector config's `"codec": "int8"` means (see the module docstring)."""
 
 CODECS: dict[CodecId, Codec] = {CodecId.RAW: RawCodec(), CodecId.INT8: Int8Codec()}
 for _name, (_codec_id, _scheme) in schemes().items():
     CODECS[_codec_id] = GroupedCodec(_codec_id, _name, _scheme)
 _BY_NAME: dict[str, Codec] = {c.name: c for c in CODECS.values()}
-_ALIASES = {"int8": DEFAULT_INT8}
+_ALIASES = {"int8": "int8-sym"}
 CODEC_NAMES: tuple[str, ...] = (*_BY_NAME, *_ALIASES)
-"""Every name `get_codec` takes."""
+"""Every name `get_codec` and `config_codec_name` take."""
 
 
 def canonical_name(codec: str) -> str:
-    """A codec's own name for a name or alias ("int8" -> DEFAULT_INT8); CodecError if unknown."""
+    """A codec's own name for a name or alias ("int8" -> "int8-sym"); CodecError if unknown."""
     return get_codec(codec).name
 
 
+def config_codec_name(codec: str) -> str:
+    """The codec a deployment's config means: "int8" -> DEFAULT_INT8, any other name -> its
+    codec's own name; CodecError if unknown."""
+    name = str(codec).lower()
+    return DEFAULT_INT8 if name == "int8" else canonical_name(name)
+
+
 def get_codec(codec: str | CodecId) -> Codec:
-    """The codec for a name ("raw", "int8-kivi", the alias "int8", ...) or a frame's CodecId."""
+    """The codec for a name ("raw", "int8-kivi", "int8" for int8-sym, ...) or a frame's id."""
     if isinstance(codec, CodecId):
         found = CODECS.get(codec)
     else:
