@@ -34,10 +34,16 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
+import numpy.typing as npt
+
 from kvstore.errors import CodecError
 from kvstore.frame import DType
 
+_Array = npt.NDArray[np.generic]
+
 __all__ = ["Arrangement", "Grouping", "Plane", "plan_planes", "check_arrangement",
+           "block_geometry", "rows_plane", "to_canonical", "from_canonical",
            "AMX_TOKEN_GROUP", "AMX_CHANNEL_GROUP"]
 
 AMX_TOKEN_GROUP = 16  # K: tokens per packed group (64-byte tile rows / 4 bytes)
@@ -190,3 +196,33 @@ def rows_plane(shape: tuple[int, ...]) -> Plane:
     """One scale per row of the last axis: what `int8-sym` does on any arrangement."""
     width = shape[-1]
     return Plane(0, 1, 0, math.prod(shape[:-1]), width, 1, 0, 1, 0, width, width)
+
+
+def to_canonical(block: _Array, arrangement: Arrangement) -> _Array:
+    """A numpy block in `arrangement` as a canonical [2, N, H, D] array (a copy for AMX).
+
+    For tools and tests that need K and V by token and channel (the codecs themselves never
+    move data: their plans index the block where it is)."""
+    if arrangement is Arrangement.CANONICAL:
+        block_geometry(arrangement, tuple(block.shape))
+        return block
+    n, h, d = block_geometry(arrangement, tuple(block.shape))
+    t, ch = AMX_TOKEN_GROUP, AMX_CHANNEL_GROUP
+    planes = block.reshape(h, 2, n * d)
+    # K: [h, g, j, o, c] -> [g, o, h, j, c]; V: [h, gi, p, j, s] -> [p, s, h, gi, j].
+    k = planes[:, 0].reshape(h, n // t, d // 2, t, 2).transpose(1, 3, 0, 2, 4)
+    v = planes[:, 1].reshape(h, d // ch, n // 2, ch, 2).transpose(2, 4, 0, 1, 3)
+    return np.stack((k.reshape(n, h, d), v.reshape(n, h, d)))
+
+
+def from_canonical(block: _Array, arrangement: Arrangement) -> _Array:
+    """The inverse of `to_canonical`: a canonical [2, N, H, D] array in `arrangement`."""
+    if arrangement is Arrangement.CANONICAL:
+        return block
+    if arrangement is not Arrangement.AMX or block.ndim != 4 or block.shape[0] != 2:
+        raise CodecError(f"cannot arrange a {tuple(block.shape)} block as {arrangement.name}")
+    _, n, h, d = block.shape
+    t, ch = AMX_TOKEN_GROUP, AMX_CHANNEL_GROUP
+    k = block[0].reshape(n // t, t, h, d // 2, 2).transpose(2, 0, 3, 1, 4)
+    v = block[1].reshape(n // 2, 2, h, d // ch, ch).transpose(2, 3, 0, 4, 1)
+    return np.stack((k.reshape(h, n * d), v.reshape(h, n * d)), axis=1).reshape(h, 2 * n, d)

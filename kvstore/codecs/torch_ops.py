@@ -78,6 +78,12 @@ def dequantize_many(segments: torch.Tensor, width: int, dtype: torch.dtype) -> t
 # paths give the same bytes (tested).
 
 
+def _over(numerator: float, t: torch.Tensor) -> torch.Tensor:
+    """numerator / t, one correctly rounded division: torch computes `scalar / tensor` as
+    `t.reciprocal() * scalar`, which rounds twice and moved some levels by one."""
+    return torch.full_like(t, numerator) / t
+
+
 def _fold(t: torch.Tensor, plane: Plane, reduce: str) -> torch.Tensor:
     """[L, P, A, C, E] per-position extremes -> [L, P, A, C, G] per fold group."""
     lead = t.shape[:4]
@@ -127,7 +133,7 @@ def grouped_quantize(layers: torch.Tensor, planes: Sequence[Plane], top: int | N
             scale = torch.where(keep, safe / 127.0, torch.zeros_like(absmax))
             scale = torch.where(torch.isinf(scale * 127.0),
                                 torch.nextafter(scale, torch.zeros_like(scale)), scale)
-            inv = torch.where(keep, 127.0 / safe, torch.zeros_like(absmax))
+            inv = torch.where(keep, _over(127.0, safe), torch.zeros_like(absmax))
             levels = torch.round(view * _spread(inv, plane)).clamp_(-127, 127)
         else:
             low = _fold(view.amin(dim=3), plane, "min")
@@ -142,7 +148,7 @@ def grouped_quantize(layers: torch.Tensor, planes: Sequence[Plane], top: int | N
                 if not bool(over.any()):
                     break
                 scale = torch.where(over, torch.nextafter(scale, torch.zeros_like(scale)), scale)
-            inv = torch.where(keep, float(top) / safe, torch.zeros_like(span))
+            inv = torch.where(keep, _over(float(top), safe), torch.zeros_like(span))
             levels = torch.round((view - _spread(low, plane)) * _spread(inv, plane)).clamp_(0, top)
             zeros.append(low.reshape(count, -1))
         _strided(values, plane).copy_(levels)
