@@ -45,9 +45,11 @@ def _elements(plane: Plane) -> tuple[np.ndarray, np.ndarray]:
     """(flat element index, scale index within the plane) of every element a plane visits."""
     p, a, b, c, e = np.indices((plane.P, plane.A, plane.B, plane.C, plane.E)).reshape(5, -1)
     index = plane.base + p * plane.sp + a * plane.sa + b * plane.sb + c * plane.sc + e
-    fold = plane.fold_groups
-    g = e // plane.fold if plane.fold > 0 else e % fold
-    return np.asarray(index), np.asarray(((p * plane.A + a) * plane.C + c) * fold + g)
+    # e = (j * run + o) * inner + i; the group is (j, i)
+    j, i = e // (plane.run * plane.inner), e % plane.inner
+    g = j * plane.inner + i
+    return np.asarray(index), np.asarray(((p * plane.A + a) * plane.C + c) * plane.fold_groups
+                                         + g)
 
 
 def _semantic(grouping: Grouping, coords: dict[str, np.ndarray], d: int) -> np.ndarray:

@@ -27,7 +27,7 @@ from kvstore.codecs import (
     warmup,
 )
 from kvstore.codecs.arrangement import Grouping, from_canonical, to_canonical
-from kvstore.codecs.grouped import HEADER_BYTES, _cached_plan
+from kvstore.codecs.grouped import HEADER_BYTES, build_plan
 from kvstore.errors import CodecError, CorruptBlock
 from kvstore.frame import BlockRead, CodecId, DType
 from tests.codec_frames_fixture import FIXTURE, bits_digest, fixture_key
@@ -181,7 +181,7 @@ def test_non_finite_values_are_refused(name: str, bad: float,
 
 def _plan(name: str, shape: Any, arrangement: Arrangement = Arrangement.CANONICAL,
           dtype: DType = DType.BFLOAT16) -> Any:
-    return _cached_plan(codec(name).scheme, arrangement, tuple(shape), dtype)
+    return build_plan(codec(name).scheme, arrangement, tuple(shape), dtype)
 
 
 @pytest.mark.parametrize("name", GROUPED)

@@ -20,11 +20,12 @@ arranges a block (`connectors/vllm/layouts.py`); this module knows three arrange
 
 A scheme's scales are laid out per *plane* (K, then V) and described by a `Plane`: elements
 `base + p*sp + a*sa + b*sb + c*sc + e` for p < P, a < A, b < B, c < C, e < E (e contiguous).
-One scale covers, for fixed (p, a, c), all b and the positions e of one *fold group*: with
-`fold > 0` the runs e // fold (a run of `fold` adjacent elements), with `fold < 0` the classes
-e % -fold (every -fold-th element). So scales are indexed ((p*A + a)*C + c)*G + g, G groups per
-fold. The same grouping on CANONICAL and AMX blocks gives the same scales over the same elements
-in another order: decoding either gives the same values (tested).
+One scale covers, for fixed (p, a, c), all b and the positions e of one *fold group*: e is read
+as (j, o, i) with o < `run` and i < `inner` (e = (j*run + o)*inner + i), and a group is one
+(j, i) over all o. `inner` 1 makes groups runs of `run` adjacent elements; `inner` 2 is the AMX
+packing's pairs. So scales are indexed ((p*A + a)*C + c)*G + j*inner + i, G = E / run groups
+per tile. The same grouping on CANONICAL and AMX blocks gives the same scales over the same
+elements in another order: decoding either gives the same values (tested).
 """
 
 from __future__ import annotations
@@ -98,11 +99,17 @@ class Plane:
     C: int
     sc: int
     E: int
-    fold: int
+    run: int
+    inner: int = 1
+
+    def __post_init__(self) -> None:
+        if min(self.P, self.A, self.B, self.C, self.E, self.run, self.inner) <= 0 \
+                or self.E % (self.run * self.inner):
+            raise CodecError(f"inconsistent plane {self}")
 
     @property
     def fold_groups(self) -> int:
-        return self.E // self.fold if self.fold > 0 else -self.fold
+        return self.E // self.run
 
     @property
     def groups(self) -> int:
@@ -111,7 +118,7 @@ class Plane:
     def row(self) -> tuple[int, ...]:
         """The kernels' form: one int64 row."""
         return (self.base, self.P, self.sp, self.A, self.sa, self.B, self.sb, self.C, self.sc,
-                self.E, self.fold)
+                self.E, self.run, self.inner)
 
 
 def block_geometry(arrangement: Arrangement, shape: tuple[int, ...]) -> tuple[int, int, int]:
@@ -166,30 +173,32 @@ def _canonical(base: int, n: int, h: int, d: int, grouping: Grouping) -> Plane:
 
 def _amx_k(n: int, h: int, d: int, grouping: Grouping) -> Plane:
     # Per head: [g = n/16 (stride 16d), j = d/2 (stride 32), o = 16 (2), c = 2 (1)].
-    t, run = AMX_TOKEN_GROUP, 2 * AMX_TOKEN_GROUP  # one (g, j) run: 16 tokens x 2 channels
-    if grouping.over == "tokens":  # reduce g and o (period-2 fold keeps c); keep j, c
-        return Plane(0, h, 2 * n * d, 1, 0, n // t, t * d, d // 2, run, run, -2)
+    t, pair = AMX_TOKEN_GROUP, 2 * AMX_TOKEN_GROUP  # one (g, j): 16 tokens x 2 channels
+    if grouping.over == "tokens":
+        # A tile is one g: its 16d elements read as (j, o, c); reduce g (b) and o, keep j, c.
+        return Plane(0, h, 2 * n * d, 1, 0, n // t, t * d, 1, 0, t * d, t, 2)
     size = grouping.size or d
     if size % 2:
         raise CodecError(f"the AMX layout packs K channels in pairs: groups of {size} split one")
-    # Keep g, o and j // (size/2); reduce j % (size/2) and c (chunk-2 fold keeps o).
-    return Plane(0, h, 2 * n * d, n // t, t * d, size // 2, run, d // size, (size // 2) * run,
-                 run, 2)
+    # Keep g, o and j // (size/2); reduce j % (size/2) (b) and c (runs of 2 keep o).
+    return Plane(0, h, 2 * n * d, n // t, t * d, size // 2, pair, d // size,
+                 (size // 2) * pair, pair, 2)
 
 
 def _amx_v(n: int, h: int, d: int, grouping: Grouping) -> Plane:
     # Per head, after its K: [gi = d/16 (stride 16n), p = n/2 (32), j = 16 (2), s = 2 (1)].
-    ch, run = AMX_CHANNEL_GROUP, 2 * AMX_CHANNEL_GROUP  # one (gi, p) run: 16 channels x 2 tokens
+    ch, pair = AMX_CHANNEL_GROUP, 2 * AMX_CHANNEL_GROUP  # one (gi, p): 16 channels x 2 tokens
     base = n * d
-    if grouping.over == "tokens":  # reduce p and s (chunk-2 fold keeps j); keep gi, j
-        return Plane(base, h, 2 * n * d, 1, 0, n // 2, run, d // ch, ch * n, run, 2)
+    if grouping.over == "tokens":  # reduce p and s (runs of 2 keep j); keep gi, j
+        return Plane(base, h, 2 * n * d, 1, 0, n // 2, pair, d // ch, ch * n, pair, 2)
     size = grouping.size or d
     if size % ch:
         raise CodecError(f"the AMX layout packs V channels in runs of {ch}: groups of {size} "
                          f"split one")
-    # Keep gi // (size/16), p and s (period-2 fold); reduce gi % (size/16) and j.
-    return Plane(base, h, 2 * n * d, d // size, (size // ch) * ch * n, size // ch, ch * n,
-                 n // 2, run, run, -2)
+    # A tile is one gi's 16n elements read as (p, j, s); keep gi // (size/16), p, s; reduce
+    # gi % (size/16) (b) and j.
+    return Plane(base, h, 2 * n * d, d // size, size * n, size // ch, ch * n, 1, 0, ch * n,
+                 ch, 2)
 
 
 def rows_plane(shape: tuple[int, ...]) -> Plane:

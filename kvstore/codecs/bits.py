@@ -26,7 +26,7 @@ from kvstore.frame import DType
 
 __all__ = ["TINY_ABSMAX", "TAGS", "h2f", "f2h", "b2f", "f2b", "u2f", "f2u", "abs_bits",
            "round_i8", "row_scale", "set_scale", "valid_scale", "to_f32", "from_f32",
-           "magnitude", "magnitude_buffer", "no_magnitude", "magnitude_value",
+           "magnitude", "magnitude_buffer", "no_magnitude", "to_magnitude", "magnitude_value",
            "non_finite_magnitude", "order_key", "key_value", "key_ceiling", "non_finite_keys"]
 
 # Importing numba loads llvmlite, whose `lib` object breaks vLLM's CPU start-up scan of
@@ -198,6 +198,11 @@ def magnitude_buffer(tag: Any, size: Any) -> Any:
     raise NotImplementedError("numba only")
 
 
+def to_magnitude(tag: Any, value: Any) -> Any:
+    """An unsigned integer converted to the tag's magnitude (and key) type."""
+    raise NotImplementedError("numba only")
+
+
 def no_magnitude(tag: Any) -> Any:
     """A zero magnitude of the tag's type (the start of a running max)."""
     raise NotImplementedError("numba only")
@@ -336,6 +341,17 @@ def _magnitude_buffer(tag: Any, size: Any) -> Any:
         return impl1
     def impl2(tag: Any, size: Any) -> Any:
         return np.empty(size, np.uint16)
+    return impl2
+
+
+@_overload(to_magnitude)
+def _to_magnitude(tag: Any, value: Any) -> Any:
+    if _dtype_of(tag) is DType.FLOAT32:
+        def impl1(tag: Any, value: Any) -> Any:
+            return np.uint32(value)
+        return impl1
+    def impl2(tag: Any, value: Any) -> Any:
+        return np.uint16(value)
     return impl2
 
 

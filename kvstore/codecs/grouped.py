@@ -94,6 +94,10 @@ class GroupedCodec(BaseCodec):
         self.codec_id = codec_id
         self.name = name
         self.scheme = scheme
+        # Per-call Python is most of the cost of a small layer: sizes and plans are pure
+        # functions of their keys, computed once per process (a lost race computes one twice).
+        self._sizes: dict[tuple[tuple[int, ...], DType], int] = {}
+        self._plans: dict[tuple[Arrangement, tuple[int, ...], DType], _Plan] = {}
 
     def __repr__(self) -> str:
         return f"GroupedCodec({self.name!r}: {self.scheme.describe()})"
@@ -101,10 +105,13 @@ class GroupedCodec(BaseCodec):
     # -- sizes and plans ------------------------------------------------------------------------
 
     def encoded_size(self, shape: tuple[int, ...], dtype: DType) -> int:
-        groups, elements = self._counts(shape)
-        per_group = 8 if self.scheme.zero_point else 4
-        values = elements if self.scheme.bits == 8 else elements // 2
-        return HEADER_BYTES + groups * per_group + values
+        size = self._sizes.get((shape, dtype))
+        if size is None:
+            groups, elements = self._counts(shape)
+            per_group = 8 if self.scheme.zero_point else 4
+            values = elements if self.scheme.bits == 8 else elements // 2
+            size = self._sizes[(shape, dtype)] = HEADER_BYTES + groups * per_group + values
+        return size
 
     def _counts(self, shape: tuple[int, ...]) -> tuple[int, int]:
         """(scales, elements) of a block: the same in both arrangements, which the rank of the
@@ -115,13 +122,21 @@ class GroupedCodec(BaseCodec):
         return groups, math.prod(shape)
 
     def _plan(self, shape: tuple[int, ...], dtype: DType, arrangement: Arrangement) -> _Plan:
+        plan = self._plans.get((arrangement, shape, dtype))
+        if plan is None:
+            plan = self._plans[(arrangement, shape, dtype)] = self._new_plan(shape, dtype,
+                                                                             arrangement)
+        return plan
+
+    def _new_plan(self, shape: tuple[int, ...], dtype: DType, arrangement: Arrangement
+                  ) -> _Plan:
         if arrangement is Arrangement.ROWS:
             raise CodecError(f"codec {self.name} ({self.scheme.describe()}) needs to know where "
                              f"K, V, tokens and channels are in a block; this layout does not "
                              f"say (arrangement ROWS): use 'raw' or 'int8-sym'")
         if _arrangement_of(shape) is not arrangement:
             raise CodecError(f"a {arrangement.name} block cannot have shape {shape}")
-        return _cached_plan(self.scheme, arrangement, shape, dtype)
+        return build_plan(self.scheme, arrangement, shape, dtype)
 
     def _segment_plan(self, data: Array, shape: tuple[int, ...], dtype: DType) -> _Plan:
         """The plan a segment was written with, from its header; CorruptBlock if the header is
@@ -147,7 +162,7 @@ class GroupedCodec(BaseCodec):
         params = dest[HEADER_BYTES: HEADER_BYTES + self._param_bytes(plan)]
         # A caller's `out` at an odd address: the kernels take aligned float32 only, so the
         # scales (a few hundred bytes) are written aside and copied in.
-        aside = dest.ctypes.data % 4 != 0
+        aside = not params.view(np.float32).flags.aligned  # (a flag: cheaper than .ctypes)
         target = np.empty(params.size, np.uint8) if aside else params
         scales, zeros = self._params(target, plan)
         values = dest[HEADER_BYTES + params.size:]
@@ -196,7 +211,7 @@ class GroupedCodec(BaseCodec):
         frame and the kernels take aligned float32: unaligned scales are read from a copy."""
         end = HEADER_BYTES + self._param_bytes(plan)
         params = segment[HEADER_BYTES:end]
-        if segment.ctypes.data % 4:
+        if not params.view(np.float32).flags.aligned:
             params = params.copy()
         scales, zeros = self._params(params, plan)
         return scales, zeros, segment[end:]
@@ -250,7 +265,7 @@ class GroupedCodec(BaseCodec):
 
         # Every row passed `_valid_segment` for this shape, so all share the arrangement the
         # shape implies, and with it one plan.
-        plan = _cached_plan(self.scheme, _arrangement_of(shape), shape, dtype)
+        plan = self._plan(shape, dtype, _arrangement_of(shape))
         decoded = torch_ops.grouped_dequantize(staged[:, HEADER_BYTES:], plan.planes,
                                                self.scheme.top, plan.elements,
                                                torch_dtype(dtype))
@@ -272,24 +287,15 @@ def _group_count(grouping: Grouping, tokens: int, heads: int, channels: int) -> 
     return tokens * heads * (channels // (grouping.size or channels))
 
 
-_plans: dict[tuple[Scheme, Arrangement, tuple[int, ...], DType], _Plan] = {}
-
-
-def _cached_plan(scheme: Scheme, arrangement: Arrangement, shape: tuple[int, ...],
-                 dtype: DType) -> _Plan:
-    """Plans are pure functions of their key, built once per process (a connector meets one
-    shape); a lost race builds an identical plan twice, which is harmless."""
-    key = (scheme, arrangement, shape, dtype)
-    plan = _plans.get(key)
-    if plan is None:
-        planes = plan_planes(arrangement, shape, dtype, scheme.k, scheme.v)
-        if scheme.bits == 4 and any(_odd(p) for p in planes):
-            raise CodecError(f"int4 packs element pairs: shape {shape} splits one")
-        rows = np.array([p.row() for p in planes], np.int64)
-        rows.flags.writeable = False
-        plan = _Plan(planes, rows, sum(p.groups for p in planes), math.prod(shape))
-        _plans[key] = plan
-    return plan
+def build_plan(scheme: Scheme, arrangement: Arrangement, shape: tuple[int, ...],
+               dtype: DType) -> _Plan:
+    """The checked loop plan of `scheme` for blocks of this shape, dtype and arrangement."""
+    planes = plan_planes(arrangement, shape, dtype, scheme.k, scheme.v)
+    if scheme.bits == 4 and any(_odd(p) for p in planes):
+        raise CodecError(f"int4 packs element pairs: shape {shape} splits one")
+    rows = np.array([p.row() for p in planes], np.int64)
+    rows.flags.writeable = False
+    return _Plan(planes, rows, sum(p.groups for p in planes), math.prod(shape))
 
 
 def _odd(plane: Plane) -> bool:

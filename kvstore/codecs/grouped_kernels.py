@@ -52,6 +52,7 @@ from kvstore.codecs.bits import (
     order_key,
     round_i8,
     to_f32,
+    to_magnitude,
     u2f,
     valid_scale,
 )
@@ -95,56 +96,75 @@ def _asym_scale_py(lo: Any, hi: Any, non_finite: Any, top: Any) -> Any:
 
 
 def _plane_py(plan: Array, r: int) -> Any:
-    """Row `r` of a plan as unsigned loop bounds and strides, plus its fold as
-    (groups, first-element step per group, stride between a group's elements, elements per
-    group): chunk folds are runs (step `fold`, stride 1), period folds are classes (step 1,
-    stride `groups`).
+    """Row `r` of a plan as unsigned loop bounds and strides: (base, P, sp, A, sa, B, sb, C, sc,
+    E, run, inner, J, G), J = E / (run * inner), G = J * inner groups per tile.
 
     Unsigned on purpose: numba gives every signed index a wrap-around branch for negative
     values, and unless LLVM can prove an index non-negative that branch keeps the inner loops
     scalar (~10x slower here). Every index in these kernels is uint64, and so is every
     integer they combine with one (numba turns int64 op uint64 into float64)."""
     u = np.uint64
-    fold = plan[r, 10]
-    n_e = u(plan[r, 9])
-    if fold > 0:
-        groups, step, stride, run = n_e // u(fold), u(fold), u(1), u(fold)
-    else:
-        groups = u(-fold)
-        step, stride, run = u(1), groups, n_e // groups
+    n_e, run, inner = u(plan[r, 9]), u(plan[r, 10]), u(plan[r, 11])
+    jn = n_e // (run * inner)
     return (u(plan[r, 0]), u(plan[r, 1]), u(plan[r, 2]), u(plan[r, 3]), u(plan[r, 4]),
-            u(plan[r, 5]), u(plan[r, 6]), u(plan[r, 7]), u(plan[r, 8]), n_e,
-            groups, step, stride, run, fold > 0)
+            u(plan[r, 5]), u(plan[r, 6]), u(plan[r, 7]), u(plan[r, 8]), n_e, run, inner, jn,
+            jn * inner)
 
 
 _plane = numba.njit(inline="always")(_plane_py)
 _sym_scale = numba.njit(inline="always")(_sym_scale_py)
 _asym_scale = numba.njit(inline="always")(_asym_scale_py)
-_U0, _U1, _U2, _U4 = np.uint64(0), np.uint64(1), np.uint64(2), np.uint64(4)
+_U0, _U1, _U2 = np.uint64(0), np.uint64(1), np.uint64(2)
+_LOW16, _SHIFT16, _SHIFT32 = np.uint32(0xFFFF), np.uint32(16), np.uint64(32)
 
 
 def _width(plan: Array) -> int:
     """The longest contiguous axis E of a plan's planes: the running buffers' size."""
-    width = 1
+    width = 2
     for r in range(plan.shape[0]):
         width = max(width, plan[r, 9])
     return width
 
 
+def _pair_py(first: Any, second: Any) -> Any:
+    """Two float32 as one uint64 (first in the low half): what one store writes to a pair
+    of adjacent float32 slots."""
+    return np.uint64(f2u(first)) | (np.uint64(f2u(second)) << _SHIFT32)
+
+
+def _asym_group_py(k_lo: Any, k_hi: Any, tag: Any, top: Any) -> Any:
+    """(scale, 1/scale, zero, bad) of a group whose order keys span [k_lo, k_hi]."""
+    neg_inf, pos_inf = non_finite_keys(tag)
+    flag = 1 if k_lo <= neg_inf or k_hi >= pos_inf else 0
+    lo = key_value(tag, k_lo)
+    scale, inv, flag = _asym_scale(lo, key_value(tag, k_hi), flag, top)
+    return scale, inv, lo if flag == 0 else np.float32(0.0), flag
+
+
 _width_nb = numba.njit(inline="always")(_width)
+_pair = numba.njit(inline="always")(_pair_py)
+_asym_group = numba.njit(inline="always")(_asym_group_py)
+
+# Folds. A tile's running per-position buffers become one value per group (j, i), and the
+# groups' factors are spread back over positions. inner 1: groups are runs of `run` adjacent
+# positions (contiguous loops). inner 2 (the AMX packing's pairs, 16-bit dtypes only): the
+# positions of a pair are the two halves of one 32-bit word, and their two factors one 64-bit
+# store; read that way, both loops run over contiguous words and vectorize, where a stride-2
+# loop stayed scalar.
 
 
 def _quantize_sym(src: Array, tag: Any, plan: Array, scales: Array, q: Array) -> int:
     width = _width_nb(plan)
     acc = magnitude_buffer(tag, width)
+    words = acc.view(np.uint32)
     fac = np.empty(width, np.float32)
+    fac_pairs = fac.view(np.uint64)
     runs = np.empty(scales.size, np.float32)  # 1/scale per group of the contiguous-runs path
     bad = 0
     g_base = _U0
     for r in range(plan.shape[0]):
-        base, n_p, sp, n_a, sa, n_b, sb, n_c, sc, n_e, ng, step, stride, run, chunk = \
-            _plane(plan, r)
-        contiguous = n_b == _U1 and chunk
+        base, n_p, sp, n_a, sa, n_b, sb, n_c, sc, n_e, run, inner, jn, ng = _plane(plan, r)
+        contiguous = n_b == _U1 and inner == _U1
         for p in range(n_p):
             for a in range(n_a):
                 for c in range(n_c):
@@ -152,7 +172,7 @@ def _quantize_sym(src: Array, tag: Any, plan: Array, scales: Array, q: Array) ->
                     g0 = g_base + ((p * n_a + a) * n_c + c) * ng
                     if contiguous:  # runs: scales now, conversions in a second phase below
                         for g in range(ng):
-                            lo = o0 + g * step
+                            lo = o0 + g * run
                             m = no_magnitude(tag)
                             for e in range(run):
                                 m = max(m, magnitude(tag, src[lo + e]))
@@ -167,16 +187,34 @@ def _quantize_sym(src: Array, tag: Any, plan: Array, scales: Array, q: Array) ->
                         o = o0 + b * sb
                         for e in range(n_e):
                             acc[e] = max(acc[e], magnitude(tag, src[o + e]))
-                    for g in range(ng):
-                        first = g * step
-                        m = no_magnitude(tag)
-                        for k in range(run):
-                            m = max(m, acc[first + k * stride])
-                        scale, inv, flag = _sym_scale(m, tag)
-                        scales[g0 + g] = scale
-                        bad += flag
-                        for k in range(run):
-                            fac[first + k * stride] = inv
+                    if inner == _U1:
+                        for g in range(ng):
+                            first = g * run
+                            m = no_magnitude(tag)
+                            for k in range(run):
+                                m = max(m, acc[first + k])
+                            scale, inv, flag = _sym_scale(m, tag)
+                            scales[g0 + g] = scale
+                            bad += flag
+                            for k in range(run):
+                                fac[first + k] = inv
+                    else:
+                        for jj in range(jn):
+                            w0 = jj * run
+                            m0 = np.uint32(0)
+                            m1 = np.uint32(0)
+                            for k in range(run):
+                                w = words[w0 + k]
+                                m0 = max(m0, w & _LOW16)
+                                m1 = max(m1, w >> _SHIFT16)
+                            s0, inv0, f0 = _sym_scale(to_magnitude(tag, m0), tag)
+                            s1, inv1, f1 = _sym_scale(to_magnitude(tag, m1), tag)
+                            scales[g0 + _U2 * jj] = s0
+                            scales[g0 + _U2 * jj + _U1] = s1
+                            bad += f0 + f1
+                            both = _pair(inv0, inv1)
+                            for k in range(run):
+                                fac_pairs[w0 + k] = both
                     for b in range(n_b):
                         o = o0 + b * sb
                         for e in range(n_e):
@@ -190,12 +228,30 @@ def _quantize_sym(src: Array, tag: Any, plan: Array, scales: Array, q: Array) ->
                         o0 = base + p * sp + a * sa + c * sc
                         g0 = g_base + ((p * n_a + a) * n_c + c) * ng
                         for g in range(ng):
-                            lo = o0 + g * step
+                            lo = o0 + g * run
                             inv = runs[g0 + g]
                             for e in range(run):
                                 q[lo + e] = round_i8(to_f32(tag, src[lo + e]) * inv)
         g_base += n_p * n_a * n_c * ng
     return bad
+
+
+def _spread_sym(scales: Array, g0: Any, jn: Any, run: Any, inner: Any, fac: Array,
+                fac_pairs: Array) -> None:
+    """Per-position factors of one tile from its groups' scales (see Folds above)."""
+    if inner == _U1:
+        for g in range(jn):
+            scale = scales[g0 + g]
+            for k in range(run):
+                fac[g * run + k] = scale
+    else:
+        for jj in range(jn):
+            both = _pair(scales[g0 + _U2 * jj], scales[g0 + _U2 * jj + _U1])
+            for k in range(run):
+                fac_pairs[jj * run + k] = both
+
+
+_spread_sym_nb = numba.njit(inline="always")(_spread_sym)
 
 
 def _dequantize_sym(q: Array, scales: Array, tag: Any, plan: Array, dst: Array) -> int:
@@ -209,11 +265,11 @@ def _dequantize_sym(q: Array, scales: Array, tag: Any, plan: Array, dst: Array) 
     if bad:
         return bad
     fac = np.empty(_width_nb(plan), np.float32)
+    fac_pairs = fac.view(np.uint64)
     g_base = _U0
     for r in range(plan.shape[0]):
-        base, n_p, sp, n_a, sa, n_b, sb, n_c, sc, n_e, ng, step, stride, run, chunk = \
-            _plane(plan, r)
-        contiguous = n_b == _U1 and chunk
+        base, n_p, sp, n_a, sa, n_b, sb, n_c, sc, n_e, run, inner, jn, ng = _plane(plan, r)
+        contiguous = n_b == _U1 and inner == _U1
         for p in range(n_p):
             for a in range(n_a):
                 for c in range(n_c):
@@ -221,16 +277,12 @@ def _dequantize_sym(q: Array, scales: Array, tag: Any, plan: Array, dst: Array) 
                     g0 = g_base + ((p * n_a + a) * n_c + c) * ng
                     if contiguous:
                         for g in range(ng):
-                            lo = o0 + g * step
+                            lo = o0 + g * run
                             scale = scales[g0 + g]
                             for e in range(run):
                                 dst[lo + e] = from_f32(tag, np.float32(q[lo + e]) * scale)
                         continue
-                    for g in range(ng):
-                        first = g * step
-                        scale = scales[g0 + g]
-                        for k in range(run):
-                            fac[first + k * stride] = scale
+                    _spread_sym_nb(scales, g0, jn, run, inner, fac, fac_pairs)
                     for b in range(n_b):
                         o = o0 + b * sb
                         for e in range(n_e):
@@ -248,8 +300,12 @@ def _quantize_asym(src: Array, tag: Any, plan: Array, top: Any, scales: Array, z
     width = _width_nb(plan)
     lo_acc = magnitude_buffer(tag, width)
     hi_acc = magnitude_buffer(tag, width)
+    lo_words = lo_acc.view(np.uint32)
+    hi_words = hi_acc.view(np.uint32)
     fac = np.empty(width, np.float32)
     off = np.empty(width, np.float32)
+    fac_pairs = fac.view(np.uint64)
+    off_pairs = off.view(np.uint64)
     level = np.empty(width, np.uint8)
     runs = np.empty(scales.size, np.float32)  # 1/scale per group of the contiguous-runs path
     packed = top < np.float32(16.0)
@@ -257,9 +313,8 @@ def _quantize_asym(src: Array, tag: Any, plan: Array, top: Any, scales: Array, z
     bad = 0
     g_base = _U0
     for r in range(plan.shape[0]):
-        base, n_p, sp, n_a, sa, n_b, sb, n_c, sc, n_e, ng, step, stride, run, chunk = \
-            _plane(plan, r)
-        contiguous = n_b == _U1 and chunk
+        base, n_p, sp, n_a, sa, n_b, sb, n_c, sc, n_e, run, inner, jn, ng = _plane(plan, r)
+        contiguous = n_b == _U1 and inner == _U1
         for p in range(n_p):
             for a in range(n_a):
                 for c in range(n_c):
@@ -267,7 +322,7 @@ def _quantize_asym(src: Array, tag: Any, plan: Array, top: Any, scales: Array, z
                     g0 = g_base + ((p * n_a + a) * n_c + c) * ng
                     if contiguous:  # runs: scales now, conversions in a second phase below
                         for g in range(ng):
-                            start = o0 + g * step
+                            start = o0 + g * run
                             k_lo = key_ceiling(tag)
                             k_hi = no_magnitude(tag)
                             for e in range(run):
@@ -291,34 +346,63 @@ def _quantize_asym(src: Array, tag: Any, plan: Array, top: Any, scales: Array, z
                             k = order_key(tag, src[o + e])
                             lo_acc[e] = min(lo_acc[e], k)
                             hi_acc[e] = max(hi_acc[e], k)
-                    for g in range(ng):
-                        first = g * step
-                        k_lo = key_ceiling(tag)
-                        k_hi = no_magnitude(tag)
-                        for k in range(run):
-                            i = first + k * stride
-                            k_lo = min(k_lo, lo_acc[i])
-                            k_hi = max(k_hi, hi_acc[i])
-                        flag = 1 if k_lo <= neg_inf or k_hi >= pos_inf else 0
-                        lo = key_value(tag, k_lo)
-                        scale, inv, flag = _asym_scale(lo, key_value(tag, k_hi), flag, top)
-                        zero = lo if flag == 0 else np.float32(0.0)
-                        scales[g0 + g] = scale
-                        zeros[g0 + g] = zero
-                        bad += flag
-                        for k in range(run):
-                            fac[first + k * stride] = inv
-                            off[first + k * stride] = zero
+                    if inner == _U1:
+                        for g in range(ng):
+                            first = g * run
+                            k_lo = key_ceiling(tag)
+                            k_hi = no_magnitude(tag)
+                            for k in range(run):
+                                k_lo = min(k_lo, lo_acc[first + k])
+                                k_hi = max(k_hi, hi_acc[first + k])
+                            flag = 1 if k_lo <= neg_inf or k_hi >= pos_inf else 0
+                            lo = key_value(tag, k_lo)
+                            scale, inv, flag = _asym_scale(lo, key_value(tag, k_hi), flag, top)
+                            zero = lo if flag == 0 else np.float32(0.0)
+                            scales[g0 + g] = scale
+                            zeros[g0 + g] = zero
+                            bad += flag
+                            for k in range(run):
+                                fac[first + k] = inv
+                                off[first + k] = zero
+                    else:
+                        for jj in range(jn):
+                            w0 = jj * run
+                            l0 = _LOW16
+                            l1 = _LOW16
+                            h0 = np.uint32(0)
+                            h1 = np.uint32(0)
+                            for k in range(run):
+                                lw = lo_words[w0 + k]
+                                hw = hi_words[w0 + k]
+                                l0 = min(l0, lw & _LOW16)
+                                l1 = min(l1, lw >> _SHIFT16)
+                                h0 = max(h0, hw & _LOW16)
+                                h1 = max(h1, hw >> _SHIFT16)
+                            g = g0 + _U2 * jj
+                            s0, inv0, z0, f0 = _asym_group(to_magnitude(tag, l0),
+                                                           to_magnitude(tag, h0), tag, top)
+                            s1, inv1, z1, f1 = _asym_group(to_magnitude(tag, l1),
+                                                           to_magnitude(tag, h1), tag, top)
+                            scales[g] = s0
+                            scales[g + _U1] = s1
+                            zeros[g] = z0
+                            zeros[g + _U1] = z1
+                            bad += f0 + f1
+                            both_inv = _pair(inv0, inv1)
+                            both_zero = _pair(z0, z1)
+                            for k in range(run):
+                                fac_pairs[w0 + k] = both_inv
+                                off_pairs[w0 + k] = both_zero
                     for b in range(n_b):
                         o = o0 + b * sb
                         if packed:
                             for e in range(n_e):
                                 level[e] = np.uint8(round_i8((to_f32(tag, src[o + e]) - off[e])
                                                              * fac[e]))
-                            half = o >> _U1
+                            half_o = o >> _U1
                             for e in range(n_e >> _U1):
-                                q[half + e] = level[_U2 * e] | (level[_U2 * e + _U1]
-                                                                << np.uint8(4))
+                                q[half_o + e] = level[_U2 * e] | (level[_U2 * e + _U1]
+                                                                  << np.uint8(4))
                         else:
                             for e in range(n_e):
                                 q[o + e] = np.uint8(round_i8((to_f32(tag, src[o + e]) - off[e])
@@ -330,17 +414,17 @@ def _quantize_asym(src: Array, tag: Any, plan: Array, top: Any, scales: Array, z
                         o0 = base + p * sp + a * sa + c * sc
                         g0 = g_base + ((p * n_a + a) * n_c + c) * ng
                         for g in range(ng):
-                            start = o0 + g * step
+                            start = o0 + g * run
                             inv = runs[g0 + g]
                             zero = zeros[g0 + g]
                             if packed:
                                 for e in range(run):
                                     level[e] = np.uint8(round_i8(
                                         (to_f32(tag, src[start + e]) - zero) * inv))
-                                half = start >> _U1
+                                half_o = start >> _U1
                                 for e in range(run >> _U1):
-                                    q[half + e] = level[_U2 * e] | (level[_U2 * e + _U1]
-                                                                    << np.uint8(4))
+                                    q[half_o + e] = level[_U2 * e] | (level[_U2 * e + _U1]
+                                                                      << np.uint8(4))
                             else:
                                 for e in range(run):
                                     q[start + e] = np.uint8(round_i8(
@@ -364,12 +448,13 @@ def _dequantize_asym(q: Array, scales: Array, zeros: Array, tag: Any, plan: Arra
     width = _width_nb(plan)
     fac = np.empty(width, np.float32)
     off = np.empty(width, np.float32)
+    fac_pairs = fac.view(np.uint64)
+    off_pairs = off.view(np.uint64)
     packed = top < np.float32(16.0)
     g_base = _U0
     for r in range(plan.shape[0]):
-        base, n_p, sp, n_a, sa, n_b, sb, n_c, sc, n_e, ng, step, stride, run, chunk = \
-            _plane(plan, r)
-        contiguous = n_b == _U1 and chunk
+        base, n_p, sp, n_a, sa, n_b, sb, n_c, sc, n_e, run, inner, jn, ng = _plane(plan, r)
+        contiguous = n_b == _U1 and inner == _U1
         for p in range(n_p):
             for a in range(n_a):
                 for c in range(n_c):
@@ -377,13 +462,13 @@ def _dequantize_asym(q: Array, scales: Array, zeros: Array, tag: Any, plan: Arra
                     g0 = g_base + ((p * n_a + a) * n_c + c) * ng
                     if contiguous:  # runs: one scale and zero each, no buffers
                         for g in range(ng):
-                            start = o0 + g * step
+                            start = o0 + g * run
                             scale = scales[g0 + g]
                             zero = zeros[g0 + g]
                             if packed:
-                                half = start >> _U1
+                                half_o = start >> _U1
                                 for e in range(run >> _U1):
-                                    byte = q[half + e]
+                                    byte = q[half_o + e]
                                     j = _U2 * e
                                     dst[start + j] = from_f32(
                                         tag, np.float32(byte & np.uint8(15)) * scale + zero)
@@ -394,19 +479,14 @@ def _dequantize_asym(q: Array, scales: Array, zeros: Array, tag: Any, plan: Arra
                                     dst[start + e] = from_f32(
                                         tag, np.float32(q[start + e]) * scale + zero)
                         continue
-                    for g in range(ng):
-                        first = g * step
-                        scale = scales[g0 + g]
-                        zero = zeros[g0 + g]
-                        for k in range(run):
-                            fac[first + k * stride] = scale
-                            off[first + k * stride] = zero
+                    _spread_sym_nb(scales, g0, jn, run, inner, fac, fac_pairs)
+                    _spread_sym_nb(zeros, g0, jn, run, inner, off, off_pairs)
                     for b in range(n_b):
                         o = o0 + b * sb
                         if packed:
-                            half = o >> _U1
+                            half_o = o >> _U1
                             for e in range(n_e >> _U1):
-                                byte = q[half + e]
+                                byte = q[half_o + e]
                                 j = _U2 * e
                                 dst[o + j] = from_f32(
                                     tag, np.float32(byte & np.uint8(15)) * fac[j] + off[j])

@@ -85,21 +85,19 @@ def _over(numerator: float, t: torch.Tensor) -> torch.Tensor:
 
 
 def _fold(t: torch.Tensor, plane: Plane, reduce: str) -> torch.Tensor:
-    """[L, P, A, C, E] per-position extremes -> [L, P, A, C, G] per fold group."""
+    """[L, P, A, C, E] per-position extremes -> [L, P, A, C, G] per fold group: E read as
+    (J, run, inner), reduced over run (see `arrangement`)."""
     lead = t.shape[:4]
-    size = plane.fold if plane.fold > 0 else -plane.fold
-    runs = t.reshape(*lead, plane.E // size, size)
-    dim = 5 if plane.fold > 0 else 4  # chunk: a run of adjacent positions; period: a class
-    return runs.amax(dim=dim) if reduce == "max" else runs.amin(dim=dim)
+    runs = t.reshape(*lead, plane.E // (plane.run * plane.inner), plane.run, plane.inner)
+    folded = runs.amax(dim=5) if reduce == "max" else runs.amin(dim=5)
+    return folded.reshape(*lead, plane.fold_groups)
 
 
 def _spread(g: torch.Tensor, plane: Plane) -> torch.Tensor:
     """[L, P, A, C, G] per-group values -> [L, P, A, 1, C, E] per position (B broadcast)."""
     lead = g.shape[:4]
-    if plane.fold > 0:
-        full = g.unsqueeze(5).expand(*lead, g.shape[4], plane.fold)
-    else:
-        full = g.unsqueeze(4).expand(*lead, plane.E // -plane.fold, -plane.fold)
+    jn = plane.E // (plane.run * plane.inner)
+    full = g.reshape(*lead, jn, 1, plane.inner).expand(*lead, jn, plane.run, plane.inner)
     return full.reshape(*lead, plane.E).unsqueeze(3)
 
 
