@@ -32,9 +32,12 @@ its AMX form [8, 64, 128]; 32 layers, layer by layer into preallocated buffers, 
 calls them) over this machine's memcpy (256 MiB, already-touched buffers), best of several
 runs for both; `*_vs_memcpy` is the lower of the two arrangements.
 
-`default_int8`: among the int8 schemes meeting every target on every model, the one with the
-lowest worst-model KL (ties: higher token match); if none meets them all, the best by that
-order among all int8 schemes, and `default_int8_meets_targets` is false.
+`default_int8`: the int8 scheme with the lowest worst-model KL among the first non-empty of:
+those meeting every target on every model; those meeting the KL and speed targets (greedy
+token match is the coarser figure: one flipped tie in one prompt moves it by a few %, so each
+divergence's margin is reported); those meeting the KL target; all. KLs within `KL_TIE` of
+each other are a tie (run-to-run noise is that large), broken by token match, then by
+quantize speed. `default_int8_meets_targets` says whether it meets every target.
 
 Targets (issue 12), on every model: default int8 token_match >= 0.97 and kl <= 1e-3, int4
 token_match >= 0.90; int8 quantize >= 0.5x and dequantize >= 0.25x memcpy, int4 half of those.
@@ -63,6 +66,7 @@ __all__ = ["main", "measure", "CODECS", "TARGETS", "pick_default_int8"]
 
 CODECS = ("int8-sym", "int8-asym", "int8-kivi", "int8-g32", "int4")
 MODELS = ("tiny", "wide")
+KL_TIE = 0.05  # relative
 TARGETS = {"int8_token_match": 0.97, "int8_kl": 1e-3, "int4_token_match": 0.90,
            "int8_quantize_vs_memcpy": 0.5, "int8_dequantize_vs_memcpy": 0.25,
            "int4_quantize_vs_memcpy": 0.25, "int4_dequantize_vs_memcpy": 0.125}
@@ -70,9 +74,9 @@ TARGETS = {"int8_token_match": 0.97, "int8_kl": 1e-3, "int4_token_match": 0.90,
 
 def _settings(quick: bool) -> dict[str, Any]:
     if quick:
-        return {"prompts": 16, "tokens": 24, "forced_every": 3, "speed_repeats": 5,
+        return {"prompts": 24, "tokens": 24, "forced_every": 3, "speed_repeats": 15,
                 "kinds": [EngineKind("bf16", "bfloat16")]}
-    return {"prompts": 40, "tokens": 32, "forced_every": 2, "speed_repeats": 9,
+    return {"prompts": 40, "tokens": 32, "forced_every": 2, "speed_repeats": 25,
             "kinds": [EngineKind("bf16", "bfloat16"), EngineKind("fp16", "float16")]}
 
 
@@ -95,19 +99,38 @@ def pick_default_int8(codecs: dict[str, dict[str, Any]]) -> tuple[str, bool]:
     target)."""
     int8 = [name for name in codecs if name.startswith("int8")]
 
-    def order(name: str) -> tuple[float, float]:
-        return (codecs[name]["kl"], -codecs[name]["token_match"])
+    def better(a: str, b: str) -> bool:
+        """Whether `a` ranks before `b`."""
+        ka, kb = codecs[a]["kl"], codecs[b]["kl"]
+        if abs(ka - kb) > KL_TIE * max(ka, kb):
+            return bool(ka < kb)
+        ta, tb = codecs[a]["token_match"], codecs[b]["token_match"]
+        if ta != tb:
+            return bool(ta > tb)
+        return bool(codecs[a].get("quantize_vs_memcpy", 0) > codecs[b].get(
+            "quantize_vs_memcpy", 0))
 
-    passing = [name for name in int8 if all(codecs[name]["meets"].values())]
-    if passing:
-        return min(passing, key=order), True
-    return min(int8, key=order), False
+    tiers = [
+        [n for n in int8 if all(codecs[n]["meets"].values())],
+        [n for n in int8 if all(v for k, v in codecs[n]["meets"].items() if k != "token_match")],
+        [n for n in int8 if codecs[n]["meets"]["kl"]],
+        int8,
+    ]
+    tier = next(tier for tier in tiers if tier)
+    chosen = tier[0]
+    for name in tier[1:]:
+        if better(name, chosen):
+            chosen = name
+    return chosen, all(codecs[chosen]["meets"].values())
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     from deploy.local.model import build_trained_llama
 
     settings = _settings(args.quick)
+    for name in ("prompts", "tokens"):
+        if getattr(args, name):
+            settings[name] = getattr(args, name)
     codecs = list(args.codecs or CODECS)
     started = time.perf_counter()
     models = {name: build_trained_llama(name) for name in (args.models or MODELS)}
@@ -170,6 +193,8 @@ def render(results: dict[str, Any]) -> str:
 def _extra(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--models", nargs="+", choices=MODELS)
     parser.add_argument("--codecs", nargs="+", choices=CODECS)
+    parser.add_argument("--prompts", type=int, help="prompts per model (a smaller run)")
+    parser.add_argument("--tokens", type=int, help="answer tokens per prompt")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

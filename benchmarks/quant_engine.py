@@ -98,6 +98,7 @@ class _Run:
 
     computed: list[tuple[int, ...]]
     free: list[tuple[int, ...]]
+    free_logprobs: list[Any]  # per answer, per position: {token: Logprob} (top 2)
     cached: list[int]
     forced: list[np.ndarray]
     fingerprint: ModelFingerprint
@@ -113,12 +114,12 @@ def _run(model: TinyModel, codec: str, store: Path, kind: EngineKind,
     with _engine(model.path, codec, store, kind.dtype, model.vocab_size) as llm:
         computed, _, _ = _generate(llm, prompts, tokens)  # computed here, saved with `codec`
     with _engine(model.path, codec, store, kind.dtype, model.vocab_size) as llm:  # fresh
-        free, cached, _ = _generate(llm, prompts, tokens)
+        free, cached, free_logprobs = _generate(llm, prompts, tokens, logprobs=2)
         llm.reset_prefix_cache()  # teacher-forced prefixes come from the store, not from above
         _, _, logprobs = _generate(llm, forced(free), 1, logprobs=model.vocab_size)
         fingerprint = _fingerprint(llm)
-    return _Run(computed, free, cached, [_distribution(lp, model.vocab_size) for lp in logprobs],
-                fingerprint, store)
+    return _Run(computed, free, free_logprobs, cached,
+                [_distribution(lp, model.vocab_size) for lp in logprobs], fingerprint, store)
 
 
 def _match_before_divergence(got: list[tuple[int, ...]], want: list[tuple[int, ...]]) -> float:
@@ -129,6 +130,21 @@ def _match_before_divergence(got: list[tuple[int, ...]], want: list[tuple[int, .
                 break
             same += 1
     return same / sum(len(w) for w in want)
+
+
+def _divergence_margins(run: _Run, raw: _Run) -> list[float | None]:
+    """For each answer that leaves the reference: by how much the raw model preferred its own
+    token over the codec's at the first differing position, in nats (None: the codec's token
+    was not even raw's second choice). A flip of a near-tie (a margin of hundredths) is what
+    any perturbation of the KV can cause; a wide margin would be the codec's fault."""
+    margins: list[float | None] = []
+    for got, want, logprobs in zip(run.free, raw.free, raw.free_logprobs, strict=True):
+        for position, (a, b) in enumerate(zip(got, want, strict=True)):
+            if a != b:
+                top = logprobs[position]
+                margins.append(round(top[b].logprob - top[a].logprob, 4) if a in top else None)
+                break
+    return margins
 
 
 def _block_keys(fingerprint: ModelFingerprint, sequences: Sequence[Sequence[int]]
@@ -260,6 +276,7 @@ def evaluate_model(name: str, model: TinyModel, codecs: Sequence[str], tmp: Path
                 "token_match": round(_match_before_divergence(run.free, reference), 4),
                 "identical_continuations": sum(f == r for f, r in zip(run.free, reference,
                                                                       strict=True)),
+                "divergence_margins_nats": _divergence_margins(run, raw),
                 "top1": round(float(np.mean(top1)), 4),
                 "kl": float(f"{np.mean(kl):.3g}"),
                 "kl_p99": float(f"{np.quantile(kl, 0.99):.3g}"),

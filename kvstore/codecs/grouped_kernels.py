@@ -308,6 +308,11 @@ def _quantize_asym(src: Array, tag: Any, plan: Array, top: Any, scales: Array, z
     off_pairs = off.view(np.uint64)
     level = np.empty(width, np.uint8)
     runs = np.empty(scales.size, np.float32)  # 1/scale per group of the contiguous-runs path
+    g_lo = magnitude_buffer(tag, width)  # per group of one tile: keys, scales, 1/scales, zeros
+    g_hi = magnitude_buffer(tag, width)
+    g_scale = np.empty(width, np.float32)
+    g_inv = np.empty(width, np.float32)
+    g_zero = np.empty(width, np.float32)
     packed = top < np.float32(16.0)
     neg_inf, pos_inf = non_finite_keys(tag)
     bad = 0
@@ -347,23 +352,53 @@ def _quantize_asym(src: Array, tag: Any, plan: Array, top: Any, scales: Array, z
                             lo_acc[e] = min(lo_acc[e], k)
                             hi_acc[e] = max(hi_acc[e], k)
                     if inner == _U1:
+                        # Many groups per tile (per-channel K: one per position): their keys
+                        # first, then one branch-free pass over all of them (it vectorizes;
+                        # group by group, the scalar scale arithmetic cost as much as the
+                        # data), then the rare groups that need care, one by one.
+                        if run == _U1:  # a group per position: its keys are the buffers'
+                            g_lo[:n_e] = lo_acc[:n_e]
+                            g_hi[:n_e] = hi_acc[:n_e]
+                        else:
+                            for g in range(ng):
+                                first = g * run
+                                k_lo = key_ceiling(tag)
+                                k_hi = no_magnitude(tag)
+                                for k in range(run):
+                                    k_lo = min(k_lo, lo_acc[first + k])
+                                    k_hi = max(k_hi, hi_acc[first + k])
+                                g_lo[g] = k_lo
+                                g_hi[g] = k_hi
+                        odd = 0
                         for g in range(ng):
-                            first = g * run
-                            k_lo = key_ceiling(tag)
-                            k_hi = no_magnitude(tag)
-                            for k in range(run):
-                                k_lo = min(k_lo, lo_acc[first + k])
-                                k_hi = max(k_hi, hi_acc[first + k])
-                            flag = 1 if k_lo <= neg_inf or k_hi >= pos_inf else 0
-                            lo = key_value(tag, k_lo)
-                            scale, inv, flag = _asym_scale(lo, key_value(tag, k_hi), flag, top)
-                            zero = lo if flag == 0 else np.float32(0.0)
-                            scales[g0 + g] = scale
-                            zeros[g0 + g] = zero
-                            bad += flag
-                            for k in range(run):
-                                fac[first + k] = inv
-                                off[first + k] = zero
+                            lo = key_value(tag, g_lo[g])
+                            span = key_value(tag, g_hi[g]) - lo
+                            fine = (g_lo[g] > neg_inf) & (g_hi[g] < pos_inf) \
+                                & (span >= np.float32(TINY_ABSMAX)) & (span <= _FLT_MAX)
+                            g_scale[g] = span / top if fine else np.float32(0.0)
+                            g_inv[g] = top / span if fine else np.float32(0.0)
+                            g_zero[g] = lo
+                            odd += 0 if fine and lo + top * g_scale[g] <= _FLT_MAX else 1
+                        if odd:
+                            for g in range(ng):
+                                scale, inv, zero, flag = _asym_group(g_lo[g], g_hi[g], tag,
+                                                                     top)
+                                g_scale[g] = scale
+                                g_inv[g] = inv
+                                g_zero[g] = zero
+                                bad += flag
+                        for g in range(ng):
+                            scales[g0 + g] = g_scale[g]
+                            zeros[g0 + g] = g_zero[g]
+                        if run == _U1:
+                            fac[:n_e] = g_inv[:n_e]
+                            off[:n_e] = g_zero[:n_e]
+                        else:
+                            for g in range(ng):
+                                first = g * run
+                                for k in range(run):
+                                    fac[first + k] = g_inv[g]
+                                    off[first + k] = g_zero[g]
                     else:
                         for jj in range(jn):
                             w0 = jj * run
