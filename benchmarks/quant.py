@@ -32,12 +32,13 @@ its AMX form [8, 64, 128]; 32 layers, layer by layer into preallocated buffers, 
 calls them) over this machine's memcpy (256 MiB, already-touched buffers), best of several
 runs for both; `*_vs_memcpy` is the lower of the two arrangements.
 
-`default_int8`: the int8 scheme with the lowest worst-model KL among the first non-empty of:
-those meeting every target on every model; those meeting the KL and speed targets (greedy
-token match is the coarser figure: one flipped tie in one prompt moves it by a few %, so each
-divergence's margin is reported); those meeting the KL target; all. KLs within `KL_TIE` of
-each other are a tie (run-to-run noise is that large), broken by token match, then by
-quantize speed. `default_int8_meets_targets` says whether it meets every target.
+`default_int8`: the int8 scheme with the lowest KL, as the geometric mean over the models (each
+model counts alike, whatever its KL's scale; `kl_geomean`), among the first non-empty of: those
+meeting every target on every model; those meeting the KL and speed targets (greedy token match
+is the coarser figure: one flipped tie in one prompt moves it by a few %, so each divergence's
+margin is reported); those meeting the KL target; all. KLs within `KL_TIE` of each other are a
+tie, broken by fewer bytes, then by faster quantize. `default_int8_meets_targets` says whether
+it meets every target.
 
 Targets (issue 12), on every model: default int8 token_match >= 0.97 and kl <= 1e-3, int4
 token_match >= 0.90; int8 quantize >= 0.5x and dequantize >= 0.25x memcpy, int4 half of those.
@@ -46,6 +47,7 @@ token_match >= 0.90; int8 quantize >= 0.5x and dequantize >= 0.25x memcpy, int4 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import tempfile
 import time
@@ -80,6 +82,11 @@ def _settings(quick: bool) -> dict[str, Any]:
             "kinds": [EngineKind("bf16", "bfloat16"), EngineKind("fp16", "float16")]}
 
 
+def _geomean(values: list[float]) -> float:
+    logs = [math.log(max(v, 1e-12)) for v in values]  # a KL of exactly 0 would be -inf
+    return float(f"{math.exp(sum(logs) / len(logs)):.3g}")
+
+
 def _meets(name: str, figures: dict[str, Any]) -> dict[str, bool]:
     kind = "int4" if name == "int4" else "int8"
     met = {
@@ -101,14 +108,13 @@ def pick_default_int8(codecs: dict[str, dict[str, Any]]) -> tuple[str, bool]:
 
     def better(a: str, b: str) -> bool:
         """Whether `a` ranks before `b`."""
-        ka, kb = codecs[a]["kl"], codecs[b]["kl"]
+        ka, kb = codecs[a]["kl_geomean"], codecs[b]["kl_geomean"]
         if abs(ka - kb) > KL_TIE * max(ka, kb):
             return bool(ka < kb)
-        ta, tb = codecs[a]["token_match"], codecs[b]["token_match"]
-        if ta != tb:
-            return bool(ta > tb)
-        return bool(codecs[a].get("quantize_vs_memcpy", 0) > codecs[b].get(
-            "quantize_vs_memcpy", 0))
+        sa, sb = codecs[a]["bytes_vs_bf16"], codecs[b]["bytes_vs_bf16"]
+        if sa != sb:
+            return bool(sa < sb)
+        return bool(codecs[a]["quantize_vs_memcpy"] > codecs[b]["quantize_vs_memcpy"])
 
     tiers = [
         [n for n in int8 if all(codecs[n]["meets"].values())],
@@ -150,6 +156,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "token_match": min(r["token_match"] for r in rows),
             "top1": min(r["top1"] for r in rows),
             "kl": max(r["kl"] for r in rows),
+            "kl_geomean": _geomean([r["kl"] for r in rows]),
             "k_rel_rms": max(r["k_rel_rms"] for r in rows),
             "v_rel_rms": max(r["v_rel_rms"] for r in rows),
             "quantize_vs_memcpy": speeds["codecs"][codec]["quantize_vs_memcpy"],

@@ -16,8 +16,10 @@ from benchmarks.quant import pick_default_int8
 from benchmarks.quant_engine import _match_before_divergence
 
 
-def _figures(kl: float, token_match: float, fast: bool = True) -> dict[str, Any]:
-    return {"kl": kl, "token_match": token_match,
+def _figures(kl: float, token_match: float, fast: bool = True, size: float = 0.55
+             ) -> dict[str, Any]:
+    return {"kl": kl, "kl_geomean": kl, "token_match": token_match, "bytes_vs_bf16": size,
+            "quantize_vs_memcpy": 1.0 if fast else 0.1,
             "meets": {"token_match": token_match >= 0.97, "kl": kl <= 1e-3,
                       "quantize_vs_memcpy": fast, "dequantize_vs_memcpy": True}}
 
@@ -33,8 +35,8 @@ def test_default_int8_rule() -> None:
     assert pick_default_int8(codecs) == ("int8-a", False)
     codecs = {"int8-a": _figures(2e-3, 0.5, fast=False), "int8-b": _figures(3e-3, 0.9)}
     assert pick_default_int8(codecs) == ("int8-a", False)
-    # KLs within 5 % are a tie: the better greedy match wins it.
-    codecs = {"int8-a": _figures(3.80e-5, 0.87), "int8-b": _figures(3.83e-5, 0.96)}
+    # KLs within 5 % are a tie: fewer bytes win it.
+    codecs = {"int8-a": _figures(3.80e-5, 0.87, size=0.6), "int8-b": _figures(3.83e-5, 0.96)}
     assert pick_default_int8(codecs) == ("int8-b", False)
 
 
