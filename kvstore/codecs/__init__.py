@@ -49,7 +49,7 @@ __all__ = [
     "warmup",
 ]
 
-DEFAULT_INT8 = "int8-sym"
+DEFAULT_INT8 = "int8-kivi"
 """What a connector config's `"codec": "int8"` means (see the module docstring)."""
 
 CODECS: dict[CodecId, Codec] = {CodecId.RAW: RawCodec(), CodecId.INT8: Int8Codec()}
