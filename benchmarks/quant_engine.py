@@ -21,7 +21,7 @@ from kvstore.codecs import Arrangement, get_codec
 from kvstore.codecs.arrangement import from_canonical, to_canonical
 from kvstore.keys import BlockKey, ModelFingerprint, Namespace
 from kvstore.store import TieredStore
-from kvstore.tiers.factory import TierSpec
+from kvstore.tiers.factory import NvmeSpec
 
 if TYPE_CHECKING:
     from vllm import LLM
@@ -168,8 +168,8 @@ def _kv_errors(raw: _Run, run: _Run, codec: str, arrangement: Arrangement,
     and (tensor level) of the same KV encoded in the other arrangement."""
     other = Arrangement.CANONICAL if arrangement is Arrangement.AMX else Arrangement.AMX
     sums = {(a, p): [0.0, 0.0] for a in ("engine", "other") for p in ("k", "v")}
-    raw_store = TieredStore.from_specs([TierSpec("nvme", 1 << 30, path=str(raw.store))])
-    codec_store = TieredStore.from_specs([TierSpec("nvme", 1 << 30, path=str(run.store))])
+    raw_store = TieredStore.from_specs([NvmeSpec(str(raw.store), 1 << 30)])
+    codec_store = TieredStore.from_specs([NvmeSpec(str(run.store), 1 << 30)])
     coder = get_codec(codec)
     blocks = 0
     peaks: list[float] = []

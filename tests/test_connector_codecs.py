@@ -32,7 +32,7 @@ from kvstore.codecs.arrangement import to_canonical
 from kvstore.frame import BlockRead
 from kvstore.keys import BlockKey, Namespace
 from kvstore.store import TieredStore
-from kvstore.tiers.factory import TierSpec
+from kvstore.tiers.factory import NvmeSpec
 from tests.connector_harness import (
     block_hashes,
     generate,
@@ -65,7 +65,7 @@ def _nvme(path: Path) -> dict[str, Any]:
 
 
 def _open_store(path: Path) -> TieredStore:
-    return TieredStore.from_specs([TierSpec("nvme", 256 << 20, path=str(path))])
+    return TieredStore.from_specs([NvmeSpec(str(path), 256 << 20)])
 
 
 @pytest.fixture(scope="module")
