@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Literal, overload
 
 import zstandard
 
-from kvstore.codecs import Array, Buffer, Device, TensorLike, get_codec
+from kvstore.codecs import Arrangement, Array, Buffer, Device, TensorLike, get_codec
 from kvstore.codecs.tensors import is_device_tensor, torch_dtype
 from kvstore.errors import CodecError, CorruptBlock, KVKeepError
 from kvstore.frame import (
@@ -74,11 +74,13 @@ def encode_block(
     layout_id: str,
     compression: CompressionMode = "auto",
     dtype: DType | str | None = None,
+    arrangement: Arrangement = Arrangement.ROWS,
 ) -> bytes:
     """Encode all layers of one block into one frame bound to `key`.
 
     Every layer must have the same shape and dtype (CodecError otherwise). `dtype` is needed
-    only for numpy arrays of bf16 bit patterns (uint16); see `kvstore.codecs.base` for the
+    only for numpy arrays of bf16 bit patterns (uint16); `arrangement` says where K, V, tokens
+    and channels are in a layer (the grouped codecs need it); see `kvstore.codecs.base` for the
     layer tensor contract.
     """
     if compression not in ("auto", "none", "zstd"):
@@ -86,7 +88,7 @@ def encode_block(
     coder = get_codec(codec)
     # Raw segments are views of the layers themselves; build_frame copies them into the frame
     # before it returns, so nothing aliases the caller's tensors afterwards.
-    encoded = coder.encode_many(layers, dtype=dtype)
+    encoded = coder.encode_many(layers, dtype=dtype, arrangement=arrangement)
     return build_frame(_compress(encoded.data, compression), codec=coder.codec_id,
                        dtype=encoded.dtype, layout_id=layout_id, token_count=token_count,
                        layer_shape=encoded.shape, key_digest=key.digest)

@@ -69,8 +69,14 @@ _MAX_HEADER_BYTES = 1 << 20
 
 
 class CodecId(enum.IntEnum):
+    """A frame's codec (`kvstore.codecs`); ids are never reused, so old frames stay readable."""
+
     RAW = 0
-    INT8 = 1
+    INT8 = 1  # "int8-sym": symmetric, one scale per row (per token and KV head)
+    INT8_ASYM = 2
+    INT8_KIVI = 3
+    INT8_G32 = 4
+    INT4 = 5
 
 
 class DType(enum.IntEnum):

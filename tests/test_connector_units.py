@@ -23,6 +23,7 @@ from connectors.vllm.metadata import (
 from connectors.vllm.params import RestoreParams, namespace_for, parse_params
 from connectors.vllm.scheduler import SchedulerSide
 from connectors.vllm.stats import Counter, Counters
+from kvstore.codecs import DEFAULT_INT8
 from kvstore.errors import ConfigError, InvalidKey
 from kvstore.keys import ModelFingerprint, SessionId
 from tests.blockframes import block_key
@@ -39,7 +40,7 @@ def test_full_config_parses() -> None:
         "codec": "int8", "compression": "auto", "checkpoint_tokens": 64,
         "restore_deadline_ms": 250, "save_timeout_ms": 100, "load_mode": "async",
         "tenant": "acme", "model_id": "m", "weights_revision": "abc"})
-    assert config.codec == "int8" and config.load_mode == "async"
+    assert config.codec == DEFAULT_INT8 and config.load_mode == "async"  # "int8": the default
     assert config.restore_deadline_s == 0.25 and config.save_timeout_s == 0.1
     assert config.store.nvme is not None and config.store.nvme.byte_budget == 1 << 34
     assert config.store.remote is not None and config.store.remote.timeout_s == 0.5

@@ -24,7 +24,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Literal, cast
 
-from kvstore.errors import ConfigError, InvalidKey
+from kvstore.codecs import CODEC_NAMES, config_codec_name
+from kvstore.errors import CodecError, ConfigError, InvalidKey
 from kvstore.keys import validate_name
 from kvstore.tiers.factory import NvmeSpec, RedisSpec, RemoteSpec
 
@@ -41,7 +42,9 @@ __all__ = [
     "DEFAULT_REPLICAS",
 ]
 
-Codec = Literal["raw", "int8"]
+# "int8" is resolved to the default int8 scheme when parsed (kvstore.codecs.DEFAULT_INT8), so a
+# parsed config (and the fingerprint) names the scheme itself.
+Codec = Literal["raw", "int8-sym", "int8-asym", "int8-kivi", "int8-g32", "int4"]
 LoadMode = Literal["sync", "async"]
 LookupMode = Literal["auto", "worker"]
 Compression = Literal["none", "auto", "zstd"]
@@ -121,7 +124,7 @@ class ConnectorConfig:
         _reject_unknown("kv_connector_extra_config", extra, _TOP_KEYS)
         if "store" not in extra:
             raise ConfigError("kv_connector_extra_config needs a 'store'")
-        codec = _choice(extra, "codec", ("raw", "int8"), "raw")
+        codec = _codec(_choice(extra, "codec", CODEC_NAMES, "raw"))
         compression = _choice(extra, "compression", ("none", "auto", "zstd"), "none")
         load_mode = _choice(extra, "load_mode", ("sync", "async"), "sync")
         checkpoint = extra.get("checkpoint_tokens")
@@ -236,6 +239,13 @@ def _replicas(spec: Mapping[str, Any], daemons: tuple[tuple[str, str], ...]) -> 
         raise ConfigError(f"store.remote.replicas is {replicas} but only {len(daemons)} "
                           f"daemon(s) are listed")
     return replicas
+
+
+def _codec(name: str) -> str:
+    try:
+        return config_codec_name(name)
+    except CodecError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _reject_unknown(where: str, mapping: Mapping[str, Any], allowed: frozenset[str]) -> None:

@@ -22,6 +22,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from connectors.vllm.config import ConnectorConfig
 from connectors.vllm.fingerprint import derive_fingerprint, derive_layout
+from connectors.vllm.layouts import check_codec
 from connectors.vllm.metadata import StepMetadata
 from connectors.vllm.scheduler import SchedulerSide
 from connectors.vllm.stats import Counters, CounterSnapshot
@@ -63,6 +64,7 @@ class KVKeepConnector(KVConnectorBase_V1):
         self._config = ConnectorConfig.from_extra(
             self._kv_transfer_config.kv_connector_extra_config)
         layout = derive_layout(vllm_config)
+        check_codec(self._config.codec, layout, vllm_config.model_config.dtype)
         self._fingerprint = derive_fingerprint(vllm_config, self._config, layout)
         self._counters = Counters()
         self._scheduler: SchedulerSide | None = None

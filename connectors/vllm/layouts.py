@@ -32,9 +32,11 @@ from typing import Any, Final, Literal, Protocol
 import numpy as np
 import torch
 
+from kvstore.codecs import Arrangement
 from kvstore.errors import ConfigError
 
 __all__ = [
+    "check_codec",
     "LayoutFamily",
     "LayoutSpec",
     "BoundLayout",
@@ -106,6 +108,15 @@ class LayoutSpec:
             return (h, 2 * n, d)
         return (2, n, h, d)
 
+    @property
+    def arrangement(self) -> Arrangement:
+        """Where K, V, tokens and channels sit in `block_shape`, for the codecs: canonical
+        blocks, the AMX kernel's packing (decoded in `kvstore.codecs.arrangement`), or
+        nothing known (other verbatim CPU kernels), which only row codecs may encode."""
+        if self.family != "cpu-raw":
+            return Arrangement.CANONICAL
+        return Arrangement.AMX if self.layout_id.startswith("cpu-amx/") else Arrangement.ROWS
+
     def with_shard(self, rank: int, world: int) -> LayoutSpec:
         """The spec of one tensor-parallel shard: its own id, so ranks never read each other's
         heads. (Callers pass the per-rank head count already.)"""
@@ -135,6 +146,21 @@ class LayoutSpec:
             return _FlashLayout(h, n, d, kv_dim=1)
         raise ConfigError(f"layout {self.layout_id}: unknown paged tensor shape {list(shape)} "
                           f"for {h} heads, block {n}, head size {d}")
+
+
+def check_codec(codec: str, layout: LayoutSpec, dtype: object) -> None:
+    """ConfigError, at start-up, if `codec` cannot encode this layout's blocks of `dtype`
+    (a torch dtype or its name): a codec must never quantize along axes it guessed."""
+    from kvstore.codecs import get_codec
+    from kvstore.errors import CodecError
+    from kvstore.frame import DType
+
+    try:
+        get_codec(codec).check_layout(layout.block_shape, DType.from_name(str(dtype)),
+                                      layout.arrangement)
+    except (CodecError, ValueError) as exc:
+        raise ConfigError(f"kvkeep connector: codec {codec!r} cannot be used with layout "
+                          f"{layout.layout_id}: {exc}") from None
 
 
 def cpu_layout(isa: str | None, *, num_kv_heads: int, head_size: int,

@@ -189,7 +189,8 @@ class Saver:
             frame = encode_block(list(layers), codec=self._ctx.codec, key=item.key,
                                  token_count=self._ctx.caches.layout.block_size,
                                  layout_id=self._ctx.caches.layout.layout_id,
-                                 compression=self._config.compression)
+                                 compression=self._config.compression,
+                                 arrangement=self._ctx.caches.layout.arrangement)
             return self._ctx.store.put(item.key, frame)
         except KVKeepError:
             log.warning("kvkeep: saving a block failed", exc_info=True)

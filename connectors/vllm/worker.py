@@ -36,8 +36,8 @@ from connectors.vllm.outbox import WorkerOutbox
 from connectors.vllm.saver import Saver
 from connectors.vllm.stats import Counter, Counters
 from connectors.vllm.worker_context import WorkerContext
+from kvstore.codecs import get_codec
 from kvstore.errors import KVKeepError
-from kvstore.frame import CodecId
 from kvstore.keys import BlockKey, ModelFingerprint, Namespace
 from kvstore.manifest import SessionManifest
 from kvstore.store import TieredStore
@@ -54,7 +54,7 @@ class WorkerSide:
         self._fp = fingerprint
         self._store = store
         self._counters = counters
-        codec = CodecId.INT8 if config.codec == "int8" else CodecId.RAW
+        codec = get_codec(config.codec).codec_id
         self._caches = PagedCaches(layout, fingerprint.num_layers)
         self._outbox = WorkerOutbox()
         context = WorkerContext(store, self._caches, fingerprint, codec, self._outbox, counters)

@@ -7,8 +7,9 @@ fixed seed, so every worker that builds or loads it computes the same greedy tok
 same KV: what failover without recompute, and the demo's text comparison, rely on.
 
 The tokenizer is a BPE over a Metaspace pre-tokenizer trained on the licence texts Debian ships
-(a built-in paragraph elsewhere). Its vocabulary holds no raw bytes, so every token decodes to
-valid text and decoding is plain concatenation: a stream resumed after any token reads the same.
+(a built-in paragraph elsewhere; `deploy/local/corpus.py`). Its vocabulary holds no raw bytes,
+so every token decodes to valid text and decoding is plain concatenation: a stream resumed after
+any token reads the same.
 
 The test suite builds its engines' model with this same function (tests/models.py).
 
@@ -19,19 +20,20 @@ since a random model's near-flat next-token distributions flip under any perturb
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-__all__ = ["TinyModel", "build_tiny_llama", "build_trained_tiny_llama", "CHAT_TEMPLATE",
-           "TRAINED_INIT_STD", "TRAINED_STEPS"]
+from deploy.local.corpus import tokenizer_texts
 
-_LICENCES = Path("/usr/share/common-licenses")
-# A fallback corpus for machines without Debian's licence texts; enough for a 1k vocabulary.
-_FALLBACK_TEXT = (
-    "the quick brown fox jumps over the lazy dog while a session keeps its cache alive. "
-    "a router picks a worker, the worker serves tokens, and the store keeps every block. "
-) * 200
+__all__ = ["TinyModel", "build_tiny_llama", "build_trained_tiny_llama", "build_cached",
+           "build_trained_llama", "model_cache_root", "CHAT_TEMPLATE", "TRAINED_INIT_STD",
+           "TRAINED_STEPS", "TRAINED_SHAPES"]
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
@@ -42,6 +44,15 @@ CHAT_TEMPLATE = (
 # the usual 0.02 init: from 0.15 the same steps end at a held-out loss of 5.3.
 TRAINED_STEPS = 200
 TRAINED_INIT_STD = 0.02
+# The trained models a KV codec is judged on: two shapes, so that no scheme is tuned to one.
+# "tiny" is the tests' model (2 KV heads of 32); "wide" has more KV heads and head size 128,
+# the shape of most real Llamas' heads (its head size is set apart from hidden // heads).
+TRAINED_SHAPES: dict[str, dict[str, int]] = {
+    "tiny": {"layers": 2, "hidden": 128, "heads": 4, "kv_heads": 2, "intermediate": 256},
+    "wide": {"layers": 2, "hidden": 256, "heads": 8, "kv_heads": 4, "head_dim": 128,
+             "intermediate": 512},
+}
+_CACHE_ENV = "KVKEEP_MODEL_CACHE"
 _SPECIAL = ["<unk>", "<s>", "</s>", "<pad>"]
 _ROLE_TOKENS = ["<|system|>", "<|user|>", "<|assistant|>"]
 
@@ -61,23 +72,11 @@ class TinyModel:
     # the loss on held-out text, in nats per token. None for the random-weight model.
     train_loss: float | None = None
     heldout_loss: float | None = None
+    head_size: int | None = None  # None: hidden // heads
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
-
-
-def _corpus() -> list[str]:
-    texts: list[str] = []
-    if _LICENCES.is_dir():
-        for path in sorted(_LICENCES.rglob("*")):
-            if path.is_file():
-                # ASCII only: a vocabulary of printable characters decodes to valid text always.
-                text = path.read_text(errors="ignore").encode("ascii", "ignore").decode()
-                texts.append(text)
-    if sum(map(len, texts)) < 50_000:
-        texts.append(_FALLBACK_TEXT)
-    return texts
+        return self.head_size or self.hidden // self.heads
 
 
 def _build_tokenizer(out: Path, vocab_size: int) -> int:
@@ -93,7 +92,7 @@ def _build_tokenizer(out: Path, vocab_size: int) -> int:
         min_frequency=2,
         show_progress=False,
     )
-    tok.train_from_iterator(_corpus(), trainer=trainer)
+    tok.train_from_iterator(tokenizer_texts(), trainer=trainer)
     fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=tok,
         unk_token="<unk>",
@@ -120,6 +119,7 @@ def build_tiny_llama(
     init_std: float = 0.15,
     seed: int = 0,
     train_steps: int = 0,
+    head_dim: int | None = None,
 ) -> TinyModel:
     """Write a tiny random Llama (weights, config, tokenizer) into `directory` and describe it.
 
@@ -127,7 +127,8 @@ def build_tiny_llama(
     (recorded in `kvkeep-tiny.json`), nothing is rebuilt, so a cached build is reused.
 
     `init_std` 0.15 keeps greedy output varied (the default 0.02 makes a random model repeat one
-    token). `hidden // heads` must be a head size vLLM's CPU attention accepts (32, 64, ...).
+    token). The head size, `head_dim` or else `hidden // heads`, must be one vLLM's CPU attention
+    accepts (32, 64, 128, ...).
 
     `train_steps` > 0 then trains the random model on the tokenizer's corpus (held-out licences
     excepted; `deploy/local/training.py`): a model with a trained LM's peaked next-token
@@ -146,6 +147,9 @@ def build_tiny_llama(
         "intermediate": intermediate, "vocab_size": vocab_size, "max_positions": max_positions,
         "init_std": init_std, "seed": seed, "format": 1,
     }
+    if head_dim is not None and head_dim != hidden // heads:
+        args["head_dim"] = head_dim  # only when it differs: older stamps stay valid
+    head_size = head_dim or hidden // heads
     if train_steps:
         from deploy.local.training import RECIPE
 
@@ -158,7 +162,8 @@ def build_tiny_llama(
         if recorded.get("args") == args:
             losses = recorded.get("training", {})
             return TinyModel(out, int(recorded["vocab"]), layers, hidden, heads, kv_heads,
-                             max_positions, losses.get("final_loss"), losses.get("heldout_loss"))
+                             max_positions, losses.get("final_loss"), losses.get("heldout_loss"),
+                             head_size)
         stamp.unlink()  # a half-rewritten directory must not pass for the old build
     out.mkdir(parents=True, exist_ok=True)
     vocab = _build_tokenizer(out, vocab_size)
@@ -170,7 +175,7 @@ def build_tiny_llama(
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
-        head_dim=hidden // heads,
+        head_dim=head_size,
         max_position_embeddings=max_positions,
         bos_token_id=1,
         eos_token_id=2,
@@ -199,10 +204,60 @@ def build_tiny_llama(
         trained = (result.final_loss, result.heldout_loss)
     model.save_pretrained(out, safe_serialization=True)
     stamp.write_text(json.dumps(record))  # last: a build cut short leaves no stamp
-    return TinyModel(out, vocab, layers, hidden, heads, kv_heads, max_positions, *trained)
+    return TinyModel(out, vocab, layers, hidden, heads, kv_heads, max_positions, *trained,
+                     head_size)
 
 
 def build_trained_tiny_llama(directory: Path | str, *, seed: int = 0) -> TinyModel:
     """The default tiny Llama trained for TRAINED_STEPS steps (cached like any build)."""
     return build_tiny_llama(directory, init_std=TRAINED_INIT_STD, train_steps=TRAINED_STEPS,
                             seed=seed)
+
+
+def model_cache_root() -> Path:
+    """Where `build_cached` keeps models: $KVKEEP_MODEL_CACHE, else ~/.cache/kvkeep/models."""
+    env = os.environ.get(_CACHE_ENV)
+    return Path(env) if env else Path.home() / ".cache" / "kvkeep" / "models"
+
+
+def build_cached(root: Path | str | None = None, **build_args: Any) -> TinyModel:
+    """`build_tiny_llama(**build_args)` in a directory of `root` named by a hash of the
+    arguments (and, for trained builds, of the training recipe): each configuration is built
+    once per machine and then reused, by any process.
+
+    A build is written into a temporary sibling directory and renamed into place when done, so
+    a build cut short or running concurrently in another process never leaves a half-written
+    model where a reader looks.
+    """
+    base = Path(root) if root is not None else model_cache_root()
+    key: dict[str, Any] = dict(sorted(build_args.items()))
+    if build_args.get("train_steps"):
+        from deploy.local.training import RECIPE
+
+        key["recipe"] = RECIPE
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    final = base / f"llama-{digest}"
+    if (final / "kvkeep-tiny.json").exists():
+        return build_tiny_llama(final, **build_args)  # checks the stamp, builds nothing
+    base.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=base))
+    try:
+        build_tiny_llama(scratch, **build_args)
+        try:
+            scratch.rename(final)
+        except OSError:  # another process finished first: its build is the same model
+            if not (final / "kvkeep-tiny.json").exists():
+                raise
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return build_tiny_llama(final, **build_args)
+
+
+def build_trained_llama(shape: str, root: Path | str | None = None, *, seed: int = 0,
+                        steps: int = TRAINED_STEPS) -> TinyModel:
+    """One of TRAINED_SHAPES trained for `steps` steps on the local corpus, cached by
+    `build_cached`."""
+    if shape not in TRAINED_SHAPES:
+        raise ValueError(f"unknown model shape {shape!r}; known: {sorted(TRAINED_SHAPES)}")
+    return build_cached(root, **TRAINED_SHAPES[shape], init_std=TRAINED_INIT_STD,
+                        train_steps=steps, seed=seed)

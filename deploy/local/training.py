@@ -11,11 +11,9 @@ Everything is deterministic on a given machine: the seed fixes the initial weigh
 builder) and the batch order, and training runs on one thread (a multi-threaded reduction may
 sum in another order and change the last bits; those drift through training).
 
-Held-out text: whole licences that have no sibling version in the corpus (Apache-2.0, Artistic,
-CC0-1.0) are never trained on, so prompts drawn from them are real text the model has not seen.
-GPL/LGPL/GFDL would be poor held-out choices: each has near-copies among its other versions.
-(The tokenizer was trained on every licence, held-out ones included: it only splits text into
-tokens; the model's weights never see the held-out text.)
+Held-out text: the licences `deploy.local.corpus.HELD_OUT` names are never trained on (see that
+module for why those). The tokenizer was trained on every licence, held-out ones included: it
+only splits text into tokens; the model's weights never see the held-out text.
 """
 
 from __future__ import annotations
@@ -28,14 +26,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from deploy.local.corpus import HELD_OUT, documents
+
 if TYPE_CHECKING:
     from transformers import LlamaForCausalLM
 
 __all__ = ["HELD_OUT", "RECIPE", "TrainingResult", "documents", "heldout_prompts",
            "heldout_tokens", "train_llama"]
-
-# Licences kept out of training (see the module docstring).
-HELD_OUT = ("Apache-2.0", "Artistic", "CC0-1.0")
 
 SEQ_LEN = 128
 BATCH = 16
@@ -65,29 +62,6 @@ class TrainingResult:
     heldout_loss: float  # on windows of the held-out text, after training
     initial_heldout_loss: float  # the same windows before training (for scale)
     seconds: float
-
-
-def documents() -> list[tuple[str, str]]:
-    """(name, text) of the corpus the tokenizer is trained on, each file once.
-
-    Same files and the same ASCII filter as the tokenizer's corpus (`model._corpus`), but
-    symlinks (GPL -> GPL-3 ...) are read once: training twice as often on the linked versions
-    would only skew the data.
-    """
-    from deploy.local.model import _FALLBACK_TEXT, _LICENCES
-
-    docs: list[tuple[str, str]] = []
-    seen: set[Path] = set()
-    if _LICENCES.is_dir():
-        for path in sorted(_LICENCES.rglob("*")):
-            real = path.resolve()
-            if path.is_file() and real not in seen:
-                seen.add(real)
-                text = path.read_text(errors="ignore").encode("ascii", "ignore").decode()
-                docs.append((path.name, text))
-    if sum(len(text) for _, text in docs) < 50_000:
-        docs.append(("fallback", _FALLBACK_TEXT))
-    return docs
 
 
 def _split(model_dir: Path) -> tuple[list[int], list[int]]:

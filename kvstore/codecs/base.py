@@ -4,12 +4,15 @@ Contract (what the connector's layout module must hand over):
 
 - One call encodes one *layer tensor* of shape [..., E]: a numpy array or a torch tensor on any
   device, float16, bfloat16 or float32 (a numpy bf16 tensor is a uint16 array of bit patterns
-  with `dtype=DType.BFLOAT16`; see `tensors`). The layout module arranges axes so that the
-  leading axes are (token, kv head) (K and V stacked in front where they are stored together)
-  and the last is head_size. Lossy codecs keep one scale per leading index, so that order is
-  what makes int8's scales "one per token per KV head".
+  with `dtype=DType.BFLOAT16`; see `tensors`).
+- `arrangement` (see `arrangement`) says where K, V, tokens and channels are in that tensor:
+  the connector's layout knows it. `raw` ignores it and `int8-sym` needs only rows of the last
+  axis (one scale per leading index: per token and KV head on a canonical `[2, N, H, D]`
+  block), so both take any arrangement. The grouped codecs (`grouped`) need CANONICAL or AMX and
+  refuse ROWS, the default: `check_layout` says up front whether a codec can encode a layout.
 - `encode` returns the segment bytes (`Encoded.data`) with the tensor's shape and dtype; the
-  frame header stores those, and `decode` needs them back.
+  frame header stores those, and `decode` needs them back. A segment that depends on its
+  arrangement records it, so decoding needs nothing else.
 - `decode(data, shape, dtype)` returns the original shape and dtype: into `out` when given
   (a numpy array or a torch tensor on any device; no allocation), else a new torch tensor on
   `device` when given, else a new numpy array. A payload whose size disagrees with shape and
@@ -22,10 +25,11 @@ from __future__ import annotations
 import abc
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Protocol, TypeGuard, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, TypeGuard, runtime_checkable
 
 import numpy as np
 
+from kvstore.codecs.arrangement import Arrangement
 from kvstore.codecs.tensors import (
     Array,
     Device,
@@ -44,7 +48,7 @@ from kvstore.frame import CodecId, DType
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Codec", "BaseCodec", "Encoded", "EncodedLayers", "Buffer"]
+__all__ = ["Codec", "BaseCodec", "Encoded", "EncodedLayers", "Buffer", "LayerSpec"]
 
 Buffer = bytes | bytearray | memoryview
 
@@ -72,6 +76,17 @@ class EncodedLayers:
     dtype: DType
 
 
+@dataclass(frozen=True, slots=True)
+class LayerSpec:
+    """What an encoder knows about the layer tensor it encodes."""
+
+    shape: tuple[int, ...]
+    dtype: DType
+    arrangement: Arrangement
+    plan: object = None
+    """The codec's own checked plan for this shape (`BaseCodec._plan`), built once per call."""
+
+
 @runtime_checkable
 class Codec(Protocol):
     """What `kvstore.block` needs from a codec (see the module docstring for the contract)."""
@@ -86,16 +101,22 @@ class Codec(Protocol):
         """Bytes of the encoded segment of a tensor of this shape and dtype."""
         ...
 
+    def check_layout(self, shape: tuple[int, ...], dtype: DType,
+                     arrangement: Arrangement) -> None:
+        """CodecError unless this codec can encode layers of this shape, dtype, arrangement."""
+        ...
+
     def encode(self, x: TensorLike, *, dtype: DType | str | None = None,
-               out: bytearray | memoryview | Array | None = None) -> Encoded:
+               out: bytearray | memoryview | Array | None = None,
+               arrangement: Arrangement = Arrangement.ROWS) -> Encoded:
         """Encode one layer tensor; into `out` (a writable buffer of >= encoded_size bytes).
 
         Without `out` the result may alias `x` (see `Encoded`).
         """
         ...
 
-    def encode_many(self, layers: Sequence[TensorLike], *,
-                    dtype: DType | str | None = None) -> EncodedLayers:
+    def encode_many(self, layers: Sequence[TensorLike], *, dtype: DType | str | None = None,
+                    arrangement: Arrangement = Arrangement.ROWS) -> EncodedLayers:
         """Encode the layers of one block (same shape and dtype, else CodecError).
 
         Same bytes as `encode` per layer, with less overhead per layer. Results may alias the
@@ -118,34 +139,50 @@ class Codec(Protocol):
 class BaseCodec(abc.ABC):
     """Shared dispatch: validate, then run the host (numpy/numba) or device (torch) half."""
 
-    codec_id: ClassVar[CodecId]
-    name: ClassVar[str]
+    codec_id: CodecId  # set by each codec class (or, for the grouped codecs, instance)
+    name: str
 
     @abc.abstractmethod
     def encoded_size(self, shape: tuple[int, ...], dtype: DType) -> int: ...
 
+    def check_layout(self, shape: tuple[int, ...], dtype: DType,
+                     arrangement: Arrangement) -> None:
+        self._plan(shape, dtype, arrangement)
+
+    def _plan(self, shape: tuple[int, ...], dtype: DType, arrangement: Arrangement) -> object:
+        """What the encoder needs to know about this shape, checked (CodecError if it cannot
+        encode it); None for codecs that need nothing beyond rows."""
+        return None
+
+    def _spec(self, shape: tuple[int, ...], dtype: DType,
+              arrangement: Arrangement) -> LayerSpec:
+        return LayerSpec(shape, dtype, arrangement, self._plan(shape, dtype, arrangement))
+
     def encode(self, x: TensorLike, *, dtype: DType | str | None = None,
-               out: bytearray | memoryview | Array | None = None) -> Encoded:
+               out: bytearray | memoryview | Array | None = None,
+               arrangement: Arrangement = Arrangement.ROWS) -> Encoded:
         shape, found = describe(x, dtype)
+        spec = self._spec(shape, found, arrangement)
         if out is None and not is_device_tensor(x):
             view = self._view_host(host_rows(x, shape, found))
             if view is not None:
                 return Encoded(view, shape, found)
         dest = _byte_buffer(out, self.encoded_size(shape, found))
         if is_device_tensor(x):
-            self._encode_device(x, dest)
+            self._encode_device(x, spec, dest)
         else:
-            self._encode_host(host_rows(x, shape, found), found, dest)
+            self._encode_host(host_rows(x, shape, found), spec, dest)
         return Encoded(dest.data, shape, found)
 
-    def encode_many(self, layers: Sequence[TensorLike], *,
-                    dtype: DType | str | None = None) -> EncodedLayers:
+    def encode_many(self, layers: Sequence[TensorLike], *, dtype: DType | str | None = None,
+                    arrangement: Arrangement = Arrangement.ROWS) -> EncodedLayers:
         shape, found = common_layout(layers, dtype)
+        spec = self._spec(shape, found, arrangement)
         size = self.encoded_size(shape, found)
         if _on_one_device(layers):
             # A block on one GPU: encoded with one set of kernels and one copy to host.
             block = np.empty((len(layers), size), np.uint8)
-            self._encode_device_many(layers, block)
+            self._encode_device_many(layers, spec, block)
             return EncodedLayers([segment.data for segment in block], shape, found)
         # One allocation for the block, one row of it per layer, and no per-layer `out`
         # checks: Python per layer is most of the cost of a 64 KiB layer (~4 us of kernel).
@@ -162,9 +199,9 @@ class BaseCodec(abc.ABC):
                 arena = np.empty((len(layers), size), np.uint8)
             dest = arena[index]
             if is_device_tensor(x):
-                self._encode_device(x, dest)
+                self._encode_device(x, spec, dest)
             else:
-                self._encode_host(rows, found, dest)
+                self._encode_host(rows, spec, dest)
             data.append(dest.data)
         return EncodedLayers(data, shape, found)
 
@@ -186,7 +223,7 @@ class BaseCodec(abc.ABC):
                 raise CodecError("out must be contiguous")
             self._decode_device(np.frombuffer(data, np.uint8), out)
         else:
-            self._decode_host(data, output_rows(out, shape, dtype), dtype)
+            self._decode_host(data, output_rows(out, shape, dtype), shape, dtype)
         return out
 
     def decode_rows(self, segments: Sequence[Buffer], shape: tuple[int, ...], dtype: DType,
@@ -207,7 +244,7 @@ class BaseCodec(abc.ABC):
         refused: list[int] = []
         for segment, row in zip(segments, rows, strict=True):
             data = np.frombuffer(segment, np.uint8)
-            if data.size != expected or not self._valid_segment(data, shape):
+            if data.size != expected or not self._valid_segment(data, shape, dtype):
                 refused.append(row)
                 continue
             host[len(kept)] = data
@@ -221,7 +258,7 @@ class BaseCodec(abc.ABC):
                 out.index_copy_(0, torch.tensor(kept, device=out.device), decoded)
         return refused
 
-    def _valid_segment(self, data: Array, shape: tuple[int, ...]) -> bool:
+    def _valid_segment(self, data: Array, shape: tuple[int, ...], dtype: DType) -> bool:
         """Whether a segment of the right size can be decoded (int8: its scales are sane)."""
         return True
 
@@ -235,21 +272,23 @@ class BaseCodec(abc.ABC):
         return None
 
     @abc.abstractmethod
-    def _encode_host(self, rows: Array, dtype: DType, dest: Array) -> None:
+    def _encode_host(self, rows: Array, spec: LayerSpec, dest: Array) -> None:
         """Write the encoding of host [R, E] `rows` into `dest` (uint8, encoded_size bytes)."""
 
     @abc.abstractmethod
-    def _encode_device(self, x: torch.Tensor, dest: Array) -> None:
+    def _encode_device(self, x: torch.Tensor, spec: LayerSpec, dest: Array) -> None:
         """Encode a device tensor with torch ops there, then copy the result into `dest`."""
 
-    def _encode_device_many(self, layers: Sequence[torch.Tensor], dest: Array) -> None:
+    def _encode_device_many(self, layers: Sequence[torch.Tensor], spec: LayerSpec,
+                            dest: Array) -> None:
         """Encode same-shaped layers on one device into the rows of `dest` [L, size]."""
         for index, x in enumerate(layers):
-            self._encode_device(x, dest[index])
+            self._encode_device(x, spec, dest[index])
 
     @abc.abstractmethod
-    def _decode_host(self, data: Buffer | Array, rows: Array, dtype: DType) -> None:
-        """Decode into the [R, E] bits view `rows` of a host output."""
+    def _decode_host(self, data: Buffer | Array, rows: Array, shape: tuple[int, ...],
+                     dtype: DType) -> None:
+        """Decode into the [R, E] bits view `rows` of a host output of `shape`."""
 
     @abc.abstractmethod
     def _decode_device(self, data: Array, out: torch.Tensor) -> None:

@@ -1,4 +1,9 @@
-"""`int8`: symmetric per-row quantization, one float32 scale per leading index.
+"""`int8-sym`: symmetric per-row quantization, one float32 scale per leading index.
+
+The first lossy codec kvkeep had (frame codec id 1, called `int8` before the grouped codecs
+came), kept as it was: its frames stay readable and it still encodes any arrangement, since it
+needs no more than rows. On a canonical block [2, N, H, D] a row is one token of one KV head; on
+a block stored verbatim (AMX) a row is whatever D consecutive elements the kernel packed there.
 
 Segment layout: R little-endian float32 scales, then R x E int8 values, where R is the number
 of leading indices of the [..., E] layer tensor (token x kv head, see `base`). For each row,
@@ -21,7 +26,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvstore.codecs import kernels
-from kvstore.codecs.base import BaseCodec, Buffer, EncodedLayers
+from kvstore.codecs.arrangement import Arrangement
+from kvstore.codecs.base import BaseCodec, Buffer, EncodedLayers, LayerSpec
 from kvstore.codecs.tensors import (
     Array,
     TensorLike,
@@ -44,18 +50,19 @@ _SCALE_BYTES = 4
 
 class Int8Codec(BaseCodec):
     codec_id = CodecId.INT8
-    name = "int8"
+    name = "int8-sym"
 
     def encoded_size(self, shape: tuple[int, ...], dtype: DType) -> int:
         rows, width = rows_shape(shape)
         return rows * (_SCALE_BYTES + width)
 
-    def encode_many(self, layers: Sequence[TensorLike], *,
-                    dtype: DType | str | None = None) -> EncodedLayers:
+    def encode_many(self, layers: Sequence[TensorLike], *, dtype: DType | str | None = None,
+                    arrangement: Arrangement = Arrangement.ROWS) -> EncodedLayers:
+        # Rows are all this codec needs: any arrangement is fine, and none changes the bytes.
         shape, found = common_layout(layers, dtype)
         count, width = rows_shape(shape)
         if width % _SCALE_BYTES or any(is_device_tensor(x) for x in layers):
-            return super().encode_many(layers, dtype=found)
+            return super().encode_many(layers, dtype=found, arrangement=arrangement)
         # Host fast path: scales and values views of one arena are cut once for the block, so
         # each layer costs a kernel call and ~2-3 us of Python (its kernel: ~4 us for 64 KiB),
         # where `encode` per layer costs ~5 us of Python.
@@ -71,7 +78,7 @@ class Int8Codec(BaseCodec):
             raise CodecError("int8 cannot encode inf or NaN")
         return EncodedLayers([segment.data for segment in arena], shape, found)
 
-    def _encode_host(self, rows: Array, dtype: DType, dest: Array) -> None:
+    def _encode_host(self, rows: Array, spec: LayerSpec, dest: Array) -> None:
         count, width = rows.shape
         head = dest[: _SCALE_BYTES * count]
         scales = head.view(np.float32)
@@ -81,19 +88,20 @@ class Int8Codec(BaseCodec):
         if aside:
             scales = np.empty(count, np.float32)
         q = dest[_SCALE_BYTES * count:].view(np.int8).reshape(count, width)
-        if kernels.quantize_rows(rows, dtype, scales, q):
+        if kernels.quantize_rows(rows, spec.dtype, scales, q):
             raise CodecError("int8 cannot encode inf or NaN")
         if aside:
             head[:] = scales.view(np.uint8)
 
-    def _encode_device(self, x: torch.Tensor, dest: Array) -> None:
+    def _encode_device(self, x: torch.Tensor, spec: LayerSpec, dest: Array) -> None:
         import torch
 
         from kvstore.codecs import torch_ops
 
         torch.from_numpy(dest).copy_(torch_ops.quantize(x))
 
-    def _encode_device_many(self, layers: Sequence[torch.Tensor], dest: Array) -> None:
+    def _encode_device_many(self, layers: Sequence[torch.Tensor], spec: LayerSpec,
+                            dest: Array) -> None:
         import torch
 
         from kvstore.codecs import torch_ops
@@ -101,7 +109,8 @@ class Int8Codec(BaseCodec):
         torch.from_numpy(dest).copy_(torch_ops.quantize_many(torch.stack([x.detach()
                                                                           for x in layers])))
 
-    def _decode_host(self, data: Buffer | Array, rows: Array, dtype: DType) -> None:
+    def _decode_host(self, data: Buffer | Array, rows: Array, shape: tuple[int, ...],
+                     dtype: DType) -> None:
         count, width = rows.shape
         scales = np.frombuffer(data, np.float32, count=count)
         if not scales.flags.aligned:
@@ -117,13 +126,13 @@ class Int8Codec(BaseCodec):
 
         from kvstore.codecs import torch_ops
 
-        if not self._valid_segment(data, tuple(out.shape)):
+        if not self._valid_segment(data, tuple(out.shape), DType.FLOAT32):
             raise CorruptBlock(_BAD_SCALE)
         # torch refuses read-only memory, so stage one host copy of the (half-size) payload.
         staged = torch.from_numpy(data.copy()).to(out.device)
         torch_ops.dequantize(staged, out)
 
-    def _valid_segment(self, data: Array, shape: tuple[int, ...]) -> bool:
+    def _valid_segment(self, data: Array, shape: tuple[int, ...], dtype: DType) -> bool:
         count, _ = rows_shape(shape)
         scales = data[: _SCALE_BYTES * count].view(np.float32)
         return bool(np.isfinite(scales).all() and (scales >= 0).all())

@@ -42,11 +42,20 @@ from typing import Any
 import numba
 import numpy as np
 import numpy.typing as npt
-from llvmlite import ir
 from numba import types
-from numba.extending import intrinsic
 
-from kvstore.codecs.llvmlite_compat import patch_llvmlite_for_vllm
+from kvstore.codecs.bits import (
+    TINY_ABSMAX,
+    abs_bits,
+    b2f,
+    f2b,
+    f2h,
+    h2f,
+    round_i8,
+    set_scale,
+    u2f,
+    valid_scale,
+)
 from kvstore.frame import DType
 
 __all__ = [
@@ -60,18 +69,6 @@ __all__ = [
 
 Array = npt.NDArray[Any]
 
-# Importing numba loads llvmlite, whose `lib` object breaks vLLM's CPU start-up scan of
-# sys.modules; make it harmless here, where the import happens (see llvmlite_compat).
-patch_llvmlite_for_vllm()
-
-TINY_ABSMAX = 2.0**-100
-"""Rows whose absmax is below this are stored as zeros (scale 0).
-
-Only bf16 and fp32 can hold such values (fp16's smallest is 2**-24). Below ~2**-119 the scale
-would be subnormal and 127/absmax would overflow float32, so the half-step error bound would no
-longer hold; KV entries this small carry no information, and the absolute error stays < 2**-100.
-"""
-
 PARALLEL_MIN_BYTES = 4 << 20
 """Inputs (in their own dtype's bytes) from this size on are split over threads.
 
@@ -81,88 +78,6 @@ call for a whole time slice. So only large tensors are worth splitting.
 """
 
 _THREADS_ENV = "KVKEEP_CODEC_THREADS"
-
-# ---------------------------------------------------------------------------------------------
-# Scalar conversions as LLVM intrinsics. numba has no scalar bit `view`, and it widens integer
-# arithmetic on uint16/uint32 to 64 bits, which halves the vector width (bf16 dequantize ran at
-# a third of fp16's speed); written in LLVM IR, each is a few 32-bit vector instructions.
-
-_I16, _I32, _F32 = ir.IntType(16), ir.IntType(32), ir.FloatType()
-# Adding 1.5 * 2**23 to |t| < 2**22 leaves round_half_even(t) in the float's low mantissa bits:
-# its low byte is the int8 two's complement. One vaddps instead of vrndscaleps + vcvttps2dq.
-_ROUND_MAGIC = 12582912.0
-
-
-def _bitop(name: str, sig: Any, build: Callable[[Any, Any], Any]) -> Any:
-    """An intrinsic of one argument whose LLVM body is `build(builder, arg)`."""
-    def typer(typingctx: Any, value: Any) -> Any:
-        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-            return build(builder, args[0])
-        return sig, codegen
-    typer.__name__ = name
-    return intrinsic(typer)
-
-
-def _const(kind: Any, value: float) -> Any:
-    return ir.Constant(kind, value)
-
-
-_h2f = _bitop("h2f", types.float32(types.uint16),  # fp16 bits -> float32 (vcvtph2ps)
-              lambda b, x: b.fpext(b.bitcast(x, ir.HalfType()), _F32))
-_f2h = _bitop("f2h", types.uint16(types.float32),  # float32 -> fp16 bits, nearest even
-              lambda b, x: b.bitcast(b.fptrunc(x, ir.HalfType()), _I16))
-_b2f = _bitop("b2f", types.float32(types.uint16),  # bf16 bits are a float32's top half
-              lambda b, x: b.bitcast(b.shl(b.zext(x, _I32), _const(_I32, 16)), _F32))
-_u2f = _bitop("u2f", types.float32(types.uint32), lambda b, x: b.bitcast(x, _F32))
-_f2u = _bitop("f2u", types.uint32(types.float32), lambda b, x: b.bitcast(x, _I32))
-_abs_bits = _bitop("abs_bits", types.uint32(types.float32),  # magnitude bits of a float32
-                   lambda b, x: b.and_(b.bitcast(x, _I32), _const(_I32, 0x7FFFFFFF)))
-_round_i8 = _bitop("round_i8", types.int8(types.float32),
-                   lambda b, x: b.trunc(b.bitcast(b.fadd(x, _const(_F32, _ROUND_MAGIC)), _I32),
-                                        ir.IntType(8)))
-
-
-def _f2b_ir(b: Any, x: Any) -> Any:
-    """float32 -> bf16 bits, round to nearest even (finite values: all we ever narrow)."""
-    u = b.bitcast(x, _I32)
-    lsb = b.and_(b.lshr(u, _const(_I32, 16)), _const(_I32, 1))
-    rounded = b.add(b.add(u, _const(_I32, 0x7FFF)), lsb)
-    return b.trunc(b.lshr(rounded, _const(_I32, 16)), _I16)
-
-
-_f2b = _bitop("f2b", types.uint16(types.float32), _f2b_ir)
-
-
-def _row_scale_py(absmax: Any) -> Any:
-    """(scale, 127/absmax) for one row; a zero or negligible row gets (0, 0): it stores zeros."""
-    if absmax < np.float32(TINY_ABSMAX):
-        return np.float32(0.0), np.float32(0.0)
-    scale = absmax / np.float32(127.0)
-    # Only an fp32 absmax within an ulp of FLT_MAX gets here: 127 * scale would round to inf on
-    # decode, so step the scale one ulp down (an error of ~1e-7 relative, far below half a step).
-    if np.isinf(scale * np.float32(127.0)):
-        scale = _u2f(_f2u(scale) - np.uint32(1))
-    return scale, np.float32(127.0) / absmax
-
-
-def _set_scale_py(row: Any, absmax: Any, non_finite: Any, scales: Any, inv: Any) -> Any:
-    """Store a row's scale (NaN marks a row with inf/NaN) and 1/scale; 1 if the row is bad."""
-    if non_finite:
-        scales[row] = np.float32(np.nan)
-        inv[row] = np.float32(0.0)
-        return 1
-    scales[row], inv[row] = _row_scale(absmax)
-    return 0
-
-
-def _valid_scale_py(scale: Any) -> Any:
-    """What our writers store: finite and >= 0. NaN fails both comparisons."""
-    return scale >= np.float32(0.0) and scale <= np.float32(3.4028234663852886e38)
-
-
-_row_scale = numba.njit(inline="always")(_row_scale_py)
-_set_scale = numba.njit(inline="always")(_set_scale_py)
-_valid_scale = numba.njit(inline="always")(_valid_scale_py)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -183,11 +98,11 @@ def _quantize_f16(src: Array, scales: Array, q: Array) -> int:
         m = np.uint16(0)
         for e in range(width):
             m = max(m, np.uint16(src[r, e] & np.uint16(0x7FFF)))
-        bad += _set_scale(r, _h2f(m), m >= np.uint16(0x7C00), scales, inv)
+        bad += set_scale(r, h2f(m), m >= np.uint16(0x7C00), scales, inv)
     for r in range(rows):
         factor = inv[r]
         for e in range(width):
-            q[r, e] = _round_i8(_h2f(src[r, e]) * factor)
+            q[r, e] = round_i8(h2f(src[r, e]) * factor)
     return bad
 
 
@@ -199,11 +114,11 @@ def _quantize_bf16(src: Array, scales: Array, q: Array) -> int:
         m = np.uint16(0)
         for e in range(width):
             m = max(m, np.uint16(src[r, e] & np.uint16(0x7FFF)))
-        bad += _set_scale(r, _b2f(m), m >= np.uint16(0x7F80), scales, inv)
+        bad += set_scale(r, b2f(m), m >= np.uint16(0x7F80), scales, inv)
     for r in range(rows):
         factor = inv[r]
         for e in range(width):
-            q[r, e] = _round_i8(_b2f(src[r, e]) * factor)
+            q[r, e] = round_i8(b2f(src[r, e]) * factor)
     return bad
 
 
@@ -214,12 +129,12 @@ def _quantize_f32(src: Array, scales: Array, q: Array) -> int:
     for r in range(rows):
         m = np.uint32(0)
         for e in range(width):
-            m = max(m, _abs_bits(src[r, e]))
-        bad += _set_scale(r, _u2f(m), m >= np.uint32(0x7F800000), scales, inv)
+            m = max(m, abs_bits(src[r, e]))
+        bad += set_scale(r, u2f(m), m >= np.uint32(0x7F800000), scales, inv)
     for r in range(rows):
         factor = inv[r]
         for e in range(width):
-            q[r, e] = _round_i8(src[r, e] * factor)
+            q[r, e] = round_i8(src[r, e] * factor)
     return bad
 
 
@@ -227,11 +142,11 @@ def _dequantize_f16(q: Array, scales: Array, dst: Array) -> int:
     bad = 0
     for r in range(q.shape[0]):
         scale = scales[r]
-        if not _valid_scale(scale):
+        if not valid_scale(scale):
             bad += 1
             continue
         for e in range(q.shape[1]):
-            dst[r, e] = _f2h(np.float32(q[r, e]) * scale)
+            dst[r, e] = f2h(np.float32(q[r, e]) * scale)
     return bad
 
 
@@ -239,11 +154,11 @@ def _dequantize_bf16(q: Array, scales: Array, dst: Array) -> int:
     bad = 0
     for r in range(q.shape[0]):
         scale = scales[r]
-        if not _valid_scale(scale):
+        if not valid_scale(scale):
             bad += 1
             continue
         for e in range(q.shape[1]):
-            dst[r, e] = _f2b(np.float32(q[r, e]) * scale)
+            dst[r, e] = f2b(np.float32(q[r, e]) * scale)
     return bad
 
 
@@ -251,7 +166,7 @@ def _dequantize_f32(q: Array, scales: Array, dst: Array) -> int:
     bad = 0
     for r in range(q.shape[0]):
         scale = scales[r]
-        if not _valid_scale(scale):
+        if not valid_scale(scale):
             bad += 1
             continue
         for e in range(q.shape[1]):

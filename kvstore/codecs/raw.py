@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvstore.codecs.base import BaseCodec, Buffer
+from kvstore.codecs.base import BaseCodec, Buffer, LayerSpec
 from kvstore.codecs.tensors import Array, torch_dtype
 from kvstore.frame import CodecId, DType
 
@@ -29,10 +29,10 @@ class RawCodec(BaseCodec):
         # Zero copy: the frame builder copies the bytes into the frame anyway.
         return rows.reshape(-1).view(np.uint8).data
 
-    def _encode_host(self, rows: Array, dtype: DType, dest: Array) -> None:
+    def _encode_host(self, rows: Array, spec: LayerSpec, dest: Array) -> None:
         np.copyto(dest, rows.reshape(-1).view(np.uint8))
 
-    def _encode_device(self, x: torch.Tensor, dest: Array) -> None:
+    def _encode_device(self, x: torch.Tensor, spec: LayerSpec, dest: Array) -> None:
         import torch
 
         torch.from_numpy(dest).copy_(x.detach().contiguous().reshape(-1).view(torch.uint8))
@@ -41,13 +41,15 @@ class RawCodec(BaseCodec):
                             dtype: DType) -> torch.Tensor:
         return staged.view(torch_dtype(dtype)).view(staged.shape[0], *shape)
 
-    def _encode_device_many(self, layers: Sequence[torch.Tensor], dest: Array) -> None:
+    def _encode_device_many(self, layers: Sequence[torch.Tensor], spec: LayerSpec,
+                            dest: Array) -> None:
         import torch
 
         block = torch.stack([x.detach() for x in layers]).reshape(len(layers), -1)
         torch.from_numpy(dest).copy_(block.view(torch.uint8))
 
-    def _decode_host(self, data: Buffer | Array, rows: Array, dtype: DType) -> None:
+    def _decode_host(self, data: Buffer | Array, rows: Array, shape: tuple[int, ...],
+                     dtype: DType) -> None:
         np.copyto(rows.reshape(-1).view(np.uint8), np.frombuffer(data, np.uint8))
 
     def _decode_device(self, data: Array, out: torch.Tensor) -> None:
