@@ -285,7 +285,7 @@ def test_limits_from_the_config_file(tmp_path: Path) -> None:
     assert config.workers_allow.url_refusal("http://10.1.1.1:8000") is None
     assert config.workers_allow.url_refusal("http://127.0.0.1:8000") is not None
     path.write_text("limits: {max_sessions: 0}\n")
-    with pytest.raises(ConfigError, match="limits.max_sessions must be > 0"):
+    with pytest.raises(ConfigError, match=r"limits\.max_sessions must be > 0"):
         config_from_args(parse(["router", "serve", "--policy-config", str(path)]))
     path.write_text("workers: {allow: ['not a host']}\n")
     with pytest.raises(ConfigError, match="allow-list"):
