@@ -257,7 +257,8 @@ def test_tenants_never_share_vllms_prefix_cache(cluster: Cluster) -> None:
     salt_of_alice = cache_salt_for("alice")
     colocated = 0
     for attempt in range(10):
-        tokens = [(i * 53 + 7 * attempt + 3) % 900 + 20 for i in range(160)]  # 5 blocks
+        # 5 full blocks and 2 tokens (vLLM recomputes a fully cached prompt's last block)
+        tokens = [(i * 53 + 7 * attempt + 3) % 900 + 20 for i in range(162)]
         body = {**CHAT, "prompt": tokens, "max_tokens": 1}
         first = http.post("/v1/completions", json=body, headers=auth("alice"))
         assert first.status_code == 200, first.text
@@ -425,7 +426,7 @@ def test_a_stream_with_stop_strings_survives_a_sigkill(cluster: Cluster,
         w3.wait_healthy()
         _agent(cluster, "w3", w3)
         client = cluster.http("B")
-        wait_until(lambda: _quiet(lambda: cluster.worker_ids("B")) == {"w2", "w3"}, timeout=60)
+        wait_until(lambda: "w3" in (_quiet(lambda: cluster.worker_ids("B")) or ()), timeout=60)
         messages = [{"role": "user", "content": "Tell a long story about stops"}]
         plain = direct_chat(cluster.workers["w2"], messages, 200)
         at = len(plain) * 3 // 5  # a stop string well after the kill (at chunk 25)
@@ -469,7 +470,7 @@ def test_a_stream_with_stop_strings_survives_a_sigkill(cluster: Cluster,
                     maybe_kill(len(pieces))
         assert killed, "the stream ended before the kill"
         notes = [json.loads(c.split(" ", 2)[2]) for c in comments]
-        assert notes[0]["resumed_on"] == "w2"
+        assert notes[0]["resumed_on"] != "w3"
         assert "".join(pieces) == reference
         assert finish == [("stop", stop)]
     finally:
