@@ -41,7 +41,7 @@ from kvstore.keys import SessionId
 from router.allowlist import WorkerAllowList
 from router.bindings import VersionedBinding
 from router.decision import Decision, Placement, RequestFeatures, RouteRequest
-from router.errors import NotFound, StateUnavailable, TooManySessions
+from router.errors import SessionNotFound, StateUnavailable, TooManySessions
 from router.failover import Rebinder
 from router.hooks import (
     BindingSettler,
@@ -68,14 +68,10 @@ from router.state.memory import MemoryBackend
 from router.tasks import run_now, run_now_discarding
 from router.workers import WorkerId, WorkerInfo, WorkerLoad, WorkerPool, WorkerState
 
-__all__ = ["RouterCore", "CoreStatus", "SessionNotFound"]
+__all__ = ["RouterCore", "CoreStatus"]
 
 log = logging.getLogger(__name__)
 _MAX_RACES = 3
-
-
-class SessionNotFound(NotFound):
-    """The session id belongs to another tenant: to this one it does not exist."""
 
 
 @dataclass(frozen=True, slots=True)

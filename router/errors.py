@@ -21,6 +21,7 @@ __all__ = [
     "Forbidden",
     "NotFound",
     "ModelNotFound",
+    "SessionNotFound",
     "MethodNotAllowed",
     "Saturated",
     "TooManySessions",
@@ -93,6 +94,10 @@ class NotFound(RouterError):
 
 class ModelNotFound(NotFound):
     """No registered worker serves the requested model."""
+
+
+class SessionNotFound(NotFound):
+    """The session id belongs to another tenant: to this one it does not exist."""
 
 
 class MethodNotAllowed(RouterError):

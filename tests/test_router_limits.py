@@ -22,11 +22,13 @@ from kvstore.keys import SessionId
 from router.config import RouterConfig, StaticWorker
 from router.core import RouterCore
 from router.decision import RequestFeatures
+from router.errors import TooManySessions
 from router.hooks import Outcome
 from router.indexer.history import SessionBlocks
 from router.limits import Limits, TokenBucket
 from router.policy import Thresholds, build_policy, policy_preset
 from router.sessions import SessionTable
+from router.tasks import run_now
 from router.tenants import ApiKeys
 from router.workers import WorkerId, WorkerInfo
 from tests.router_harness import (
@@ -225,10 +227,10 @@ def test_sessions_are_capped_in_the_core_too() -> None:
     core = _core(max_sessions=3, max_sessions_per_tenant=2)
     for i in range(2):
         core.place_now(core.route(RequestFeatures("m", SessionId(f"x{i}"), tenant="x")))
-    with pytest.raises(Exception, match="max_sessions_per_tenant 2"):
+    with pytest.raises(TooManySessions, match="max_sessions_per_tenant 2"):
         core.place_now(core.route(RequestFeatures("m", SessionId("x2"), tenant="x")))
     core.place_now(core.route(RequestFeatures("m", SessionId("y0"), tenant="y")))
-    with pytest.raises(Exception, match="max_sessions 3"):
+    with pytest.raises(TooManySessions, match="max_sessions 3"):
         core.place_now(core.route(RequestFeatures("m", SessionId("y1"), tenant="y")))
     core.expire()
     assert len(core.sessions) == 3 and core.sessions.owned_by("x") == 2
@@ -244,12 +246,12 @@ def test_a_pending_session_is_bound_on_accept_and_a_lost_race_follows_the_winner
     assert placement.pending and core.session(sid) is None
     # pending sessions count against the limits meanwhile
     core.place_now(core.route(RequestFeatures("m", SessionId("other"), tenant="t")))
-    with pytest.raises(Exception, match="max_sessions 2"):
+    with pytest.raises(TooManySessions, match="max_sessions 2"):
         core.place_now(core.route(RequestFeatures("m", SessionId("third"), tenant="t")))
     # another replica binds the session first (same backend, its own table)
     rival = SessionTable(core.backend, clock=core.sessions.clock)
     winner = WorkerId("w2" if placement.worker != "w2" else "w1")
-    from router.tasks import run_now
+
     run_now(rival.bind(sid, winner, "m", expected=None, reason="new", restore_from=None,
                        owner="t"))
     kept, after = run_now(core.accepted(placement))

@@ -28,8 +28,9 @@ from kvstore.errors import ConfigError
 from router.allowlist import AllowEntry, WorkerAllowList
 from router.commands import config_from_args
 from router.config import RouterConfig, StaticWorker
-from router.core import RouterCore, SessionNotFound
+from router.core import RouterCore
 from router.decision import RequestFeatures
+from router.errors import SessionNotFound
 from router.indexer import BlockStored, KVBlockIndex
 from router.indexer.subscriber import KVEventSubscriber
 from router.kv_params import client_kv_params
