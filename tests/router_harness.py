@@ -180,6 +180,7 @@ class FakeWorker:
     endless_line: bool = False  # hostile: a stream's second event is one line that never ends
     endless_body: bool = False  # hostile: a non-streaming answer that never ends
     extra_tokens: int = 0  # hostile: stream this many tokens past max_tokens
+    metrics_padding: int = 0  # hostile: this many bytes of comments in /metrics
     requests: list[dict[str, Any]] = field(default_factory=list)
     peers: list[Any] = field(default_factory=list)  # the client address of each request
     port: int = 0
@@ -216,7 +217,7 @@ class FakeWorker:
 
     async def _metrics(self, request: web.Request) -> web.Response:
         labels = f'{{engine="0",model_name="{self.model}"}}'
-        return web.Response(text=(
+        return web.Response(text="#" * self.metrics_padding + "\n" + (
             f"vllm:num_requests_running{labels} {self.running}\n"
             f"vllm:num_requests_waiting{labels} {self.waiting}\n"
             f"vllm:kv_cache_usage_perc{labels} {self.kv_usage}\n"))

@@ -8,6 +8,7 @@ index bounds.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 from collections.abc import Iterator
@@ -15,22 +16,27 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
 import pytest
 
+from kvstore.cli import build_parser
+from kvstore.errors import ConfigError
 from kvstore.keys import SessionId
+from router.commands import config_from_args
 from router.config import RouterConfig, StaticWorker
 from router.core import RouterCore
 from router.decision import RequestFeatures
 from router.errors import TooManySessions
 from router.hooks import Outcome
 from router.indexer.history import SessionBlocks
-from router.limits import Limits, TokenBucket
+from router.limits import METRICS_MAX_BYTES, Limits, TokenBucket
 from router.policy import Thresholds, build_policy, policy_preset
+from router.scraper import Scraper
 from router.sessions import SessionTable
 from router.tasks import run_now
 from router.tenants import ApiKeys
-from router.workers import WorkerId, WorkerInfo
+from router.workers import WorkerId, WorkerInfo, WorkerPool
 from tests.router_harness import (
     FakeWorker,
     LoopThread,
@@ -272,10 +278,6 @@ def test_token_bucket() -> None:
 
 
 def test_limits_from_the_config_file(tmp_path: Path) -> None:
-    from kvstore.cli import build_parser
-    from kvstore.errors import ConfigError
-    from router.commands import config_from_args
-
     path = tmp_path / "router.yaml"
     path.write_text("limits: {max_sessions: 100, max_event_bytes: 65536}\n"
                     "workers: {allow: ['10.0.0.0/8:8000']}\n")
@@ -292,3 +294,27 @@ def test_limits_from_the_config_file(tmp_path: Path) -> None:
     path.write_text("workers: {allow: ['not a host']}\n")
     with pytest.raises(ConfigError, match="allow-list"):
         config_from_args(parse(["router", "serve", "--policy-config", str(path)]))
+
+
+def test_a_giant_metrics_page_is_a_failed_scrape() -> None:
+    """The scraper reads at most `METRICS_MAX_BYTES` of a worker's /metrics: past that the
+    scrape fails (counted as the worker's failure), and its load is not taken from it."""
+    async def scenario(lt_worker: FakeWorker) -> tuple[int, int, int]:
+        await lt_worker.start()
+        pool = WorkerPool()
+        pool.upsert(WorkerInfo(WorkerId("w"), lt_worker.url, ("m",)))
+        state = pool.get(WorkerId("w"))
+        assert state is not None
+        try:
+            async with aiohttp.ClientSession() as http:
+                scraper = Scraper(pool, http)
+                lt_worker.running = 7
+                await scraper._scrape(state)
+                ok = state.load.running
+                lt_worker.running, lt_worker.metrics_padding = 3, METRICS_MAX_BYTES + 1
+                await scraper._scrape(state)
+                return ok, state.load.running, state.consecutive_failures
+        finally:
+            await lt_worker.stop()
+
+    assert asyncio.run(scenario(FakeWorker(MODEL))) == (7, 7, 1)
