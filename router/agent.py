@@ -17,13 +17,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from dataclasses import dataclass, replace
 
 import aiohttp
 
-from router.errors import StateUnavailable
+from router.errors import StateUnavailable, UpstreamTooLarge
 from router.gpu import read_gpu
+from router.limits import MODELS_MAX_BYTES, read_capped
 from router.state.base import StateBackend, WorkerLease
 from router.workers import WorkerId, WorkerInfo
 
@@ -138,9 +140,10 @@ class WorkerAgent:
             try:
                 async with self._http.get(f"{cfg.url}/v1/models", timeout=aiohttp.ClientTimeout(
                         total=cfg.probe_timeout_s)) as resp:
-                    data = await resp.json()
+                    data = json.loads(await read_capped(resp, MODELS_MAX_BYTES, "/v1/models"))
                 models = tuple(str(m["id"]) for m in data.get("data", ()))
-            except (TimeoutError, aiohttp.ClientError, OSError, ValueError, KeyError, TypeError):
+            except (TimeoutError, aiohttp.ClientError, OSError, ValueError, KeyError, TypeError,
+                    AttributeError, UpstreamTooLarge):
                 return None
         info = WorkerInfo(cfg.worker_id, cfg.url.rstrip("/"), models, cfg.kv_events,
                           self._draining)

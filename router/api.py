@@ -16,6 +16,7 @@ from kvstore.errors import InvalidKey
 from kvstore.keys import SessionId, validate_session_id
 from router.decision import RequestFeatures
 from router.errors import BadRequest, InvalidSessionId
+from router.tenants import DEFAULT_TENANT
 
 __all__ = ["Endpoint", "ClientRequest", "parse_request", "SESSION_HEADER", "SESSION_FIELD"]
 
@@ -52,12 +53,18 @@ class ClientRequest:
     logprobs: int | None = None
     """Top log-probabilities asked per token (0: the sampled token's only); None: none asked.
     A resumed stream asks its continuation for the same and rewrites them into this format."""
+    tenant: str = DEFAULT_TENANT
+    cache_salt: str | None = None
+    """The vLLM cache salt the request goes with (the tenant's, with API keys)."""
+    strip_stops: bool = False
+    """The router asked workers to keep stop strings in the text and drops them itself
+    (`router/admission.py`)."""
 
     @property
     def features(self) -> RequestFeatures:
         """What routing needs of this request."""
         return RequestFeatures(self.model, self.session_id, self.prompt_tokens, self.prompt_text,
-                               self.max_tokens)
+                               self.max_tokens, tenant=self.tenant, cache_salt=self.cache_salt)
 
     @property
     def estimated_tokens(self) -> int:

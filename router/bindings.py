@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from kvstore.errors import ConfigError
 from kvstore.keys import SessionId
+from router.tenants import DEFAULT_TENANT
 from router.workers import WorkerId
 
 __all__ = ["Binding", "VersionedBinding"]
@@ -16,7 +17,9 @@ __all__ = ["Binding", "VersionedBinding"]
 class Binding:
     """Where a session lives. `restore_from` is set when it moved (migration, failover) and
     cleared after the first request on the new worker succeeds: until then every request
-    carries a restore hint, so a failed first attempt still restores on the next."""
+    carries a restore hint, so a failed first attempt still restores on the next.
+    `owner` is the tenant whose request created the session: only its requests may use it
+    (a binding written before owners existed is the `default` tenant's)."""
 
     session_id: SessionId
     worker_id: WorkerId
@@ -25,11 +28,12 @@ class Binding:
     restore_from: WorkerId | None = None
     reason: str = "new"
     updated: float = 0.0
+    owner: str = DEFAULT_TENANT
 
     def to_json(self) -> bytes:
         return json.dumps(
             {"s": self.session_id, "w": self.worker_id, "m": self.model, "e": self.epoch,
-             "r": self.restore_from, "why": self.reason, "t": self.updated},
+             "r": self.restore_from, "why": self.reason, "t": self.updated, "o": self.owner},
             separators=(",", ":"),
         ).encode()
 
@@ -39,7 +43,8 @@ class Binding:
             d = json.loads(raw)
             return cls(SessionId(str(d["s"])), WorkerId(str(d["w"])), str(d["m"]), int(d["e"]),
                        None if d.get("r") is None else WorkerId(str(d["r"])),
-                       str(d.get("why", "")), float(d.get("t", 0.0)))
+                       str(d.get("why", "")), float(d.get("t", 0.0)),
+                       str(d.get("o", DEFAULT_TENANT)))
         except (ValueError, KeyError, TypeError) as exc:
             raise ConfigError(f"malformed session binding {raw[:200]!r}") from exc
 

@@ -21,9 +21,11 @@ import socket
 from typing import Any
 
 from kvstore.errors import ConfigError
+from router.allowlist import WorkerAllowList
 from router.config import RouterConfig, parse_static_worker
 from router.policy import POLICIES, Thresholds, parse_weights
-from router.policy_file import load_policy_file, resolve_policy
+from router.policy_file import load_policy_file, resolve_limits, resolve_policy
+from router.tenants import ApiKeys
 from router.workers import WorkerId
 
 __all__ = ["register", "serve_router", "run_worker_agent"]
@@ -68,8 +70,21 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     serve.add_argument("--migrate-cooldown", type=float, default=None, metavar="SECONDS",
                        help="a session bound or moved this recently does not migrate "
                             f"(default {defaults.migrate_cooldown_s})")
+    serve.add_argument("--api-keys", default=None, metavar="FILE",
+                       help="API keys and their tenants, `<key> <tenant>` per line (`*`: an "
+                            "operator); required to listen beyond loopback")
     serve.add_argument("--api-key", action="append", default=[],
-                       help="accepted bearer key (repeatable; also KVKEEP_API_KEYS, comma-sep)")
+                       help="an accepted bearer key of the tenant `default` (repeatable; also "
+                            "KVKEEP_API_KEYS, comma-separated)")
+    serve.add_argument("--allow-workers", action="append", default=[], metavar="ENTRIES",
+                       help="worker addresses registrations may name: addresses, CIDRs, host "
+                            "names or *.suffixes, each with an optional :PORT[-PORT] "
+                            "(comma-separated, repeatable; default and without: loopback "
+                            "only; also workers.allow in the config file)")
+    serve.add_argument("--max-sessions", type=int, default=None,
+                       help="session bindings in all (default 1000000)")
+    serve.add_argument("--max-sessions-per-tenant", type=int, default=None,
+                       help="session bindings per API-key tenant (default: --max-sessions)")
     serve.add_argument("--max-body-bytes", type=int, default=8 << 20)
     serve.add_argument("--session-ttl", type=float, default=3600.0, metavar="SECONDS")
     serve.add_argument("--stream-idle-timeout", type=float, default=30.0, metavar="SECONDS")
@@ -119,22 +134,31 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     host, sep, port = str(args.listen).rpartition(":")
     if not sep or not port.isdigit():
         raise ConfigError(f"--listen must be HOST:PORT, not {args.listen!r}")
-    keys = set(args.api_key)
-    keys.update(k.strip() for k in os.environ.get("KVKEEP_API_KEYS", "").split(",") if k.strip())
+    loose = set(args.api_key)
+    loose.update(k.strip() for k in os.environ.get("KVKEEP_API_KEYS", "").split(",")
+                 if k.strip())
+    keys = ApiKeys.load(args.api_keys) if args.api_keys else None
+    if loose:
+        keys = ApiKeys.of_keys(loose) if keys is None else keys.merged(ApiKeys.of_keys(loose))
     flags = {"kv_new_session": args.kv_threshold, "max_waiting": args.max_waiting,
              "migrate_waiting": args.migrate_waiting, "migrate_imbalance": args.migrate_imbalance,
              "migrate_ratio": args.migrate_ratio, "migrate_cooldown_s": args.migrate_cooldown}
+    file = load_policy_file(args.policy_config) if args.policy_config else None
     policy = resolve_policy(
-        load_policy_file(args.policy_config) if args.policy_config else None,
-        preset=args.policy, weights=parse_weights(args.weights),
+        file, preset=args.policy, weights=parse_weights(args.weights),
         thresholds={k: v for k, v in flags.items() if v is not None})
+    limit_flags = {"max_sessions": args.max_sessions,
+                   "max_sessions_per_tenant": args.max_sessions_per_tenant}
+    limits = resolve_limits(file, {k: v for k, v in limit_flags.items() if v is not None})
+    allow = args.allow_workers or (file.workers_allow if file is not None else None) or ()
     return RouterConfig(
         host=host or "0.0.0.0", port=int(port), etcd_url=args.etcd, etcd_prefix=args.etcd_prefix,
-        policy=policy, api_keys=frozenset(keys), max_body_bytes=args.max_body_bytes,
+        policy=policy, api_keys=keys, max_body_bytes=args.max_body_bytes,
         session_ttl_s=args.session_ttl, stream_idle_timeout_s=args.stream_idle_timeout,
         block_size=args.block_size,
         static_workers=tuple(parse_static_worker(w, i) for i, w in enumerate(args.worker)),
         static_ttl_s=args.static_ttl, replica_id=args.replica_id,
+        workers_allow=WorkerAllowList.parse(allow), limits=limits,
     )
 
 
@@ -157,6 +181,11 @@ async def serve_router(config: RouterConfig) -> None:
     gc.set_threshold(50_000, 20, 20)
     log.info("router %s listening on %s:%d (policy %s, state %s)", config.replica_id,
              config.host, config.port, config.policy.name, service.backend.name)
+    if config.api_keys:
+        log.info("auth: %d API keys of %d tenants (%s)", len(config.api_keys),
+                 len(config.api_keys.tenants()), config.api_keys.source)
+    else:
+        log.warning("auth: OFF, loopback only, one tenant (give --api-keys to serve a network)")
     await _until_signalled()
     await runner.cleanup()
 

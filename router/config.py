@@ -5,7 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvstore.errors import ConfigError
+from router.allowlist import WorkerAllowList, is_loopback
+from router.limits import Limits
 from router.policy import PolicySpec, policy_preset
+from router.tenants import ApiKeys
 from router.workers import WorkerId
 
 __all__ = ["StaticWorker", "RouterConfig", "parse_static_worker"]
@@ -49,6 +52,11 @@ class RouterConfig:
     - `block_size`: tokens per KV block on the workers, for precise prefix keys.
     - `policy`: what decides (`router/policy.py`; from `--policy`, `--policy-config` and the
       flags that override it: `router/policy_file.py`).
+    - `api_keys`: bearer keys and their tenants (`router/tenants.py`); None: no auth, one
+      tenant, and then the router listens on loopback only.
+    - `workers_allow`: the worker addresses registrations must match (`router/allowlist.py`;
+      default loopback only); static workers are allowed as given.
+    - `limits`: sessions, index sizes, KV-event intake, answer sizes (`router/limits.py`).
     """
 
     host: str = "127.0.0.1"
@@ -56,7 +64,7 @@ class RouterConfig:
     etcd_url: str | None = None
     etcd_prefix: str = "/kvkeep"
     policy: PolicySpec = field(default_factory=policy_preset)
-    api_keys: frozenset[str] = frozenset()
+    api_keys: ApiKeys | None = None
     max_body_bytes: int = 8 << 20
     session_ttl_s: float = 3600.0
     scrape_interval_s: float = 0.5
@@ -69,8 +77,14 @@ class RouterConfig:
     static_workers: tuple[StaticWorker, ...] = ()
     static_ttl_s: float = 3.0
     replica_id: str = ""
+    workers_allow: WorkerAllowList = field(default_factory=WorkerAllowList)
+    limits: Limits = field(default_factory=Limits)
 
     def __post_init__(self) -> None:
+        if not self.api_keys and not is_loopback(self.host):
+            raise ConfigError(
+                f"refusing to listen on {self.host}: without --api-keys the router serves "
+                "loopback only (give an API key file to serve a network)")
         if self.max_body_bytes < 1024:
             raise ConfigError("max body must be at least 1 KiB")
         if self.block_size < 1:
@@ -78,3 +92,10 @@ class RouterConfig:
         if self.etcd_url is not None and self.static_workers:
             raise ConfigError("--worker is for the in-process state; with etcd, run "
                               "`kvkeep worker` beside each vLLM server")
+
+    def allow_list(self) -> WorkerAllowList:
+        """The allow-list registrations are checked against: the configured one, plus the
+        static workers exactly as the operator named them."""
+        return self.workers_allow.with_urls(
+            [w.url for w in self.static_workers]
+            + [w.kv_events for w in self.static_workers if w.kv_events])

@@ -14,9 +14,19 @@ in HTTP and etcd (`router/service.py`); a simulator or a test drives one directl
 - workers come and go with `add_worker` / `remove_worker`, their metrics with `set_load`
   (what the scraper sets), their KV events with `apply_kv_events` (what the ZMQ subscriber
   feeds: vLLM's maps or the typed `router.indexer.kv_events`);
-- a request is described by `RequestFeatures` (token ids or text), placed (`place`: decided,
-  its session bound by compare-and-swap, the pick charged), and `finish`ed once its attempt
-  ends (the load released, the session's tokens remembered, a restore hint settled).
+- a request is described by `RequestFeatures` (token ids or text, its tenant and cache
+  salt), placed (`place`: decided, its session bound by compare-and-swap, the pick charged),
+  and `finish`ed once its attempt ends (the load released, the session's tokens remembered, a
+  restore hint settled).
+
+Trust and bounds (`router/limits.py`): a session belongs to the tenant that created it
+(another tenant's request for it is a 404, `SessionNotFound`); new sessions past
+`limits.max_sessions` or `limits.max_sessions_per_tenant` are a 429 (`TooManySessions`); the
+indexes are capped. With `bind_on_accept` (what `kvkeep router serve` runs) a new session's
+binding is written only once a worker has accepted its first request (`accepted`), so
+requests no worker takes create no state; without it (the default, a simulator's) `place`
+binds at once. `allow` (None: any) is the worker allow-list registrations must match
+(`router/allowlist.py`).
 """
 
 from __future__ import annotations
@@ -24,13 +34,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvstore.keys import SessionId
+from router.allowlist import WorkerAllowList
 from router.bindings import VersionedBinding
 from router.decision import Decision, Placement, RequestFeatures, RouteRequest
-from router.errors import StateUnavailable
+from router.errors import SessionNotFound, StateUnavailable, TooManySessions
 from router.failover import Rebinder
 from router.hooks import (
     BindingSettler,
@@ -43,9 +54,10 @@ from router.hooks import (
     SessionTokens,
 )
 from router.indexer.events import KVBlockIndex
-from router.indexer.history import RoutingHistory, SessionBlocks
-from router.indexer.keys import text_prefix_keys, token_block_keys
+from router.indexer.history import RoutingHistory, SessionBlocks, session_scope
+from router.indexer.keys import salt_root, text_prefix_keys, token_block_keys
 from router.indexer.kv_events import KVEvent
+from router.limits import Limits
 from router.metrics import RouterMetrics
 from router.policy import Policy
 from router.registry import Registry
@@ -78,18 +90,27 @@ class RouterCore:
 
     def __init__(self, policy: Policy, *, backend: StateBackend | None = None,
                  block_size: int = 32, session_ttl_s: float = 3600.0,
-                 clock: Callable[[], float] | None = None, defer: Defer | None = None) -> None:
+                 clock: Callable[[], float] | None = None, defer: Defer | None = None,
+                 limits: Limits | None = None, allow: WorkerAllowList | None = None,
+                 bind_on_accept: bool = False) -> None:
         self.clock: Callable[[], float] = clock or time.monotonic
         self.block_size = block_size
+        self.limits = limits = limits or Limits()
+        self.bind_on_accept = bind_on_accept
+        self._pending: dict[SessionId, str] = {}
+        """New sessions placed but not yet accepted by a worker (this replica's): their
+        tenant, counted against the session limits meanwhile."""
+        self._pending_by_tenant: dict[str, int] = {}
         self.defer: Defer = defer if defer is not None else run_now_discarding
         self._own_state: MemoryBackend | None = None
         if backend is None:
             backend = self._own_state = MemoryBackend(clock=self.clock)
         self.backend: StateBackend = backend
         self.pool = WorkerPool(clock=self.clock)
-        self.history = RoutingHistory()
-        self.blocks = KVBlockIndex(block_size)
-        self.session_blocks = SessionBlocks()
+        self.history = RoutingHistory(limits.history_keys)
+        self.blocks = KVBlockIndex(block_size, limits.shared_kv_blocks,
+                                   limits.kv_blocks_per_worker)
+        self.session_blocks = SessionBlocks(max_keys=limits.session_block_keys)
         self.scheduler = Scheduler(self.pool, policy, history=self.history, blocks=self.blocks,
                                    clock=self.clock)
         # Bindings are compared across replicas and restarts: wall time, unless simulated.
@@ -103,8 +124,12 @@ class RouterCore:
         )
         self.rebinder = Rebinder(self.scheduler, self.sessions, self.metrics,
                                  yield_every=None if defer is None else 256)
+        self.blocks.on_over_cap = self.metrics.kv_events_dropped.labels("index-cap").inc
         self.registry = Registry(self.pool, self._worker_gone, history=self.history,
-                                 blocks=self.blocks)
+                                 blocks=self.blocks, allow=allow,
+                                 max_workers=limits.max_workers,
+                                 on_refused=lambda why: self.metrics.registrations_refused
+                                 .labels(why).inc())
         accounting = LoadAccounting(self.pool)
         self.pre_request: list[PreRequest] = [accounting, HistoryRecorder(self.history)]
         """Run on every placement, in order; append your own."""
@@ -169,14 +194,17 @@ class RouterCore:
     def route(self, features: RequestFeatures, exclude: frozenset[WorkerId] = frozenset()
               ) -> RouteRequest:
         """The pipeline's view of a request: its prefix keys computed once."""
+        root = salt_root(features.cache_salt)
         if features.prompt_tokens is not None:
-            block_keys = token_block_keys(features.prompt_tokens, self.block_size)
+            block_keys = token_block_keys(features.prompt_tokens, self.block_size, root)
         elif features.session_id is not None:
-            block_keys = self.session_blocks.get(features.session_id)
+            block_keys = self.session_blocks.get(session_scope(features.tenant,
+                                                               features.session_id))
         else:
             block_keys = ()
-        return RouteRequest(features.model, features.session_id, text_prefix_keys(features.text),
-                            block_keys, features.estimated_tokens, exclude)
+        return RouteRequest(features.model, features.session_id,
+                            text_prefix_keys(features.text, root=root), block_keys,
+                            features.estimated_tokens, exclude, features.tenant, root)
 
     def decide(self, route: RouteRequest, bound: WorkerId | None = None, *,
                migrate: bool = True) -> Decision:
@@ -185,11 +213,16 @@ class RouterCore:
 
     async def place(self, route: RouteRequest) -> Placement:
         """Decide, commit the session binding (CAS; on a lost race, follow the winner), then
-        run the pre-request hooks. Raises `NoHealthyWorker` (503) or `Saturated` (429)."""
+        run the pre-request hooks. Raises `NoHealthyWorker` (503), `Saturated` (429),
+        `TooManySessions` (429) or `SessionNotFound` (404). With `bind_on_accept`, a new
+        session is not bound yet: the placement is `pending` until `accepted`."""
         sid = route.session_id
         current = self.sessions.get(sid) if sid is not None else None
+        if current is not None and current.binding.owner != route.tenant:
+            raise SessionNotFound("no such session", param="session_id")
         decision: Decision | None = None
         lost_race = False
+        pending = False
         cooldown = self.scheduler.policy.thresholds.migrate_cooldown_s
         for _ in range(_MAX_RACES):
             young = current is not None and \
@@ -200,10 +233,16 @@ class RouterCore:
             self.metrics.decision_seconds.observe(time.perf_counter() - started)
             if sid is None or (current is not None and decision.worker == current.worker_id):
                 break
+            if current is None:
+                self._check_session_limits(route.tenant)
+                if self.bind_on_accept:
+                    pending = True
+                    break
             try:
                 won, now = await self.sessions.bind(
                     sid, decision.worker, route.model, expected=current,
-                    reason=decision.reason.value, restore_from=decision.previous)
+                    reason=decision.reason.value, restore_from=decision.previous,
+                    owner=route.tenant)
             except StateUnavailable as exc:
                 # Route anyway: the session stays where this decision put it, unrecorded.
                 log.warning("binding %s not recorded: %s", sid, exc)
@@ -215,11 +254,39 @@ class RouterCore:
                 break
             self.metrics.cas_conflicts.inc()
             current, lost_race = now, True  # another replica bound it first: follow theirs
+            if current is not None and current.binding.owner != route.tenant:
+                raise SessionNotFound("no such session", param="session_id")
         assert decision is not None
         self.metrics.decisions.labels(decision.reason.value).inc()
-        placement = Placement(decision, current, route)
+        placement = Placement(decision, current, route, pending=pending)
+        if pending:
+            assert sid is not None
+            self._hold_pending(sid, route.tenant)
         self.admit(placement)
         return placement
+
+    async def accepted(self, placement: Placement) -> tuple[bool, Placement]:
+        """The worker accepted `placement`'s request (a 2xx): a pending new session is bound
+        now. Returns (kept, placement): kept False when another replica bound the session
+        first, with the placement now naming the winner's binding (a stream not yet relayed
+        should follow it; a finished answer stays, and the next turn goes to the winner)."""
+        if not placement.pending:
+            return True, placement
+        sid = placement.route.session_id
+        assert sid is not None
+        self._release_pending(sid)
+        decision = placement.decision
+        try:
+            won, now = await self.sessions.bind(
+                sid, decision.worker, placement.route.model, expected=None,
+                reason=decision.reason.value, restore_from=decision.previous,
+                owner=placement.route.tenant)
+        except StateUnavailable as exc:
+            log.warning("binding %s not recorded: %s", sid, exc)
+            return True, replace(placement, pending=False)
+        if not won:
+            self.metrics.cas_conflicts.inc()
+        return won, replace(placement, binding=now, pending=False)
 
     def place_now(self, route: RouteRequest) -> Placement:
         """`place`, synchronously: for a backend whose calls never wait (the in-memory one)."""
@@ -232,9 +299,41 @@ class RouterCore:
 
     def finish(self, placement: Placement, outcome: Outcome) -> None:
         """The post-response hooks: call exactly once per placement, when its attempt ends."""
+        if placement.pending and placement.route.session_id is not None:
+            self._release_pending(placement.route.session_id)
         for hook in self.post_response:
             hook.post_response(placement, outcome)
 
     # --- private ---------------------------------------------------------------------------
+    def _check_session_limits(self, tenant: str) -> None:
+        limits = self.limits
+        total = len(self.sessions) + len(self._pending)
+        if total >= limits.max_sessions:
+            self.metrics.sessions_refused.labels("total").inc()
+            raise TooManySessions(
+                f"the router holds {total} sessions, its limit (max_sessions "
+                f"{limits.max_sessions}): reuse a session or retry once idle ones expire")
+        owned = self.sessions.owned_by(tenant) + self._pending_by_tenant.get(tenant, 0)
+        if owned >= limits.sessions_per_tenant:
+            self.metrics.sessions_refused.labels("tenant").inc()
+            raise TooManySessions(
+                f"tenant {tenant!r} holds {owned} sessions, its limit (max_sessions_per_tenant "
+                f"{limits.sessions_per_tenant}): reuse a session or retry once idle ones "
+                "expire")
+
+    def _hold_pending(self, sid: SessionId, tenant: str) -> None:
+        if sid not in self._pending:
+            self._pending[sid] = tenant
+            self._pending_by_tenant[tenant] = self._pending_by_tenant.get(tenant, 0) + 1
+
+    def _release_pending(self, sid: SessionId) -> None:
+        tenant = self._pending.pop(sid, None)
+        if tenant is not None:
+            left = self._pending_by_tenant[tenant] - 1
+            if left:
+                self._pending_by_tenant[tenant] = left
+            else:
+                del self._pending_by_tenant[tenant]
+
     def _worker_gone(self, worker: WorkerId) -> None:
         self.defer(self.rebinder.rebind(worker))

@@ -14,6 +14,7 @@ from enum import StrEnum
 
 from kvstore.keys import SessionId
 from router.bindings import VersionedBinding
+from router.tenants import DEFAULT_TENANT
 from router.workers import WorkerId
 
 __all__ = ["RouteReason", "RequestFeatures", "RouteRequest", "Decision", "Placement",
@@ -46,6 +47,10 @@ class RequestFeatures:
     the approximate prefix score works on text, unless the session's earlier turns returned
     their token ids). The HTTP front builds one from each parsed request; a simulator builds
     them directly.
+
+    `tenant` owns the session (another tenant's request for it is refused) and `cache_salt`
+    roots its prefix keys: vLLM keys its cache by the salt, so the router's indexes do too,
+    and one tenant's cached prefix never steers (or shows in) another's routing.
     """
 
     model: str
@@ -53,6 +58,8 @@ class RequestFeatures:
     prompt_tokens: tuple[int, ...] | None = None
     prompt_text: str | None = None
     max_tokens: int | None = None
+    tenant: str = DEFAULT_TENANT
+    cache_salt: str | None = None
 
     @property
     def text(self) -> str:
@@ -86,6 +93,10 @@ class RouteRequest:
     block_keys: tuple[int, ...] = ()
     tokens: int = 0
     exclude: frozenset[WorkerId] = frozenset()
+    tenant: str = DEFAULT_TENANT
+    key_root: int = 0
+    """The root both key chains start from (`router.indexer.keys.salt_root` of the cache
+    salt): a session's next-turn keys are chained from it too."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +123,9 @@ class Placement:
     decision: Decision
     binding: VersionedBinding | None
     route: RouteRequest
+    pending: bool = False
+    """A new session whose binding is written once the worker accepts the request
+    (`RouterCore.accepted`), not before: a request that no worker takes creates nothing."""
 
     @property
     def worker(self) -> WorkerId:

@@ -12,6 +12,15 @@ Why a fresh decision rather than the picker's runner-up: sending and deciding sh
 here, so re-deciding costs microseconds against a failed network round trip, and it sees what
 changed meanwhile (the failure just recorded, load charged by concurrent requests, a worker
 that left). With nothing changed it picks the runner-up.
+
+A new session's binding is written once a worker accepts its first request (a 2xx), not at
+placement (`RouterCore.accepted`): a request that no worker takes leaves nothing in etcd. If
+another replica bound the session meanwhile, a stream (nothing relayed yet) is closed and sent
+to the winner's worker instead, so replicas never split a session; a finished unary answer is
+kept, and the session's next turn goes to the winner.
+
+What a worker sends back is bounded (`router/limits.py`): a non-streaming answer or error
+body over `max_response_bytes` is that worker's failure (tried elsewhere), never read whole.
 """
 
 from __future__ import annotations
@@ -27,8 +36,9 @@ import aiohttp
 from router.api import ClientRequest
 from router.core import RouterCore
 from router.decision import Placement
-from router.errors import UpstreamError
+from router.errors import UpstreamError, UpstreamTooLarge
 from router.hooks import FAILED, Outcome
+from router.limits import Limits, read_capped
 from router.upstream import RETRYABLE_STATUS, UPSTREAM_ERRORS, upstream_body
 from router.workers import WorkerId
 
@@ -38,6 +48,7 @@ _JSON = {"Content-Type": "application/json"}
 _DUMPS = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
 _KEEP_ALIVE_WAIT_S = 1.0
 _KEEP_ALIVE_MAX_BYTES = 4096
+_MAX_RACES = 2
 
 BodyFor = Callable[[Placement], tuple[str, dict[str, Any]]]
 """The path and JSON body to send for a placement (the original request, or a continuation)."""
@@ -61,13 +72,14 @@ class Attempt:
 
 
 class Dispatcher:
-    __slots__ = ("core", "http", "max_attempts", "stream_timeout", "unary_timeout")
+    __slots__ = ("core", "http", "limits", "max_attempts", "stream_timeout", "unary_timeout")
 
     def __init__(self, core: RouterCore, http: aiohttp.ClientSession, *, max_attempts: int,
                  stream_timeout: aiohttp.ClientTimeout,
-                 unary_timeout: aiohttp.ClientTimeout) -> None:
+                 unary_timeout: aiohttp.ClientTimeout, limits: Limits | None = None) -> None:
         self.core = core
         self.http = http
+        self.limits = limits or core.limits
         self.max_attempts = max_attempts
         self.stream_timeout = stream_timeout
         self.unary_timeout = unary_timeout
@@ -84,7 +96,10 @@ class Dispatcher:
         build = body_for or (lambda p: (creq.endpoint.value, upstream_body(creq, p)))
         route = self.core.route(creq.features)
         last = "no attempt"
-        for attempt_no in range(self.max_attempts):
+        races = 0
+        attempt_no = 0
+        while attempt_no < self.max_attempts:
+            attempt_no += 1
             attempt = Attempt(await self.core.place(replace(route, exclude=frozenset(tried))))
             worker = self.core.pool.get(attempt.worker)
             if worker is None:  # it left between the decision and now
@@ -101,10 +116,13 @@ class Dispatcher:
                     attempt.resp = resp
                 else:
                     try:
-                        attempt.data = await resp.read()
+                        attempt.data = await read_capped(resp, self.limits.max_response_bytes,
+                                                         f"the answer of {attempt.worker}")
                     finally:
                         resp.release()
-            except UPSTREAM_ERRORS as exc:
+            except (*UPSTREAM_ERRORS, UpstreamTooLarge) as exc:
+                if isinstance(exc, UpstreamTooLarge):
+                    self.core.metrics.upstream_oversize.labels("body").inc()
                 last = f"{attempt.worker}: {type(exc).__name__}: {exc}"
                 self.failed(attempt, tried, hard=True)
                 continue
@@ -113,12 +131,25 @@ class Dispatcher:
                 raise
             if attempt.status in RETRYABLE_STATUS:
                 last = f"{attempt.worker}: HTTP {attempt.status}"
-                if attempt_no + 1 < self.max_attempts:
+                if attempt_no < self.max_attempts:
                     self.failed(attempt, tried, hard=False)
                     continue
                 self._count_failure(attempt.worker, hard=False)  # the last: passed on as is
             else:
                 self.core.pool.record_success(attempt.worker)
+            if 200 <= attempt.status < 300 and attempt.placement.pending:
+                try:
+                    kept, attempt.placement = await self.core.accepted(attempt.placement)
+                except BaseException:
+                    self.close(attempt)
+                    raise
+                if not kept and attempt.resp is not None and races < _MAX_RACES:
+                    # Another replica bound the session first: nothing has reached the
+                    # client, so the stream goes where the session lives (not a failure).
+                    races += 1
+                    attempt_no -= 1
+                    self.close(attempt)
+                    continue
             return attempt
         raise UpstreamError(f"no worker could serve the request ({last})")
 

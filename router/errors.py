@@ -18,12 +18,16 @@ __all__ = [
     "InvalidSessionId",
     "PayloadTooLarge",
     "Unauthorized",
+    "Forbidden",
     "NotFound",
     "ModelNotFound",
+    "SessionNotFound",
     "MethodNotAllowed",
     "Saturated",
+    "TooManySessions",
     "NoHealthyWorker",
     "UpstreamError",
+    "UpstreamTooLarge",
     "StateUnavailable",
 ]
 
@@ -76,6 +80,13 @@ class Unauthorized(RouterError):
     error_type = "authentication_error"
 
 
+class Forbidden(RouterError):
+    """A valid key that may not do this (an operator endpoint asked with a tenant's key)."""
+
+    status = 403
+    error_type = "permission_error"
+
+
 class NotFound(RouterError):
     status = 404
     error_type = "not_found_error"
@@ -83,6 +94,10 @@ class NotFound(RouterError):
 
 class ModelNotFound(NotFound):
     """No registered worker serves the requested model."""
+
+
+class SessionNotFound(NotFound):
+    """The session id belongs to another tenant: to this one it does not exist."""
 
 
 class MethodNotAllowed(RouterError):
@@ -104,6 +119,14 @@ class Saturated(RouterError):
         return {"Retry-After": str(self.retry_after_s)}
 
 
+class TooManySessions(Saturated):
+    """A new session would pass the tenant's or the router's session limit. Retrying soon
+    rarely helps: sessions end by expiring (the session TTL) or by being reused."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, retry_after_s=30)
+
+
 class NoHealthyWorker(RouterError):
     """No live worker serves the model (all dead, draining or failing)."""
 
@@ -119,6 +142,11 @@ class UpstreamError(RouterError):
 
     status = 502
     error_type = "upstream_error"
+
+
+class UpstreamTooLarge(UpstreamError):
+    """A worker sent more than the router takes (a body, one SSE event, a stream's tokens):
+    that worker has failed the request (`router/limits.py`)."""
 
 
 class StateUnavailable(RouterError):

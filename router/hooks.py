@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from router.decision import Placement
-from router.indexer.history import RoutingHistory, SessionBlocks
+from router.indexer.history import RoutingHistory, SessionBlocks, session_scope
 from router.indexer.keys import token_block_keys
 from router.sessions import SessionTable
 from router.workers import WorkerPool
@@ -90,7 +90,9 @@ class SessionTokens:
         if not outcome.ok or sid is None or not outcome.prompt_tokens:
             return
         tokens = list(outcome.prompt_tokens) + list(outcome.output_tokens or ())
-        self.blocks.put(sid, token_block_keys(tokens, self.block_size))
+        route = placement.route
+        self.blocks.put(session_scope(route.tenant, sid),
+                        token_block_keys(tokens, self.block_size, route.key_root))
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,13 +19,17 @@ class RouterMetrics:
         "cas_conflicts",
         "decision_seconds",
         "decisions",
+        "kv_events_dropped",
         "rebinds",
+        "registrations_refused",
         "registry",
         "request_seconds",
         "requests",
         "resumptions",
         "sessions",
+        "sessions_refused",
         "upstream_failures",
+        "upstream_oversize",
         "workers",
     )
 
@@ -56,6 +60,23 @@ class RouterMetrics:
         self.cas_conflicts = Counter("kvkeep_router_binding_conflicts",
                                      "Session binding writes lost to another replica",
                                      registry=r)
+        self.registrations_refused = Counter(
+            "kvkeep_router_worker_registrations_refused",
+            "Worker registrations ignored (url: not in the allow-list; events: KV-event "
+            "endpoint not allowed, not subscribed; capacity: over the worker limit)",
+            ["reason"], registry=r)
+        self.kv_events_dropped = Counter(
+            "kvkeep_router_kv_events_dropped",
+            "KV events dropped, in blocks (bytes: a message over a worker's byte budget, "
+            "counted 1; rate: over its block budget; index-cap: over its index entries)",
+            ["reason"], registry=r)
+        self.sessions_refused = Counter(
+            "kvkeep_router_sessions_refused",
+            "New sessions refused at a limit (tenant, total)", ["limit"], registry=r)
+        self.upstream_oversize = Counter(
+            "kvkeep_router_upstream_oversize",
+            "Worker answers over a size limit (body, event, tokens): failed as the worker's",
+            ["what"], registry=r)
         self.workers = Gauge("kvkeep_router_workers", "Workers known and usable", ["state"],
                              registry=r)
         self.workers.labels("registered").set_function(workers)

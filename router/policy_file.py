@@ -1,4 +1,6 @@
 """The routing policy as a config file (YAML or JSON), and the command line's overrides of it.
+The same file holds the router's trust and bounds settings: `workers.allow` (the worker
+allow-list, `router/allowlist.py`) and `limits` (`router/limits.py`).
 
 Like llm-d's EndpointPickerConfig, the file names the parts: soft filters, scorers with their
 weights and parameters, the picker, the session rules and every threshold. Each section is
@@ -13,6 +15,8 @@ key: `deploy/router/policy.yaml`.
       - {name: load-aware, weight: 1, parameters: {cap: 128}}
     picker: max-score
     thresholds: {kv_new_session: 0.85, queue_new_session: 32, gpu_max_temp_c: 85}
+    workers: {allow: ["10.0.0.0/8:8000", "*.vllm.svc.cluster.local"]}
+    limits: {max_sessions: 1000000, max_sessions_per_tenant: 10000}
 
 Precedence: preset < file < flags (`--policy` changes the preset under the file,
 `--weights` and the threshold flags win over it). Bad input is a `ConfigError` naming the file
@@ -32,18 +36,26 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from kvstore.errors import ConfigError
+from router.allowlist import WorkerAllowList
+from router.limits import Limits
 from router.policy import PolicySpec, ScorerSpec, Thresholds, policy_preset
 
-__all__ = ["PolicyFile", "load_policy_file", "resolve_policy"]
+__all__ = ["PolicyFile", "load_policy_file", "resolve_policy", "resolve_limits"]
+
+
+def _optional_fields(name: str, cls: type) -> Any:
+    """A struct of `cls`'s own fields and types, each optional: one list of names."""
+    return msgspec.defstruct(
+        name, [(field, kind | None, None) for field, kind in typing.get_type_hints(cls).items()],
+        forbid_unknown_fields=True, frozen=True, kw_only=True)
+
 
 if TYPE_CHECKING:
     _Thresholds = msgspec.Struct
+    _Limits = msgspec.Struct
 else:
-    # Thresholds' own fields and types, each optional: one list of names, in `Thresholds`.
-    _Thresholds = msgspec.defstruct(
-        "_Thresholds", [(name, kind | None, None)
-                        for name, kind in typing.get_type_hints(Thresholds).items()],
-        forbid_unknown_fields=True, frozen=True, kw_only=True)
+    _Thresholds = _optional_fields("_Thresholds", Thresholds)
+    _Limits = _optional_fields("_Limits", Limits)
 
 
 class _Scorer(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -57,6 +69,10 @@ class _Sessions(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     migrate: bool | None = None
 
 
+class _Workers(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    allow: list[str] | None = None
+
+
 class _File(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     policy: str | None = None
     sessions: _Sessions = _Sessions()
@@ -64,6 +80,8 @@ class _File(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     scorers: list[_Scorer] | None = None
     picker: str | None = None
     thresholds: _Thresholds | None = None
+    workers: _Workers = _Workers()
+    limits: _Limits | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +96,8 @@ class PolicyFile:
     sticky: bool | None = None
     migrate: bool | None = None
     thresholds: Mapping[str, int | float] = dataclasses.field(default_factory=dict)
+    workers_allow: tuple[str, ...] | None = None
+    limits: Mapping[str, int | float] = dataclasses.field(default_factory=dict)
 
     def resolve(self, preset: str | None = None) -> PolicySpec:
         """The file over `preset` (default: the file's own `policy:`, else `kvkeep`)."""
@@ -105,10 +125,16 @@ def load_policy_file(path: str | Path) -> PolicyFile:
         raise ConfigError(f"policy config {source}: {exc}") from exc
     scorers = None if given.scorers is None else tuple(
         ScorerSpec(s.name, s.weight, tuple(s.parameters.items())) for s in given.scorers)
+    allow = given.workers.allow
     spec = PolicyFile(source, given.policy, None if given.filters is None
                       else tuple(given.filters), scorers, given.picker, given.sessions.sticky,
-                      given.sessions.migrate, _given(given.thresholds))
+                      given.sessions.migrate, _given(given.thresholds),
+                      None if allow is None else tuple(allow), _given(given.limits))
     spec.resolve()  # every name and value checked now, not at the first request
+    with _context(source):
+        if allow is not None:
+            WorkerAllowList.parse(allow)
+        resolve_limits(spec)
     return spec
 
 
@@ -124,6 +150,16 @@ def resolve_policy(file: PolicyFile | None = None, *, preset: str | None = None,
         with _context("command line"):
             spec = replace(spec, thresholds=_thresholds(spec.thresholds, thresholds))
     return spec
+
+
+def resolve_limits(file: PolicyFile | None = None,
+                   flags: Mapping[str, int | float] | None = None) -> Limits:
+    """The limits a router runs with: the defaults < `file`'s `limits:` < `flags`."""
+    values: dict[str, Any] = {**(file.limits if file is not None else {}), **(flags or {})}
+    try:
+        return Limits(**values)
+    except ConfigError as exc:
+        raise ConfigError(f"limits.{exc}") from exc
 
 
 def _given(thresholds: msgspec.Struct | None) -> dict[str, int | float]:

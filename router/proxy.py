@@ -17,12 +17,17 @@ prefix-cache hits and tokens the connector loaded both count as cached) and
 `X-KVKeep-Restored-Tokens` / `X-KVKeep-Checkpointed-Tokens` (when its connector reports
 them). A stream's later events (resumption) are told in SSE comments, which OpenAI clients
 ignore.
+
+With API keys (`router/tenants.py`) every `/v1/` and `/kvkeep/` request needs a key, which
+names its tenant: the request is admitted for that tenant (`router/admission.py`: its cache
+salt, the `kv_transfer_params` a client may set), it may use only its own sessions (another
+tenant's is a 404, on generation as on `/kvkeep/sessions/{id}`), and `/kvkeep/workers`
+(worker addresses and load) is an operator's (`*` key) only.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import time
@@ -32,10 +37,12 @@ from typing import Any
 from aiohttp import web
 
 from kvstore.keys import SessionId
+from router.admission import admit
 from router.api import SESSION_HEADER, ClientRequest, Endpoint, parse_request
 from router.decision import Placement
 from router.dispatch import Attempt
 from router.errors import (
+    Forbidden,
     MethodNotAllowed,
     ModelNotFound,
     NotFound,
@@ -47,6 +54,7 @@ from router.hooks import FAILED, Outcome
 from router.metrics import CONTENT_TYPE_LATEST
 from router.service import RouterService
 from router.streaming.continuation import relay_stream
+from router.tenants import DEFAULT_TENANT, OPERATOR
 from router.upstream import absorb_unary
 from router.workers import WorkerId
 
@@ -55,6 +63,7 @@ __all__ = ["Proxy", "build_app"]
 log = logging.getLogger(__name__)
 
 _DUMPS = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
+_TENANT = web.RequestKey("kvkeep.tenant", str)
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -112,12 +121,15 @@ class Proxy:
     @web.middleware
     async def _auth(self, request: web.Request, handler: _Handler) -> web.StreamResponse:
         keys = self.service.config.api_keys
+        tenant = DEFAULT_TENANT
         if keys and request.path.startswith(("/v1/", "/kvkeep/")):
             given = request.headers.get("Authorization", "")
-            token = given[7:] if given.startswith("Bearer ") else ""
-            # Constant-time comparison against every key: no timing hint of a near miss.
-            if not any(hmac.compare_digest(token.encode(), k.encode()) for k in keys):
+            scheme, _, token = given.strip().partition(" ")
+            found = keys.tenant_of(token.strip()) if scheme.lower() == "bearer" else None
+            if found is None:
                 raise Unauthorized("invalid or missing API key")
+            tenant = found
+        request[_TENANT] = tenant
         return await handler(request)
 
     # --- simple endpoints ------------------------------------------------------------------
@@ -141,6 +153,8 @@ class Proxy:
         return web.json_response({"object": "list", "data": data})
 
     async def workers(self, request: web.Request) -> web.Response:
+        if self.service.config.api_keys and request[_TENANT] != OPERATOR:
+            raise Forbidden("the worker list is for operator keys")
         core = self.service.core
         return web.json_response([{
             "id": w.worker_id, "url": w.info.url, "models": list(w.info.models),
@@ -151,13 +165,14 @@ class Proxy:
 
     async def session(self, request: web.Request) -> web.Response:
         vb = self.service.core.session(SessionId(request.match_info["session_id"]))
-        if vb is None:
+        tenant = request[_TENANT]
+        if vb is None or tenant not in (OPERATOR, vb.binding.owner):
             raise NotFound("no such session")
         b = vb.binding
         return web.json_response({"session_id": b.session_id, "worker": b.worker_id,
                                   "model": b.model, "epoch": b.epoch,
                                   "restore_from": b.restore_from, "reason": b.reason,
-                                  "revision": vb.revision})
+                                  "owner": b.owner, "revision": vb.revision})
 
     # --- generation ------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -171,7 +186,8 @@ class Proxy:
         if request.content_length is not None and request.content_length > limit:
             raise PayloadTooLarge(f"request body exceeds {limit} bytes")
         raw = await request.read()
-        creq = parse_request(endpoint, raw, request.headers.get(SESSION_HEADER))
+        creq = admit(parse_request(endpoint, raw, request.headers.get(SESSION_HEADER)),
+                     request[_TENANT], salted=bool(self.service.config.api_keys))
         if creq.model not in self.service.core.models():
             raise ModelNotFound(f"The model `{creq.model}` does not exist.", param="model")
         started = time.perf_counter()

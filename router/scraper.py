@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from router.errors import UpstreamTooLarge
+from router.limits import METRICS_MAX_BYTES, read_capped
 from router.workers import WorkerLoad, WorkerPool, WorkerState
 
 __all__ = ["parse_vllm_metrics", "Scraper"]
@@ -76,12 +78,13 @@ class Scraper:
                                      ) as resp:
                 if resp.status != 200:
                     raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
-                text = await resp.text()
+                raw = await read_capped(resp, METRICS_MAX_BYTES, f"{url}")
+            text = raw.decode("utf-8", "replace")
         except TimeoutError:
             # Slow is not dead: a worker busy with a big batch can answer /metrics late. Its
             # lease and the proxy's own connection failures decide death; keep the old load.
             return
-        except (aiohttp.ClientError, OSError) as exc:
+        except (aiohttp.ClientError, OSError, UpstreamTooLarge) as exc:
             if self.pool.record_failure(state.worker_id):
                 log.info("worker %s unreachable (%s); suspect", state.worker_id, exc)
             return

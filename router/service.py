@@ -39,9 +39,11 @@ class RouterService:
             EtcdBackend(config.etcd_url, config.etcd_prefix) if config.etcd_url
             else MemoryBackend())
         self.background = BackgroundTasks()
+        self.allow = config.allow_list()
         self.core = RouterCore(config.policy.build(), backend=self.backend,
                                block_size=config.block_size, session_ttl_s=config.session_ttl_s,
-                               defer=self.background)
+                               defer=self.background, limits=config.limits, allow=self.allow,
+                               bind_on_accept=True)
         self.subscriber: KVEventSubscriber | None = None
         self.http: aiohttp.ClientSession | None = None
         self._dispatcher: Dispatcher | None = None
@@ -63,6 +65,11 @@ class RouterService:
         if not self.backend.shared:
             log.warning("no --etcd: in-process state, one router replica only (sessions and "
                         "workers are not shared and do not survive a restart)")
+        if self.allow.configured:
+            log.info("workers: allow-list %s", self.allow.describe())
+        else:
+            log.warning("workers: no allow-list, loopback workers only (give --allow-workers "
+                        "or workers.allow in the config file to route to a network)")
         await self.backend.start()
         # Workers' cookies are not kept: one jar shared by every client would replay one
         # client's cookies for all (and filtering it costs every request).
@@ -73,12 +80,15 @@ class RouterService:
         # A stream may run for as long as it keeps producing; only silence breaks it. A unary
         # request is silent until its whole answer is ready, so it gets a total bound instead.
         self._dispatcher = Dispatcher(
-            self.core, self.http, max_attempts=cfg.max_attempts,
+            self.core, self.http, max_attempts=cfg.max_attempts, limits=cfg.limits,
             stream_timeout=aiohttp.ClientTimeout(
                 total=None, connect=cfg.connect_timeout_s, sock_read=cfg.stream_idle_timeout_s),
             unary_timeout=aiohttp.ClientTimeout(
                 total=cfg.request_timeout_s, connect=cfg.connect_timeout_s))
-        self.subscriber = KVEventSubscriber(self.core.blocks)
+        dropped = self.metrics.kv_events_dropped
+        self.subscriber = KVEventSubscriber(
+            self.core.blocks, cfg.limits,
+            on_drop=lambda reason, n: dropped.labels(reason).inc(n))
         self.core.registry.feeds = self.subscriber
         self._spawn(self.backend.follow_workers(self.core.registry), "follow-workers")
         self._spawn(self.backend.follow_bindings(self.core.sessions), "follow-bindings")

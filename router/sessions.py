@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 from kvstore.keys import SessionId
 from router.bindings import Binding, VersionedBinding
 from router.state.base import StateBackend
+from router.tenants import DEFAULT_TENANT
 from router.workers import WorkerId
 
 __all__ = ["Binding", "VersionedBinding", "SessionTable"]
@@ -41,9 +42,14 @@ class SessionTable:
     conflicts: int = 0
     _cache: dict[SessionId, VersionedBinding] = field(default_factory=dict)
     _by_worker: dict[WorkerId, set[SessionId]] = field(default_factory=dict)
+    _by_owner: dict[str, int] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self._cache)
+
+    def owned_by(self, tenant: str) -> int:
+        """Bindings of `tenant`'s sessions (every replica's, as the watch shows them)."""
+        return self._by_owner.get(tenant, 0)
 
     def get(self, session_id: SessionId) -> VersionedBinding | None:
         return self._cache.get(session_id)
@@ -59,15 +65,19 @@ class SessionTable:
 
     async def bind(self, session_id: SessionId, worker: WorkerId, model: str, *,
                    expected: VersionedBinding | None, reason: str,
-                   restore_from: WorkerId | None) -> tuple[bool, VersionedBinding | None]:
+                   restore_from: WorkerId | None, owner: str = DEFAULT_TENANT
+                   ) -> tuple[bool, VersionedBinding | None]:
         """CAS the session onto `worker`. Returns (won, binding now in force).
 
-        `expected` is what the decision was based on (None: the session must be new). On a lost
-        race the winner's binding comes back and the caller routes there instead.
+        `expected` is what the decision was based on (None: the session must be new, and
+        `owner` creates it; a moved session keeps its owner). On a lost race the winner's
+        binding comes back and the caller routes there instead.
         """
         epoch = expected.binding.epoch + 1 if expected is not None else 0
+        if expected is not None:
+            owner = expected.binding.owner
         binding = Binding(session_id, worker, model, epoch, restore_from, reason,
-                          self._now())
+                          self._now(), owner)
         won, current = await self.backend.cas_binding(
             binding, expected.revision if expected is not None else None, self.ttl_s)
         if not won:
@@ -96,6 +106,7 @@ class SessionTable:
     def reset(self, bindings: Iterable[VersionedBinding]) -> None:
         self._cache.clear()
         self._by_worker.clear()
+        self._by_owner.clear()
         for vb in bindings:
             self._store(vb.binding.session_id, vb)
 
@@ -121,8 +132,16 @@ class SessionTable:
                 peers.discard(session_id)
                 if not peers:
                     del self._by_worker[old.worker_id]
+            owner = old.binding.owner
+            left = self._by_owner.get(owner, 0) - 1
+            if left > 0:
+                self._by_owner[owner] = left
+            else:
+                self._by_owner.pop(owner, None)
         if vb is None:
             self._cache.pop(session_id, None)
             return
         self._cache[session_id] = vb
         self._by_worker.setdefault(vb.worker_id, set()).add(session_id)
+        owner = vb.binding.owner
+        self._by_owner[owner] = self._by_owner.get(owner, 0) + 1

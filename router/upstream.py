@@ -12,6 +12,7 @@ import aiohttp
 
 from router.api import ClientRequest
 from router.decision import Placement
+from router.kv_params import client_kv_params
 from router.workers import WorkerId
 
 __all__ = ["UPSTREAM_ERRORS", "RETRYABLE_STATUS", "kv_transfer_params", "upstream_body",
@@ -30,11 +31,10 @@ def kv_transfer_params(creq: ClientRequest, placement: Placement, *,
     `{"session_id", "restore": "auto", "session_epoch"}`, plus, when the session's KV is
     elsewhere (migrated, failed over, resumed), `"restore_reason"` and `"previous_worker"`:
     the restore hint. "auto" lets the connector restore whatever prefix the store holds, so it
-    is right for sticky requests too (it loads only what the local cache misses). A client's
-    own fields, `restore` included, are kept.
+    is right for sticky requests too (it loads only what the local cache misses). Of a
+    client's own fields only those it may set are kept (`router/admission.py`: `restore`).
     """
-    given = creq.body.get("kv_transfer_params")
-    params: dict[str, Any] = dict(given) if isinstance(given, dict) else {}
+    params = client_kv_params(creq.body.get("kv_transfer_params"))
     restore_from = resumed_from or placement.restore_from
     if creq.session_id is not None:
         params["session_id"] = creq.session_id

@@ -3,8 +3,12 @@
 The fake worker is a deterministic "model": each next token is a function of the whole context
 (prompt + generated), so a continuation from any split point produces exactly what an unbroken
 run would, like greedy decoding on a real model. It honours `return_token_ids`, token-id
-prompts, `max_tokens`, `stream_options.include_usage`, and can be told to break a stream after
-N chunks (closing the socket mid-response), answer with a status, or be down.
+prompts, `max_tokens`, `stream_options.include_usage`, `stop` strings as vLLM does (streaming
+holds back `max(len(stop)) - 1` characters unless `include_stop_str_in_output`; the stop that
+completes first ends the answer, `stop_reason` names it; `min_tokens`), and can be told to
+break a stream after N chunks (closing the socket mid-response), answer with a status, be
+down, leave out token ids, keep a prefix cache per `cache_salt` (reported as cached tokens), or
+misbehave as a hostile worker (an endless SSE line, an endless unary body, too many tokens).
 """
 
 from __future__ import annotations
@@ -56,6 +60,46 @@ def fake_generate(prompt: list[int], n: int) -> list[int]:
 
 def _text(tokens: list[int]) -> str:
     return "".join(f" w{t}" for t in tokens)
+
+
+def check_stop(output: str, new_chars: int, stops: list[str], include: bool
+               ) -> tuple[str, int] | None:
+    """vLLM's `check_stop_strings`: (stop string, length to truncate the text to) of the stop
+    that completes first within the last `new_chars` characters (ties: list order)."""
+    best: tuple[str, int] | None = None
+    best_end = 1 << 62
+    for stop in stops:
+        start = output.find(stop, max(0, len(output) - new_chars - len(stop) + 1))
+        if start != -1 and start + len(stop) < best_end:
+            best, best_end = (stop, start), start + len(stop)
+    if best is None:
+        return None
+    return best[0], best_end if include else best[1]
+
+
+def stopped_stream(tokens: list[int], stops: list[str], *, include: bool = False,
+                   min_tokens: int = 0) -> list[tuple[int, str, str | None, str | None]]:
+    """What vLLM streams for `tokens` with `stops`: per token (id, text delta, finish reason,
+    stop reason), the last text held back while it could start a stop string."""
+    hold = 0 if include or not stops else max(len(s) for s in stops) - 1
+    out, sent = "", 0
+    steps: list[tuple[int, str, str | None, str | None]] = []
+    for i, tok in enumerate(tokens):
+        before = len(out)
+        out += _text([tok])
+        found = check_stop(out, len(out) - before, stops, include) \
+            if stops and i + 1 > min_tokens else None
+        if found is not None:
+            out = out[:found[1]]
+        last = found is not None or i == len(tokens) - 1
+        upto = len(out) if last else len(out) - hold
+        delta = out[sent:upto] if upto > sent else ""
+        sent = max(sent, upto)
+        finish = ("stop" if found is not None else "length") if last else None
+        steps.append((tok, delta, finish, found[0] if found is not None else None))
+        if found is not None:
+            break
+    return steps
 
 
 def fake_logprob(token: int) -> float:
@@ -130,14 +174,23 @@ class FakeWorker:
     cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens of a non-stream answer
     returned_params: dict[str, Any] | None = None  # kv_transfer_params a connector would return
     healthy: bool = True
+    omit_prompt_ids: bool = False  # a worker that ignores return_token_ids for the prompt
+    omit_token_ids: bool = False  # ... and for the generated tokens
+    prefix_cache: bool = False  # report cached tokens from a prefix cache keyed by cache_salt
+    endless_line: bool = False  # hostile: a stream's second event is one line that never ends
+    endless_body: bool = False  # hostile: a non-streaming answer that never ends
+    extra_tokens: int = 0  # hostile: stream this many tokens past max_tokens
+    metrics_padding: int = 0  # hostile: this many bytes of comments in /metrics
     requests: list[dict[str, Any]] = field(default_factory=list)
     peers: list[Any] = field(default_factory=list)  # the client address of each request
     port: int = 0
+    host: str = "127.0.0.1"
     _runner: web.AppRunner | None = None
+    _cache: set[tuple[str | None, tuple[int, ...]]] = field(default_factory=set)
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     async def start(self) -> None:
         app = web.Application()
@@ -149,7 +202,7 @@ class FakeWorker:
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         self.port = self.port or free_port()
-        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+        await web.TCPSite(self._runner, self.host, self.port).start()
 
     async def stop(self) -> None:
         if self._runner is not None:
@@ -164,7 +217,7 @@ class FakeWorker:
 
     async def _metrics(self, request: web.Request) -> web.Response:
         labels = f'{{engine="0",model_name="{self.model}"}}'
-        return web.Response(text=(
+        return web.Response(text="#" * self.metrics_padding + "\n" + (
             f"vllm:num_requests_running{labels} {self.running}\n"
             f"vllm:num_requests_waiting{labels} {self.waiting}\n"
             f"vllm:kv_cache_usage_perc{labels} {self.kv_usage}\n"))
@@ -202,28 +255,50 @@ class FakeWorker:
             p = body["prompt"]
             prompt = list(p) if isinstance(p, list) else fake_tokenize(p)
         n = body.get("max_tokens") or body.get("max_completion_tokens") or 16
-        tokens = fake_generate(prompt, n)
+        stop = body.get("stop")
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        steps = stopped_stream(fake_generate(prompt, n + self.extra_tokens), stops,
+                               include=bool(body.get("include_stop_str_in_output")),
+                               min_tokens=int(body.get("min_tokens") or 0))
+        tokens = [t for t, *_ in steps]
+        n = len(tokens)
         ids = bool(body.get("return_token_ids"))
+        cached = self.cached_tokens
+        if self.prefix_cache:
+            salt = body.get("cache_salt")
+            blocks = [tuple(prompt[:end]) for end in range(16, len(prompt) + 1, 16)]
+            cached = max((len(b) for b in blocks if (salt, b) in self._cache), default=0)
+            self._cache.update((salt, b) for b in blocks)
         cid = f"{'chatcmpl' if chat else 'cmpl'}-{len(self.requests)}"
         if not body.get("stream"):
-            choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "logprobs": None}
+            if self.endless_body:
+                endless = web.StreamResponse(headers={"Content-Type": "application/json"})
+                await endless.prepare(request)
+                with contextlib.suppress(ConnectionError):
+                    while True:
+                        await endless.write(b" " * (1 << 16))
+                return endless
+            finish, stop_reason = steps[-1][2], steps[-1][3]
+            text = "".join(d for _, d, *_ in steps)
+            choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None,
+                                      "stop_reason": stop_reason}
             if chat:
-                choice["message"] = {"role": "assistant", "content": _text(tokens)}
+                choice["message"] = {"role": "assistant", "content": text}
             else:
-                choice["text"] = _text(tokens)
-            if ids:
+                choice["text"] = text
+            if ids and not self.omit_token_ids:
                 choice["token_ids"] = tokens
-                if not chat:
+                if not chat and not self.omit_prompt_ids:
                     choice["prompt_token_ids"] = prompt
             out: dict[str, Any] = {
                 "id": cid, "object": "chat.completion" if chat else "text_completion",
                 "created": 1, "model": self.model, "choices": [choice],
                 "usage": {"prompt_tokens": len(prompt), "completion_tokens": n,
                           "total_tokens": len(prompt) + n,
-                          "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}}
+                          "prompt_tokens_details": {"cached_tokens": cached}}}
             if self.returned_params is not None:
                 out["kv_transfer_params"] = self.returned_params
-            if chat and ids:
+            if chat and ids and not self.omit_prompt_ids:
                 out["prompt_token_ids"] = prompt
             return web.json_response(out)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -253,25 +328,30 @@ class FakeWorker:
                                              "index": 0, "delta": {"role": "assistant",
                                                                    "content": ""},
                                              "finish_reason": None}]}
-                if ids:
+                if ids and not self.omit_prompt_ids:
                     first["prompt_token_ids"] = prompt
                 await send(first)
             offset = 0
-            for i, tok in enumerate(tokens):
-                fin = "length" if i == len(tokens) - 1 else None
+            for i, (tok, delta, fin, stop_reason) in enumerate(steps):
                 if chat:
-                    c: dict[str, Any] = {"index": 0, "delta": {"content": _text([tok])},
+                    c: dict[str, Any] = {"index": 0, "delta": {"content": delta},
                                          "finish_reason": fin}
                 else:
-                    c = {"index": 0, "text": _text([tok]), "finish_reason": fin}
+                    c = {"index": 0, "text": delta, "finish_reason": fin}
+                if fin is not None:
+                    c["stop_reason"] = stop_reason
                 c["logprobs"] = _fake_logprobs(body, tok, offset, chat=chat)
                 offset += len(_text([tok]))
-                if ids:
+                if ids and not self.omit_token_ids:
                     c["token_ids"] = [tok]
-                    if not chat and i == 0:
+                    if not chat and i == 0 and not self.omit_prompt_ids:
                         c["prompt_token_ids"] = prompt
                 await send({"id": cid, "object": obj, "created": 1, "model": self.model,
                             "choices": [c]})
+                if i == 0 and self.endless_line:
+                    await resp.write(b"data: ")
+                    while True:  # until the router hangs up
+                        await resp.write(b"x" * (1 << 16))
             if (body.get("stream_options") or {}).get("include_usage"):
                 await send({"id": cid, "object": obj, "created": 1, "model": self.model,
                             "choices": [], "usage": {"prompt_tokens": len(prompt),

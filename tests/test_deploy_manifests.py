@@ -149,8 +149,11 @@ def test_shapes_the_design_asks_for() -> None:
     assert _one("Service", "kvkeep-router")["spec"]["ports"][0]["port"] == 8000
 
 
-def test_every_kvkeep_command_line_parses_and_configures() -> None:
-    commands = _kvkeep_commands()
+def test_every_kvkeep_command_line_parses_and_configures(tmp_path: Path) -> None:
+    keys = tmp_path / "api-keys"  # the router's key file, as its Secret mounts it
+    keys.write_text(_one("Secret", "kvkeep-router-api-keys")["stringData"]["api-keys"])
+    commands = [(n, [str(keys) if a == "/etc/kvkeep/router/api-keys" else a for a in args])
+                for n, args in _kvkeep_commands()]
     assert {name for name, _ in commands} == {
         "kvkeep-store/kvstore", "kvkeep-worker/kvkeep-agent", "kvkeep-router/router"}
     parser = build_parser()
@@ -161,6 +164,10 @@ def test_every_kvkeep_command_line_parses_and_configures() -> None:
         if parsed.command == "router":
             config = config_from_args(parsed)
             assert config.etcd_url and config.port == 8000 and config.host == "0.0.0.0"
+            assert config.api_keys is not None and len(config.api_keys) == 2
+            # the workers' registered URL and KV-event endpoint are allowed
+            assert config.workers_allow.url_refusal("http://10.8.3.17:8000") is None
+            assert config.workers_allow.events_refusal("tcp://10.8.3.17:5557") is None
         elif parsed.command == "worker":
             assert parsed.url.startswith("http://10.8.3.17:") and parsed.kv_events
         else:

@@ -16,6 +16,7 @@ from router.commands import config_from_args
 from router.config import RouterConfig
 from router.decision import RouteRequest
 from router.filters import GpuFilter, KVThresholdFilter, QueueThresholdFilter
+from router.limits import Limits
 from router.policy import Thresholds, policy_preset
 from router.policy_file import load_policy_file, resolve_policy
 from router.scheduler import Scheduler
@@ -42,6 +43,11 @@ def test_the_shipped_example_spells_out_the_default_policy() -> None:
     assert set(given.thresholds) == {f.name for f in dataclasses.fields(Thresholds)}
     assert given.filters == ("kv-threshold", "queue-threshold", "gpu")
     assert _config("--policy-config", str(EXAMPLE)).policy == _config().policy
+    # and every limit, at its default; an empty allow-list is the loopback default
+    assert set(given.limits) == {f.name for f in dataclasses.fields(Limits)}
+    assert _config("--policy-config", str(EXAMPLE)).limits == Limits(
+        max_sessions_per_tenant=Limits().max_sessions)
+    assert not _config("--policy-config", str(EXAMPLE)).workers_allow.configured
     built = given.resolve().build(random.Random(0))
     assert [type(f) for f in built.soft_filters] == [KVThresholdFilter, QueueThresholdFilter,
                                                     GpuFilter]

@@ -14,6 +14,7 @@ import pytest
 
 from router.config import RouterConfig, StaticWorker
 from router.policy import Thresholds, policy_preset
+from router.tenants import ApiKeys
 from router.workers import WorkerId
 from tests.router_harness import (
     FakeWorker,
@@ -249,18 +250,21 @@ def test_no_usable_worker_is_503(env: Env) -> None:
 
 
 def test_api_keys(env: Env) -> None:
+    """Keys given without a tenant (`--api-key`, `KVKEEP_API_KEYS`) are the `default`
+    tenant's; probes need none."""
     assert env.router.service is not None
     svc = env.router.service
-    svc.config = replace(svc.config, api_keys=frozenset({"sekret"}))
+    key = "sekret-0123456789"
+    svc.config = replace(svc.config, api_keys=ApiKeys.of_keys([key]))
     try:
         assert env.http.get("/v1/models").status_code == 401
         assert env.http.get("/v1/models", headers={"Authorization": "Bearer nope"}
                             ).status_code == 401
-        assert env.http.get("/v1/models", headers={"Authorization": "Bearer sekret"}
+        assert env.http.get("/v1/models", headers={"Authorization": f"Bearer {key}"}
                             ).status_code == 200
         assert env.http.get("/health").status_code == 200  # probes need no key
     finally:
-        svc.config = replace(svc.config, api_keys=frozenset())
+        svc.config = replace(svc.config, api_keys=None)
 
 
 # --- streaming ---------------------------------------------------------------------------------

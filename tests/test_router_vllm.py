@@ -24,6 +24,7 @@ import httpx
 import openai
 import pytest
 
+from router.tenants import cache_salt_for
 from tests.models import build_tiny_llama
 from tests.router_harness import wait_until
 from tests.services import EtcdServer, free_port, start_etcd, stop_process
@@ -192,13 +193,19 @@ def test_sessions_stick_and_replicas_agree(cluster: Cluster) -> None:
         t.start()
     for t in threads:
         t.join()
+    # A binding is written once a worker accepted the request, so two first requests racing
+    # through two replicas may both be served (each where its replica decided), but exactly
+    # one binding wins, every replica agrees on it, and it names a worker that served.
     for i in range(12):
         sid = f"race-{i}"
-        assert seen[("A", sid)] == seen[("B", sid)], (sid, routes[("A", sid)],
-                                                      routes[("B", sid)])
-        for replica in ("A", "B"):
-            assert cluster.http(replica).get(f"/kvkeep/sessions/{sid}").json()["worker"] == \
-                seen[("A", sid)]
+        bound = {cluster.http(replica).get(f"/kvkeep/sessions/{sid}").json()["worker"]
+                 for replica in ("A", "B")}
+        assert len(bound) == 1, (sid, routes[("A", sid)], routes[("B", sid)])
+        assert bound <= {seen[("A", sid)], seen[("B", sid)]}
+        for replica in ("A", "B"):  # and the next turn, through either, goes there
+            r = cluster.http(replica).post("/v1/completions", headers={"X-Session-Id": sid},
+                                           json={**CHAT, "prompt": sid, "max_tokens": 1})
+            assert {r.headers["X-KVKeep-Worker"]} == bound
 
 
 def test_kv_events_give_a_precise_prefix(cluster: Cluster) -> None:
@@ -223,6 +230,62 @@ def test_kv_transfer_params_reach_vllm_without_a_connector(cluster: Cluster) -> 
         "kv_transfer_params": {"session_id": "s", "restore": "auto", "restore_reason": "failover",
                                "previous_worker": "w2", "session_epoch": 1}})
     assert r.status_code == 200
+
+
+TENANT_KEYS = {"alice": "alice-key-0123456789", "bob": "bob-key-0123456789ab"}
+
+
+def test_tenants_never_share_vllms_prefix_cache(cluster: Cluster) -> None:
+    """A router replica with API keys gives each tenant its own vLLM `cache_salt`: a prompt
+    alice has cached shows as cached to her (and, through vLLM's KV events, which carry the
+    salt, steers her next request to that worker), never to bob, even when bob's request lands
+    on alice's worker and names her salt itself."""
+    keys = cluster.logs / "api-keys"
+    keys.write_text("".join(f"{k} {t}\n" for t, k in TENANT_KEYS.items()))
+    port = free_port()
+    cluster.router_ports["T"] = port
+    cluster.routers["T"] = _spawn(["router", "serve", "--listen", f"127.0.0.1:{port}",
+                                   "--etcd", cluster.etcd.url, "--replica-id", "T",
+                                   "--api-keys", str(keys)], cluster.logs / "router-T.log")
+    http = cluster.http("T")
+
+    def auth(who: str) -> dict[str, str]:
+        return {"Authorization": f"Bearer {TENANT_KEYS[who]}"}
+
+    wait_until(lambda: _quiet(lambda: http.get("/health").json()["workers"]["usable"]) == 2,
+               timeout=30)
+    salt_of_alice = cache_salt_for("alice")
+    colocated = 0
+    for attempt in range(10):
+        # 5 full blocks and 2 tokens (vLLM recomputes a fully cached prompt's last block)
+        tokens = [(i * 53 + 7 * attempt + 3) % 900 + 20 for i in range(162)]
+        body = {**CHAT, "prompt": tokens, "max_tokens": 1}
+        first = http.post("/v1/completions", json=body, headers=auth("alice"))
+        assert first.status_code == 200, first.text
+        home = first.headers["X-KVKeep-Worker"]
+        time.sleep(0.3)  # vLLM's KV events reach the router
+        again = http.post("/v1/completions", json=body, headers=auth("alice"))
+        assert again.headers["X-KVKeep-Worker"] == home
+        assert int(again.headers["X-KVKeep-Cached-Tokens"]) >= 160
+        theirs = http.post("/v1/completions", json={**body, "cache_salt": salt_of_alice},
+                           headers=auth("bob"))
+        assert theirs.status_code == 200
+        assert int(theirs.headers["X-KVKeep-Cached-Tokens"]) == 0
+        if theirs.headers["X-KVKeep-Worker"] == home:
+            colocated += 1
+            if colocated >= 2:
+                break
+    assert colocated >= 1, "bob's requests never landed on alice's worker"
+    # bob's own cache works, and his next request follows it
+    time.sleep(0.3)
+    own = http.post("/v1/completions", json=body, headers=auth("bob"))
+    assert int(own.headers["X-KVKeep-Cached-Tokens"]) >= 160
+    assert own.headers["X-KVKeep-Worker"] == theirs.headers["X-KVKeep-Worker"]
+    # a session is its creator's
+    r = http.post("/v1/completions", json=body, headers={**auth("alice"), "X-Session-Id": "t-1"})
+    assert r.status_code == 200
+    r = http.post("/v1/completions", json=body, headers={**auth("bob"), "X-Session-Id": "t-1"})
+    assert r.status_code == 404
 
 
 def test_killing_a_router_replica_loses_no_session(cluster: Cluster) -> None:
@@ -341,3 +404,74 @@ def test_worker_sigkill_resumes_the_stream_and_rebinds_sessions(cluster: Cluster
         assert r.status_code == 200
         assert r.headers["X-KVKeep-Worker"] == "w2"
         assert r.headers["X-KVKeep-Failover"] == "1" and r.headers["X-KVKeep-Restore"] == "1"
+
+
+def _agent(cluster: Cluster, wid: str, server: VllmServer) -> None:
+    cluster.agents[wid] = _spawn(["worker", "--etcd", cluster.etcd.url, "--url", server.url,
+                                  "--id", wid, "--kv-events", server.events_endpoint or "",
+                                  "--ttl", str(TTL)], cluster.logs / f"agent-{wid}.log")
+
+
+def test_a_stream_with_stop_strings_survives_a_sigkill(cluster: Cluster,
+                                                        tmp_path_factory: pytest.TempPathFactory
+                                                        ) -> None:
+    """A chat stream with stop strings on a worker SIGKILLed mid-answer: vLLM held the last
+    characters back (a 20-character stop string makes it hold 19), the stream resumes on
+    another worker, and the client gets exactly what one unbroken vLLM stream gives: the same
+    text, cut before the same stop string, with `finish_reason` "stop"."""
+    model = build_tiny_llama(tmp_path_factory.getbasetemp() / "tiny-llama")
+    w3 = start_vllm(model.path, cluster.logs)
+    cluster.workers["w3"] = w3
+    try:
+        w3.wait_healthy()
+        _agent(cluster, "w3", w3)
+        client = cluster.http("B")
+        wait_until(lambda: "w3" in (_quiet(lambda: cluster.worker_ids("B")) or ()), timeout=60)
+        messages = [{"role": "user", "content": "Tell a long story about stops"}]
+        plain = direct_chat(cluster.workers["w2"], messages, 200)
+        at = len(plain) * 3 // 5  # a stop string well after the kill (at chunk 25)
+        stop = next(plain[i:i + 6] for i in range(at, len(plain) - 6)
+                    if plain.find(plain[i:i + 6]) == i)
+        stops = [stop, "never-generated-20ch"]
+        direct = httpx.post(f"{cluster.workers['w2'].url}/v1/chat/completions", timeout=120,
+                            json={**CHAT, "messages": messages, "max_tokens": 200,
+                                  "ignore_eos": True, "stop": stops}).json()["choices"][0]
+        reference = direct["message"]["content"]
+        assert direct["finish_reason"] == "stop" and reference == plain[:plain.find(stop)]
+        sid = next(s for s in (f"stop-{i}" for i in range(40))
+                   if client.post("/v1/chat/completions", headers={"X-Session-Id": s},
+                                  json={**CHAT, "messages": messages, "max_tokens": 1}
+                                  ).headers["X-KVKeep-Worker"] == "w3")
+        killed: dict[str, float] = {}
+
+        def maybe_kill(n: int) -> None:
+            if n == 25 and not killed:
+                cluster.agents["w3"].send_signal(signal.SIGKILL)
+                w3.kill(signal.SIGKILL)
+                killed["at"] = time.monotonic()
+
+        pieces: list[str] = []
+        comments: list[str] = []
+        finish: list[tuple[Any, Any]] = []
+        with client.stream("POST", "/v1/chat/completions", headers={"X-Session-Id": sid},
+                           json={**CHAT, "messages": messages, "max_tokens": 200,
+                                 "ignore_eos": True, "stream": True, "stop": stops}) as resp:
+            assert resp.status_code == 200 and resp.headers["x-kvkeep-worker"] == "w3"
+            for line in resp.iter_lines():
+                if line.startswith(":"):
+                    comments.append(line)
+                elif line.startswith("data: ") and line != "data: [DONE]":
+                    event = json.loads(line[6:])
+                    assert "error" not in event, event
+                    for choice in event["choices"]:
+                        pieces.append(choice["delta"].get("content") or "")
+                        if choice.get("finish_reason"):
+                            finish.append((choice["finish_reason"], choice.get("stop_reason")))
+                    maybe_kill(len(pieces))
+        assert killed, "the stream ended before the kill"
+        notes = [json.loads(c.split(" ", 2)[2]) for c in comments]
+        assert notes[0]["resumed_on"] != "w3"
+        assert "".join(pieces) == reference
+        assert finish == [("stop", stop)]
+    finally:
+        w3.kill(signal.SIGKILL)

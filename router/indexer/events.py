@@ -18,16 +18,23 @@ copy chain together: a worker that holds blocks 0-3 on its GPU and finds 4-7 in 
 scores 4 x 1.0 + 4 x 0.5. The store evicts silently, so shared entries are hints kept for at
 most `shared_capacity` blocks (oldest forgotten first); a stale hint costs a restore miss and a
 recompute, never wrong KV (the connector verifies every block it loads).
+
+Keys are rooted in what vLLM hashed besides the tokens of a prompt's first block (the event's
+`extra_keys`: a tenant's `cache_salt`), so a tenant's blocks match only its own prompts; a
+later block hashed with extra keys (multimodal inputs) ends the chain, since token ids alone
+cannot say what it holds. A worker's entries are capped (`max_blocks_per_worker`): a worker
+that announces more than that (vLLM removes what it evicts) has the excess dropped and
+counted, so a hostile or broken event stream cannot grow the index without bound.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from router.indexer.keys import ROOT_KEY, token_block_keys
+from router.indexer.keys import extra_root, salt_root, token_block_keys
 from router.indexer.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from router.workers import WorkerId
 
@@ -66,6 +73,9 @@ class KVBlockIndex:
 
     block_size: int = 32
     shared_capacity: int = 1_000_000
+    max_blocks_per_worker: int = 262_144
+    on_over_cap: Callable[[int], None] | None = field(default=None, repr=False)
+    """Told how many blocks a worker's event announced past its cap (a metric)."""
     _holders: dict[int, dict[WorkerId, int]] = field(default_factory=dict)
     _workers: dict[WorkerId, _WorkerBlocks] = field(default_factory=dict)
     _shared: OrderedDict[int, int] = field(default_factory=OrderedDict)
@@ -75,12 +85,19 @@ class KVBlockIndex:
     sha256-based hashes are the same on every worker for the same tokens)."""
     events_applied: int = 0
     blocks_skipped: int = 0
+    blocks_over_cap: int = 0
 
     def __len__(self) -> int:
         return len(self._holders)
 
-    def keys_for(self, tokens: Sequence[int]) -> tuple[int, ...]:
-        return token_block_keys(tokens, self.block_size)
+    def held_by(self, worker: WorkerId) -> int:
+        """Entries the index keeps for `worker` (its own cache, not the shared store)."""
+        blocks = self._workers.get(worker)
+        return 0 if blocks is None else len(blocks.by_hash)
+
+    def keys_for(self, tokens: Sequence[int], cache_salt: str | None = None
+                 ) -> tuple[int, ...]:
+        return token_block_keys(tokens, self.block_size, salt_root(cache_salt))
 
     def match(self, keys: Sequence[int]) -> dict[WorkerId, float]:
         """Per worker, the tier-weighted count of leading `keys` it can use consecutively: its
@@ -127,7 +144,8 @@ class KVBlockIndex:
                 self._stored(worker, list(event.get("block_hashes") or ()),
                              list(event.get("token_ids") or ()),
                              int(event.get("block_size") or self.block_size),
-                             event.get("parent_block_hash"), event.get("medium"))
+                             event.get("parent_block_hash"), event.get("medium"),
+                             event.get("extra_keys"))
             elif kind == "BlockRemoved":
                 self._removed(worker, event.get("block_hashes") or (), event.get("medium"))
             elif kind == "AllBlocksCleared":
@@ -136,7 +154,8 @@ class KVBlockIndex:
                 return
         elif isinstance(event, BlockStored):
             self._stored(worker, list(event.block_hashes), list(event.token_ids),
-                         event.block_size, event.parent_block_hash, event.medium)
+                         event.block_size, event.parent_block_hash, event.medium,
+                         event.extra_keys)
         elif isinstance(event, BlockRemoved):
             self._removed(worker, event.block_hashes, event.medium)
         elif isinstance(event, AllBlocksCleared):
@@ -169,10 +188,12 @@ class KVBlockIndex:
         return worker in self._holders.get(key, {})
 
     def _stored(self, worker: WorkerId, hashes: list[Any], tokens: list[int], size: int,
-                parent_hash: object, medium: object) -> None:
+                parent_hash: object, medium: object, extra: object = None) -> None:
         blocks = self._workers.setdefault(worker, _WorkerBlocks())
+        extras = list(extra) if isinstance(extra, list | tuple) else []
         if parent_hash is None:
-            parent = ROOT_KEY
+            first = extras[0] if extras else None
+            parent = extra_root(first if isinstance(first, list | tuple) else None)
         else:
             found = blocks.by_hash.get(_as_int(parent_hash))
             if found is None:
@@ -185,6 +206,16 @@ class KVBlockIndex:
             # Another block size cannot be matched against our keys; skip rather than guess.
             self.blocks_skipped += len(hashes)
             return
+        # A block hashed with more than its tokens (after the root's) cannot be keyed from
+        # token ids: the chain is known up to it.
+        usable = len(hashes)
+        for i, keys_of_block in enumerate(extras[:len(hashes)]):
+            if keys_of_block and (i > 0 or parent_hash is not None):
+                usable = i
+                break
+        if usable < len(hashes):
+            self.blocks_skipped += len(hashes) - usable
+            hashes = hashes[:usable]
         keys = token_block_keys(tokens[: len(hashes) * size], size, parent)
         if str(medium).upper() == SHARED_MEDIUM:
             for vllm_hash, key in zip(hashes, keys, strict=True):
@@ -203,10 +234,19 @@ class KVBlockIndex:
                         del self._holders[old]
             return
         bits = _bits(medium)
-        for vllm_hash, key in zip(hashes, keys, strict=True):
-            blocks.by_hash[_as_int(vllm_hash)] = key
+        over = 0
+        for i, (vllm_hash, key) in enumerate(zip(hashes, keys, strict=True)):
+            h = _as_int(vllm_hash)
+            if h not in blocks.by_hash and len(blocks.by_hash) >= self.max_blocks_per_worker:
+                over = len(hashes) - i  # the rest chain through this one: dropped with it
+                break
+            blocks.by_hash[h] = key
             holders = self._holders.setdefault(key, {})
             holders[worker] = holders.get(worker, 0) | bits
+        if over:
+            self.blocks_over_cap += over
+            if self.on_over_cap is not None:
+                self.on_over_cap(over)
 
     def _removed(self, worker: WorkerId, hashes: Iterable[Any], medium: object) -> None:
         blocks = self._workers.get(worker)

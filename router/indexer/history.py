@@ -17,7 +17,13 @@ from dataclasses import dataclass, field
 
 from router.workers import WorkerId
 
-__all__ = ["RoutingHistory", "SessionBlocks", "longest_prefix"]
+__all__ = ["RoutingHistory", "SessionBlocks", "longest_prefix", "session_scope"]
+
+
+def session_scope(tenant: str, session_id: str) -> str:
+    """The key of a session's record in `SessionBlocks`: per tenant, so that nothing of one
+    tenant's session is ever read for another tenant's request."""
+    return f"{tenant}\x00{session_id}"
 
 
 def longest_prefix(keys: Sequence[int], holders_of: Mapping[int, Iterable[WorkerId]]
@@ -95,7 +101,19 @@ class SessionBlocks:
     """
 
     capacity: int = 100_000
+    max_keys: int = 4_000_000
+    """Keys of all sessions together (each a Python int, ~40 B): the memory bound."""
+    max_keys_per_session: int = 8192
+    """A longer session keeps its first this many (the prefix is what is matched)."""
     _keys: OrderedDict[str, tuple[int, ...]] = field(default_factory=OrderedDict)
+    _total: int = 0
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    @property
+    def total_keys(self) -> int:
+        return self._total
 
     def get(self, session_id: str) -> tuple[int, ...]:
         keys = self._keys.get(session_id)
@@ -105,7 +123,11 @@ class SessionBlocks:
         return keys
 
     def put(self, session_id: str, keys: tuple[int, ...]) -> None:
+        keys = keys[:self.max_keys_per_session]
+        old = self._keys.get(session_id)
+        self._total += len(keys) - (len(old) if old is not None else 0)
         self._keys[session_id] = keys
         self._keys.move_to_end(session_id)
-        while len(self._keys) > self.capacity:
-            self._keys.popitem(last=False)
+        while len(self._keys) > self.capacity or self._total > self.max_keys:
+            _, dropped = self._keys.popitem(last=False)
+            self._total -= len(dropped)

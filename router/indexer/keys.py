@@ -8,6 +8,11 @@ restarts agree.
 Token-block keys are the router's own, not vLLM's hashes: vLLM seeds its chain with a value that
 depends on PYTHONHASHSEED and its hash function is configurable. The indexer re-derives our keys
 from the token ids every `BlockStored` event carries, so no worker setting has to match.
+
+What vLLM hashes besides the tokens of a prompt's first block (its `extra_keys`: the request's
+`cache_salt`, a LoRA name) roots the chain (`extra_root`): a salted prompt's keys then differ
+from the same tokens' unsalted (or differently salted) keys, as vLLM's cache entries do, so
+one tenant's cached prefix never matches another tenant's prompt in the router's indexes.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from collections.abc import Sequence
 import xxhash
 
 __all__ = ["text_prefix_keys", "token_block_keys", "ROOT_KEY", "TEXT_CHUNK_CHARS",
-           "MAX_TEXT_CHUNKS"]
+           "MAX_TEXT_CHUNKS", "extra_root", "salt_root"]
 
 ROOT_KEY = 0
 TEXT_CHUNK_CHARS = 64
@@ -28,12 +33,27 @@ MAX_TEXT_CHUNKS = 512
 _hash = xxhash.xxh3_64_intdigest
 
 
+def extra_root(extra: Sequence[object] | None) -> int:
+    """The chain's root for a first block hashed with `extra` (vLLM's untagged extra keys of
+    that block, as its KV events publish them): `ROOT_KEY` when there are none."""
+    if not extra:
+        return ROOT_KEY
+    return _hash("\x1f".join(map(repr, extra)).encode("utf-8", "surrogatepass"), ROOT_KEY)
+
+
+def salt_root(cache_salt: str | None) -> int:
+    """The root of a prompt sent with `cache_salt` (vLLM's only extra key of a text prompt's
+    first block)."""
+    return extra_root((cache_salt,) if cache_salt else None)
+
+
 def text_prefix_keys(text: str, chunk: int = TEXT_CHUNK_CHARS,
-                     limit: int = MAX_TEXT_CHUNKS) -> tuple[int, ...]:
-    """Chained keys of the full `chunk`-character pieces of `text` (a partial tail is ignored)."""
+                     limit: int = MAX_TEXT_CHUNKS, root: int = ROOT_KEY) -> tuple[int, ...]:
+    """Chained keys of the full `chunk`-character pieces of `text` (a partial tail is ignored),
+    starting after `root`."""
     data = text.encode("utf-8", "surrogatepass")
     keys: list[int] = []
-    key = ROOT_KEY
+    key = root
     # Chunk the UTF-8 bytes, not characters: cheaper and still deterministic.
     end = min(len(data) // chunk, limit) * chunk
     for start in range(0, end, chunk):

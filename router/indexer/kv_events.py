@@ -28,6 +28,9 @@ class BlockStored:
     token_ids: Sequence[int]
     block_size: int
     medium: str | None = None
+    extra_keys: Sequence[Sequence[object] | None] | None = None
+    """Per block, what vLLM hashed besides its tokens (untagged: the cache salt, a LoRA name,
+    multimodal identifiers), or None."""
 
 
 @dataclass(frozen=True, slots=True)

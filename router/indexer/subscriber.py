@@ -9,6 +9,12 @@ any number of router replicas can listen.
 A gap in the sequence means lost events (the PUB socket drops on overflow); the index then
 under-reports that worker until its blocks are stored again. That is counted, not repaired:
 vLLM's replay socket is optional and a stale index only costs a weaker prefix score.
+
+Intake is bounded per worker (`router.limits.Limits`): a message over
+`kv_event_max_message_bytes` is refused by ZMQ itself (MAXMSGSIZE drops the connection), and
+token buckets of `kv_event_bytes_per_s` and `kv_event_blocks_per_s` (with `kv_event_burst_s`
+of slack) decide what is applied; the excess is dropped and counted (`dropped`, and the
+router's `kvkeep_router_kv_events_dropped` metric through `on_drop`).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +31,7 @@ import zmq
 import zmq.asyncio
 
 from router.indexer.events import KVBlockIndex
+from router.limits import Limits, TokenBucket
 from router.workers import WorkerId
 
 __all__ = ["KVEventSubscriber"]
@@ -39,13 +47,29 @@ class _Feed:
 
 
 @dataclass(slots=True)
+class _Budget:
+    bytes: TokenBucket
+    blocks: TokenBucket
+
+
+def _blocks_in(event: dict[Any, Any]) -> int:
+    hashes = event.get("block_hashes")
+    return max(1, len(hashes)) if isinstance(hashes, list | tuple) else 1
+
+
+@dataclass(slots=True)
 class KVEventSubscriber:
     """One SUB socket and reader task per worker; `follow`/`unfollow` track membership."""
 
     index: KVBlockIndex
+    limits: Limits = field(default_factory=Limits)
+    on_drop: Callable[[str, int], None] | None = None
+    """Told (reason, blocks) of what was dropped: "bytes" or "rate"."""
     gaps: int = 0
+    dropped: dict[str, int] = field(default_factory=dict)
     _ctx: zmq.asyncio.Context = field(default_factory=zmq.asyncio.Context)
     _feeds: dict[WorkerId, _Feed] = field(default_factory=dict)
+    _budgets: dict[WorkerId, _Budget] = field(default_factory=dict)
 
     def follow(self, worker: WorkerId, endpoint: str | None) -> None:
         """Start (or retarget) the feed of `worker`; `None` stops it."""
@@ -62,6 +86,7 @@ class KVEventSubscriber:
         feed = self._feeds.pop(worker, None)
         if feed is not None:
             feed.task.cancel()
+        self._budgets.pop(worker, None)
         if forget:
             self.index.forget_worker(worker)
 
@@ -78,6 +103,7 @@ class KVEventSubscriber:
     async def _read(self, worker: WorkerId, endpoint: str) -> None:
         sock = self._ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.limits.kv_event_max_message_bytes)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
         # A worker that comes back after a restart is a new cache: reconnecting is ZMQ's job.
         sock.connect(endpoint)
@@ -89,7 +115,8 @@ class KVEventSubscriber:
             sock.close(0)
 
     def handle(self, worker: WorkerId, parts: list[bytes]) -> None:
-        """Apply one ZMQ multipart message of `worker`'s KV event stream to the index."""
+        """Apply one ZMQ multipart message of `worker`'s KV event stream to the index, within
+        the worker's intake budget."""
         if len(parts) < 3:
             return
         seq = int.from_bytes(parts[1], "big", signed=True)
@@ -99,12 +126,43 @@ class KVEventSubscriber:
                 self.gaps += 1
                 log.debug("KV events from %s: gap %d -> %d", worker, feed.last_seq, seq)
             feed.last_seq = seq
+        budget = self._budget(worker)
+        if not budget.bytes.take(sum(len(p) for p in parts)):
+            self._drop(worker, "bytes", 1)
+            return
         try:
             batch: Any = msgpack.unpackb(parts[2], raw=False, strict_map_key=False)
         except (ValueError, msgpack.UnpackException):
             log.warning("undecodable KV event batch from %s", worker)
             return
         events = batch[1] if isinstance(batch, list | tuple) and len(batch) > 1 else ()
-        for event in events:
-            if isinstance(event, dict):
-                self.index.apply(worker, event)
+        if not isinstance(events, list | tuple):
+            return
+        for i, event in enumerate(events):
+            if not isinstance(event, dict):
+                continue
+            if not budget.blocks.take(_blocks_in(event)):
+                self._drop(worker, "rate", sum(_blocks_in(e) for e in events[i:]
+                                                if isinstance(e, dict)))
+                return
+            self.index.apply(worker, event)
+
+    def _budget(self, worker: WorkerId) -> _Budget:
+        budget = self._budgets.get(worker)
+        if budget is None:
+            lim = self.limits
+            budget = self._budgets[worker] = _Budget(
+                TokenBucket(lim.kv_event_bytes_per_s,
+                            lim.kv_event_bytes_per_s * lim.kv_event_burst_s),
+                TokenBucket(lim.kv_event_blocks_per_s,
+                            lim.kv_event_blocks_per_s * lim.kv_event_burst_s))
+        return budget
+
+    def _drop(self, worker: WorkerId, reason: str, blocks: int) -> None:
+        first = reason not in self.dropped
+        self.dropped[reason] = self.dropped.get(reason, 0) + blocks
+        if self.on_drop is not None:
+            self.on_drop(reason, blocks)
+        if first:
+            log.warning("KV events of %s over its intake budget (%s): dropped and counted "
+                        "from now on", worker, reason)

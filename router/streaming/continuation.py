@@ -8,6 +8,12 @@ token-for-token what the original worker would have produced: the new worker pre
 resent tokens (restoring their KV from the store where it can) and decodes the rest. Its chunks
 are rewritten into the original stream (`StreamState`), and what happened is told in SSE
 comments (`: kvkeep {...}`): a resumption when it happens, a summary at the end.
+
+Stop strings are the router's across the break (`stops.py`): the continuation is asked to keep
+them in its text, and the router holds back and finds them over the whole answer. A stream
+whose worker returned no token ids is never continued from the start of the answer once any of
+it reached the client (it would be sent twice): it is restarted only if nothing had, and ends
+with an error event otherwise.
 """
 
 from __future__ import annotations
@@ -23,8 +29,8 @@ from router.decision import Placement
 from router.dispatch import Attempt, Dispatcher
 from router.errors import RouterError
 from router.hooks import Outcome
-from router.streaming.relay import StreamBroken, note, pump, sse
-from router.streaming.state import StreamState
+from router.streaming.relay import EventTooLarge, StreamBroken, note, pump, sse
+from router.streaming.state import StreamOverrun, StreamState
 from router.upstream import kv_transfer_params, upstream_body
 from router.workers import WorkerId
 
@@ -78,7 +84,8 @@ async def relay_stream(dispatcher: Dispatcher, creq: ClientRequest, attempt: Att
     the worker.
     """
     metrics = dispatcher.core.metrics
-    state = StreamState(creq)
+    limits = dispatcher.limits
+    state = StreamState(creq, token_cap=limits.max_stream_tokens)
     resumed_on: list[str] = []
     failed: str | None = None
     end: list[bytes] = []  # the stream's last bytes, sent with its end in one write
@@ -86,18 +93,27 @@ async def relay_stream(dispatcher: Dispatcher, creq: ClientRequest, attempt: Att
         while True:
             assert attempt.resp is not None
             try:
-                end.append(await pump(attempt.resp, out, state))
+                end.append(await pump(attempt.resp, out, state, limits.max_event_bytes))
+                break
+            except StreamOverrun as exc:
+                log.warning("stream from %s overran: %s", attempt.worker, exc)
+                metrics.upstream_oversize.labels("tokens").inc()
+                dispatcher.failed(attempt, tried, hard=True)
+                failed = f"worker failed mid-stream: {exc}"
                 break
             except StreamBroken as exc:
                 log.warning("stream from %s broke after %d tokens: %s",
                             attempt.worker, len(state.generated), exc)
+                if isinstance(exc, EventTooLarge):
+                    metrics.upstream_oversize.labels("event").inc()
                 if state.finish_reason is not None:  # only the end was lost: finish it here
                     dispatcher.finish(attempt, _delivered(state))
                     dispatcher.failed(attempt, tried, hard=True)
                     break
                 dispatcher.failed(attempt, tried, hard=True)
-                if not creq.resumable or len(resumed_on) >= max_resumes:
-                    failed = f"worker failed mid-stream: {exc}"
+                why = state.resumable_now()
+                if not creq.resumable or len(resumed_on) >= max_resumes or why is not None:
+                    failed = f"worker failed mid-stream: {exc}" + (f" ({why})" if why else "")
                     metrics.resumptions.labels("refused").inc()
                     break
                 nxt = await _continue(dispatcher, creq, state, tried, broken=attempt.worker)
@@ -150,5 +166,7 @@ async def _continue(dispatcher: Dispatcher, creq: ClientRequest, state: StreamSt
         return None
     if state.prompt_ids is not None:
         state.continue_here()
+    else:  # nothing reached the client (`resumable_now`): the stream starts again
+        state.restarted = True
     return attempt
 

@@ -4,6 +4,10 @@ Every relayed event is decoded (token ids to keep for resumption) and re-encoded
 client did not ask for removed), through `StreamState.absorb`. Reads from the worker and writes
 to the client fail differently on purpose: a worker failure raises `StreamBroken` (resume
 elsewhere); a client failure propagates (stop, free the worker).
+
+One SSE event is at most `max_event_bytes` (`router/limits.py`): a worker that sends a longer
+line (or an endless one) has broken its stream (`EventTooLarge`), and the router's buffer for
+the incomplete line never grows past that.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from aiohttp import web
 from router.streaming.state import StreamState
 from router.upstream import UPSTREAM_ERRORS
 
-__all__ = ["StreamBroken", "pump", "sse", "note"]
+__all__ = ["StreamBroken", "EventTooLarge", "pump", "sse", "note"]
 
 _STD_ENCODE = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
 _Codec = tuple[Callable[[bytes], Any], Callable[[Any], bytes]]
@@ -58,6 +62,10 @@ class StreamBroken(Exception):
     error event). Internal to streaming: never reaches a client as an exception."""
 
 
+class EventTooLarge(StreamBroken):
+    """One SSE event of the worker's is over the router's limit."""
+
+
 def sse(obj: Any) -> bytes:
     """One SSE data event."""
     return b"data: " + _encode(obj, _CODECS[0][1]) + b"\n\n"
@@ -69,8 +77,8 @@ def note(obj: Any) -> bytes:
     return b": kvkeep " + _encode(obj, _CODECS[0][1]) + b"\n\n"
 
 
-async def pump(resp: aiohttp.ClientResponse, out: web.StreamResponse, state: StreamState
-               ) -> bytes:
+async def pump(resp: aiohttp.ClientResponse, out: web.StreamResponse, state: StreamState,
+               max_event_bytes: int = 16 << 20) -> bytes:
     """Relay `resp` to `out` until the worker's `[DONE]`; raise `StreamBroken` if the worker's
     side fails first. The `[DONE]` itself is not relayed: the proxy ends the stream after its
     own summary. Returns the client's bytes for the events that came in the same read as the
@@ -78,7 +86,9 @@ async def pump(resp: aiohttp.ClientResponse, out: web.StreamResponse, state: Str
 
     Reads whatever the socket has buffered and answers it with one write: a fast worker's
     chunks arrive several per read, and a syscall per chunk was the proxy's largest cost.
-    Nothing is held back: every complete event read is written before the next read.
+    Nothing is held back: every complete event read is written before the next read (the
+    text of a stream with stop strings excepted: `stops.py`). A stop string the router found
+    itself ends the relay as the `[DONE]` would (`state.ended`).
     """
     content = resp.content
     pending = b""
@@ -96,8 +106,12 @@ async def pump(resp: aiohttp.ClientResponse, out: web.StreamResponse, state: Str
         batch: list[bytes] = []
         try:
             for line in lines:
-                if _relay_line(line.rstrip(b"\r"), state, batch):
+                if len(line) > max_event_bytes:
+                    raise EventTooLarge(f"an SSE event over {max_event_bytes} bytes")
+                if _relay_line(line.rstrip(b"\r"), state, batch) or state.ended:
                     return b"".join(batch)
+            if len(pending) > max_event_bytes:
+                raise EventTooLarge(f"an SSE event over {max_event_bytes} bytes")
         except BaseException:
             if batch:  # what came before the failure reaches the client
                 await out.write(b"".join(batch))

@@ -9,6 +9,13 @@ and the remaining `max_tokens`. Chunks of the continuation (a `/v1/completions` 
 rewritten into the client's format with the original id, created and model, so the client
 sees one uninterrupted stream; logprobs too (chat entries rebuilt from the continuation's
 completions logprobs, completions text offsets moved past the text already sent).
+
+A stream with stop strings has its text held back and its stop strings found by the router
+(`stops.StopText`, see `router/streaming/stops.py`). What a stream may be resumed from is
+tracked too: a continuation needs the prompt's token ids and the ids of every token whose text
+reached the client; without them (a worker that ignores `return_token_ids`) it would replay
+the start of the answer, so it is refused instead (`resumable_now`). And a worker that sends
+more token ids than asked (or than `token_cap`) has overrun the stream (`StreamOverrun`).
 """
 
 from __future__ import annotations
@@ -17,8 +24,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from router.api import ClientRequest, Endpoint
+from router.streaming.stops import StopText, stop_strings
 
-__all__ = ["StreamState"]
+__all__ = ["StreamState", "StreamOverrun"]
+
+DEFAULT_TOKEN_CAP = 1 << 20
+
+
+class StreamOverrun(Exception):
+    """A worker sent more token ids than the stream may carry: it ends with an error, never
+    resumed (what it would resume from is what the worker got wrong)."""
 
 
 @dataclass(slots=True)
@@ -41,11 +56,39 @@ class StreamState:
     the only ones whose continuation needs it)."""
     offset_base: int = 0
     """`text_chars` when the current continuation started: its text offsets count from 0."""
+    token_cap: int = DEFAULT_TOKEN_CAP
+    """Token ids a stream may carry when its request does not bound them (`max_tokens`)."""
+    content_sent: bool = False
+    """Whether any generated text or token has reached the client."""
+    untracked: bool = False
+    """A chunk carried text without its token ids: the delivered tokens are not known."""
+    restarted: bool = False
+    """The stream was restarted from the original request (nothing had been delivered): the
+    new worker's preamble (a chat role chunk) is not sent twice."""
+    ended: bool = False
+    """The router found a stop string the worker could not see (across a break): the
+    stream ends here, the worker's rest unread."""
+    stops: StopText | None = None
+
+    def __post_init__(self) -> None:
+        req = self.request
+        strings = stop_strings(req.body) if req.resumable else ()
+        if strings:
+            min_tokens = req.body.get("min_tokens")
+            self.stops = StopText(strings, include=not req.strip_stops,
+                                  min_tokens=min_tokens if isinstance(min_tokens, int) else 0)
 
     @property
     def started(self) -> bool:
         """Whether anything from a worker has reached the client."""
         return self.chunks > 0
+
+    def resumable_now(self) -> str | None:
+        """Why this stream cannot be continued elsewhere without replaying what the client
+        already has, or None when it can."""
+        if self.content_sent and (self.prompt_ids is None or self.untracked):
+            return "the worker did not return the token ids a resumption needs"
+        return None
 
     def continue_here(self) -> None:
         """A continuation's stream starts now: its chunks are rewritten from here on."""
@@ -66,30 +109,57 @@ class StreamState:
                 obj.get("model")
         keep = self.request.wants_token_ids
         prompt = obj.get("prompt_token_ids") if keep else obj.pop("prompt_token_ids", None)
+        content = False
         for choice in obj.get("choices") or ():
             if not isinstance(choice, dict):
                 continue
-            if self.request.logprobs is not None:  # only logprobs' text offsets need it
-                self._count_text(choice)
+            text = _content(choice)
+            self.text_chars += len(text)
             if "prompt_token_ids" in choice:
                 p = choice["prompt_token_ids"] if keep else choice.pop("prompt_token_ids")
                 prompt = p if p is not None else prompt
             ids = choice.get("token_ids") if keep else choice.pop("token_ids", None)
             if ids:
-                self.generated.extend(ids)
+                self._extend(ids)
+            elif text:
+                self.untracked = True
+            if self.stops is not None and choice.get("index", 0) == 0:
+                text = self._hold(choice, text, len(ids or ()))
+            content = content or bool(text) or bool(ids)
             if choice.get("finish_reason") is not None:
                 self.finish_reason = choice["finish_reason"]
         if prompt is not None and self.prompt_ids is None:
             self.prompt_ids = list(prompt)
         if obj.get("usage") is not None:
             self.usage_sent = True
+        if self.restarted:
+            if not content and not self.content_sent and self.finish_reason is None:
+                return None  # the restarted worker's preamble: the client has it
+            obj["id"] = self.chunk_id  # one stream, one id
+        self.content_sent = self.content_sent or content
         return obj
 
-    def _count_text(self, choice: dict[str, Any]) -> None:
-        delta = choice.get("delta")
-        text = delta.get("content") if isinstance(delta, dict) else choice.get("text")
-        if isinstance(text, str):
-            self.text_chars += len(text)
+    def _extend(self, ids: list[int]) -> None:
+        self.generated.extend(ids)
+        limit = self.request.max_tokens if self.request.max_tokens is not None \
+            else self.token_cap
+        if len(self.generated) > limit:
+            raise StreamOverrun(f"the worker sent {len(self.generated)} tokens, more than "
+                                f"the {limit} the stream may carry")
+
+    def _hold(self, choice: dict[str, Any], text: str, tokens: int) -> str:
+        """Apply the router's stop-string handling to one choice; returns its new text."""
+        assert self.stops is not None
+        emitted = self.stops.feed(text, tokens)
+        out = emitted.text
+        finish = choice.get("finish_reason")
+        if emitted.stop is not None:
+            choice["finish_reason"], choice["stop_reason"] = "stop", emitted.stop
+            self.ended = finish is None  # the worker goes on: its stream is cut here
+        elif finish is not None:
+            out += self.stops.finish(choice.get("stop_reason"))
+        _set_content(choice, out)
+        return out
 
     def usage(self) -> dict[str, int]:
         prompt = len(self.prompt_ids or ())
@@ -116,12 +186,16 @@ class StreamState:
             return None
         choice = choices[0]
         ids = choice.get("token_ids") or []
-        self.generated.extend(ids)
+        self._extend(ids)
         text = choice.get("text") or ""
+        raw_chars = len(text)
+        if self.stops is not None:
+            text = self._hold(choice, text, len(ids))
         finish = choice.get("finish_reason")
         if finish is not None:
             self.finish_reason = finish
         if not text and not ids and finish is None:
+            self.text_chars += raw_chars
             return None
         out: dict[str, Any]
         logprobs = choice.get("logprobs") if self.request.logprobs is not None else None
@@ -133,11 +207,30 @@ class StreamState:
             out = {"index": 0, "text": text,
                    "logprobs": _shifted_logprobs(logprobs, self.offset_base),
                    "finish_reason": finish, "stop_reason": choice.get("stop_reason")}
-        self.text_chars += len(text)
+        if self.request.endpoint is Endpoint.CHAT and finish is not None:
+            out["stop_reason"] = choice.get("stop_reason")
+        self.text_chars += raw_chars
+        self.content_sent = True
         if self.request.wants_token_ids:
             out["token_ids"] = ids
         return {"id": self.chunk_id, "object": self._object(), "created": self.created,
                 "model": self.model, "choices": [out]}
+
+
+def _content(choice: dict[str, Any]) -> str:
+    """A choice's generated text: a chat delta's content, or a completion's text."""
+    delta = choice.get("delta")
+    text = delta.get("content") if isinstance(delta, dict) else choice.get("text")
+    return text if isinstance(text, str) else ""
+
+
+def _set_content(choice: dict[str, Any], text: str) -> None:
+    delta = choice.get("delta")
+    if isinstance(delta, dict):
+        if text or "content" in delta:
+            delta["content"] = text
+    else:
+        choice["text"] = text
 
 
 def _shifted_logprobs(logprobs: Any, chars_before: int) -> Any:
