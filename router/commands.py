@@ -22,6 +22,7 @@ from typing import Any
 
 from kvstore.errors import ConfigError
 from router.config import RouterConfig, parse_static_worker
+from router.continuation import config as continuation_config
 from router.policy import POLICIES, Thresholds, parse_weights
 from router.policy_file import load_policy_file, resolve_policy
 from router.workers import WorkerId
@@ -77,6 +78,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     serve.add_argument("--static-ttl", type=float, default=3.0, metavar="SECONDS")
     serve.add_argument("--replica-id", default=socket.gethostname())
     serve.add_argument("--log-level", default="INFO")
+    continuation_config.add_arguments(serve)
     serve.set_defaults(handler=_serve_command)
 
     worker = subparsers.add_parser("worker", help="register a vLLM server in etcd under a lease")
@@ -135,6 +137,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         block_size=args.block_size,
         static_workers=tuple(parse_static_worker(w, i) for i, w in enumerate(args.worker)),
         static_ttl_s=args.static_ttl, replica_id=args.replica_id,
+        continuation=continuation_config.from_args(args),
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvstore.errors import ConfigError
+from router.continuation.config import ContinuationConfig
 from router.policy import PolicySpec, policy_preset
 from router.workers import WorkerId
 
@@ -69,6 +70,8 @@ class RouterConfig:
     static_workers: tuple[StaticWorker, ...] = ()
     static_ttl_s: float = 3.0
     replica_id: str = ""
+    continuation: ContinuationConfig | None = None
+    """Stateful continuation's store (`router/continuation/`); None: off."""
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1024:

@@ -17,6 +17,7 @@ import aiohttp
 
 from router.agent import AgentConfig, WorkerAgent
 from router.config import RouterConfig
+from router.continuation import Continuations, ConversationRecords, StoreRecords
 from router.core import RouterCore
 from router.dispatch import Dispatcher
 from router.indexer.subscriber import KVEventSubscriber
@@ -33,8 +34,12 @@ log = logging.getLogger(__name__)
 
 
 class RouterService:
-    def __init__(self, config: RouterConfig, backend: StateBackend | None = None) -> None:
+    def __init__(self, config: RouterConfig, backend: StateBackend | None = None, *,
+                 records: ConversationRecords | None = None) -> None:
+        """`records`: where stateful continuation keeps conversations (default: the store
+        `config.continuation` names; neither: continuation is off)."""
         self.config = config
+        self._records = records
         self.backend: StateBackend = backend if backend is not None else (
             EtcdBackend(config.etcd_url, config.etcd_prefix) if config.etcd_url
             else MemoryBackend())
@@ -45,6 +50,7 @@ class RouterService:
         self.subscriber: KVEventSubscriber | None = None
         self.http: aiohttp.ClientSession | None = None
         self._dispatcher: Dispatcher | None = None
+        self.continuations: Continuations | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
     @property
@@ -78,6 +84,11 @@ class RouterService:
                 total=None, connect=cfg.connect_timeout_s, sock_read=cfg.stream_idle_timeout_s),
             unary_timeout=aiohttp.ClientTimeout(
                 total=cfg.request_timeout_s, connect=cfg.connect_timeout_s))
+        records = self._records
+        if records is None and cfg.continuation is not None:
+            records = StoreRecords(cfg.continuation.remote_spec(), cfg.continuation.tenant)
+        if records is not None:
+            self.continuations = Continuations(records, self.core, self.http)
         self.subscriber = KVEventSubscriber(self.core.blocks)
         self.core.registry.feeds = self.subscriber
         self._spawn(self.backend.follow_workers(self.core.registry), "follow-workers")
@@ -98,6 +109,8 @@ class RouterService:
                 await task
         self._tasks.clear()
         await self.background.close()
+        if self.continuations is not None:
+            await self.continuations.close()
         if self.subscriber is not None:
             await self.subscriber.close()
         if self.http is not None:
