@@ -72,6 +72,10 @@ class RouterConfig:
     replica_id: str = ""
     continuation: ContinuationConfig | None = None
     """Stateful continuation's store (`router/continuation/`); None: off."""
+    extproc_listen: str | None = None
+    """HOST:PORT of the Envoy ext_proc endpoint picker (`router/extproc/`); None: off."""
+    extproc_fallbacks: int = 2
+    """Stateful continuation's store (`router/continuation/`); None: off."""
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1024:

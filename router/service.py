@@ -51,6 +51,8 @@ class RouterService:
         self.http: aiohttp.ClientSession | None = None
         self._dispatcher: Dispatcher | None = None
         self.continuations: Continuations | None = None
+        self.extproc: Any = None
+        """The ext_proc endpoint picker (`router.extproc.server.ExtProcServer`) when on."""
         self._tasks: list[asyncio.Task[None]] = []
 
     @property
@@ -95,6 +97,13 @@ class RouterService:
         self._spawn(self.backend.follow_bindings(self.core.sessions), "follow-bindings")
         self._spawn(Scraper(self.core.pool, self.http, cfg.scrape_interval_s,
                             clock=self.core.clock).run(), "scraper")
+        if cfg.extproc_listen is not None:
+            from router.extproc.server import ExtProcServer  # the optional gateway extra
+
+            self.extproc = ExtProcServer(self.core, cfg.extproc_listen,
+                                         fallbacks=cfg.extproc_fallbacks,
+                                         max_body_bytes=cfg.max_body_bytes)
+            await self.extproc.start()
         for static in cfg.static_workers:
             agent = WorkerAgent(self.backend, AgentConfig(
                 static.worker_id, static.url, cfg.static_ttl_s, static.kv_events,
@@ -102,6 +111,8 @@ class RouterService:
             self._spawn(agent.run(), f"agent-{static.worker_id}")
 
     async def stop(self) -> None:
+        if self.extproc is not None:
+            await self.extproc.stop()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
