@@ -180,14 +180,16 @@ class RequestStream:
         for header in msg.headers.headers:
             if header.key == ":status":
                 self.status = int(_value(header) or 0)
-        self._note_served(request)
+        served = self._note_served(request)
         mutation = ep.HeaderMutation()
         pick = self.pick
         if pick is not None and pick.placement is not None:
             placement = pick.placement
+            worker = placement.worker if served is None else served
             mutation.set_headers.extend([
-                _set("x-kvkeep-worker", placement.worker),
-                _set("x-kvkeep-route", placement.label),
+                _set("x-kvkeep-worker", worker),
+                _set("x-kvkeep-route", placement.label if worker == placement.worker
+                     else "fallback"),
                 _set("x-kvkeep-restore", "1" if placement.restore_from is not None else "0")])
             if pick.creq is not None and pick.creq.session_id is not None:
                 mutation.set_headers.append(_set("x-kvkeep-session", pick.creq.session_id))
@@ -206,17 +208,20 @@ class RequestStream:
                         body=msg.body, end_of_stream=msg.end_of_stream)))))
         return ep.ProcessingResponse(response_body=ep.BodyResponse())
 
-    def _note_served(self, request: ep.ProcessingRequest) -> None:
+    def _note_served(self, request: ep.ProcessingRequest) -> str | None:
+        """The worker that served, when the data plane says and it is not the first pick."""
         served = _served(request)
         pick = self.pick
-        if served is None or pick is None or pick.placement is None:
-            return
-        if served != pick.endpoints[0]:
-            # Envoy fell back: the first pick failed to connect or answer.
-            first = pick.placement.worker
-            log.info("ext_proc: %s served instead of %s", served, first)
-            self.picker.core.pool.record_failure(first, hard=True)
-            self.finish(FAILED)
+        if served is None or pick is None or pick.placement is None \
+                or served == pick.endpoints[0]:
+            return None
+        # Envoy fell back: the first pick failed to connect or answer.
+        first = pick.placement.worker
+        log.info("ext_proc: %s served instead of %s", served, first)
+        self.picker.core.pool.record_failure(first, hard=True)
+        self.picker.core.metrics.upstream_failures.labels(first).inc()
+        self.finish(FAILED)
+        return self.picker.book.worker(served) or served
 
 
 def _served(request: ep.ProcessingRequest) -> str | None:
