@@ -92,6 +92,8 @@ class TurnRenderer:
             obj = None
         if status != 200 or not isinstance(obj, dict) or not _ids(obj.get("tokens")):
             message = _message(obj) or f"/tokenize answered {status}"
+            if status in (404, 405):  # a worker without /tokenize (not vLLM)
+                raise ContinuationUnsupported(f"the workers cannot render a new turn: {message}")
             if 400 <= status < 500:  # the new turn itself is wrong (bad messages, too long)
                 raise BadRequest(f"the new turn cannot be rendered: {message}")
             raise ContinuationUnsupported(f"the new turn cannot be rendered: {message}")
