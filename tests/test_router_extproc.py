@@ -235,6 +235,15 @@ def test_bad_requests_get_immediate_openai_errors(env: Env, body: bytes, session
     envoy.cancel()
 
 
+def test_a_body_mode_that_routes_before_the_body_is_refused(env: Env) -> None:
+    envoy = Envoy(env, body_mode=Mode.STREAMED)
+    envoy.send(request_headers=headers("/v1/chat/completions"))
+    immediate = envoy.recv().immediate_response
+    assert immediate.status.code == 500
+    assert "FULL_DUPLEX_STREAMED" in json.loads(immediate.body)["error"]["message"]
+    envoy.cancel()
+
+
 def test_saturated_workers_are_a_429_with_retry_after(env: Env) -> None:
     for worker in env.workers.values():
         worker.waiting = 10

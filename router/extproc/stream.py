@@ -1,7 +1,8 @@
 """One HTTP request's ext_proc stream: the phases Envoy sends and what the picker answers.
 
-Request phase. With a buffered body (`BUFFERED`, `STREAMED`: Envoy waits for each answer)
-the request headers are answered at once and the pick rides on the body's answer. In
+Request phase. With a `BUFFERED` body the request headers are answered at once and the pick
+rides on the body's answer (`STREAMED` and `BUFFERED_PARTIAL` choose the upstream before the
+body arrives, so they are refused with a 500 that says so). In
 `FULL_DUPLEX_STREAMED` (what the protocol requires an EPP to support) Envoy does not wait:
 the body's chunks are gathered, and after the last one the headers answer (with the pick)
 and the whole new body are sent. A request without a body is picked on its headers.
@@ -44,7 +45,10 @@ SERVED = "x-gateway-destination-endpoint-served"
 SUBSET = "x-gateway-destination-endpoint-subset"
 LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
-_FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+_Mode = processing_mode_pb2.ProcessingMode
+_FULL_DUPLEX = _Mode.FULL_DUPLEX_STREAMED
+_CANNOT_PICK = frozenset({_Mode.STREAMED, _Mode.BUFFERED_PARTIAL, _Mode.GRPC})
+_MODE_NAMES = {v: k for k, v in _Mode.BodySendMode.items()}
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 _MAX_BODY = 8 << 20
 _DUMPS = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
@@ -67,6 +71,7 @@ class RequestStream:
         self.max_body_bytes = max_body_bytes
         self.headers: dict[str, str] = {}
         self.body = bytearray()
+        self.body_mode = -1  # unknown until the data plane's protocol_config says
         self.full_duplex = False
         self.response_full_duplex = False
         self.subset: list[str] | None = None
@@ -87,6 +92,7 @@ class RequestStream:
         kind = request.WhichOneof("request")
         if request.HasField("protocol_config"):
             config = request.protocol_config
+            self.body_mode = config.request_body_mode
             self.full_duplex = config.request_body_mode == _FULL_DUPLEX
             self.response_full_duplex = config.response_body_mode == _FULL_DUPLEX
         self._read_metadata(request)
@@ -115,6 +121,11 @@ class RequestStream:
     # --- request ----------------------------------------------------------------------------
     async def _request_headers(self, msg: ep.HttpHeaders) -> list[ep.ProcessingResponse]:
         self.headers = {h.key.lower(): _value(h) for h in msg.headers.headers}
+        if self.body_mode in _CANNOT_PICK and not msg.end_of_stream:
+            # The upstream is chosen once the headers are answered, before the body: a pick
+            # could only ignore the body (model, session field, prompt). Refused, loudly.
+            raise RouterError(f"ext_proc request_body_mode {_MODE_NAMES[self.body_mode]} "
+                              "cannot carry a pick; use FULL_DUPLEX_STREAMED or BUFFERED")
         if msg.end_of_stream:
             await self._decide()
             return [self._headers_answer()]
