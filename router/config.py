@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from kvstore.errors import ConfigError
 from router.allowlist import WorkerAllowList, is_loopback
+from router.continuation.config import ContinuationConfig
 from router.limits import Limits
 from router.policy import PolicySpec, policy_preset
 from router.tenants import ApiKeys
@@ -79,6 +80,12 @@ class RouterConfig:
     replica_id: str = ""
     workers_allow: WorkerAllowList = field(default_factory=WorkerAllowList)
     limits: Limits = field(default_factory=Limits)
+    continuation: ContinuationConfig | None = None
+    """Stateful continuation's store (`router/continuation/`); None: off."""
+    extproc_listen: str | None = None
+    """HOST:PORT of the Envoy ext_proc endpoint picker (`router/extproc/`); None: off."""
+    extproc_fallbacks: int = 2
+    """Ranked fallback endpoints the ext_proc picker returns after its pick."""
 
     def __post_init__(self) -> None:
         if not self.api_keys and not is_loopback(self.host):

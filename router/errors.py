@@ -29,6 +29,8 @@ __all__ = [
     "UpstreamError",
     "UpstreamTooLarge",
     "StateUnavailable",
+    "HistoryUnavailable",
+    "ContinuationUnsupported",
 ]
 
 
@@ -154,3 +156,19 @@ class StateUnavailable(RouterError):
 
     status = 503
     error_type = "service_unavailable"
+
+
+class HistoryUnavailable(RouterError):
+    """A stateful continuation whose session history the store does not hold (never recorded,
+    expired, lost, or the store unreachable): the client must resend the whole history."""
+
+    status = 409
+    error_type = "history_unavailable"
+
+
+class ContinuationUnsupported(RouterError):
+    """Stateful continuation is off on this router, or the model's chat template cannot render
+    a turn as a continuation: the client must send the whole history."""
+
+    status = 501
+    error_type = "not_implemented_error"

@@ -39,9 +39,11 @@ from aiohttp import web
 from kvstore.keys import SessionId
 from router.admission import admit
 from router.api import SESSION_HEADER, ClientRequest, Endpoint, parse_request
+from router.continuation import CONTINUE_HEADER, HISTORY_HEADER, TurnEnd, asks_continuation
 from router.decision import Placement
 from router.dispatch import Attempt
 from router.errors import (
+    ContinuationUnsupported,
     Forbidden,
     MethodNotAllowed,
     ModelNotFound,
@@ -54,6 +56,7 @@ from router.hooks import FAILED, Outcome
 from router.metrics import CONTENT_TYPE_LATEST
 from router.service import RouterService
 from router.streaming.continuation import relay_stream
+from router.streaming.state import StreamState
 from router.tenants import DEFAULT_TENANT, OPERATOR
 from router.upstream import absorb_unary
 from router.workers import WorkerId
@@ -190,6 +193,11 @@ class Proxy:
                      request[_TENANT], salted=bool(self.service.config.api_keys))
         if creq.model not in self.service.core.models():
             raise ModelNotFound(f"The model `{creq.model}` does not exist.", param="model")
+        if asks_continuation(creq, request.headers.get(CONTINUE_HEADER)):
+            if self.service.continuations is None:
+                raise ContinuationUnsupported("stateful continuation is off on this router "
+                                              "(--continuation); send the whole history")
+            creq = await self.service.continuations.rebuild(creq)
         started = time.perf_counter()
         try:
             if creq.stream:
@@ -205,6 +213,7 @@ class Proxy:
         attempt = await dispatcher.send(creq, tried, stream=False)
         headers = _headers(creq, attempt.placement, failover=bool(tried))
         data, outcome = attempt.data, FAILED
+        end: TurnEnd | None = None
         try:
             if attempt.status == 200 and attempt.content_type == "application/json":
                 try:
@@ -217,8 +226,16 @@ class Proxy:
                     data = _DUMPS(obj).encode()
                     outcome = Outcome(ok=True, prompt_tokens=reply.prompt_tokens,
                                       output_tokens=reply.output_tokens)
+                    end = TurnEnd.of_reply(obj)
         finally:
             dispatcher.finish(attempt, outcome)
+        continuations = self.service.continuations
+        if end is not None and continuations is not None:
+            # Before the reply: a continuation sent the moment it arrives finds this turn.
+            history = await continuations.record(creq, outcome.prompt_tokens,
+                                                 outcome.output_tokens, end)
+            if history is not None:
+                headers[HISTORY_HEADER] = str(history)
         return _reply(attempt, data, headers)
 
     async def _stream(self, request: web.Request, creq: ClientRequest) -> web.StreamResponse:
@@ -237,8 +254,17 @@ class Proxy:
         except BaseException:
             dispatcher.close(attempt)
             raise
+        continuations = self.service.continuations
+
+        async def record(state: StreamState) -> dict[str, Any]:
+            if continuations is None:
+                return {}
+            history = await continuations.record(creq, state.prompt_ids, state.generated,
+                                                 TurnEnd(state.finish_reason, state.stop_reason))
+            return {} if history is None else {"history_tokens": history}
+
         await relay_stream(dispatcher, creq, attempt, out, tried,
-                           max_resumes=self.service.config.max_resumes)
+                           max_resumes=self.service.config.max_resumes, on_end=record)
         return out
 
 

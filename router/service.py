@@ -17,6 +17,7 @@ import aiohttp
 
 from router.agent import AgentConfig, WorkerAgent
 from router.config import RouterConfig
+from router.continuation import Continuations, ConversationRecords, StoreRecords
 from router.core import RouterCore
 from router.dispatch import Dispatcher
 from router.indexer.subscriber import KVEventSubscriber
@@ -33,8 +34,12 @@ log = logging.getLogger(__name__)
 
 
 class RouterService:
-    def __init__(self, config: RouterConfig, backend: StateBackend | None = None) -> None:
+    def __init__(self, config: RouterConfig, backend: StateBackend | None = None, *,
+                 records: ConversationRecords | None = None) -> None:
+        """`records`: where stateful continuation keeps conversations (default: the store
+        `config.continuation` names; neither: continuation is off)."""
         self.config = config
+        self._records = records
         self.backend: StateBackend = backend if backend is not None else (
             EtcdBackend(config.etcd_url, config.etcd_prefix) if config.etcd_url
             else MemoryBackend())
@@ -47,6 +52,9 @@ class RouterService:
         self.subscriber: KVEventSubscriber | None = None
         self.http: aiohttp.ClientSession | None = None
         self._dispatcher: Dispatcher | None = None
+        self.continuations: Continuations | None = None
+        self.extproc: Any = None
+        """The ext_proc endpoint picker (`router.extproc.server.ExtProcServer`) when on."""
         self._tasks: list[asyncio.Task[None]] = []
 
     @property
@@ -85,6 +93,11 @@ class RouterService:
                 total=None, connect=cfg.connect_timeout_s, sock_read=cfg.stream_idle_timeout_s),
             unary_timeout=aiohttp.ClientTimeout(
                 total=cfg.request_timeout_s, connect=cfg.connect_timeout_s))
+        records = self._records
+        if records is None and cfg.continuation is not None:
+            records = StoreRecords(cfg.continuation.remote_spec(), cfg.continuation.tenant)
+        if records is not None:
+            self.continuations = Continuations(records, self.core, self.http)
         dropped = self.metrics.kv_events_dropped
         self.subscriber = KVEventSubscriber(
             self.core.blocks, cfg.limits,
@@ -94,6 +107,13 @@ class RouterService:
         self._spawn(self.backend.follow_bindings(self.core.sessions), "follow-bindings")
         self._spawn(Scraper(self.core.pool, self.http, cfg.scrape_interval_s,
                             clock=self.core.clock).run(), "scraper")
+        if cfg.extproc_listen is not None:
+            from router.extproc.server import ExtProcServer  # the optional gateway extra
+
+            self.extproc = ExtProcServer(self.core, cfg.extproc_listen,
+                                         fallbacks=cfg.extproc_fallbacks,
+                                         max_body_bytes=cfg.max_body_bytes)
+            await self.extproc.start()
         for static in cfg.static_workers:
             agent = WorkerAgent(self.backend, AgentConfig(
                 static.worker_id, static.url, cfg.static_ttl_s, static.kv_events,
@@ -101,6 +121,8 @@ class RouterService:
             self._spawn(agent.run(), f"agent-{static.worker_id}")
 
     async def stop(self) -> None:
+        if self.extproc is not None:
+            await self.extproc.stop()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -108,6 +130,8 @@ class RouterService:
                 await task
         self._tasks.clear()
         await self.background.close()
+        if self.continuations is not None:
+            await self.continuations.close()
         if self.subscriber is not None:
             await self.subscriber.close()
         if self.http is not None:

@@ -10,7 +10,7 @@ from typing import Any
 
 import aiohttp
 
-from router.api import ClientRequest
+from router.api import ClientRequest, Endpoint
 from router.decision import Placement
 from router.kv_params import client_kv_params
 from router.workers import WorkerId
@@ -57,6 +57,10 @@ def upstream_body(creq: ClientRequest, placement: Placement) -> dict[str, Any]:
         # prefix; they are stripped from the reply unless the client asked.
         body["return_token_ids"] = True
     params = kv_transfer_params(creq, placement)
+    if creq.endpoint is Endpoint.CHAT and creq.prompt_tokens is not None:
+        # A stateful continuation (router/continuation/): vLLM takes the rebuilt prompt's ids
+        # as they are instead of rendering `messages`.
+        params = {**(params or {}), "prompt_token_ids": list(creq.prompt_tokens)}
     if params is not None:
         body["kv_transfer_params"] = params
     return body

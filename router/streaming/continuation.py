@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -74,14 +75,17 @@ def _delivered(state: StreamState) -> Outcome:
 
 
 async def relay_stream(dispatcher: Dispatcher, creq: ClientRequest, attempt: Attempt,
-                       out: web.StreamResponse, tried: set[WorkerId], *, max_resumes: int
+                       out: web.StreamResponse, tried: set[WorkerId], *, max_resumes: int,
+                       on_end: Callable[[StreamState], Awaitable[dict[str, Any]]] | None = None
                        ) -> None:
     """Relay the open stream of `attempt` to `out` (already prepared) until its end,
     resuming it elsewhere up to `max_resumes` times, and end `out`.
 
     A stream that cannot be resumed (not resumable, too many breaks, no worker left) ends with
     an error event. A client that leaves ends it at once (its exception propagates) and frees
-    the worker.
+    the worker. `on_end` runs when the stream ended whole, before its last bytes are sent
+    (stateful continuation records the conversation there); what it returns joins the
+    summary comment.
     """
     metrics = dispatcher.core.metrics
     limits = dispatcher.limits
@@ -132,9 +136,10 @@ async def relay_stream(dispatcher: Dispatcher, creq: ClientRequest, attempt: Att
         else:
             if creq.include_usage and not state.usage_sent and state.chunk_id is not None:
                 end.append(sse(state.usage_chunk()))
+            extra = await on_end(state) if on_end is not None else {}
             end.append(note({"worker": attempt.worker, "route": attempt.placement.label,
                              "resumed_on": resumed_on, "failover": bool(tried),
-                             "completion_tokens": len(state.generated)}))
+                             "completion_tokens": len(state.generated), **extra}))
             dispatcher.finish(attempt, _delivered(state))
         end.append(b"data: [DONE]\n\n")
         # One write (and one wake-up of the client) for the summary, [DONE] and the

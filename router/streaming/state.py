@@ -44,6 +44,7 @@ class StreamState:
     prompt_ids: list[int] | None = None
     generated: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
     done: bool = False
     usage_sent: bool = False
     chunk_id: str | None = None
@@ -128,6 +129,7 @@ class StreamState:
             content = content or bool(text) or bool(ids)
             if choice.get("finish_reason") is not None:
                 self.finish_reason = choice["finish_reason"]
+                self.stop_reason = choice.get("stop_reason")
         if prompt is not None and self.prompt_ids is None:
             self.prompt_ids = list(prompt)
         if obj.get("usage") is not None:
@@ -194,6 +196,7 @@ class StreamState:
         finish = choice.get("finish_reason")
         if finish is not None:
             self.finish_reason = finish
+            self.stop_reason = choice.get("stop_reason")
         if not text and not ids and finish is None:
             self.text_chars += raw_chars
             return None

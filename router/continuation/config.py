@@ -1,0 +1,84 @@
+"""Stateful continuation's configuration and its `kvkeep router serve` flags.
+
+    --continuation                      keep each session's conversation in the kvkeep store
+    --store-etcd URL                    where the daemons register (default: --etcd)
+    --store-daemon ID=HOST:PORT         or list them (repeatable)
+    --store-token-file FILE             bearer token of the daemons (first line)
+    --store-tenant NAME                 the store tenant the records live under (default)
+    --store-replicas N                  daemons each record is written to (2)
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from kvstore.errors import ConfigError, InvalidKey
+from kvstore.keys import validate_name
+from kvstore.tiers.factory import RemoteSpec
+
+__all__ = ["ContinuationConfig", "add_arguments", "from_args"]
+
+
+@dataclass(frozen=True, slots=True)
+class ContinuationConfig:
+    """Where conversation records live: the daemons (through etcd or listed), the token that
+    grants `tenant`, and how many daemons hold each record."""
+
+    etcd: str | None = None
+    daemons: tuple[tuple[str, str], ...] = ()
+    token_file: str | None = None
+    tenant: str = "default"
+    replicas: int = 2
+    timeout_s: float = 1.0
+    etcd_prefix: str | None = None
+
+    def __post_init__(self) -> None:
+        try:
+            validate_name(self.tenant, "store tenant")
+        except InvalidKey as exc:
+            raise ConfigError(str(exc)) from exc
+
+    def remote_spec(self) -> RemoteSpec:
+        return RemoteSpec(etcd=self.etcd, prefix=self.etcd_prefix, replicas=self.replicas,
+                          daemons=self.daemons, timeout_s=self.timeout_s,
+                          token_file=self.token_file, name="conversations")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("stateful continuation")
+    group.add_argument("--continuation", action="store_true",
+                       help="keep each session's conversation (token ids) in the kvkeep store "
+                            "so a client may send only the new turn")
+    group.add_argument("--store-etcd", default=None, metavar="URL",
+                       help="etcd the kvstore daemons register in (default: --etcd)")
+    group.add_argument("--store-daemon", action="append", default=[], metavar="ID=HOST:PORT",
+                       help="a kvstore daemon, instead of discovery through etcd (repeatable)")
+    group.add_argument("--store-token-file", default=None, metavar="FILE",
+                       help="file whose first line is the daemons' bearer token")
+    group.add_argument("--store-tenant", default="default",
+                       help="store tenant of the records (the token must grant it)")
+    group.add_argument("--store-replicas", type=int, default=2)
+    group.add_argument("--store-timeout", type=float, default=1.0, metavar="SECONDS")
+
+
+def from_args(args: argparse.Namespace) -> ContinuationConfig | None:
+    if not args.continuation:
+        if args.store_etcd or args.store_daemon or args.store_token_file:
+            raise ConfigError("--store-* flags need --continuation")
+        return None
+    daemons = []
+    for spec in args.store_daemon:
+        node, sep, address = str(spec).partition("=")
+        if not sep or not node or ":" not in address:
+            raise ConfigError(f"--store-daemon must be ID=HOST:PORT, not {spec!r}")
+        daemons.append((node, address))
+    etcd = None if daemons else (args.store_etcd or args.etcd)
+    if etcd is None and not daemons:
+        raise ConfigError("--continuation needs the kvstore daemons: --store-etcd, "
+                          "--store-daemon, or --etcd")
+    config = ContinuationConfig(etcd=etcd, daemons=tuple(daemons),
+                                token_file=args.store_token_file, tenant=args.store_tenant,
+                                replicas=args.store_replicas, timeout_s=args.store_timeout)
+    config.remote_spec()  # checked now: a bad flag stops the router at start
+    return config
