@@ -57,7 +57,7 @@ from router.metrics import CONTENT_TYPE_LATEST
 from router.service import RouterService
 from router.streaming.continuation import relay_stream
 from router.streaming.state import StreamState
-from router.tenants import DEFAULT_TENANT, OPERATOR
+from router.tenants import DEFAULT_TENANT, OPERATOR, bearer_tenant
 from router.upstream import absorb_unary
 from router.workers import WorkerId
 
@@ -126,9 +126,7 @@ class Proxy:
         keys = self.service.config.api_keys
         tenant = DEFAULT_TENANT
         if keys and request.path.startswith(("/v1/", "/kvkeep/")):
-            given = request.headers.get("Authorization", "")
-            scheme, _, token = given.strip().partition(" ")
-            found = keys.tenant_of(token.strip()) if scheme.lower() == "bearer" else None
+            found = bearer_tenant(keys, request.headers.get("Authorization"))
             if found is None:
                 raise Unauthorized("invalid or missing API key")
             tenant = found

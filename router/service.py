@@ -112,7 +112,8 @@ class RouterService:
 
             self.extproc = ExtProcServer(self.core, cfg.extproc_listen,
                                          fallbacks=cfg.extproc_fallbacks,
-                                         max_body_bytes=cfg.max_body_bytes)
+                                         max_body_bytes=cfg.max_body_bytes,
+                                         api_keys=cfg.api_keys)
             await self.extproc.start()
         for static in cfg.static_workers:
             agent = WorkerAgent(self.backend, AgentConfig(

@@ -108,3 +108,14 @@ class ApiKeys:
         if not key:
             return None
         return self._by_digest.get(_digest(key))
+
+
+def bearer_tenant(keys: ApiKeys | None, authorization: str | None) -> str | None:
+    """The tenant an `Authorization: Bearer KEY` header names: the default tenant when no keys
+    are configured, None when keys are configured and the header names none of them. One rule
+    for the HTTP front and the Envoy ext_proc picker (which sees the client's headers)."""
+    if not keys:
+        return DEFAULT_TENANT
+    scheme, _, token = (authorization or "").strip().partition(" ")
+    return keys.tenant_of(token.strip()) if scheme.lower() == "bearer" else None
+

@@ -274,3 +274,44 @@ def test_health_names(env: Env) -> None:
     with pytest.raises(grpc.RpcError) as err:
         check(health_pb2.HealthCheckRequest(service="nope"), timeout=5)
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_api_keys_apply_in_ext_proc_mode_too(env: Env) -> None:
+    """With API keys, the picker maps Envoy's forwarded Authorization header to a tenant as the
+    HTTP front does: no key or a wrong one is a 401, never a pick; a good key picks."""
+    from router.tenants import ApiKeys
+
+    keys = ApiKeys({"alice-key-0123456789": "alice"})
+    port = free_port()
+    config = RouterConfig(port=free_port(), api_keys=keys, static_workers=tuple(
+        StaticWorker(WorkerId(w), fw.url) for w, fw in env.workers.items()),
+        static_ttl_s=30.0, extproc_listen=f"127.0.0.1:{port}", scrape_interval_s=0.1)
+    router = RouterHandle(env.lt, config).start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    keyed = Env(env.lt, env.workers, router, channel)
+    try:
+        assert router.service is not None
+        core = router.service.core
+        wait_until(lambda: len(core.workers()) == 3, timeout=15)
+        for auth in ({}, {"authorization": "Bearer wrong-key-0123456789"}):
+            envoy = Envoy(keyed)
+            envoy.send(request_headers=headers("/v1/chat/completions", **auth))
+            envoy.recv()
+            envoy.send(request_body=ep.HttpBody(body=_body(CHAT), end_of_stream=True))
+            answer = envoy.recv()
+            assert answer.immediate_response.status.code == 401, auth
+            envoy.cancel()
+        envoy = Envoy(keyed)
+        envoy.send(request_headers=headers("/v1/chat/completions",
+                                           authorization="Bearer alice-key-0123456789"))
+        envoy.recv()
+        envoy.send(request_body=ep.HttpBody(body=_body(CHAT), end_of_stream=True))
+        answer = envoy.recv()
+        assert answer.WhichOneof("response") == "request_body"
+        picked = set_headers(answer.request_body.response)
+        assert picked["x-gateway-destination-endpoint"].split(",")[0] in {
+            keyed.endpoint(w) for w in env.workers}
+        envoy.cancel()
+    finally:
+        channel.close()
+        router.stop()

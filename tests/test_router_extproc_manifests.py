@@ -58,7 +58,7 @@ def test_pool_route_and_picker_fit_together() -> None:
         ("inference.networking.k8s.io", "InferencePool", "kvkeep-pool")
 
 
-def test_the_picker_command_line_is_the_real_cli() -> None:
+def test_the_picker_command_line_is_the_real_cli(tmp_path: Path) -> None:
     pytest.importorskip("envoy.service.ext_proc.v3.external_processor_pb2",
                         reason="--extproc-listen needs the gateway extra (xds-protos)")
     docs = _docs(GATEWAY)
@@ -69,6 +69,13 @@ def test_the_picker_command_line_is_the_real_cli() -> None:
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     assert container["command"] == ["kvkeep"]
     args = [a.replace(k, v) for a in container["args"] for k, v in POD_ENV.items()]
+    # The key file the Secret mounts (deploy/k8s/router.yaml defines it): a network listen
+    # needs API keys, in ext_proc mode too.
+    mount = next(m["mountPath"] for m in container["volumeMounts"] if m["name"] == "api-keys")
+    keys = tmp_path / "api-keys"
+    keys.write_text("example-key-0123456789 team-a\n")
+    args = [str(keys) if a == f"{mount}/api-keys" else a for a in args]
+    assert str(keys) in args
     parsed = build_parser().parse_args(args)
     config = config_from_args(parsed)
     host, _, port = (config.extproc_listen or "").rpartition(":")
@@ -76,6 +83,8 @@ def test_the_picker_command_line_is_the_real_cli() -> None:
     assert int(port) in {p["containerPort"] for p in container["ports"]}
     assert int(port) == service["spec"]["ports"][0]["targetPort"]
     assert config.etcd_url is not None  # state shared with the other replicas
+    assert config.api_keys is not None
+    assert config.api_keys.tenant_of("example-key-0123456789") == "team-a"
     for probe in ("readinessProbe", "livenessProbe"):
         assert container[probe]["grpc"]["port"] == int(port)
     assert {container[p]["grpc"]["service"] for p in ("readinessProbe", "livenessProbe")} == \

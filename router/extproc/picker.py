@@ -18,12 +18,14 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from router.admission import admit
 from router.api import SESSION_HEADER, ClientRequest, Endpoint, parse_request
 from router.core import RouterCore
 from router.decision import Placement, RouteRequest
-from router.errors import ModelNotFound, NoHealthyWorker, RouterError
+from router.errors import ModelNotFound, NoHealthyWorker, RouterError, Unauthorized
 from router.extproc.endpoints import EndpointBook
 from router.hooks import FAILED
+from router.tenants import ApiKeys, bearer_tenant
 from router.upstream import kv_transfer_params
 from router.workers import WorkerId, WorkerState
 
@@ -46,7 +48,9 @@ class Pick:
 
 
 class EndpointPicker:
-    def __init__(self, core: RouterCore, *, fallbacks: int = 2) -> None:
+    def __init__(self, core: RouterCore, *, fallbacks: int = 2,
+                 api_keys: ApiKeys | None = None) -> None:
+        self.api_keys = api_keys
         self.core = core
         self.fallbacks = fallbacks
         self.book = EndpointBook()
@@ -54,11 +58,16 @@ class EndpointPicker:
     async def pick(self, method: str, path: str, headers: dict[str, str], body: bytes,
                    subset: Sequence[str] | None) -> Pick:
         """Raises a `RouterError` (its status goes back as an immediate response)."""
+        # Envoy passes the client's headers: the same API keys and tenants as the HTTP front.
+        tenant = bearer_tenant(self.api_keys, _header(headers, "authorization"))
+        if tenant is None:
+            raise Unauthorized("invalid or missing API key")
         allowed = await self._allowed(subset)
         endpoint = _GENERATION.get(path.split("?", 1)[0])
         if method != "POST" or endpoint is None:
             return Pick(await self._least_loaded(allowed), None, None, None)
-        creq = parse_request(endpoint, body, _header(headers, SESSION_HEADER))
+        creq = admit(parse_request(endpoint, body, _header(headers, SESSION_HEADER)), tenant,
+                     salted=bool(self.api_keys))
         if creq.model not in self.core.models():
             raise ModelNotFound(f"The model `{creq.model}` does not exist.", param="model")
         exclude = frozenset(w for w in self._ids() if w not in allowed)

@@ -21,6 +21,7 @@ from proto.gen import health_pb2
 from router.core import RouterCore
 from router.extproc.picker import EndpointPicker
 from router.extproc.stream import RequestStream
+from router.tenants import ApiKeys
 
 __all__ = ["ExtProcServer", "EXTPROC_SERVICE", "HEALTH_NAMES"]
 
@@ -47,9 +48,9 @@ class ExtProcServer:
     """Listens on `address` (HOST:PORT) until `stop`."""
 
     def __init__(self, core: RouterCore, address: str, *, fallbacks: int = 2,
-                 max_body_bytes: int = 8 << 20) -> None:
+                 max_body_bytes: int = 8 << 20, api_keys: ApiKeys | None = None) -> None:
         self.address = address
-        self.picker = EndpointPicker(core, fallbacks=fallbacks)
+        self.picker = EndpointPicker(core, fallbacks=fallbacks, api_keys=api_keys)
         self._processor = _Processor(self.picker, max_body_bytes)
         self._server: Any = None
         self.port = 0

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
@@ -104,7 +105,7 @@ class RequestStream:
         except RouterError as exc:
             return [_immediate(exc)]
         if kind == "response_headers":
-            return [self._response_headers(request)]
+            return [await self._response_headers(request)]
         if kind == "response_body":
             return [self._response_body(request.response_body)]
         if kind == "request_trailers":
@@ -186,7 +187,7 @@ class RequestStream:
             self.subset = [v.string_value for v in listed]
 
     # --- response ---------------------------------------------------------------------------
-    def _response_headers(self, request: ep.ProcessingRequest) -> ep.ProcessingResponse:
+    async def _response_headers(self, request: ep.ProcessingRequest) -> ep.ProcessingResponse:
         msg = request.response_headers
         for header in msg.headers.headers:
             if header.key == ":status":
@@ -194,6 +195,12 @@ class RequestStream:
         served = self._note_served(request)
         mutation = ep.HeaderMutation()
         pick = self.pick
+        if (pick is not None and pick.placement is not None and served is None
+                and 200 <= self.status < 300 and pick.placement.pending):
+            # The worker accepted: a new session is bound now, as the HTTP front binds it
+            # (never for a request no worker took; router-trust's bind-on-accept rule).
+            _, placement = await self.picker.core.accepted(pick.placement)
+            self.pick = pick = replace(pick, placement=placement)
         if pick is not None and pick.placement is not None:
             placement = pick.placement
             worker = placement.worker if served is None else served
