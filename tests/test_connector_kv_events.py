@@ -31,6 +31,8 @@ from tests.services import free_port
 pytestmark = pytest.mark.slow
 
 PROMPTS = random_prompts(3, [70, 130, 200], seed=7)
+(SALTED,) = random_prompts(1, [100], seed=8)
+SALT = "tenant-x-salt"
 
 
 def _collect(sock: zmq.Socket[bytes], subscriber: KVEventSubscriber, worker: WorkerId,
@@ -76,6 +78,10 @@ def test_checkpointed_prefixes_reach_the_router_index(tiny: TinyModel, tmp_path:
                 seed += 1
             _collect(sock, subscriber, WorkerId("w1"))
             generate(llm, PROMPTS, 8)
+            # A tenant's salted prompt (as the router sends it with API keys).
+            from vllm import SamplingParams
+            llm.generate([{"prompt_token_ids": SALTED, "cache_salt": SALT}],
+                         SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
             # vLLM's own events for its device cache are there too: clear them, so that what
             # is left in the index is the store's alone.
             llm.reset_prefix_cache()
@@ -91,6 +97,13 @@ def test_checkpointed_prefixes_reach_the_router_index(tiny: TinyModel, tmp_path:
                 assert got == {SHARED: pytest.approx(0.5 * full)}
             else:  # only this worker's node holds them, as storage
                 assert got == {"w1": pytest.approx(0.5 * full)}
+        # The salted prompt's store blocks match it under its tenant's salt only.
+        salted_full = len(SALTED) // BLOCK_SIZE
+        owner = SHARED if where == "shared" else "w1"
+        assert index.match(index.keys_for(SALTED, SALT)) == {
+            owner: pytest.approx(0.5 * salted_full)}
+        assert index.match(index.keys_for(SALTED)) == {}
+        assert index.match(index.keys_for(SALTED, "another-salt")) == {}
         # A prompt nobody stored matches nothing.
         (other,) = random_prompts(1, [96], seed=99)
         assert index.match(index.keys_for(other)) == {}

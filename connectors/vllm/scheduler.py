@@ -388,14 +388,28 @@ class SchedulerSide:
         if self._event_medium is None or tracked.saved_prefix <= tracked.published_blocks:
             return
         from vllm.distributed.kv_events import BlockStored
-        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+        from vllm.v1.core.kv_cache_utils import (
+            generate_block_hash_extra_keys,
+            maybe_convert_block_hash,
+            to_event_extra_keys,
+        )
 
         request = tracked.request
         count = min(tracked.saved_prefix, len(request.block_hashes))
+        # The extra keys vLLM hashed each block with (a tenant's cache_salt roots the first),
+        # published as vLLM publishes its own: without them a salted request's store-held
+        # blocks would never match it in the router's index.
+        extra: list[tuple[Any, ...] | None] = []
+        mm_index = 0
+        for i in range(count):
+            keys, mm_index = generate_block_hash_extra_keys(
+                request, i * self._bs, (i + 1) * self._bs, mm_index)
+            extra.append(keys)
         self._events.append(BlockStored(
             block_hashes=[maybe_convert_block_hash(h) for h in request.block_hashes[:count]],
             parent_block_hash=None, token_ids=list(request.all_token_ids[:count * self._bs]),
-            block_size=self._bs, lora_id=None, medium=self._event_medium, lora_name=None))
+            block_size=self._bs, lora_id=None, medium=self._event_medium, lora_name=None,
+            extra_keys=to_event_extra_keys(extra)))
         tracked.published_blocks = count
         self._counters.add(Counter.PUBLISHED_BLOCKS, count)
 
