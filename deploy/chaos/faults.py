@@ -52,6 +52,8 @@ class FaultRecord:
     """When the scenario asked for it (seconds after the load started)."""
     started_s: float | None = None
     """When it struck (after waiting for a live stream or for writes, where it waits)."""
+    started_wall: str | None = None
+    """The same instant on the wall clock, to find it in the cluster's logs."""
     ended_s: float | None = None
     target: str | None = None
     detail: str = ""
@@ -149,9 +151,9 @@ class Schedule:
     """Fires every fault at its time on a thread of its own; `join` waits for all to end."""
 
     def __init__(self, faults: tuple[AnyFault, ...], ctx: FaultContext) -> None:
-        self._faults = sorted(faults, key=lambda f: f.at)
+        self.faults = sorted(faults, key=lambda f: f.at)
         self._ctx = ctx
-        self.records = [FaultRecord(kind=_kind(f), at_s=f.at) for f in self._faults]
+        self.records = [FaultRecord(kind=_kind(f), at_s=f.at) for f in self.faults]
         self._threads: list[threading.Thread] = []
         self._timer = threading.Thread(target=self._fire_all, name="chaos-schedule", daemon=True)
 
@@ -166,7 +168,7 @@ class Schedule:
         return not self._timer.is_alive() and not any(t.is_alive() for t in self._threads)
 
     def _fire_all(self) -> None:
-        for fault, record in zip(self._faults, self.records, strict=True):
+        for fault, record in zip(self.faults, self.records, strict=True):
             time.sleep(max(0.0, self._ctx.t0 + fault.at - time.monotonic()))
             thread = threading.Thread(target=self._run, args=(fault, record),
                                       name=f"chaos-{record.kind}", daemon=True)
@@ -201,6 +203,8 @@ def _kind(fault: AnyFault) -> str:
 def _strike(record: FaultRecord, ctx: FaultContext, target: str) -> None:
     record.target = target
     record.started_s = ctx.rel()
+    record.started_wall = time.strftime("%H:%M:%S", time.localtime()) + \
+        f".{int(time.time() * 1000) % 1000:03d}"
     ctx.say(f"*** {record.kind} {target} at {record.started_s:.1f}s ***")
 
 
@@ -293,7 +297,7 @@ def _kill_router(f: KillRouter, record: FaultRecord, ctx: FaultContext) -> None:
 def _pause_etcd(f: PauseEtcd, record: FaultRecord, ctx: FaultContext) -> None:
     ctx.pick("etcd", ["etcd"], keep_one=False)
     _strike(record, ctx, "etcd")
-    before = ctx.cluster.alive_workers()
+    before = _usable_everywhere(ctx)
     ctx.cluster.signal_etcd(signal.SIGSTOP)
     try:
         time.sleep(f.duration)
@@ -309,7 +313,7 @@ def _pause_etcd(f: PauseEtcd, record: FaultRecord, ctx: FaultContext) -> None:
 def _restart_etcd(f: RestartEtcd, record: FaultRecord, ctx: FaultContext) -> None:
     ctx.pick("etcd", ["etcd"], keep_one=False)
     _strike(record, ctx, "etcd")
-    before = ctx.cluster.alive_workers()
+    before = _usable_everywhere(ctx)
     ctx.cluster.signal_etcd(signal.SIGKILL)
     time.sleep(f.down_for)
     back = time.monotonic()
@@ -323,8 +327,14 @@ def _restart_etcd(f: RestartEtcd, record: FaultRecord, ctx: FaultContext) -> Non
                         else "every worker stayed registered"))
 
 
+def _usable_everywhere(ctx: FaultContext) -> list[str]:
+    views = ctx.routers_usable()
+    return sorted(set.intersection(*views)) if views else []
+
+
 def _watch_registrations(ctx: FaultContext, workers: list[str], seconds: float) -> set[str]:
-    """Workers (alive throughout) some router stopped counting usable in the next seconds."""
+    """Workers (alive throughout) some router stopped counting usable in the next seconds
+    (polled every 0.1 s: a shorter absence shows in the registration watch only)."""
     dropped: set[str] = set()
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:

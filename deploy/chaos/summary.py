@@ -13,6 +13,9 @@
   would show. `corrupt_blocks_detected` (the daemons' own counters) says the corruption was
   met at all.
 - `restored_tokens`, `recomputed_tokens`: vLLM's counters on the workers (see `counters.py`).
+- `registrations_lost`: every worker or daemon registration that left etcd (`registrations.py`);
+  `unexplained_registration_losses`: those of a part no fault had killed or cut off, a finding
+  (routers then treat a live worker as dead), reported without failing the run.
 - `failover_detect_s`: per fault that makes a worker unusable, the time until every router
   dropped it. `resume_ttft_s`: the client's wait across a break, from the last token before it
   to the first after (a stream resumed by the router, or a turn re-sent to another router).
@@ -21,12 +24,13 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, TextIO
 
 from deploy.chaos.client import TurnRecord
 from deploy.chaos.counters import CounterTally
 from deploy.chaos.faults import FaultRecord
+from deploy.chaos.registrations import Departure
 from deploy.chaos.storage import ProbeResult
 from deploy.chaos.traffic import SessionScript
 
@@ -47,6 +51,9 @@ class RunFacts:
     probe: ProbeResult
     unbound_sessions: list[str]
     load_seconds: float
+    departures: list[Departure]
+    t0: float
+    """The load's start (monotonic): every `_s` time in the report counts from it."""
 
 
 def _pct(values: Iterable[float], *qs: float) -> dict[str, float | None]:
@@ -57,6 +64,26 @@ def _pct(values: Iterable[float], *qs: float) -> dict[str, float | None]:
     if not data:
         return {names[q]: None for q in qs}
     return {names[q]: round(float(np.percentile(data, q)), 3) for q in qs}
+
+
+# Faults that make a registration leave, by the kind of part; the lease runs out after the
+# fault, so a departure up to the TTL (and some scheduling slack) later is still explained.
+_EXPLAINS = {"worker": ("kill_worker", "partition"),
+             "daemon": ("kill_daemon", "corrupt_blocks", "slow_daemon")}
+_SLACK_S = 6.0
+
+
+def _departures(facts: RunFacts) -> list[dict[str, Any]]:
+    out = []
+    for d in facts.departures:
+        left = d.left_at - facts.t0
+        cause = next((f for f in facts.faults if f.target == d.name
+                      and f.kind in _EXPLAINS[d.kind] and f.started_s is not None
+                      and f.started_s - 0.5 <= left <= (f.ended_s or left) + _SLACK_S), None)
+        out.append({"kind": d.kind, "name": d.name, "left_s": round(left, 3),
+                    "gone_s": None if d.back_at is None else round(d.back_at - d.left_at, 3),
+                    "explained_by": None if cause is None else f"{cause.kind}@{cause.at_s:g}"})
+    return out
 
 
 def _used_foreign_kv(r: TurnRecord) -> bool:
@@ -76,6 +103,7 @@ def summarize(facts: RunFacts) -> dict[str, Any]:
     resumptions = [x for r in facts.records for x in r.resumptions]
     retries = [x for r in facts.records for x in r.retries]
     detects = [f.detect_s for f in facts.faults if f.detect_s is not None]
+    departures = _departures(facts)
     failover_turns = [r.ttft_s for r in facts.records
                       if r.route in ("failover", "migrated") and r.ttft_s is not None]
     return {
@@ -91,7 +119,7 @@ def summarize(facts: RunFacts) -> dict[str, Any]:
         "corrupt_reads_served": facts.probe.served_corrupt
         + sum(1 for r in differing if _used_foreign_kv(r)),
         "corrupt_blocks_detected": facts.daemons.total("corrupt_blocks"),
-        "corrupt_probe": {k: getattr(facts.probe, k) for k in facts.probe.__slots__},
+        "corrupt_probe": asdict(facts.probe),
         "restored_tokens": facts.engines.total("restored_tokens"),
         "recomputed_tokens": facts.engines.total("recomputed_tokens"),
         "local_prefix_hit_tokens": facts.engines.total("local_hit_tokens"),
@@ -108,6 +136,9 @@ def summarize(facts: RunFacts) -> dict[str, Any]:
         "daemon_hits": facts.daemons.total("hits"),
         "daemon_misses": facts.daemons.total("misses"),
         "load_seconds": round(facts.load_seconds, 1),
+        "registrations_lost": departures,
+        "unexplained_registration_losses": sum(1 for d in departures
+                                               if d["explained_by"] is None),
         "faults": [f.as_dict() for f in facts.faults],
     }
 
@@ -122,6 +153,7 @@ _ROWS = (
     ("streams resumed by a router", "resumed_streams"),
     ("turns re-sent to another router", "retried_turns"),
     ("turns with a restore hint", "restore_hint_turns"),
+    ("registrations lost (no fault explains)", "unexplained_registration_losses"),
     ("failover detect s (p50 / max)", "failover_detect_s"),
     ("resume TTFT s (p50 / p99)", "resume_ttft_s"), ("TTFT s (p50 / p99)", "ttft_s"),
     ("failover-turn TTFT s (p50 / p99)", "failover_turn_ttft_s"),
