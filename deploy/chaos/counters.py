@@ -88,6 +88,7 @@ def daemon_counters(address: str, token: str | None, timeout_s: float = 2.0
         "misses": reply.misses, "corrupt_blocks": sum(t.corrupt for t in reply.tiers),
         "tier_errors": sum(t.errors for t in reply.tiers)}
     for t in reply.tiers:
+        values[f"{t.name}_puts"] = t.puts
         values[f"{t.name}_rejected_puts"] = t.rejected_puts
         values[f"{t.name}_corrupt"] = t.corrupt
     return values

@@ -209,23 +209,22 @@ def _strike(record: FaultRecord, ctx: FaultContext, target: str) -> None:
 
 
 def _kill_worker(f: KillWorker, record: FaultRecord, ctx: FaultContext) -> None:
-    alive = ctx.cluster.alive_workers()
+    ctx.workers.poll()  # the counters of whoever dies, as close before as the wait allows
     wanted = f.target
     note = ""
     if wanted == "busy":
         busy = _wait_busy(ctx, f.mid_stream_chunks, timeout_s=20.0)
         wanted = busy or "random"
         note = "mid-stream" if busy else "no stream was live: a random worker"
-    target = ctx.pick(wanted, alive)
-    ctx.workers.poll(target)  # its counters, just before they die with it
+    target = ctx.pick(wanted, ctx.cluster.alive_workers())
     live = ctx.streams.busy(0).get(target, 0)
     _strike(record, ctx, target)
     killed = ctx.cluster.kill_worker(target)
     record.detect_s = ctx.wait_dropped(target, killed)
-    record.detail = (f"SIGKILL vLLM and agent ({note or 'as named'}; its furthest live stream "
-                     f"at chunk {live}); routers dropped it after "
+    record.detail = (f"SIGKILL vLLM and agent ({note or 'as named'}; a live stream of it had "
+                     f"{live} tokens to go); routers dropped it after "
                      + (f"{record.detect_s:.2f}s" if record.detect_s is not None else "NEVER"))
-    record.numbers["live_stream_chunks"] = live
+    record.numbers["live_stream_tokens_left"] = live
     if f.restart_after is not None:
         time.sleep(f.restart_after)
         back = time.monotonic()
@@ -239,7 +238,7 @@ def _wait_busy(ctx: FaultContext, chunks: int, timeout_s: float) -> str | None:
     while time.monotonic() < deadline:
         alive = set(ctx.cluster.alive_workers())
         with ctx.lock:
-            busy = {w: n for w, n in ctx.streams.busy(chunks).items()
+            busy = {w: n for w, n in ctx.streams.busy(chunks, min_left=16).items()
                     if w in alive and w not in ctx.held}
         if busy and len(alive) >= 2:
             return max(sorted(busy), key=lambda w: busy[w])
@@ -365,29 +364,29 @@ def _fill_disk(f: FillDisk, record: FaultRecord, ctx: FaultContext) -> None:
     finally:
         storage.free_disk(d.data_dir)
     freed = time.monotonic()
-    # Space is back: puts must be admitted again without a restart.
-    accepted = _puts_admitted_again(d.address, token, during, timeout_s=15.0)
+    # Space is back: writes must reach the disk again without a restart.
+    accepted = _disk_writes_again(d.address, token, during, timeout_s=30.0)
     record.recovered_s = time.monotonic() - freed if accepted else None
     rejected = int(during.get("nvme_rejected_puts", 0) - before.get("nvme_rejected_puts", 0))
     record.numbers.update(filler_bytes=written, nvme_rejected_puts=rejected,
                           served_health_throughout=serving,
-                          puts_admitted_after_free=accepted)
+                          disk_writes_after_free=accepted)
     record.detail = (f"filled its tmpfs ({written >> 20} MiB) for {f.duration:g}s: "
                      f"{rejected} writes to its disk refused, health "
                      f"{'SERVING throughout' if serving else 'NOT serving at some point'}; "
-                     + ("puts admitted again after the disk was freed" if accepted
-                        else "no put admitted in 15 s after the disk was freed"))
+                     + (f"its disk took writes again {record.recovered_s:.1f}s after it was "
+                        "freed" if accepted else
+                        "its disk took NO write in the 30 s after it was freed"))
 
 
-def _puts_admitted_again(address: str, token: str | None, since: dict[str, float],
-                         timeout_s: float) -> bool:
+def _disk_writes_again(address: str, token: str | None, since: dict[str, float],
+                       timeout_s: float) -> bool:
+    """Whether the daemon's nvme tier stores a block again within `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         now = daemon_counters(address, token)
-        if now is not None and now.get("puts", 0) > since.get("puts", 0) and \
-                now.get("nvme_rejected_puts", 0) == since.get("nvme_rejected_puts", 0):
+        if now is not None and now.get("nvme_puts", 0) > since.get("nvme_puts", 0):
             return True
-        since = now or since
         time.sleep(0.5)
     return False
 

@@ -71,7 +71,7 @@ def corrupt_blocks(daemon: str, data_dir: Path, count: int, rng: random.Random
     from kvstore.frame import BlockRead
 
     files = []
-    for path in (data_dir / "blocks").glob("*/*.kvb"):
+    for path in data_dir.rglob("*.kvb"):
         try:
             files.append((path.stat().st_mtime, path))
         except FileNotFoundError:

@@ -101,28 +101,31 @@ def compute_references(router_url: str, model: str, scripts: list[SessionScript]
 
 
 class Streams:
-    """Streams in flight now, by session: the worker the router placed each on and how many
-    chunks it has sent. A kill of a `busy` worker waits for one, so it lands mid-answer."""
+    """Streams in flight now, by session: the worker the router placed each on, how many
+    chunks it has sent and how many tokens it has left. A kill of a `busy` worker waits for
+    one well under way and far from its end, so that it lands mid-answer."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._live: dict[str, tuple[str | None, int]] = {}
+        self._live: dict[str, tuple[str | None, int, int]] = {}
 
-    def progress(self, session_id: str, worker: str | None, chunks: int) -> None:
+    def progress(self, session_id: str, max_tokens: int, worker: str | None, chunks: int
+                 ) -> None:
         with self._lock:
-            self._live[session_id] = (worker, chunks)
+            self._live[session_id] = (worker, chunks, max_tokens - chunks)
 
     def done(self, session_id: str) -> None:
         with self._lock:
             self._live.pop(session_id, None)
 
-    def busy(self, min_chunks: int) -> dict[str, int]:
-        """Workers with a live stream past `min_chunks` chunks -> their most advanced one."""
+    def busy(self, min_chunks: int, min_left: int = 0) -> dict[str, int]:
+        """Workers with a live stream past `min_chunks` chunks and at least `min_left` tokens
+        from its end -> the most tokens such a stream has left."""
         out: dict[str, int] = {}
         with self._lock:
-            for worker, chunks in self._live.values():
-                if worker is not None and chunks >= min_chunks:
-                    out[worker] = max(out.get(worker, 0), chunks)
+            for worker, chunks, left in self._live.values():
+                if worker is not None and chunks >= min_chunks and left >= min_left:
+                    out[worker] = max(out.get(worker, 0), left)
         return out
 
     def count(self) -> int:
@@ -190,7 +193,8 @@ class LoadRun:
             with self._slots:
                 try:
                     record = session.ask(k, question, max_tokens,
-                                         on_chunk=partial(self.streams.progress, sid))
+                                         on_chunk=partial(self.streams.progress, sid,
+                                                          max_tokens))
                 finally:
                     self.streams.done(sid)
             with self._lock:
