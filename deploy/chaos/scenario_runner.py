@@ -159,9 +159,9 @@ def _run(s: Scenario, cluster: LocalCluster, report: Report) -> dict[str, Any]:
 
     report.step("after the load: session bindings, and every corrupted block probed")
     unbound = _unbound_sessions(cluster, [x.session_id for x in scripts])
-    probe = (probe_corrupted(ctx.corrupted, {d.node_id: (d.address, d.data_dir)
-                                             for d in cluster.daemons if d.process.alive},
-                             token) if ctx.corrupted else ProbeResult())
+    probe = (probe_corrupted(ctx.corrupted, {d.node_id: d.address for d in cluster.daemons
+                                             if d.process.alive}, token)
+             if ctx.corrupted else ProbeResult())
     if ctx.corrupted:
         report.say(f"probe of {len(ctx.corrupted)} corrupted blocks: {probe}")
     summary = summarize(RunFacts(scripts, references, run.records, schedule.records, engines,

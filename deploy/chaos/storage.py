@@ -2,12 +2,13 @@
 
 Corruption flips bytes in place in a daemon's newest block files (`blocks/<shard>/*.kvb`, one
 frame per file): 64 bytes in the middle of the payload, or for every fourth block one byte of
-the header. The original frame is kept, so that at the end of the run `probe_corrupted` can ask
-every daemon for every corrupted block through the project's own client and check what comes
-back, as the connector would: a miss, or a frame that fails verification (the client drops it),
-is safe; a frame that passes verification but differs from the original is corrupt KV served.
-The block's full key comes from the daemon's key catalog (`keys.log`), read from a copy so
-the live daemon's file is never touched.
+the header. The original frame and the block's full key are kept, so that at the end of the run
+`probe_corrupted` can ask every daemon for every corrupted block through the project's own
+client and check what comes back, as the connector would: a miss, or a frame that fails
+verification (the client drops it), is safe; a frame that passes verification but differs from
+the original is corrupt KV served. The full key comes from the daemon's key catalog
+(`keys.log`), read at corruption time from a copy, so the live daemon's file is never touched;
+only blocks the catalog names are corrupted.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ _FLIP = 64
 @dataclass(frozen=True, slots=True)
 class CorruptedBlock:
     daemon: str
-    digest: bytes
+    key: BlockKey
     original: bytes
     where: str
     """"payload" or "header"."""
@@ -52,8 +53,6 @@ class ProbeResult:
     """The daemon sent a frame that fails verification: the client drops it (safe)."""
     served_corrupt: int = 0
     """A frame that passes verification and differs from the original: never acceptable."""
-    unknown_keys: int = 0
-    """Corrupted files whose key the catalog no longer lists (deleted as corrupt, evicted)."""
     errors: int = 0
 
 
@@ -70,6 +69,7 @@ def corrupt_blocks(daemon: str, data_dir: Path, count: int, rng: random.Random
     """Flip bytes in up to `count` of the newest block files; returns what was done."""
     from kvstore.frame import BlockRead
 
+    keys = _catalog_keys([data_dir])
     files = []
     for path in data_dir.rglob("*.kvb"):
         try:
@@ -78,9 +78,12 @@ def corrupt_blocks(daemon: str, data_dir: Path, count: int, rng: random.Random
             continue  # evicted meanwhile
     files.sort(reverse=True)
     done: list[CorruptedBlock] = []
-    for _mtime, path in files[:count * 2]:
+    for _mtime, path in files:
         if len(done) == count:
             break
+        key = keys.get(bytes.fromhex(path.stem))
+        if key is None:
+            continue  # written before its catalog entry, or being deleted
         try:
             original = path.read_bytes()
             read = BlockRead.from_frame(original)
@@ -103,27 +106,23 @@ def corrupt_blocks(daemon: str, data_dir: Path, count: int, rng: random.Random
             os.pwrite(fd, patch, offset)
         finally:
             os.close(fd)
-        done.append(CorruptedBlock(daemon, bytes.fromhex(path.stem), original, where))
+        done.append(CorruptedBlock(daemon, key, original, where))
     return done
 
 
-def probe_corrupted(blocks: list[CorruptedBlock], daemons: dict[str, tuple[str, Path]],
+def probe_corrupted(blocks: list[CorruptedBlock], daemons: dict[str, str],
                     token: str | None) -> ProbeResult:
-    """Read every corrupted block from every live daemon (node id -> (address, data dir))."""
+    """Read every corrupted block from every live daemon (node id -> address)."""
     from kvstore.frame import BlockRead
     from kvstore.tiers.daemon_client import DaemonClient
     from kvstore.wire import Scope
 
-    keys = _catalog_keys(data_dir for _addr, data_dir in daemons.values())
     counts = {"probes": 0, "misses": 0, "intact": 0, "rejected": 0, "served_corrupt": 0,
-              "unknown_keys": 0, "errors": 0}
+              "errors": 0}
     for block in blocks:
-        key = keys.get(block.digest)
-        if key is None:
-            counts["unknown_keys"] += 1
-            continue
+        key = block.key
         original = BlockRead.from_frame(block.original)
-        for node_id, (address, _data) in daemons.items():
+        for node_id, address in daemons.items():
             client = DaemonClient(node_id, address, token=token)
             counts["probes"] += 1
             try:
