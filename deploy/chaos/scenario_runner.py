@@ -29,6 +29,7 @@ from deploy.chaos.registrations import RegistrationWatch
 from deploy.chaos.scenario import (
     SCENARIO_DIR,
     AnyFault,
+    FillDisk,
     KillDaemon,
     KillRouter,
     KillWorker,
@@ -232,9 +233,8 @@ def _verdict(s: Scenario, summary: dict[str, Any], schedule: Schedule, finished:
 
 
 def _comes_back(fault: AnyFault) -> bool:
-    """Whether the fault undoes itself and times that (a full disk's recovery, puts admitted
-    again, is reported in its record: the daemon's full-disk behaviour is measured, not
-    required here)."""
+    """Whether the part must serve again after the fault (a full disk: take writes again once
+    space returns, without a restart)."""
     if isinstance(fault, KillWorker | KillDaemon | KillRouter):
         return fault.restart_after is not None
-    return isinstance(fault, RestartEtcd | Partition)
+    return isinstance(fault, RestartEtcd | Partition | FillDisk)
