@@ -84,6 +84,12 @@ class FaultContext:
     def rel(self, t: float | None = None) -> float:
         return (time.monotonic() if t is None else t) - self.t0
 
+    def serving_workers(self) -> list[str]:
+        """Workers alive and usable on every live router (not one still starting)."""
+        views = self.routers_usable()
+        usable = set.intersection(*views) if views else set()
+        return [w for w in self.cluster.alive_workers() if w in usable]
+
     def alive_daemons(self) -> list[str]:
         return [d.node_id for d in self.cluster.daemons if d.process.alive]
 
@@ -216,7 +222,7 @@ def _kill_worker(f: KillWorker, record: FaultRecord, ctx: FaultContext) -> None:
         busy = _wait_busy(ctx, f.mid_stream_chunks, timeout_s=20.0)
         wanted = busy or "random"
         note = "mid-stream" if busy else "no stream was live: a random worker"
-    target = ctx.pick(wanted, ctx.cluster.alive_workers())
+    target = ctx.pick(wanted, ctx.serving_workers())
     live = ctx.streams.busy(0).get(target, 0)
     _strike(record, ctx, target)
     killed = ctx.cluster.kill_worker(target)
@@ -235,12 +241,15 @@ def _kill_worker(f: KillWorker, record: FaultRecord, ctx: FaultContext) -> None:
 
 def _wait_busy(ctx: FaultContext, chunks: int, timeout_s: float) -> str | None:
     deadline = time.monotonic() + timeout_s
+    serving: set[str] = set()
+    asked = 0.0
     while time.monotonic() < deadline:
-        alive = set(ctx.cluster.alive_workers())
+        if time.monotonic() - asked > 0.5:  # the routers' view, twice a second
+            serving, asked = set(ctx.serving_workers()), time.monotonic()
         with ctx.lock:
             busy = {w: n for w, n in ctx.streams.busy(chunks, min_left=16).items()
-                    if w in alive and w not in ctx.held}
-        if busy and len(alive) >= 2:
+                    if w in serving and w not in ctx.held}
+        if busy and len(serving) >= 2:
             return max(sorted(busy), key=lambda w: busy[w])
         time.sleep(0.01)
     return None
@@ -435,7 +444,10 @@ def _partition(f: Partition, record: FaultRecord, ctx: FaultContext) -> None:
         from deploy.local.netns import netns_available
 
         raise _Skip(netns_available() or f"{f.target} is not in a network namespace")
-    ctx.pick(f.target, ctx.cluster.alive_workers(), keep_one=False)
+    if f.target not in ctx.serving_workers():  # still starting after a kill: wait for it
+        with contextlib.suppress(KVKeepError):
+            ctx.cluster.wait_routers_see({f.target}, timeout=180.0)
+    ctx.pick(f.target, ctx.serving_workers(), keep_one=False)
     _strike(record, ctx, f.target)
     cut = time.monotonic()
     fabric.cut(f.target, f.from_)
