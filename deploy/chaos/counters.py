@@ -106,6 +106,7 @@ class Poller:
         self.tally = tally
         self._period = period_s
         self._stop = threading.Event()
+        self._polling = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="chaos-poller", daemon=True)
 
     def start(self) -> None:
@@ -113,12 +114,14 @@ class Poller:
         self._thread.start()
 
     def poll(self, only: str | None = None) -> None:
-        for name, read in self._sources().items():
-            if only is not None and name != only:
-                continue
-            values = read()
-            if values is not None:
-                self.tally.observe(name, values)
+        # One poll at a time: two interleaved reads of a source would look like a reset.
+        with self._polling:
+            for name, read in self._sources().items():
+                if only is not None and name != only:
+                    continue
+                values = read()
+                if values is not None:
+                    self.tally.observe(name, values)
 
     def stop(self) -> None:
         self._stop.set()
