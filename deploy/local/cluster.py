@@ -296,12 +296,18 @@ class LocalCluster:
         return time.monotonic()
 
     def restart_router(self, replica_id: str) -> None:
+        """Start a stopped router again on its port; wait until it uses every worker the
+        other live routers use (a worker still starting is nobody's yet)."""
         r = self.router(replica_id)
         r.process.stop(5)
         r.process.start()
         wait_until(partial(http_ok, f"{r.url}/health"), timeout=60,
                    what=f"router {r.replica_id}", process=r.process)
-        self.wait_routers_see(set(self.alive_workers()))
+        others = [self.router_workers(o) for o in self.routers
+                  if o is not r and o.process.alive]
+        expected = set.intersection(*others) if others else set(self.alive_workers())
+        wait_until(partial(self._router_sees, r, expected), timeout=60,
+                   what=f"router {r.replica_id} to see {sorted(expected)}", process=r.process)
 
     def signal_etcd(self, sig: int) -> None:
         """SIGSTOP / SIGCONT (a hung etcd), SIGKILL (a crash)."""
