@@ -22,14 +22,14 @@ from deploy.chaos.registrations import RegistrationWatch
 from deploy.chaos.storage import CorruptedBlock, corrupt_blocks, probe_corrupted
 from deploy.local.disks import FILLER_NAME, fill, mount_tmpfs, tmpfs_available, unmount
 from deploy.local.netns import Fabric, netns_available
-from kvstore.wire import Scope
+from kvstore.net.scope import Scope
 from tests.blockframes import FINGERPRINT, NAMESPACE, block_key, make_frame
 from tests.daemon_process import start_daemon
 from tests.services import EtcdServer
 
 
 def _drained(address: str) -> bool:
-    from kvstore.tiers.daemon_client import DaemonClient
+    from kvstore.net.daemon_client import DaemonClient
 
     client = DaemonClient("probe", address)
     try:

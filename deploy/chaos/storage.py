@@ -114,8 +114,8 @@ def probe_corrupted(blocks: list[CorruptedBlock], daemons: dict[str, str],
                     token: str | None) -> ProbeResult:
     """Read every corrupted block from every live daemon (node id -> address)."""
     from kvstore.frame import BlockRead
-    from kvstore.tiers.daemon_client import DaemonClient
-    from kvstore.wire import Scope
+    from kvstore.net.daemon_client import DaemonClient
+    from kvstore.net.scope import Scope
 
     counts = {"probes": 0, "misses": 0, "intact": 0, "rejected": 0, "served_corrupt": 0,
               "errors": 0}
