@@ -150,13 +150,12 @@ class TurnRecord:
     retries: tuple[Retry, ...] = ()
 
 
-_TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (httpx.TransportError,)
-
-
 def _transport_errors() -> tuple[type[BaseException], ...]:
+    """A failed connection, as the openai client raises it before the answer starts (wrapped)
+    and while a stream is read (httpx's own)."""
     import openai
 
-    return (*_TRANSPORT_ERRORS, openai.APIConnectionError)
+    return (httpx.TransportError, openai.APIConnectionError)
 
 
 @dataclass
