@@ -218,11 +218,14 @@ def _kill_worker(f: KillWorker, record: FaultRecord, ctx: FaultContext) -> None:
     ctx.workers.poll()  # the counters of whoever dies, as close before as the wait allows
     wanted = f.target
     note = ""
+    serving = ctx.serving_workers()
     if wanted == "busy":
-        busy = _wait_busy(ctx, f.mid_stream_chunks, timeout_s=20.0)
+        busy, serving = _wait_busy(ctx, f.mid_stream_chunks, timeout_s=20.0)
         wanted = busy or "random"
         note = "mid-stream" if busy else "no stream was live: a random worker"
-    target = ctx.pick(wanted, ctx.serving_workers())
+    # No call between the choice and the kill: a stream of the tiny model moves on by about a
+    # token every 10 ms, so a kill that waits on the routers would land past its end.
+    target = ctx.pick(wanted, serving)
     live = ctx.streams.busy(0).get(target, 0)
     _strike(record, ctx, target)
     killed = ctx.cluster.kill_worker(target)
@@ -239,7 +242,10 @@ def _kill_worker(f: KillWorker, record: FaultRecord, ctx: FaultContext) -> None:
         record.detail += f"; restarted, serving again after {record.recovered_s:.0f}s"
 
 
-def _wait_busy(ctx: FaultContext, chunks: int, timeout_s: float) -> str | None:
+def _wait_busy(ctx: FaultContext, chunks: int, timeout_s: float
+               ) -> tuple[str | None, list[str]]:
+    """A serving worker with a stream past `chunks` chunks and far from its end (None after
+    `timeout_s`), and the workers serving as last seen."""
     deadline = time.monotonic() + timeout_s
     serving: set[str] = set()
     asked = 0.0
@@ -247,12 +253,12 @@ def _wait_busy(ctx: FaultContext, chunks: int, timeout_s: float) -> str | None:
         if time.monotonic() - asked > 0.5:  # the routers' view, twice a second
             serving, asked = set(ctx.serving_workers()), time.monotonic()
         with ctx.lock:
-            busy = {w: n for w, n in ctx.streams.busy(chunks, min_left=16).items()
+            busy = {w: n for w, n in ctx.streams.busy(chunks, min_left=24).items()
                     if w in serving and w not in ctx.held}
         if busy and len(serving) >= 2:
-            return max(sorted(busy), key=lambda w: busy[w])
+            return max(sorted(busy), key=lambda w: busy[w]), sorted(serving)
         time.sleep(0.01)
-    return None
+    return None, sorted(serving)
 
 
 def _kill_daemon(f: KillDaemon, record: FaultRecord, ctx: FaultContext) -> None:
