@@ -2,6 +2,7 @@
 
     kvkeep demo [--json OUT.json] [--keep] [--model-dir DIR]
     kvkeep chaos [--kills 2] [--sessions 6] [--seed 0] [--json OUT.json]
+    kvkeep chaos --scenario FILE|NAME [--json OUT.json]     (deploy/chaos/*.yaml)
     kvkeep chaos --kubectl --router-url URL [--namespace kvkeep] [--selector ...]
 
 Both start nothing until run: this module imports only argparse, so building the CLI parser
@@ -40,12 +41,19 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     demo.set_defaults(handler=_demo)
 
     chaos = subparsers.add_parser(
-        "chaos", help="SIGKILL random workers under a bounded load; check no session is lost",
-        description="Rounds of concurrent streamed chat turns (one per session per round); "
-                    "during each round but the last a random worker is killed, and recovered "
-                    "before the next. Every answer must equal its reference, computed before "
-                    "any failure. Default: a local cluster on loopback. --kubectl: a deployed "
-                    "cluster (deploy/k8s), killing worker pods with kubectl.")
+        "chaos", help="faults under load on a real cluster; check no session is lost",
+        description="--scenario: a scenario file (deploy/chaos/*.yaml, or its name: `ci`) "
+                    "gives the cluster, the load and a schedule of faults (workers, daemons, "
+                    "routers killed; etcd paused or restarted; a daemon's disk filled, its "
+                    "blocks corrupted, it slowed; a node partitioned); the report has the "
+                    "figures (deploy/chaos/README.md). Without it: rounds of concurrent "
+                    "streamed chat turns (one per session per round); during each round but "
+                    "the last a random worker is killed, and recovered before the next. Every "
+                    "answer must equal its reference, computed before any failure. Default: a "
+                    "local cluster on loopback. --kubectl: a deployed cluster (deploy/k8s), "
+                    "killing worker pods with kubectl.")
+    chaos.add_argument("--scenario", default=None, metavar="FILE",
+                       help="a scenario file, or the name of one in deploy/chaos/")
     chaos.add_argument("--kills", type=int, default=2)
     chaos.add_argument("--sessions", type=int, default=6)
     chaos.add_argument("--max-tokens", type=int, default=96, help="tokens per answer")
@@ -96,6 +104,8 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _chaos(args: argparse.Namespace) -> int:
+    if args.scenario is not None:
+        return _chaos_scenario(args)
     from deploy.chaos import ChaosOptions, run_kubectl_chaos, run_local_chaos
 
     try:
@@ -117,3 +127,23 @@ def _chaos(args: argparse.Namespace) -> int:
     else:
         report = run_local_chaos(options)
     return 0 if report.passed else 1
+
+
+def _chaos_scenario(args: argparse.Namespace) -> int:
+    from deploy.chaos.scenario import load_scenario
+    from deploy.chaos.scenario_runner import resolve_scenario, run_scenario
+
+    if args.kubectl:
+        print("kvkeep chaos: --scenario runs on a local cluster only (not with --kubectl)",
+              file=sys.stderr)
+        return 2
+    path = resolve_scenario(args.scenario)
+    try:
+        load_scenario(path)  # bad input is an error before anything starts
+    except ConfigError as exc:
+        print(f"kvkeep chaos: {exc}", file=sys.stderr)
+        return 2
+    _exit_on_sigterm()
+    result = run_scenario(path, json_path=args.json, model_dir=args.model_dir,
+                          keep_dir=args.keep)
+    return 0 if result["passed"] else 1

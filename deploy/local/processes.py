@@ -70,6 +70,10 @@ class ManagedProcess:
         self._signal(signal.SIGKILL)
         self._reap(10.0)
 
+    def signal(self, sig: int) -> None:
+        """Send `sig` to the group if it runs (SIGSTOP / SIGCONT: a hung process)."""
+        self._signal(sig)
+
     def terminate(self) -> None:
         """SIGTERM the group without waiting (stop several, then `stop` each to reap)."""
         self._signal(signal.SIGTERM)
