@@ -321,3 +321,50 @@ def test_etcd_outage_is_survived(etcd_server: EtcdServer) -> None:
             await backend.close()
 
     asyncio.run(main())
+
+
+def test_a_worker_deleted_and_reregistered_at_once_never_leaves(etcd_server: EtcdServer) -> None:
+    """After an etcd stall past the lease TTL, etcd expires every lease and each live agent
+    re-registers within milliseconds: the router must not drop those workers (it did: every
+    healthy worker left for that moment). A worker that stays deleted leaves after the grace."""
+
+    class Sink:
+        def __init__(self) -> None:
+            self.deleted: list[str] = []
+            self.put: list[str] = []
+
+        def reset_workers(self, infos: list[WorkerInfo]) -> None:
+            self.put.extend(i.worker_id for i in infos)
+
+        def put_worker(self, info: WorkerInfo) -> None:
+            self.put.append(info.worker_id)
+
+        def delete_worker(self, worker_id: str) -> None:
+            self.deleted.append(worker_id)
+
+    async def main() -> None:
+        backend = EtcdBackend(etcd_server.url, "/t7", worker_delete_grace_s=0.5)
+        writer = EtcdBackend(etcd_server.url, "/t7")
+        await backend.start()
+        await writer.start()
+        sink = Sink()
+        task = asyncio.create_task(backend.follow_workers(sink))
+        try:
+            infos = {w: WorkerInfo(W(w), f"http://127.0.0.1:{9000 + i}", ("m",))
+                     for i, w in enumerate(("stays", "goes"))}
+            leases = {w: await writer.register_worker(info, 5.0) for w, info in infos.items()}
+            await until(lambda: {"stays", "goes"} <= set(sink.put))
+            # Both registrations vanish (as at a mass lease expiry); one comes straight back.
+            for lease in leases.values():
+                await lease.revoke()
+            await writer.register_worker(infos["stays"], 5.0)
+            await until(lambda: "goes" in sink.deleted, timeout=5)
+            await asyncio.sleep(0.6)  # past the grace: "stays" was re-registered in time
+            assert sink.deleted == ["goes"]
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await backend.close()
+            await writer.close()
+
+    asyncio.run(main())

@@ -97,6 +97,13 @@ class EtcdBackend:
     # Short: a request that has to record a binding waits this long when etcd is away before
     # it is routed unrecorded.
     timeout_s: float = 2.0
+    # A worker whose registration is deleted and put again within this long never leaves.
+    # When etcd stalls (paused, a slow disk, a leader election) past the workers' lease TTL,
+    # it expires every lease at once on resuming and each live agent re-registers within
+    # ~10-100 ms: acting on those deletes would drop every healthy worker for that moment
+    # (requests answered 503, sessions rebound). A worker that is really gone leaves this much
+    # later than its lease: a small price next to its TTL.
+    worker_delete_grace_s: float = 1.0
     _client: Any = None
     _bucket_leases: dict[int, int] = field(default_factory=dict)
     _bucket_lock: asyncio.Lock | None = None
@@ -156,18 +163,39 @@ class EtcdBackend:
     async def follow_workers(self, sink: WorkerSink) -> None:
         prefix = self.workers_prefix
 
+        loop = asyncio.get_running_loop()
+        leaving: dict[WorkerId, asyncio.TimerHandle] = {}
+
         def reset(kvs: list[Any]) -> None:
-            sink.reset_workers([info for kv in kvs if (info := _worker(kv.value)) is not None])
+            infos = [info for kv in kvs if (info := _worker(kv.value)) is not None]
+            for info in infos:
+                if (timer := leaving.pop(info.worker_id, None)) is not None:
+                    timer.cancel()
+            sink.reset_workers(infos)
+
+        def gone(worker: WorkerId) -> None:
+            leaving.pop(worker, None)
+            sink.delete_worker(worker)
 
         def put(kv: Any) -> None:
             info = _worker(kv.value)
             if info is not None:
+                if (timer := leaving.pop(info.worker_id, None)) is not None:
+                    timer.cancel()  # re-registered in time: it never left
                 sink.put_worker(info)
 
         def delete(kv: Any) -> None:
-            sink.delete_worker(WorkerId(kv.key[len(prefix):].decode()))
+            worker = WorkerId(kv.key[len(prefix):].decode())
+            if self.worker_delete_grace_s <= 0:
+                sink.delete_worker(worker)
+            elif worker not in leaving:
+                leaving[worker] = loop.call_later(self.worker_delete_grace_s, gone, worker)
 
-        await self._follow(prefix, reset, put, delete)
+        try:
+            await self._follow(prefix, reset, put, delete)
+        finally:
+            for timer in leaving.values():
+                timer.cancel()
 
     # --- bindings --------------------------------------------------------------------------
     async def get_binding(self, session_id: SessionId) -> VersionedBinding | None:
