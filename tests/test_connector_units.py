@@ -144,6 +144,10 @@ class FakeRequest:
     num_prompt_tokens: int
     kv_transfer_params: dict[str, Any] | None = None
     cache_salt: str | None = None
+    # vLLM's Request carries these; generate_block_hash_extra_keys reads them.
+    mm_features: list[Any] = field(default_factory=list)
+    lora_request: Any = None
+    prompt_embeds: Any = None
     skip_reading_prefix_cache: bool = False
     num_computed_tokens: int = 0
     block_hashes: list[bytes] = field(default_factory=list)
