@@ -3,6 +3,11 @@
     kvkeep store serve --listen HOST:PORT --data-dir DIR --mem-budget SIZE --disk-budget SIZE
                        --node-id ID [--etcd URL] [--token-file F]
                        [--tls-cert F --tls-key F [--tls-ca F]] [--data-listen auto|off|H:P] ...
+                       [--etcd-ca F --etcd-cert F --etcd-key F] [--etcd-user U
+                        --etcd-password-file F]
+
+etcd: `https://` URLs mean TLS, verified against --etcd-ca; a client certificate
+(--etcd-cert/--etcd-key) for etcd's --client-cert-auth, and/or etcd user auth.
 
 Blocks travel over a plain TCP data plane beside gRPC (kvstore/net/tcp_protocol.py: same tokens,
 tenants and limits, every block verified; ~2-3x gRPC's throughput here), on `--data-listen`
@@ -24,6 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvstore.errors import KVKeepError
+from kvstore.etcd.flags import add_etcd_arguments, etcd_spec_from_args
 
 __all__ = ["register", "serve_main", "build_serve_parser", "MALLOC_ENV"]
 
@@ -58,8 +64,8 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mem-budget", default="1GiB", help="host RAM tier size (e.g. 8GiB)")
     p.add_argument("--disk-budget", default="10GiB", help="nvme tier size (e.g. 500GiB)")
     p.add_argument("--node-id", required=True, help="this node's unique name")
-    p.add_argument("--etcd", default=None,
-                   help="etcd URL(s), e.g. http://10.0.0.1:2379; omit to run unregistered")
+    add_etcd_arguments(p, help="etcd URL(s), e.g. https://10.0.0.1:2379 (https: TLS); omit to "
+                               "run unregistered")
     p.add_argument("--etcd-prefix", default=None, help="registration prefix "
                    "(default /kvkeep/stores/)")
     p.add_argument("--advertise", default=None, help="HOST:PORT clients dial (default: --listen)")
@@ -96,7 +102,8 @@ def _serve_handler(args: argparse.Namespace, argv: list[str] | None = None) -> i
     try:
         config = DaemonConfig(
             listen=args.listen, data_dir=args.data_dir, mem_budget=parse_size(args.mem_budget),
-            disk_budget=parse_size(args.disk_budget), node_id=args.node_id, etcd=args.etcd,
+            disk_budget=parse_size(args.disk_budget), node_id=args.node_id,
+            etcd=etcd_spec_from_args(args, check_files=True),
             advertise=args.advertise, lease_ttl=args.lease_ttl, token_file=args.token_file,
             tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
             replicas=args.replicas, rereplicate_after=args.rereplicate_after,

@@ -21,6 +21,7 @@ from connectors.vllm.config import ConnectorConfig
 from kvstore.cli import build_parser
 from kvstore.daemon.auth import TokenTable
 from kvstore.daemon.config import DaemonConfig, parse_size
+from kvstore.etcd import etcd_spec
 from router.commands import config_from_args
 
 K8S = Path(__file__).resolve().parents[1] / "deploy" / "k8s"
@@ -212,7 +213,7 @@ def test_kv_transfer_config_parses_with_the_connector_parser() -> None:
         assert config["kv_load_failure_policy"] == "recompute"
         parsed = ConnectorConfig.from_extra(config["kv_connector_extra_config"])
         assert parsed.store.remote is not None
-        assert parsed.store.remote.etcd == "http://kvkeep-etcd:2379"
+        assert etcd_spec(parsed.store.remote.etcd).url == "http://kvkeep-etcd:2379"
         assert parsed.store.remote.replicas == 2
         events = json.loads(_flag(args, "--kv-events-config"))
         assert events["enable_kv_cache_events"] and events["endpoint"].endswith(":5557")

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvstore.errors import ConfigError
+from kvstore.etcd import EtcdSpec
 from kvstore.keys import validate_name
 from kvstore.net.grpc_options import Keepalive
 from kvstore.tiers.discovery import DEFAULT_PREFIX
@@ -64,7 +65,8 @@ class DaemonConfig:
     mem_budget: int
     disk_budget: int
     node_id: str
-    etcd: str | None = None
+    etcd: EtcdSpec | str | None = None
+    """etcd URL(s), or an `EtcdSpec` with TLS and credentials (kvstore/etcd/spec.py)."""
     advertise: str | None = None
     etcd_prefix: str = DEFAULT_PREFIX
     lease_ttl: int = 5

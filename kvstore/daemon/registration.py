@@ -16,9 +16,8 @@ import contextlib
 import logging
 from typing import Any
 
-import aetcd  # type: ignore[import-untyped, unused-ignore]
-
-from kvstore.tiers.discovery import DEFAULT_PREFIX, DaemonInfo, parse_etcd_endpoints
+from kvstore.etcd import EtcdSpec, etcd_client, etcd_spec
+from kvstore.tiers.discovery import DEFAULT_PREFIX, DaemonInfo
 
 __all__ = ["Registrar"]
 
@@ -28,14 +27,15 @@ _log = logging.getLogger(__name__)
 class Registrar:
     """Keeps `<prefix><node_id>` -> DaemonInfo registered while `run()` runs."""
 
-    def __init__(self, etcd_url: str, info: DaemonInfo, *, prefix: str = DEFAULT_PREFIX,
+    def __init__(self, etcd: EtcdSpec | str, info: DaemonInfo, *, prefix: str = DEFAULT_PREFIX,
                  ttl: int = 5, request_timeout: float = 2.0) -> None:
-        self._endpoints = parse_etcd_endpoints(etcd_url)
+        self._etcd = etcd_spec(etcd)
         self._info = info
         self._key = f"{prefix}{info.node_id}".encode()
         self._ttl = max(int(ttl), 1)
         self._timeout = request_timeout
         self._client: Any = None
+        self._dials = 0
         self._lease_id: int | None = None
         self.registered = asyncio.Event()
         self.registrations = 0
@@ -83,8 +83,9 @@ class Registrar:
 
     async def _connect(self) -> Any:
         if self._client is None:
-            host, port = self._endpoints[self.registrations % len(self._endpoints)]
-            self._client = aetcd.Client(host=host, port=port, timeout=self._timeout)
+            # Each new client dials the next endpoint: one that is down is left after a try.
+            self._client = etcd_client(self._etcd, self._dials, timeout=self._timeout)
+            self._dials += 1
         return self._client
 
     async def _reset_client(self) -> None:

@@ -22,11 +22,9 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
-from urllib.parse import urlsplit
-
-import aetcd  # type: ignore[import-untyped, unused-ignore]
 
 from kvstore.errors import ConfigError, KVKeepError
+from kvstore.etcd import EtcdSpec, etcd_client, etcd_spec
 from kvstore.keys import validate_name
 
 __all__ = [
@@ -113,28 +111,16 @@ class StaticDiscovery:
 
 
 def parse_etcd_endpoints(url: str) -> list[tuple[str, int]]:
-    """`http://h1:2379,http://h2:2379` -> [(h1, 2379), (h2, 2379)]."""
-    endpoints = []
-    for part in url.split(","):
-        split = urlsplit(part.strip() if "//" in part else f"http://{part.strip()}")
-        if split.hostname is None:
-            raise ConfigError(f"bad etcd endpoint {part!r}")
-        try:
-            port = split.port or 2379
-        except ValueError as exc:
-            raise ConfigError(f"bad etcd endpoint {part!r}") from exc
-        endpoints.append((split.hostname, port))
-    if not endpoints:
-        raise ConfigError("no etcd endpoint given")
-    return endpoints
+    """`http://h1:2379,http://h2:2379` -> [(h1, 2379), (h2, 2379)] (see `EtcdSpec`)."""
+    return list(EtcdSpec(url).endpoints)
 
 
 class MembershipWatcher:
     """Keeps `members` equal to the daemons registered under `prefix` (asyncio, one loop)."""
 
-    def __init__(self, etcd_url: str, prefix: str = DEFAULT_PREFIX, *,
+    def __init__(self, etcd: EtcdSpec | str, prefix: str = DEFAULT_PREFIX, *,
                  resync_interval: float = 5.0, request_timeout: float = 2.0) -> None:
-        self._endpoints = parse_etcd_endpoints(etcd_url)
+        self._etcd = etcd_spec(etcd)
         self._prefix = prefix.encode()
         self._resync = resync_interval
         self._timeout = request_timeout
@@ -156,14 +142,13 @@ class MembershipWatcher:
         """List and watch forever (cancel to stop); errors only cause a reconnect."""
         attempt = 0
         while True:
-            host, port = self._endpoints[attempt % len(self._endpoints)]
-            client = aetcd.Client(host=host, port=port, timeout=self._timeout)
+            client = etcd_client(self._etcd, attempt, timeout=self._timeout)
             try:
                 await self._list_and_watch(client)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # aetcd raises its own tree and raw grpc errors alike
-                _log.info("etcd membership watch on %s:%d broke (%s); re-listing", host, port,
+                _log.info("etcd membership watch on %s broke (%s); re-listing", client.target,
                           exc)
             finally:
                 with contextlib.suppress(Exception):
@@ -270,9 +255,9 @@ def _replacer(new: dict[str, DaemonInfo]) -> Callable[[dict[str, DaemonInfo]], N
 class EtcdDiscovery:
     """`MembershipWatcher` on a background thread, for synchronous users (the remote tier)."""
 
-    def __init__(self, etcd_url: str, prefix: str = DEFAULT_PREFIX, *,
+    def __init__(self, etcd: EtcdSpec | str, prefix: str = DEFAULT_PREFIX, *,
                  resync_interval: float = 5.0, wait_synced: float = 5.0) -> None:
-        self._watcher = MembershipWatcher(etcd_url, prefix, resync_interval=resync_interval)
+        self._watcher = MembershipWatcher(etcd, prefix, resync_interval=resync_interval)
         self._loop = asyncio.new_event_loop()
         self._task: asyncio.Task[None] | None = None
         self._started = threading.Event()

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvstore.errors import ConfigError
+from kvstore.etcd import EtcdSpec
 from kvstore.tiers.base import Tier
 
 __all__ = ["HbmSpec", "HostSpec", "NvmeSpec", "RemoteSpec", "RedisSpec", "TierSpec",
@@ -88,7 +89,8 @@ class RemoteSpec:
     Lookups get a quarter of `timeout_s` (at least 50 ms): they sit on the scheduler's path.
     """
 
-    etcd: str | None = None
+    etcd: EtcdSpec | str | None = None
+    """etcd URL(s), or an `EtcdSpec` with TLS and credentials (kvstore/etcd/spec.py)."""
     prefix: str | None = None
     """etcd key prefix of the daemons' registrations; None: the daemons' default."""
     replicas: int = 2

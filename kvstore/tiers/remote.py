@@ -37,6 +37,7 @@ from kvstore.errors import (
     KVKeepError,
     TierUnavailable,
 )
+from kvstore.etcd import EtcdSpec
 from kvstore.frame import BlockRead, LayerRange
 from kvstore.keys import BlockKey, SessionKey
 from kvstore.manifest import SessionManifest
@@ -138,9 +139,10 @@ class RemoteTier:
         discovery.subscribe(self._on_members)
 
     @classmethod
-    def from_etcd(cls, etcd_url: str, config: RemoteConfig | None = None, *,
+    def from_etcd(cls, etcd: EtcdSpec | str, config: RemoteConfig | None = None, *,
                   prefix: str = DEFAULT_PREFIX, wait_synced: float = 5.0) -> RemoteTier:
-        return cls(EtcdDiscovery(etcd_url, prefix, wait_synced=wait_synced), config,
+        """Daemons registered in etcd (`etcd`: URL(s), or a spec with TLS and credentials)."""
+        return cls(EtcdDiscovery(etcd, prefix, wait_synced=wait_synced), config,
                    own_discovery=True)
 
     @classmethod
