@@ -75,7 +75,16 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-cert", type=Path, default=None)
     p.add_argument("--tls-key", type=Path, default=None)
     p.add_argument("--tls-ca", type=Path, default=None,
-                   help="CA for client certificates: turns on mutual TLS")
+                   help="CA for client certificates: turns on mutual TLS (and peers are "
+                        "verified against it)")
+    p.add_argument("--tls-server-name", default=None, metavar="NAME",
+                   help="the name every daemon's certificate carries, checked instead of a "
+                        "peer's address (one certificate shared by all daemons)")
+    p.add_argument("--registration-key", type=Path, default=None, metavar="FILE",
+                   help="Ed25519 private key (PEM) the etcd registration is signed with; "
+                        "peers are believed only if theirs verify")
+    p.add_argument("--registration-pubkey", type=Path, default=None, metavar="FILE",
+                   help="more Ed25519 public keys (PEM) peers may sign with (key rotation)")
     p.add_argument("--replicas", type=int, default=2,
                    help="copies per block the re-replication restores (match the clients' R)")
     p.add_argument("--rereplicate-after", type=float, default=30.0,
@@ -106,6 +115,8 @@ def _serve_handler(args: argparse.Namespace, argv: list[str] | None = None) -> i
             etcd=etcd_spec_from_args(args, check_files=True),
             advertise=args.advertise, lease_ttl=args.lease_ttl, token_file=args.token_file,
             tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
+            tls_server_name=args.tls_server_name, registration_key=args.registration_key,
+            registration_public_keys=args.registration_pubkey,
             replicas=args.replicas, rereplicate_after=args.rereplicate_after,
             drain_timeout=args.drain_timeout, workers=args.workers,
             data_listen=args.data_listen,

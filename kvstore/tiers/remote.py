@@ -28,6 +28,7 @@ from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal, ParamSpec, TypeVar
 
 from kvstore.errors import (
@@ -44,6 +45,7 @@ from kvstore.manifest import SessionManifest
 from kvstore.net.daemon_client import ClientTLS, DaemonClient
 from kvstore.net.scope import group_by_scope, scope_of
 from kvstore.tiers.base import Buffer, TierStats
+from kvstore.tiers.daemon_trust import DaemonTrust
 from kvstore.tiers.discovery import (
     DEFAULT_PREFIX,
     DaemonInfo,
@@ -84,6 +86,10 @@ class RemoteConfig:
     read_repair: bool = True
     token: str | None = None
     tls: ClientTLS | None = None
+    registration_public_key: Path | None = None
+    """Ed25519 public key(s) (PEM) the daemons sign their etcd registrations with: only
+    registrations that verify are believed. Without it (and without `tls`) only loopback
+    daemons are (kvstore/tiers/daemon_trust.py)."""
     name: str = "remote"
     fanout_threads: int = 16
     min_bandwidth: float = 200e6
@@ -141,8 +147,12 @@ class RemoteTier:
     @classmethod
     def from_etcd(cls, etcd: EtcdSpec | str, config: RemoteConfig | None = None, *,
                   prefix: str = DEFAULT_PREFIX, wait_synced: float = 5.0) -> RemoteTier:
-        """Daemons registered in etcd (`etcd`: URL(s), or a spec with TLS and credentials)."""
-        return cls(EtcdDiscovery(etcd, prefix, wait_synced=wait_synced), config,
+        """Daemons registered in etcd (`etcd`: URL(s), or a spec with TLS and credentials),
+        believed only when they prove to be daemons (`config.tls`, signed registrations)."""
+        config = config or RemoteConfig()
+        trust = DaemonTrust.of(public_key_file=config.registration_public_key,
+                               tls=config.tls is not None)
+        return cls(EtcdDiscovery(etcd, prefix, trust=trust, wait_synced=wait_synced), config,
                    own_discovery=True)
 
     @classmethod
