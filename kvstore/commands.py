@@ -44,6 +44,16 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_serve_arguments(serve)
     serve.set_defaults(handler=_serve_handler)
+    probe = commands.add_parser(
+        "probe", help="exit 0 iff a daemon's health service says SERVING (an exec probe for "
+                      "daemons with mTLS, which the kubelet's gRPC probe cannot speak)")
+    probe.add_argument("--address", default="127.0.0.1:7070", help="HOST:PORT of the daemon")
+    probe.add_argument("--tls-ca", type=Path, default=None)
+    probe.add_argument("--tls-cert", type=Path, default=None)
+    probe.add_argument("--tls-key", type=Path, default=None)
+    probe.add_argument("--tls-server-name", default=None, metavar="NAME")
+    probe.add_argument("--timeout", type=float, default=2.0, metavar="SECONDS")
+    probe.set_defaults(handler=_probe_handler)
 
 
 def build_serve_parser() -> argparse.ArgumentParser:
@@ -96,6 +106,24 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="bulk data plane (plain TCP beside gRPC, for block get/put): 'auto' "
                    "(the --listen host, any free port; advertised in etcd and Stat), 'off', or "
                    "HOST:PORT. Always off with TLS.")
+
+
+def _probe_handler(args: argparse.Namespace) -> int:
+    from kvstore.net.daemon_client import ClientTLS, DaemonClient
+
+    tls = None if args.tls_ca is None else ClientTLS(args.tls_ca, args.tls_cert, args.tls_key,
+                                                     args.tls_server_name)
+    try:
+        client = DaemonClient("probe", args.address, tls=tls)
+        try:
+            status = client.health(timeout=args.timeout)
+        finally:
+            client.close()
+    except KVKeepError as exc:
+        print(f"kvkeep store probe: {args.address}: {exc}", file=sys.stderr)
+        return 1
+    print(status)
+    return 0 if status == "SERVING" else 1
 
 
 def _serve_handler(args: argparse.Namespace, argv: list[str] | None = None) -> int:
