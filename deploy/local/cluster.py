@@ -23,11 +23,16 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 from deploy.local.engines import EngineSettings, vllm_argv, vllm_env
 from deploy.local.probes import daemon_serving, http_json, http_ok, port_open, wait_until
 from deploy.local.processes import ManagedProcess, free_port
+from deploy.local.tls import LocalPki
 from kvstore.errors import ConfigError
+
+if TYPE_CHECKING:
+    from kvstore.net.daemon_client import ClientTLS
 
 __all__ = ["ClusterSpec", "LocalCluster", "Worker", "Daemon", "Router", "REPO_ROOT"]
 
@@ -54,6 +59,9 @@ class ClusterSpec:
     """Overrides for the workers' engine (its model_dir is replaced by the cluster's)."""
     router_args: tuple[str, ...] = ()
     """Extra `kvkeep router serve` flags for every router (e.g. `--policy round-robin`)."""
+    tls: bool = False
+    """etcd over TLS with client certificates, daemons over mTLS with signed registrations:
+    deploy/k8s's trust settings, with a throwaway CA in the cluster's dir (deploy/local/tls.py)."""
 
     def __post_init__(self) -> None:
         if self.daemons < 1 or self.workers < 1 or self.routers < 1:
@@ -111,6 +119,8 @@ class LocalCluster:
     workers: dict[str, Worker] = field(init=False, default_factory=dict)
     routers: list[Router] = field(init=False, default_factory=list)
     engine: EngineSettings | None = field(init=False, default=None)
+    pki: LocalPki | None = field(init=False, default=None)
+    """The TLS option's certificates and keys (None without `spec.tls`)."""
     _owns_dir: bool = field(init=False, default=False)
 
     # --- lifecycle -------------------------------------------------------------------------
@@ -130,6 +140,9 @@ class LocalCluster:
         """Start everything and wait until the routers see every worker; `say` is told what
         is happening (the demo prints it)."""
         self._make_dirs()
+        if self.spec.tls:
+            self.pki = LocalPki.create(self.base_dir / "pki")
+            say(f"TLS on: a throwaway CA and certificates in {self.base_dir / 'pki'}")
         self.engine = self._engine_settings(say)
         say(f"etcd on 127.0.0.1:{self._start_etcd()}")
         for i in range(self.spec.daemons):
@@ -141,7 +154,8 @@ class LocalCluster:
         for i in range(self.spec.routers):
             self._add_router(f"r{i + 1}")
         for d in self.daemons:
-            wait_until(partial(daemon_serving, d.node_id, d.address), timeout=60,
+            wait_until(partial(daemon_serving, d.node_id, d.address, self.daemon_tls),
+                       timeout=60,
                        what=f"kvstore daemon {d.node_id}", process=d.process)
             say(f"kvstore daemon {d.node_id} serving on {d.address} (kvkeep store serve)")
         for r in self.routers:
@@ -179,7 +193,17 @@ class LocalCluster:
     # --- operations ------------------------------------------------------------------------
     @property
     def etcd_url(self) -> str:
-        return f"http://127.0.0.1:{self.etcd_port}"
+        return f"{'https' if self.spec.tls else 'http'}://127.0.0.1:{self.etcd_port}"
+
+    @property
+    def daemon_tls(self) -> ClientTLS | None:
+        """What a client needs to talk to the daemons directly (None without TLS)."""
+        return None if self.pki is None else self.pki.daemon_client_tls()
+
+    def _etcd_flags(self) -> list[str]:
+        """`--etcd URL` and, with TLS, the client certificate flags."""
+        return ["--etcd", self.etcd_url,
+                *([] if self.pki is None else self.pki.etcd_client_flags())]
 
     @property
     def router_url(self) -> str:
@@ -270,7 +294,8 @@ class LocalCluster:
             # A throwaway single-node etcd: fast elections, and no fsync (nothing here must
             # survive a power cut; every fsync would cost the workers' leases latency).
             "--heartbeat-interval", "20", "--election-timeout", "200", "--unsafe-no-fsync",
-            "--log-level", "error"], self.logs / "etcd.log").start()
+            "--log-level", "error", *([] if self.pki is None else self.pki.etcd_server_args())],
+            self.logs / "etcd.log").start()
         wait_until(lambda: port_open(self.etcd_port), timeout=20, what="etcd",
                    process=self.etcd)
         return self.etcd_port
@@ -282,7 +307,8 @@ class LocalCluster:
         process = self._kvkeep(f"store-{node_id}", [
             "store", "serve", "--listen", f"127.0.0.1:{port}", "--data-dir", str(data),
             "--mem-budget", "128MiB", "--disk-budget", "1GiB", "--node-id", node_id,
-            "--etcd", self.etcd_url, "--lease-ttl", "3", "--workers", "2"], _MALLOC_ENV)
+            "--etcd", self.etcd_url, "--lease-ttl", "3", "--workers", "2",
+            *([] if self.pki is None else self.pki.daemon_flags())], _MALLOC_ENV)
         self.daemons.append(Daemon(node_id, port, process.start()))
 
     def _add_worker(self, worker_id: str) -> None:
@@ -290,11 +316,13 @@ class LocalCluster:
         port, events = free_port(), free_port()
         server = ManagedProcess(f"vllm-{worker_id}",
                                 vllm_argv(self.engine, port=port, events_port=events,
-                                          etcd_url=self.etcd_url),
+                                          etcd_url=self.etcd_url,
+                                          remote_extra=None if self.pki is None
+                                          else self.pki.connector_remote()),
                                 self.logs / f"vllm-{worker_id}.log", vllm_env(REPO_ROOT),
                                 REPO_ROOT)
         agent = self._kvkeep(f"agent-{worker_id}", [
-            "worker", "--etcd", self.etcd_url, "--url", f"http://127.0.0.1:{port}",
+            "worker", *self._etcd_flags(), "--url", f"http://127.0.0.1:{port}",
             "--id", worker_id, "--kv-events", f"tcp://127.0.0.1:{events}",
             "--ttl", str(self.spec.lease_ttl_s)])
         self.workers[worker_id] = Worker(worker_id, port, events, server.start(), agent)
@@ -310,7 +338,7 @@ class LocalCluster:
         assert self.engine is not None
         port = free_port()
         process = self._kvkeep(f"router-{replica_id}", [
-            "router", "serve", "--listen", f"127.0.0.1:{port}", "--etcd", self.etcd_url,
+            "router", "serve", "--listen", f"127.0.0.1:{port}", *self._etcd_flags(),
             "--replica-id", replica_id, "--block-size", str(self.engine.block_size),
             "--stream-idle-timeout", "20", *self.spec.router_args])
         self.routers.append(Router(replica_id, port, process.start()))

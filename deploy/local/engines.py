@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,11 +44,13 @@ class EngineSettings:
 
 
 def kv_transfer_config(settings: EngineSettings, etcd_url: str,
-                       store_prefix: str = "/kvkeep/stores/") -> dict[str, Any]:
+                       store_prefix: str = "/kvkeep/stores/",
+                       remote_extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """`--kv-transfer-config`: host RAM first, then the kvstore daemons found through etcd.
 
     `kv_load_failure_policy: recompute` turns a block that fails to restore into a recompute
-    (vLLM's default would fail the request).
+    (vLLM's default would fail the request). `remote_extra`: more `store.remote` keys (the
+    TLS option's etcd and daemon-identity settings, deploy/local/tls.py).
     """
     return {
         "kv_connector": "KVKeepConnector",
@@ -57,7 +60,8 @@ def kv_transfer_config(settings: EngineSettings, etcd_url: str,
         "kv_connector_extra_config": {
             "store": {"host_bytes": settings.host_bytes,
                       "remote": {"etcd": etcd_url, "prefix": store_prefix,
-                                 "replicas": settings.remote_replicas, "timeout_ms": 1000}},
+                                 "replicas": settings.remote_replicas, "timeout_ms": 1000,
+                                 **(remote_extra or {})}},
             "codec": "raw",
             "checkpoint_tokens": settings.checkpoint_tokens,
             "restore_deadline_ms": settings.restore_deadline_ms,
@@ -67,7 +71,7 @@ def kv_transfer_config(settings: EngineSettings, etcd_url: str,
 
 
 def vllm_argv(settings: EngineSettings, *, port: int, events_port: int,
-              etcd_url: str) -> list[str]:
+              etcd_url: str, remote_extra: Mapping[str, Any] | None = None) -> list[str]:
     """The server's command line.
 
     `python -m vllm.entrypoints.openai.api_server`, not the `vllm` script: the CPU wheel is
@@ -85,7 +89,8 @@ def vllm_argv(settings: EngineSettings, *, port: int, events_port: int,
         "--host", "127.0.0.1", "--port", str(port),
         "--enable-prompt-tokens-details", "--uvicorn-log-level", "warning",
         "--kv-events-config", json.dumps(events),
-        *(["--kv-transfer-config", json.dumps(kv_transfer_config(settings, etcd_url))]
+        *(["--kv-transfer-config", json.dumps(kv_transfer_config(
+            settings, etcd_url, remote_extra=remote_extra))]
           if settings.connector else []),
     ]
 
