@@ -24,9 +24,11 @@ from typing import Any, TypeVar
 import aetcd
 import pytest
 
+from connectors.lmcache.config import PluginSettings
+from connectors.lmcache.transport import connect
 from connectors.vllm.config import ConnectorConfig
 from connectors.vllm.stores import tier_specs
-from deploy.pki import Authority
+from deploy.pki import Authority, registration_keypair
 from kvstore.cli import build_parser
 from kvstore.daemon.registration import Registrar
 from kvstore.errors import ConfigError
@@ -317,16 +319,28 @@ def test_connector_remote_store_discovers_over_mutual_tls(tmp_path: Path) -> Non
         with pytest.raises(ConfigError, match="unknown key"):
             ConnectorConfig.from_extra({"store": {"remote": {"etcd": etcd.url,
                                                              "etcd_cafile": "/x"}}})
+        private, public = registration_keypair()
+        (tmp_path / "reg.key").write_bytes(private)
+        (tmp_path / "reg.pub").write_bytes(public)
         daemon = start_daemon(tmp_path, "d1", etcd_url=etcd.url, extra=[
             "--etcd-ca", str(etcd.ca), "--etcd-cert", str(client.cert), "--etcd-key",
-            str(client.key)])
+            str(client.key), "--registration-key", str(tmp_path / "reg.key")])
+        # The LMCache plugin's store: the same etcd keys, and a key to believe daemons with.
+        plugin = PluginSettings.from_params({
+            "etcd": etcd.url, "etcd_ca": str(etcd.ca), "etcd_cert": str(client.cert),
+            "etcd_key": str(client.key), "registration_public_key": str(tmp_path / "reg.pub"),
+            "replicas": 1})
+        assert isinstance(plugin.etcd, EtcdSpec) and plugin.etcd.cert_file == client.cert
         try:
             (tier,) = build_tiers(tier_specs(config.store))
             assert isinstance(tier, RemoteTier)
+            lmcache = connect(plugin)
+            assert isinstance(lmcache, RemoteTier)
             try:
-                wait_until(lambda: tier.members() == ["d1"], timeout=20)
+                wait_until(lambda: tier.members() == ["d1"] == lmcache.members(), timeout=20)
             finally:
                 tier.close()
+                lmcache.close()
         finally:
             daemon.terminate()
         assert "etcd" in daemon.log_text()
