@@ -22,6 +22,7 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,13 +48,29 @@ from tests.test_deploy_manifests import DOCS, POD_ENV, _expand, _one
 
 # -- NetworkPolicy semantics -------------------------------------------------------------------
 
+GATEWAY = Path(__file__).resolve().parents[1] / "deploy" / "gateway"
 POLICIES = [d for d in DOCS if d["kind"] == "NetworkPolicy"]
+GATEWAY_POLICIES = [d for p in sorted(GATEWAY.glob("*.yaml")) if p.name != "envoy.yaml"
+                    for d in yaml.safe_load_all(p.read_text())
+                    if d and d["kind"] == "NetworkPolicy"]
 Pod = tuple[dict[str, str], dict[str, int]]  # labels, named container ports
-OUTSIDE = None  # a pod of another namespace, or anything beyond the cluster
 
 
-def _pod(kind: str, name: str) -> Pod:
-    template = _one(kind, name)["spec"]["template"]
+@dataclass(frozen=True)
+class Source:
+    """Where a connection comes from: a pod (its labels) in a namespace (None: kvkeep's own,
+    else that namespace's labels), or no pod at all (beyond the cluster)."""
+
+    pod: dict[str, str] | None
+    namespace: dict[str, str] | None = None
+
+
+OUTSIDE = Source(None)
+
+
+def _pod(kind: str, name: str, docs: list[dict[str, Any]] = DOCS) -> Pod:
+    (doc,) = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+    template = doc["spec"]["template"]
     ports = {p["name"]: p["containerPort"] for c in template["spec"]["containers"]
              for p in c.get("ports", [])}
     return dict(template["metadata"]["labels"]), ports
@@ -75,19 +92,26 @@ def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
     return True
 
 
-def _peer_matches(peer: dict[str, Any], source: dict[str, str] | None) -> bool:
+def _peer_matches(peer: dict[str, Any], source: Source) -> bool:
     if "ipBlock" in peer:
-        return source is OUTSIDE  # (no policy here uses one)
+        return source.pod is None  # (an address range: only used for traffic from outside)
+    if source.pod is None:
+        return False
     if "namespaceSelector" in peer:
-        return False  # other namespaces: none of our policies admits them by label
-    return source is not OUTSIDE and _selects(peer.get("podSelector", {}), source)
+        namespace = source.namespace or {}  # kvkeep's namespace carries no labels here
+        if not _selects(peer["namespaceSelector"], namespace):
+            return False
+    elif source.namespace is not None:
+        return False  # a podSelector alone means pods of the policy's own namespace
+    return _selects(peer.get("podSelector", {}), source.pod)
 
 
-def allowed(source: dict[str, str] | None, dest: Pod, port: str) -> bool:
+def allowed(source: Source, dest: Pod, port: str,
+            policies: list[dict[str, Any]] = POLICIES) -> bool:
     """Kubernetes' rule: a pod selected by no Ingress policy takes anything; else a
     connection needs one rule of one selecting policy admitting both its source and port."""
     labels, ports = dest
-    selecting = [p for p in POLICIES if _selects(p["spec"]["podSelector"], labels)
+    selecting = [p for p in policies if _selects(p["spec"]["podSelector"], labels)
                  and "Ingress" in p["spec"].get("policyTypes", ["Ingress"])]
     if not selecting:
         return True
@@ -107,8 +131,10 @@ def test_network_policies_admit_only_what_the_design_needs() -> None:
     vLLM around the router, read the KV-event stream, and talked to etcd and the daemons."""
     router, worker = _pod("Deployment", "kvkeep-router"), _pod("Deployment", "kvkeep-worker")
     store, etcd = _pod("DaemonSet", "kvkeep-store"), _pod("StatefulSet", "kvkeep-etcd")
-    stray = {"app": "debug-shell"}  # some other pod in the namespace
-    rl, wl, sl, el = router[0], worker[0], store[0], etcd[0]
+    sources = {"outside": OUTSIDE, "stray": Source({"app": "debug-shell"}),
+               "other-ns": Source({"app": "x"}, {"team": "b"}),
+               "router": Source(router[0]), "worker": Source(worker[0]),
+               "store": Source(store[0]), "etcd": Source(etcd[0])}
     expected = {
         # the way in
         ("outside", "router", "http"): True,
@@ -116,25 +142,49 @@ def test_network_policies_admit_only_what_the_design_needs() -> None:
         ("router", "worker", "http"): True, ("router", "worker", "kv-events"): True,
         ("outside", "worker", "http"): False, ("outside", "worker", "kv-events"): False,
         ("stray", "worker", "http"): False, ("stray", "worker", "kv-events"): False,
+        ("other-ns", "worker", "http"): False, ("other-ns", "worker", "kv-events"): False,
         ("worker", "worker", "http"): False, ("store", "worker", "kv-events"): False,
         # etcd: kvkeep's own pods; peers on the peer port; the plaintext metrics nobody
         ("router", "etcd", "client"): True, ("worker", "etcd", "client"): True,
         ("store", "etcd", "client"): True, ("etcd", "etcd", "peer"): True,
         ("outside", "etcd", "client"): False, ("stray", "etcd", "client"): False,
+        ("other-ns", "etcd", "client"): False,
         ("worker", "etcd", "peer"): False, ("router", "etcd", "metrics"): False,
         # daemons: connectors and peers
         ("worker", "store", "grpc"): True, ("store", "store", "grpc"): True,
         ("router", "store", "grpc"): False, ("outside", "store", "grpc"): False,
         ("stray", "store", "grpc"): False,
     }
-    sources: dict[str, dict[str, str] | None] = {"outside": OUTSIDE, "stray": stray,
-                                                 "router": rl, "worker": wl, "store": sl,
-                                                 "etcd": el}
     dests = {"router": router, "worker": worker, "store": store, "etcd": etcd}
     for dest_name, dest in dests.items():
         for port in {p for (_, d, p) in expected if d == dest_name}:
             assert port in dest[1], (dest_name, port)  # every named port exists
     actual = {case: allowed(sources[case[0]], dests[case[1]], case[2]) for case in expected}
+    assert actual == expected
+
+
+def test_the_gateway_path_through_the_policies() -> None:
+    """deploy/gateway on top: its data plane (a labelled namespace) reaches the workers' vLLM
+    port and the picker's ext_proc port; the picker (a router) reaches etcd and the workers'
+    events; nobody else gains anything."""
+    policies = POLICIES + GATEWAY_POLICIES
+    gateway_docs = [d for p in sorted(GATEWAY.glob("*.yaml")) if p.name != "envoy.yaml"
+                    for d in yaml.safe_load_all(p.read_text()) if d]
+    epp = _pod("Deployment", "kvkeep-epp", gateway_docs)
+    worker, etcd = _pod("Deployment", "kvkeep-worker"), _pod("StatefulSet", "kvkeep-etcd")
+    sources = {"gateway": Source({"app": "envoy"}, {"kvkeep.io/inference-gateway": "true"}),
+               "other-ns": Source({"app": "envoy"}, {"team": "b"}), "epp": Source(epp[0]),
+               "outside": OUTSIDE}
+    expected = {
+        ("gateway", "worker", "http"): True, ("gateway", "epp", "grpc-ext-proc"): True,
+        ("gateway", "worker", "kv-events"): False, ("gateway", "etcd", "client"): False,
+        ("epp", "etcd", "client"): True, ("epp", "worker", "kv-events"): True,
+        ("other-ns", "worker", "http"): False, ("other-ns", "epp", "grpc-ext-proc"): False,
+        ("outside", "epp", "grpc-ext-proc"): False, ("outside", "epp", "http"): True,
+    }
+    dests = {"worker": worker, "etcd": etcd, "epp": epp}
+    actual = {case: allowed(sources[case[0]], dests[case[1]], case[2], policies)
+              for case in expected}
     assert actual == expected
 
 
@@ -220,6 +270,16 @@ def test_every_kvkeep_command_carries_the_tls_settings() -> None:
         mounts = _mounts(doc, c)
         used = {_secret_file(p, mounts)[0] for p in _paths(args)}
         assert expected_identity[name] in used, (name, used)
+    # deploy/gateway's picker is a router replica on the same etcd.
+    (epp_doc,) = [d for p in sorted(GATEWAY.glob("*.yaml")) if p.name != "envoy.yaml"
+                  for d in yaml.safe_load_all(p.read_text())
+                  if d and d["kind"] == "Deployment" and d["metadata"]["name"] == "kvkeep-epp"]
+    (epp,) = epp_doc["spec"]["template"]["spec"]["containers"]
+    epp_args = [a.replace("$(POD_NAME)", "kvkeep-epp-1") for a in epp["args"]]
+    spec = etcd_spec_from_args(parser.parse_args(epp_args))
+    assert spec is not None and spec.secure and spec.cert_file is not None
+    assert {_secret_file(p, _mounts(epp_doc, epp))[0] for p in _paths(epp_args)} == {
+        "kvkeep-router-tls"}
     doc, daemon = _container("DaemonSet", "kvkeep-store", "kvstore")
     args = daemon["args"]
     for flag in ("--tls-cert", "--tls-key", "--tls-ca", "--registration-key"):
