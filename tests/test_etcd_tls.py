@@ -287,6 +287,15 @@ def test_every_command_takes_the_etcd_flags(tmp_path: Path) -> None:
     for args in (store, router, worker):
         assert etcd_spec_from_args(args) == expected
     assert config_from_args(router).etcd_url == expected
+    # The router's conversation records (--continuation) use its etcd with the same TLS, and
+    # take how the daemons prove their identity.
+    continued = config_from_args(parser.parse_args([
+        "router", "serve", *files, "--continuation", "--store-tls-ca", "/pki/ca.pem",
+        "--store-tls-server-name", "kvkeep-store", "--store-registration-pubkey", "/pki/r.pub"]))
+    assert continued.continuation is not None
+    remote = continued.continuation.remote_spec()
+    assert remote.etcd == expected and remote.tls_server_name == "kvkeep-store"
+    assert remote.tls_ca == "/pki/ca.pem" and remote.registration_public_key == "/pki/r.pub"
     with pytest.raises(ConfigError, match="without --etcd"):
         etcd_spec_from_args(parser.parse_args(["router", "serve", "--etcd-ca", "/ca"]))
     with pytest.raises(ConfigError, match="plain http"):
