@@ -38,6 +38,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                       help="length of the answer during which the worker dies")
     demo.add_argument("--kill-after", type=int, default=40, metavar="CHUNKS",
                       help="chunks the client has read when the worker is killed")
+    demo.add_argument("--tls", action="store_true",
+                      help="etcd over TLS with client certificates, daemons over mTLS with "
+                           "signed registrations (deploy/k8s's settings, a throwaway CA)")
     demo.set_defaults(handler=_demo)
 
     chaos = subparsers.add_parser(
@@ -95,7 +98,7 @@ def _demo(args: argparse.Namespace) -> int:
     try:
         options = DemoOptions(json_path=args.json, keep_dir=args.keep, model_dir=args.model_dir,
                               stream_tokens=args.stream_tokens,
-                              kill_after_chunks=args.kill_after)
+                              kill_after_chunks=args.kill_after, tls=args.tls)
     except ConfigError as exc:
         print(f"kvkeep demo: {exc}", file=sys.stderr)
         return 2

@@ -77,6 +77,8 @@ class DemoOptions:
     model_dir: Path | None = None
     base_dir: Path | None = None
     keep_dir: bool = False
+    tls: bool = False
+    """The cluster with deploy/k8s's trust settings (ClusterSpec.tls)."""
 
     def __post_init__(self) -> None:
         if not 0 < self.kill_after_chunks < self.stream_tokens:
@@ -90,7 +92,8 @@ def run_demo(options: DemoOptions, out: TextIO = sys.stdout) -> Report:
     report = Report("kvkeep failover demo", out=out)
     cluster = LocalCluster(ClusterSpec(
         daemons=2, workers=2, routers=1, lease_ttl_s=options.lease_ttl_s,
-        model_dir=options.model_dir, base_dir=options.base_dir, keep_dir=options.keep_dir))
+        model_dir=options.model_dir, base_dir=options.base_dir, keep_dir=options.keep_dir,
+        tls=options.tls))
     try:
         report.step("start a local cluster: etcd, 2 kvstore daemons, 2 vLLM workers with the "
                     "kvkeep connector (host RAM + the daemons via etcd), 2 agents, 1 router")
@@ -283,7 +286,8 @@ class _Scenario:
     # --- helpers ---------------------------------------------------------------------------
     def _counters(self, worker_id: str) -> tuple[EngineCache | None, StoreTraffic]:
         daemons = [(d.node_id, d.address) for d in self.cluster.daemons]
-        return (scrape_engine(self.cluster.workers[worker_id].url), scrape_stores(daemons))
+        return (scrape_engine(self.cluster.workers[worker_id].url), scrape_stores(
+            daemons, tls=self.cluster.daemon_tls))
 
     def _restored(self, e0: EngineCache | None, e1: EngineCache | None, s0: StoreTraffic,
                   s1: StoreTraffic, what: str) -> int:

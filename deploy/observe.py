@@ -16,10 +16,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import httpx
 
 from kvstore.errors import KVKeepError
+
+if TYPE_CHECKING:
+    from kvstore.net.daemon_client import ClientTLS
 
 __all__ = ["EngineCache", "StoreTraffic", "scrape_engine", "scrape_stores"]
 
@@ -82,13 +86,15 @@ def scrape_engine(worker_url: str, timeout_s: float = 5.0) -> EngineCache | None
     return EngineCache(**values)
 
 
-def scrape_stores(daemons: Iterable[tuple[str, str]], timeout_s: float = 2.0) -> StoreTraffic:
-    """Sum of the Stat counters of `(node_id, host:port)` daemons; unreachable ones skipped."""
+def scrape_stores(daemons: Iterable[tuple[str, str]], timeout_s: float = 2.0,
+                  tls: ClientTLS | None = None) -> StoreTraffic:
+    """Sum of the Stat counters of `(node_id, host:port)` daemons (over mTLS with `tls`);
+    unreachable ones skipped."""
     from kvstore.net.daemon_client import DaemonClient
 
     total = StoreTraffic()
     for node_id, address in daemons:
-        client = DaemonClient(node_id, address, data_plane=False)
+        client = DaemonClient(node_id, address, data_plane=False, tls=tls)
         try:
             s = client.stat(timeout=timeout_s)
         except KVKeepError:

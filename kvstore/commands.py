@@ -3,6 +3,11 @@
     kvkeep store serve --listen HOST:PORT --data-dir DIR --mem-budget SIZE --disk-budget SIZE
                        --node-id ID [--etcd URL] [--token-file F]
                        [--tls-cert F --tls-key F [--tls-ca F]] [--data-listen auto|off|H:P] ...
+                       [--etcd-ca F --etcd-cert F --etcd-key F] [--etcd-user U
+                        --etcd-password-file F]
+
+etcd: `https://` URLs mean TLS, verified against --etcd-ca; a client certificate
+(--etcd-cert/--etcd-key) for etcd's --client-cert-auth, and/or etcd user auth.
 
 Blocks travel over a plain TCP data plane beside gRPC (kvstore/net/tcp_protocol.py: same tokens,
 tenants and limits, every block verified; ~2-3x gRPC's throughput here), on `--data-listen`
@@ -24,6 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvstore.errors import KVKeepError
+from kvstore.etcd.flags import add_etcd_arguments, etcd_spec_from_args
 
 __all__ = ["register", "serve_main", "build_serve_parser", "MALLOC_ENV"]
 
@@ -38,6 +44,16 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_serve_arguments(serve)
     serve.set_defaults(handler=_serve_handler)
+    probe = commands.add_parser(
+        "probe", help="exit 0 iff a daemon's health service says SERVING (an exec probe for "
+                      "daemons with mTLS, which the kubelet's gRPC probe cannot speak)")
+    probe.add_argument("--address", default="127.0.0.1:7070", help="HOST:PORT of the daemon")
+    probe.add_argument("--tls-ca", type=Path, default=None)
+    probe.add_argument("--tls-cert", type=Path, default=None)
+    probe.add_argument("--tls-key", type=Path, default=None)
+    probe.add_argument("--tls-server-name", default=None, metavar="NAME")
+    probe.add_argument("--timeout", type=float, default=2.0, metavar="SECONDS")
+    probe.set_defaults(handler=_probe_handler)
 
 
 def build_serve_parser() -> argparse.ArgumentParser:
@@ -58,8 +74,8 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mem-budget", default="1GiB", help="host RAM tier size (e.g. 8GiB)")
     p.add_argument("--disk-budget", default="10GiB", help="nvme tier size (e.g. 500GiB)")
     p.add_argument("--node-id", required=True, help="this node's unique name")
-    p.add_argument("--etcd", default=None,
-                   help="etcd URL(s), e.g. http://10.0.0.1:2379; omit to run unregistered")
+    add_etcd_arguments(p, help="etcd URL(s), e.g. https://10.0.0.1:2379 (https: TLS); omit to "
+                               "run unregistered")
     p.add_argument("--etcd-prefix", default=None, help="registration prefix "
                    "(default /kvkeep/stores/)")
     p.add_argument("--advertise", default=None, help="HOST:PORT clients dial (default: --listen)")
@@ -69,7 +85,16 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-cert", type=Path, default=None)
     p.add_argument("--tls-key", type=Path, default=None)
     p.add_argument("--tls-ca", type=Path, default=None,
-                   help="CA for client certificates: turns on mutual TLS")
+                   help="CA for client certificates: turns on mutual TLS (and peers are "
+                        "verified against it)")
+    p.add_argument("--tls-server-name", default=None, metavar="NAME",
+                   help="the name every daemon's certificate carries, checked instead of a "
+                        "peer's address (one certificate shared by all daemons)")
+    p.add_argument("--registration-key", type=Path, default=None, metavar="FILE",
+                   help="Ed25519 private key (PEM) the etcd registration is signed with; "
+                        "peers are believed only if theirs verify")
+    p.add_argument("--registration-pubkey", type=Path, default=None, metavar="FILE",
+                   help="more Ed25519 public keys (PEM) peers may sign with (key rotation)")
     p.add_argument("--replicas", type=int, default=2,
                    help="copies per block the re-replication restores (match the clients' R)")
     p.add_argument("--rereplicate-after", type=float, default=30.0,
@@ -81,6 +106,24 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="bulk data plane (plain TCP beside gRPC, for block get/put): 'auto' "
                    "(the --listen host, any free port; advertised in etcd and Stat), 'off', or "
                    "HOST:PORT. Always off with TLS.")
+
+
+def _probe_handler(args: argparse.Namespace) -> int:
+    from kvstore.net.daemon_client import ClientTLS, DaemonClient
+
+    tls = None if args.tls_ca is None else ClientTLS(args.tls_ca, args.tls_cert, args.tls_key,
+                                                     args.tls_server_name)
+    try:
+        client = DaemonClient("probe", args.address, tls=tls)
+        try:
+            status = client.health(timeout=args.timeout)
+        finally:
+            client.close()
+    except KVKeepError as exc:
+        print(f"kvkeep store probe: {args.address}: {exc}", file=sys.stderr)
+        return 1
+    print(status)
+    return 0 if status == "SERVING" else 1
 
 
 def _serve_handler(args: argparse.Namespace, argv: list[str] | None = None) -> int:
@@ -96,9 +139,12 @@ def _serve_handler(args: argparse.Namespace, argv: list[str] | None = None) -> i
     try:
         config = DaemonConfig(
             listen=args.listen, data_dir=args.data_dir, mem_budget=parse_size(args.mem_budget),
-            disk_budget=parse_size(args.disk_budget), node_id=args.node_id, etcd=args.etcd,
+            disk_budget=parse_size(args.disk_budget), node_id=args.node_id,
+            etcd=etcd_spec_from_args(args, check_files=True),
             advertise=args.advertise, lease_ttl=args.lease_ttl, token_file=args.token_file,
             tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
+            tls_server_name=args.tls_server_name, registration_key=args.registration_key,
+            registration_public_keys=args.registration_pubkey,
             replicas=args.replicas, rereplicate_after=args.rereplicate_after,
             drain_timeout=args.drain_timeout, workers=args.workers,
             data_listen=args.data_listen,

@@ -21,6 +21,7 @@ __all__ = [
     "TierFull",
     "DeadlineExceeded",
     "ConfigError",
+    "UntrustedRegistration",
 ]
 
 
@@ -69,3 +70,13 @@ class TierFull(TierError):
 
 class DeadlineExceeded(KVKeepError, TimeoutError):
     """An operation ran past its deadline; for reads this is a miss."""
+
+
+class UntrustedRegistration(KVKeepError):
+    """A daemon registration a client does not believe (kvstore/tiers/daemon_trust.py):
+    malformed, unsigned, badly signed, or unprovable; `reason` is the short word it is
+    counted under."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason

@@ -4,6 +4,9 @@
     kvkeep worker --etcd http://etcd:2379 --url http://vllm-0:8000 [--id w0]
                   [--kv-events tcp://vllm-0:5557]
 
+Both take the etcd TLS and auth flags of kvstore/etcd/flags.py (`--etcd https://...
+--etcd-ca F --etcd-cert F --etcd-key F`, `--etcd-user U --etcd-password-file F`).
+
 Without `--etcd` the router keeps its state in-process (one replica only) and takes its
 workers from `--worker [ID=]URL[,kv-events=ENDPOINT]`, probing them itself.
 """
@@ -21,6 +24,8 @@ import socket
 from typing import Any
 
 from kvstore.errors import ConfigError
+from kvstore.etcd import EtcdSpec
+from kvstore.etcd.flags import add_etcd_arguments, etcd_spec_from_args
 from router.allowlist import WorkerAllowList
 from router.config import RouterConfig, parse_static_worker
 from router.continuation import config as continuation_config
@@ -39,8 +44,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     router_sub = router.add_subparsers(dest="router_command", required=True)
     serve = router_sub.add_parser("serve", help="run one router replica")
     serve.add_argument("--listen", default="127.0.0.1:8000", help="HOST:PORT (default %(default)s)")
-    serve.add_argument("--etcd", default=None, metavar="URL",
-                       help="shared state; without it state is in-process (one replica)")
+    add_etcd_arguments(serve, help="shared state (https:// means TLS); without it state is "
+                                   "in-process (one replica)")
     serve.add_argument("--etcd-prefix", default="/kvkeep")
     serve.add_argument("--worker", action="append", default=[], metavar="[ID=]URL[,kv-events=EP]",
                        help="a static worker (in-process state only); repeat for more")
@@ -102,7 +107,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     serve.set_defaults(handler=_serve_command)
 
     worker = subparsers.add_parser("worker", help="register a vLLM server in etcd under a lease")
-    worker.add_argument("--etcd", required=True, metavar="URL")
+    add_etcd_arguments(worker, required=True)
     worker.add_argument("--etcd-prefix", default="/kvkeep")
     worker.add_argument("--url", required=True, help="the vLLM server's base URL")
     worker.add_argument("--id", default=None, help="worker id (default: host:port of --url)")
@@ -124,6 +129,8 @@ def _serve_command(args: argparse.Namespace) -> int:
     _logging(args.log_level)
     try:
         config = config_from_args(args)
+        if isinstance(config.etcd_url, EtcdSpec):
+            config.etcd_url.check_files()
     except ConfigError as exc:
         log.error("%s", exc)
         return 2
@@ -159,7 +166,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     limits = resolve_limits(file, {k: v for k, v in limit_flags.items() if v is not None})
     allow = args.allow_workers or (file.workers_allow if file is not None else None) or ()
     return RouterConfig(
-        host=host or "0.0.0.0", port=int(port), etcd_url=args.etcd, etcd_prefix=args.etcd_prefix,
+        host=host or "0.0.0.0", port=int(port), etcd_url=etcd_spec_from_args(args),
+        etcd_prefix=args.etcd_prefix,
         policy=policy, api_keys=keys, max_body_bytes=args.max_body_bytes,
         session_ttl_s=args.session_ttl, stream_idle_timeout_s=args.stream_idle_timeout,
         block_size=args.block_size,
@@ -222,12 +230,18 @@ def _worker_command(args: argparse.Namespace) -> int:
     parts = urlsplit(url)
     worker_id = args.id or f"{parts.hostname}:{parts.port or 80}"
     models = tuple(args.model) if args.model else None
-    asyncio.run(run_worker_agent(args.etcd, args.etcd_prefix, WorkerId(worker_id), url,
+    try:
+        etcd = etcd_spec_from_args(args, check_files=True)
+    except ConfigError as exc:
+        log.error("%s", exc)
+        return 2
+    assert etcd is not None  # --etcd is required
+    asyncio.run(run_worker_agent(etcd, args.etcd_prefix, WorkerId(worker_id), url,
                                  args.kv_events, models, args.ttl))
     return 0
 
 
-async def run_worker_agent(etcd_url: str, prefix: str, worker_id: WorkerId, url: str,
+async def run_worker_agent(etcd_url: EtcdSpec | str, prefix: str, worker_id: WorkerId, url: str,
                            kv_events: str | None, models: tuple[str, ...] | None,
                            ttl_s: float) -> None:
     import aiohttp

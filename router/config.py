@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvstore.errors import ConfigError
+from kvstore.etcd import EtcdSpec
 from router.allowlist import WorkerAllowList, is_loopback
 from router.continuation.config import ContinuationConfig
 from router.limits import Limits
@@ -44,7 +45,8 @@ def parse_static_worker(spec: str, index: int) -> StaticWorker:
 class RouterConfig:
     """Everything a router replica needs.
 
-    - `etcd_url` None: in-process state, one replica only.
+    - `etcd_url` None: in-process state, one replica only; a URL or an `EtcdSpec` (TLS,
+      client certificate, user auth: kvstore/etcd/spec.py) otherwise.
     - `session_ttl_s`: a binding unused this long is forgotten.
     - `stream_idle_timeout_s`: a worker silent this long mid-stream counts as broken (hung, not
       dead: a SIGSTOPped worker keeps its socket open).
@@ -62,7 +64,7 @@ class RouterConfig:
 
     host: str = "127.0.0.1"
     port: int = 8000
-    etcd_url: str | None = None
+    etcd_url: EtcdSpec | str | None = None
     etcd_prefix: str = "/kvkeep"
     policy: PolicySpec = field(default_factory=policy_preset)
     api_keys: ApiKeys | None = None

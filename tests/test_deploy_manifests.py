@@ -21,6 +21,7 @@ from connectors.vllm.config import ConnectorConfig
 from kvstore.cli import build_parser
 from kvstore.daemon.auth import TokenTable
 from kvstore.daemon.config import DaemonConfig, parse_size
+from kvstore.etcd import etcd_spec
 from router.commands import config_from_args
 
 K8S = Path(__file__).resolve().parents[1] / "deploy" / "k8s"
@@ -100,7 +101,9 @@ def test_workload_selectors_probes_and_volumes_line_up() -> None:
                 p["containerPort"] for p in c.get("ports", [])}
             for probe_kind in ("readinessProbe", "livenessProbe", "startupProbe"):
                 probe = c.get(probe_kind)
-                if probe:
+                if probe and "exec" in probe:
+                    assert probe["exec"]["command"][0] == "kvkeep", (c["name"], probe)
+                elif probe:
                     action = probe.get("httpGet") or probe.get("grpc") or probe.get("tcpSocket")
                     assert action is not None and action["port"] in ports, (c["name"], probe)
             for mount in c.get("volumeMounts", []):
@@ -125,13 +128,14 @@ def test_shapes_the_design_asks_for() -> None:
     initial = next(a for a in etcd["spec"]["template"]["spec"]["containers"][0]["args"]
                    if a.startswith("--initial-cluster="))
     members = dict(m.split("=", 1) for m in initial.removeprefix("--initial-cluster=").split(","))
-    assert members == {f"kvkeep-etcd-{i}": f"http://kvkeep-etcd-{i}.kvkeep-etcd-headless."
+    assert members == {f"kvkeep-etcd-{i}": f"https://kvkeep-etcd-{i}.kvkeep-etcd-headless."
                        "kvkeep.svc:2380" for i in range(3)}
     assert _one("Service", "kvkeep-etcd")["spec"]["ports"][0]["port"] == 2379
 
     store = _one("DaemonSet", "kvkeep-store")["spec"]["template"]["spec"]
     (daemon,) = store["containers"]
-    assert daemon["readinessProbe"]["grpc"]["port"] == 7070
+    probe = build_parser().parse_args(daemon["readinessProbe"]["exec"]["command"][1:])
+    assert probe.store_command == "probe" and probe.address.endswith(":7070")
     volumes = {v["name"]: v for v in store["volumes"]}
     assert volumes["nvme"]["hostPath"]["path"]
     assert volumes["tokens"]["secret"]["secretName"] == "kvkeep-store-tokens"
@@ -160,7 +164,7 @@ def test_every_kvkeep_command_line_parses_and_configures(tmp_path: Path) -> None
     for name, args in commands:
         parsed = parser.parse_args(args)
         assert callable(parsed.handler), name
-        assert _flag(args, "--etcd") == "http://kvkeep-etcd:2379", name
+        assert _flag(args, "--etcd") == "https://kvkeep-etcd:2379", name
         if parsed.command == "router":
             config = config_from_args(parsed)
             assert config.etcd_url and config.port == 8000 and config.host == "0.0.0.0"
@@ -212,7 +216,7 @@ def test_kv_transfer_config_parses_with_the_connector_parser() -> None:
         assert config["kv_load_failure_policy"] == "recompute"
         parsed = ConnectorConfig.from_extra(config["kv_connector_extra_config"])
         assert parsed.store.remote is not None
-        assert parsed.store.remote.etcd == "http://kvkeep-etcd:2379"
+        assert etcd_spec(parsed.store.remote.etcd).url == "https://kvkeep-etcd:2379"
         assert parsed.store.remote.replicas == 2
         events = json.loads(_flag(args, "--kv-events-config"))
         assert events["enable_kv_cache_events"] and events["endpoint"].endswith(":5557")

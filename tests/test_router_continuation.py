@@ -16,6 +16,7 @@ from aiohttp import web
 
 from kvstore.cli import build_parser
 from kvstore.errors import ConfigError, TierUnavailable
+from kvstore.etcd import etcd_spec
 from kvstore.keys import SessionId
 from router.api import Endpoint, parse_request
 from router.commands import config_from_args
@@ -74,7 +75,8 @@ def test_cli_flags(tmp_path: Any) -> None:
                      "--store-token-file", "/etc/kvkeep/t", "--store-tenant", "chats")
     assert config.continuation is not None
     spec = config.continuation.remote_spec()
-    assert (spec.etcd, spec.token_file, config.continuation.tenant) == \
+    assert spec.etcd is not None  # the router's own etcd (a spec: its TLS flags come along)
+    assert (etcd_spec(spec.etcd).url, spec.token_file, config.continuation.tenant) == \
         ("http://127.0.0.1:2379", "/etc/kvkeep/t", "chats")
     listed = _config("--continuation", "--store-daemon", "d0=10.0.0.1:7400",
                      "--store-daemon", "d1=10.0.0.2:7400", "--store-replicas", "1")

@@ -17,8 +17,16 @@
         "skip_present": true,                # look up before storing; send only new objects
         "model_revision": "",                # part of every scope: bump it for new weights
         "max_capacity_gb": 0,                # LMCache's usage accounting (0: none)
-        "tls": {"ca": "...", "cert": "...", "key": "..."},  # optional mTLS to the daemons
+        "tls": {"ca": "...", "cert": "...", "key": "...",  # optional mTLS to the daemons,
+                "server_name": "kvkeep-store"},        # the name their certificates carry
+        "registration_public_key": "...",    # Ed25519 key the daemons sign registrations with
+        "etcd_ca": "...", "etcd_cert": "...", "etcd_key": "...",  # etcd over https (TLS)
+        "etcd_user": "...", "etcd_password_file": "...",          # etcd user auth
         "data_plane": true}}                 # daemons' TCP bulk plane where offered
+
+A token goes only to daemons that prove their identity (mTLS, or signed registrations; see
+kvstore/tiers/daemon_trust.py): without `tls` or `registration_public_key` only daemons on
+loopback are used.
 
 Unknown keys are an error, not a shrug: a typo would otherwise silently run with a default.
 The token is read from a file so that it never sits in the config, which LMCache logs.
@@ -32,6 +40,7 @@ from pathlib import Path
 from typing import Any, Final, Literal
 
 from kvstore.errors import ConfigError, InvalidKey
+from kvstore.etcd import EtcdSpec
 from kvstore.keys import validate_name
 
 __all__ = ["PluginSettings", "TLSPaths", "read_token"]
@@ -40,8 +49,10 @@ _KEYS: Final = frozenset({
     "etcd", "prefix", "daemons", "tenant", "token_file", "replicas", "write_ack",
     "timeout_ms", "lookup_timeout_ms", "store_timeout_ms", "load_threads", "put_batch_mb",
     "skip_present", "model_revision", "max_capacity_gb", "tls", "data_plane",
+    "registration_public_key", "etcd_ca", "etcd_cert", "etcd_key", "etcd_user",
+    "etcd_password_file",
 })
-_TLS_KEYS: Final = frozenset({"ca", "cert", "key"})
+_TLS_KEYS: Final = frozenset({"ca", "cert", "key", "server_name"})
 DEFAULT_PREFIX: Final = "/kvkeep/stores/"
 
 
@@ -50,13 +61,15 @@ class TLSPaths:
     ca: str
     cert: str | None = None
     key: str | None = None
+    server_name: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class PluginSettings:
     """Where the daemons are, who we are to them, and how hard to try."""
 
-    etcd: str | None = None
+    etcd: EtcdSpec | str | None = None
+    """etcd URL(s), or an `EtcdSpec` with TLS and credentials (from the etcd_* keys)."""
     daemons: tuple[tuple[str, str], ...] = ()
     """(node id, host:port) pairs, when the daemons are listed instead of found in etcd."""
     prefix: str = DEFAULT_PREFIX
@@ -74,6 +87,7 @@ class PluginSettings:
     max_capacity_bytes: int = 0
     tls: TLSPaths | None = None
     data_plane: bool = True
+    registration_public_key: str | None = None
 
     def __post_init__(self) -> None:
         if (self.etcd is None) == (not self.daemons):
@@ -97,8 +111,14 @@ class PluginSettings:
         if unknown:
             raise ConfigError(f"unknown kvkeep LMCache plugin keys {unknown}; "
                               f"known: {sorted(_KEYS)}")
+        etcd = _optional_str(params, "etcd")
+        security = {key: _optional_str(params, f"etcd_{key}")
+                    for key in ("ca", "cert", "key", "user", "password_file")}
         return cls(
-            etcd=_optional_str(params, "etcd"),
+            etcd=None if etcd is None else EtcdSpec(
+                etcd, ca_file=_path(security["ca"]), cert_file=_path(security["cert"]),
+                key_file=_path(security["key"]), user=security["user"],
+                password_file=_path(security["password_file"])),
             daemons=_daemons(params.get("daemons")),
             prefix=_optional_str(params, "prefix") or DEFAULT_PREFIX,
             tenant=_optional_str(params, "tenant") or "default",
@@ -115,6 +135,7 @@ class PluginSettings:
             max_capacity_bytes=int(_number(params, "max_capacity_gb", 0.0) * (1 << 30)),
             tls=_tls(params.get("tls")),
             data_plane=_bool(params, "data_plane", True),
+            registration_public_key=_optional_str(params, "registration_public_key"),
         )
 
 
@@ -212,4 +233,11 @@ def _tls(value: object) -> TLSPaths | None:
     cert, key = value.get("cert"), value.get("key")
     if (cert is None) != (key is None):
         raise ConfigError("tls: give both 'cert' and 'key', or neither")
-    return TLSPaths(value["ca"], cert, key)
+    server_name = value.get("server_name")
+    if server_name is not None and (not isinstance(server_name, str) or not server_name):
+        raise ConfigError("tls.server_name must be a non-empty string")
+    return TLSPaths(value["ca"], cert, key, server_name)
+
+
+def _path(value: str | None) -> Path | None:
+    return None if value is None else Path(value)

@@ -56,7 +56,8 @@ def connect(settings: PluginSettings) -> BlockStore:
     if settings.tls is not None:
         tls = ClientTLS(Path(settings.tls.ca),
                         None if settings.tls.cert is None else Path(settings.tls.cert),
-                        None if settings.tls.key is None else Path(settings.tls.key))
+                        None if settings.tls.key is None else Path(settings.tls.key),
+                        settings.tls.server_name)
     # The tier's call timeout bounds puts (and deletes): stores run in the background and
     # the daemons hold their acks while the disk catches up. Loads pass their own, shorter
     # deadline (`timeout_s`) per call; lookups have theirs.
@@ -64,7 +65,9 @@ def connect(settings: PluginSettings) -> BlockStore:
                           call_timeout=settings.store_timeout_s,
                           lookup_timeout=settings.lookup_timeout_s,
                           token=read_token(settings.token_file), tls=tls,
-                          data_plane=settings.data_plane, name="lmcache-remote")
+                          data_plane=settings.data_plane, name="lmcache-remote",
+                          registration_public_key=None if settings.registration_public_key
+                          is None else Path(settings.registration_public_key))
     if settings.etcd is not None:
         return RemoteTier.from_etcd(settings.etcd, config, prefix=settings.prefix)
     return RemoteTier.from_addresses(dict(settings.daemons), config)

@@ -4,8 +4,15 @@ Example (every key optional except a store with at least one tier)::
 
     {"store": {"host_bytes": 4294967296,
                "nvme": {"path": "/var/lib/kvkeep", "bytes": 107374182400},
-               "remote": {"etcd": "http://etcd:2379", "prefix": "/kvkeep/stores/",
-                          "replicas": 2, "timeout_ms": 1000},
+               "remote": {"etcd": "https://etcd:2379", "prefix": "/kvkeep/stores/",
+                          "replicas": 2, "timeout_ms": 1000,
+                          "etcd_ca": "/etc/kvkeep/etcd/ca.pem",
+                          "etcd_cert": "/etc/kvkeep/etcd/tls.crt",
+                          "etcd_key": "/etc/kvkeep/etcd/tls.key",
+                          "tls_ca": "/etc/kvkeep/store-tls/ca.crt",
+                          "tls_cert": "/etc/kvkeep/store-tls/tls.crt",
+                          "tls_key": "/etc/kvkeep/store-tls/tls.key",
+                          "registration_public_key": "/etc/kvkeep/registration/key.pub"},
                "redis": {"url": "redis://redis:6379/0", "prefix": "kvkeep"}},
      "codec": "raw", "compression": "none",
      "checkpoint_tokens": 32, "restore_deadline_ms": 2000, "hinted_restore_deadline_ms": 5000,
@@ -22,10 +29,12 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Final, Literal, cast
 
 from kvstore.codecs import CODEC_NAMES, config_codec_name
 from kvstore.errors import CodecError, ConfigError, InvalidKey
+from kvstore.etcd import EtcdSpec
 from kvstore.keys import validate_name
 from kvstore.tiers.factory import NvmeSpec, RedisSpec, RemoteSpec
 
@@ -59,8 +68,14 @@ _TOP_KEYS: Final = frozenset({
 })
 _STORE_KEYS: Final = frozenset({"host_bytes", "nvme", "remote", "redis", "name"})
 _NVME_KEYS: Final = frozenset({"path", "bytes", "durable"})
+# etcd_*: TLS and auth towards etcd (kvstore/etcd/spec.py), as `kvkeep store serve --etcd-*`.
+_ETCD_KEYS: Final = ("etcd_ca", "etcd_cert", "etcd_key", "etcd_user", "etcd_password_file")
+# tls_*, registration_public_key: what proves a registered daemon is one (a token goes only
+# to those): mTLS against the cluster CA, and/or registrations signed with the cluster key.
+_IDENTITY_KEYS: Final = ("tls_ca", "tls_cert", "tls_key", "tls_server_name",
+                         "registration_public_key")
 _REMOTE_KEYS: Final = frozenset({"etcd", "prefix", "replicas", "daemons", "timeout_ms",
-                                 "token_file"})
+                                 "token_file", *_ETCD_KEYS, *_IDENTITY_KEYS})
 _REDIS_KEYS: Final = frozenset({"url", "prefix", "ttl_seconds", "timeout_ms"})
 
 
@@ -203,17 +218,42 @@ def _store(raw: object) -> StoreSpec:
         if (etcd is None) == (not daemons):
             raise ConfigError("store.remote needs exactly one of 'etcd' and 'daemons'")
         remote = RemoteSpec(
-            etcd=None if etcd is None else _nonempty_str(etcd, "store.remote.etcd"),
+            etcd=None if etcd is None else _etcd(spec),
             prefix=str(spec.get("prefix", "/kvkeep/stores/")),
             replicas=_replicas(spec, daemons),
             daemons=daemons,
             timeout_s=_positive_ms(spec, "timeout_ms", 1000),
             token_file=(None if spec.get("token_file") is None
                         else _nonempty_str(spec["token_file"], "store.remote.token_file")),
+            tls_ca=_optional_str(spec, "tls_ca"), tls_cert=_optional_str(spec, "tls_cert"),
+            tls_key=_optional_str(spec, "tls_key"),
+            tls_server_name=_optional_str(spec, "tls_server_name"),
+            registration_public_key=_optional_str(spec, "registration_public_key"),
         )
     redis = None if store.get("redis") is None else _redis(store["redis"])
     name = _name(store.get("name", "default"), "store.name")
     return StoreSpec(host_bytes=host, nvme=nvme, remote=remote, name=name, redis=redis)
+
+
+def _etcd(remote: Mapping[str, Any]) -> EtcdSpec:
+    """store.remote.etcd with its etcd_* keys: one checked spec (https means TLS)."""
+    files = {key: None if remote.get(key) is None
+             else _nonempty_str(remote[key], f"store.remote.{key}")
+             for key in _ETCD_KEYS}
+
+    def path(key: str) -> Path | None:
+        value = files[key]
+        return None if value is None else Path(value)
+
+    return EtcdSpec(_nonempty_str(remote["etcd"], "store.remote.etcd"),
+                    ca_file=path("etcd_ca"), cert_file=path("etcd_cert"),
+                    key_file=path("etcd_key"), user=files["etcd_user"],
+                    password_file=path("etcd_password_file"))
+
+
+def _optional_str(remote: Mapping[str, Any], key: str) -> str | None:
+    value = remote.get(key)
+    return None if value is None else _nonempty_str(value, f"store.remote.{key}")
 
 
 def _redis(raw: object) -> RedisSpec:

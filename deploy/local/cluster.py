@@ -34,13 +34,18 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 from deploy.local.disks import mount_tmpfs, unmount
 from deploy.local.engines import EngineSettings, vllm_argv, vllm_env
 from deploy.local.netns import Fabric
 from deploy.local.probes import daemon_serving, http_json, http_ok, port_open, wait_until
 from deploy.local.processes import ManagedProcess, free_port
+from deploy.local.tls import LocalPki
 from kvstore.errors import ConfigError
+
+if TYPE_CHECKING:
+    from kvstore.net.daemon_client import ClientTLS
 
 __all__ = ["ClusterSpec", "LocalCluster", "Worker", "Daemon", "Router", "REPO_ROOT"]
 
@@ -73,6 +78,9 @@ class ClusterSpec:
     """Mount each daemon's data dir on a tmpfs of this size (root only): a disk that fills."""
     isolated_workers: tuple[str, ...] = ()
     """Workers (`w1`, ...) run in network namespaces of their own (root only)."""
+    tls: bool = False
+    """etcd over TLS with client certificates, daemons over mTLS with signed registrations:
+    deploy/k8s's trust settings, with a throwaway CA in the cluster's dir (deploy/local/tls.py)."""
 
     def __post_init__(self) -> None:
         if self.daemons < 1 or self.workers < 1 or self.routers < 1:
@@ -86,6 +94,10 @@ class ClusterSpec:
         if unknown:
             raise ConfigError(f"isolated_workers names no worker of this cluster: "
                               f"{sorted(unknown)} (workers are w1..w{self.workers})")
+        if self.tls and self.isolated_workers:
+            # The throwaway certificates name 127.0.0.1 and localhost, not the fabric's
+            # addresses the isolated nodes reach etcd and the daemons at.
+            raise ConfigError("tls and isolated_workers cannot be combined in a local cluster")
 
 
 @dataclass
@@ -146,6 +158,8 @@ class LocalCluster:
     fabric: Fabric | None = field(init=False, default=None)
     peer_token: str | None = field(init=False, default=None)
     """An all-tenant token of the daemons (None: they check none)."""
+    pki: LocalPki | None = field(init=False, default=None)
+    """The TLS option's certificates and keys (None without `spec.tls`)."""
     _owns_dir: bool = field(init=False, default=False)
     _etcd_peer_port: int = field(init=False, default=0)
 
@@ -166,6 +180,9 @@ class LocalCluster:
         """Start everything and wait until the routers see every worker; `say` is told what
         is happening (the demo prints it)."""
         self._make_dirs()
+        if self.spec.tls:
+            self.pki = LocalPki.create(self.base_dir / "pki")
+            say(f"TLS on: a throwaway CA and certificates in {self.base_dir / 'pki'}")
         if self.spec.isolated_workers:
             self.fabric = Fabric.create()
             self._make_tokens()
@@ -182,7 +199,8 @@ class LocalCluster:
         for i in range(self.spec.routers):
             self._add_router(f"r{i + 1}")
         for d in self.daemons:
-            wait_until(partial(daemon_serving, d.node_id, d.address), timeout=60,
+            wait_until(partial(daemon_serving, d.node_id, d.address, self.daemon_tls),
+                       timeout=60,
                        what=f"kvstore daemon {d.node_id}", process=d.process)
             say(f"kvstore daemon {d.node_id} serving on {d.address} (kvkeep store serve)")
         for r in self.routers:
@@ -227,7 +245,17 @@ class LocalCluster:
     # --- operations ------------------------------------------------------------------------
     @property
     def etcd_url(self) -> str:
-        return f"http://127.0.0.1:{self.etcd_port}"
+        return f"{'https' if self.spec.tls else 'http'}://127.0.0.1:{self.etcd_port}"
+
+    @property
+    def daemon_tls(self) -> ClientTLS | None:
+        """What a client needs to talk to the daemons directly (None without TLS)."""
+        return None if self.pki is None else self.pki.daemon_client_tls()
+
+    def _etcd_flags(self) -> list[str]:
+        """`--etcd URL` and, with TLS, the client certificate flags."""
+        return ["--etcd", self.etcd_url,
+                *([] if self.pki is None else self.pki.etcd_client_flags())]
 
     @property
     def router_url(self) -> str:
@@ -389,7 +417,8 @@ class LocalCluster:
             # A throwaway single-node etcd: fast elections, and no fsync (nothing here must
             # survive a power cut; every fsync would cost the workers' leases latency).
             "--heartbeat-interval", "20", "--election-timeout", "200", "--unsafe-no-fsync",
-            "--log-level", "error"], self.logs / "etcd.log").start()
+            "--log-level", "error", *([] if self.pki is None else self.pki.etcd_server_args())],
+            self.logs / "etcd.log").start()
         wait_until(lambda: port_open(self.etcd_port), timeout=20, what="etcd",
                    process=self.etcd)
         return self.etcd_port
@@ -410,8 +439,9 @@ class LocalCluster:
             "store", "serve", "--listen", f"{host}:{port}", "--data-dir", str(data),
             "--mem-budget", self.spec.daemon_mem_budget,
             "--disk-budget", self.spec.daemon_disk_budget, "--node-id", node_id,
-            "--etcd", self.etcd_url, "--lease-ttl", "3", "--workers", "2",
-            "--replicas", str(self.engine.remote_replicas), *auth], _MALLOC_ENV)
+            *self._etcd_flags(), "--lease-ttl", "3", "--workers", "2",
+            "--replicas", str(self.engine.remote_replicas), *auth,
+            *([] if self.pki is None else self.pki.daemon_flags())], _MALLOC_ENV)
         self.daemons.append(Daemon(node_id, port, process.start(), data, host))
 
     def _make_tokens(self) -> None:
@@ -436,11 +466,14 @@ class LocalCluster:
             wrap = partial(self.fabric.wrap, worker_id)
         server = ManagedProcess(f"vllm-{worker_id}",
                                 wrap(vllm_argv(self.engine, port=port, events_port=events,
-                                               etcd_url=etcd_url, host=host)),
+                                               etcd_url=etcd_url, host=host,
+                                               remote_extra=None if self.pki is None
+                                               else self.pki.connector_remote())),
                                 self.logs / f"vllm-{worker_id}.log", vllm_env(REPO_ROOT),
                                 REPO_ROOT)
         agent = self._kvkeep(f"agent-{worker_id}", [
-            "worker", "--etcd", etcd_url, "--url", f"http://{host}:{port}",
+            "worker", "--etcd", etcd_url,
+            *([] if self.pki is None else self.pki.etcd_client_flags()), "--url", f"http://{host}:{port}",
             "--id", worker_id, "--kv-events", f"tcp://{host}:{events}",
             "--ttl", str(self.spec.lease_ttl_s)], wrap=wrap)
         self.workers[worker_id] = Worker(worker_id, port, events, server.start(), agent, host)
@@ -456,7 +489,7 @@ class LocalCluster:
         assert self.engine is not None
         port = free_port()
         process = self._kvkeep(f"router-{replica_id}", [
-            "router", "serve", "--listen", f"127.0.0.1:{port}", "--etcd", self.etcd_url,
+            "router", "serve", "--listen", f"127.0.0.1:{port}", *self._etcd_flags(),
             "--replica-id", replica_id, "--block-size", str(self.engine.block_size),
             "--stream-idle-timeout", "20", *self.spec.router_args])
         self.routers.append(Router(replica_id, port, process.start()))

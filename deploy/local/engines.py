@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,12 +46,14 @@ class EngineSettings:
 
 
 def kv_transfer_config(settings: EngineSettings, etcd_url: str,
-                       store_prefix: str = "/kvkeep/stores/") -> dict[str, Any]:
+                       store_prefix: str = "/kvkeep/stores/",
+                       remote_extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """`--kv-transfer-config`: host RAM first, then the kvstore daemons found through etcd
     (with `store_token_file` when they check tokens).
 
     `kv_load_failure_policy: recompute` turns a block that fails to restore into a recompute
-    (vLLM's default would fail the request).
+    (vLLM's default would fail the request). `remote_extra`: more `store.remote` keys (the
+    TLS option's etcd and daemon-identity settings, deploy/local/tls.py).
     """
     return {
         "kv_connector": "KVKeepConnector",
@@ -62,7 +65,8 @@ def kv_transfer_config(settings: EngineSettings, etcd_url: str,
                       "remote": {"etcd": etcd_url, "prefix": store_prefix,
                                  "replicas": settings.remote_replicas, "timeout_ms": 1000,
                                  **({"token_file": str(settings.store_token_file)}
-                                    if settings.store_token_file is not None else {})}},
+                                    if settings.store_token_file is not None else {}),
+                                 **(remote_extra or {})}},
             "codec": "raw",
             "checkpoint_tokens": settings.checkpoint_tokens,
             "restore_deadline_ms": settings.restore_deadline_ms,
@@ -72,7 +76,8 @@ def kv_transfer_config(settings: EngineSettings, etcd_url: str,
 
 
 def vllm_argv(settings: EngineSettings, *, port: int, events_port: int,
-              etcd_url: str, host: str = "127.0.0.1") -> list[str]:
+              etcd_url: str, host: str = "127.0.0.1",
+              remote_extra: Mapping[str, Any] | None = None) -> list[str]:
     """The server's command line; it serves HTTP and KV events on `host`.
 
     `python -m vllm.entrypoints.openai.api_server`, not the `vllm` script: the CPU wheel is
@@ -90,7 +95,8 @@ def vllm_argv(settings: EngineSettings, *, port: int, events_port: int,
         "--host", host, "--port", str(port),
         "--enable-prompt-tokens-details", "--uvicorn-log-level", "warning",
         "--kv-events-config", json.dumps(events),
-        *(["--kv-transfer-config", json.dumps(kv_transfer_config(settings, etcd_url))]
+        *(["--kv-transfer-config", json.dumps(kv_transfer_config(
+            settings, etcd_url, remote_extra=remote_extra))]
           if settings.connector else []),
     ]
 

@@ -13,10 +13,13 @@ import socket
 import time
 import urllib.request
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from deploy.local.processes import ManagedProcess
 from kvstore.errors import DeadlineExceeded, KVKeepError
+
+if TYPE_CHECKING:
+    from kvstore.net.daemon_client import ClientTLS
 
 __all__ = ["wait_until", "port_open", "http_ok", "http_json", "daemon_serving"]
 
@@ -64,11 +67,12 @@ def http_json(url: str, timeout: float = 2.0) -> Any:
         return None
 
 
-def daemon_serving(node_id: str, address: str) -> bool:
-    """Whether the kvstore daemon's standard gRPC health service says SERVING."""
+def daemon_serving(node_id: str, address: str, tls: ClientTLS | None = None) -> bool:
+    """Whether the kvstore daemon's standard gRPC health service says SERVING (over mTLS
+    with `tls`)."""
     from kvstore.net.daemon_client import DaemonClient
 
-    client = DaemonClient(node_id, address, data_plane=False)
+    client = DaemonClient(node_id, address, data_plane=False, tls=tls)
     try:
         return client.health(timeout=0.5) == "SERVING"
     except KVKeepError:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvstore.errors import ConfigError
+from kvstore.etcd import EtcdSpec
 from kvstore.keys import validate_name
 from kvstore.net.grpc_options import Keepalive
 from kvstore.tiers.discovery import DEFAULT_PREFIX
@@ -64,7 +65,8 @@ class DaemonConfig:
     mem_budget: int
     disk_budget: int
     node_id: str
-    etcd: str | None = None
+    etcd: EtcdSpec | str | None = None
+    """etcd URL(s), or an `EtcdSpec` with TLS and credentials (kvstore/etcd/spec.py)."""
     advertise: str | None = None
     etcd_prefix: str = DEFAULT_PREFIX
     lease_ttl: int = 5
@@ -73,6 +75,14 @@ class DaemonConfig:
     tls_cert: Path | None = None
     tls_key: Path | None = None
     tls_ca: Path | None = None
+    tls_server_name: str | None = None
+    """The name peer daemons' certificates carry, checked instead of their address (one
+    certificate shared by every daemon); None: each certificate names its advertised host."""
+    registration_key: Path | None = None
+    """Ed25519 private key (PEM): sign the etcd registration, and believe only peers whose
+    registrations verify with it (or with `registration_public_keys`)."""
+    registration_public_keys: Path | None = None
+    """More Ed25519 public keys (PEM) peers may sign with: a key rotation in progress."""
     replicas: int = 2
     rereplicate_after: float = 30.0
     drain_timeout: float = 15.0
@@ -97,6 +107,8 @@ class DaemonConfig:
             raise ConfigError("--tls-cert and --tls-key go together")
         if self.tls_ca is not None and self.tls_cert is None:
             raise ConfigError("--tls-ca (client verification) needs --tls-cert/--tls-key")
+        if self.tls_server_name is not None and self.tls_ca is None:
+            raise ConfigError("--tls-server-name (how peers are verified) needs --tls-ca")
         if self.replicas < 1 or self.lease_ttl < 1 or self.workers < 1:
             raise ConfigError("--replicas, --lease-ttl and --workers must be >= 1")
         if self.rereplicate_after < 0 or self.drain_timeout < 0:

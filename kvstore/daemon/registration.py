@@ -7,6 +7,9 @@ refresh fails or finds the lease gone (etcd restarted and lost it, or a long pau
 expire), it grants a new lease and writes the key again, retrying with backoff until etcd answers:
 clients may briefly see the daemon disappear while etcd is down, never a stale address. On a
 clean stop the lease is revoked, so clients see the daemon leave at once instead of after a TTL.
+
+With a `RegistrationSigner` the value is signed over the key, the lease and every field
+(kvstore/tiers/daemon_trust.py): the lease is granted first, then the signed value is put.
 """
 
 from __future__ import annotations
@@ -16,9 +19,9 @@ import contextlib
 import logging
 from typing import Any
 
-import aetcd  # type: ignore[import-untyped, unused-ignore]
-
-from kvstore.tiers.discovery import DEFAULT_PREFIX, DaemonInfo, parse_etcd_endpoints
+from kvstore.etcd import EtcdSpec, etcd_client, etcd_spec
+from kvstore.tiers.daemon_trust import RegistrationSigner
+from kvstore.tiers.discovery import DEFAULT_PREFIX, DaemonInfo
 
 __all__ = ["Registrar"]
 
@@ -28,14 +31,17 @@ _log = logging.getLogger(__name__)
 class Registrar:
     """Keeps `<prefix><node_id>` -> DaemonInfo registered while `run()` runs."""
 
-    def __init__(self, etcd_url: str, info: DaemonInfo, *, prefix: str = DEFAULT_PREFIX,
-                 ttl: int = 5, request_timeout: float = 2.0) -> None:
-        self._endpoints = parse_etcd_endpoints(etcd_url)
+    def __init__(self, etcd: EtcdSpec | str, info: DaemonInfo, *, prefix: str = DEFAULT_PREFIX,
+                 ttl: int = 5, request_timeout: float = 2.0,
+                 signer: RegistrationSigner | None = None) -> None:
+        self._etcd = etcd_spec(etcd)
         self._info = info
+        self._signer = signer
         self._key = f"{prefix}{info.node_id}".encode()
         self._ttl = max(int(ttl), 1)
         self._timeout = request_timeout
         self._client: Any = None
+        self._dials = 0
         self._lease_id: int | None = None
         self.registered = asyncio.Event()
         self.registrations = 0
@@ -83,8 +89,9 @@ class Registrar:
 
     async def _connect(self) -> Any:
         if self._client is None:
-            host, port = self._endpoints[self.registrations % len(self._endpoints)]
-            self._client = aetcd.Client(host=host, port=port, timeout=self._timeout)
+            # Each new client dials the next endpoint: one that is down is left after a try.
+            self._client = etcd_client(self._etcd, self._dials, timeout=self._timeout)
+            self._dials += 1
         return self._client
 
     async def _reset_client(self) -> None:
@@ -98,7 +105,9 @@ class Registrar:
         client = await self._connect()
         async with asyncio.timeout(self._timeout):
             lease = await client.lease(self._ttl)
-            await client.put(self._key, self._info.encode(), lease=lease)
+            value = (self._info.encode() if self._signer is None
+                     else self._signer.encode(self._key, int(lease.id), self._info))
+            await client.put(self._key, value, lease=lease)
         self._lease_id = int(lease.id)
         self.registrations += 1
         self.registered.set()

@@ -33,10 +33,12 @@ from kvstore.daemon.registration import Registrar
 from kvstore.daemon.replication import Rereplicator
 from kvstore.daemon.tcp_front import TcpFront
 from kvstore.errors import ConfigError, KVKeepError
+from kvstore.etcd import etcd_spec
 from kvstore.keys import BlockKey
 from kvstore.net.daemon_client import ClientTLS
 from kvstore.net.grpc_options import server_options
 from kvstore.store import StoreConfig, TieredStore
+from kvstore.tiers.daemon_trust import DaemonTrust, RegistrationSigner
 from kvstore.tiers.discovery import DaemonInfo, MembershipWatcher
 from kvstore.tiers.factory import HostSpec, NvmeSpec, TierSpec
 
@@ -77,8 +79,15 @@ class Daemon:
         self.config = config
         self.tokens = TokenTable.load(config.token_file) if config.token_file else None
         self.peer_token = config.peer_token or self._first_peer_token(config)
-        self.tls = (ClientTLS(config.tls_ca, config.tls_cert, config.tls_key)
+        self.tls = (ClientTLS(config.tls_ca, config.tls_cert, config.tls_key,
+                              config.tls_server_name)
                     if config.tls_ca is not None else None)
+        self.signer = (None if config.registration_key is None
+                       else RegistrationSigner.from_file(config.registration_key))
+        # Re-replication sends the `*` token to peers: only to those that prove to be daemons.
+        self.peer_trust = DaemonTrust.of(
+            public_key_file=config.registration_public_keys, tls=self.tls is not None,
+            extra_keys=() if self.signer is None else (self.signer.public_key,))
         self.executor = ThreadPoolExecutor(config.workers, thread_name_prefix="kvkeep-io")
         self.port = 0
         self._stopped = asyncio.Event()
@@ -135,9 +144,14 @@ class Daemon:
                   "mTLS" if cfg.tls_ca else "on" if cfg.tls_enabled else "off",
                   data_address or ("off (TLS)" if cfg.tls_enabled else "off"))
         if cfg.etcd:
-            self._registrar = Registrar(cfg.etcd, info, prefix=cfg.etcd_prefix, ttl=cfg.lease_ttl)
+            self._registrar = Registrar(cfg.etcd, info, prefix=cfg.etcd_prefix, ttl=cfg.lease_ttl,
+                                        signer=self.signer)
             self._tasks.append(asyncio.create_task(self._registrar.run(), name="registrar"))
-            self._membership = MembershipWatcher(cfg.etcd, cfg.etcd_prefix)
+            self._membership = MembershipWatcher(cfg.etcd, cfg.etcd_prefix,
+                                                 trust=self.peer_trust)
+            _log.info("etcd %s; registration %s; peers proven by %s",
+                      etcd_spec(cfg.etcd).describe(),
+                      "signed" if self.signer else "unsigned", self.peer_trust.describe())
             if cfg.auth_enabled and self.peer_token is None:
                 _log.warning("no all-tenant (*) token in the token file: re-replication to "
                              "peers is disabled")

@@ -47,11 +47,17 @@ DATA_RETRY_S = 5.0
 
 @dataclass(frozen=True, slots=True)
 class ClientTLS:
-    """mTLS material for dialing daemons: the CA that signed them, and our own cert and key."""
+    """mTLS material for dialing daemons: the CA that signed them, and our own cert and key.
+
+    The daemon's certificate must name the host of the address dialled, or `server_name` when
+    one is given (every daemon carrying one shared name, e.g. in a Kubernetes DaemonSet): that
+    check, with the CA's signature, is what proves a registered address is a daemon's.
+    """
 
     ca_file: Path
     cert_file: Path | None = None
     key_file: Path | None = None
+    server_name: str | None = None
 
     def credentials(self) -> Any:
         def read(path: Path | None) -> bytes | None:
@@ -119,7 +125,9 @@ class DaemonClient:
         self._tcp_allowed = data_plane and tls is None
         self._data_address = data_address or None
         self._lock = threading.Lock()
-        options = channel_options(keepalive)
+        options: list[tuple[str, int | str]] = list(channel_options(keepalive))
+        if tls is not None and tls.server_name:
+            options.append(("grpc.ssl_target_name_override", tls.server_name))
         if tls is None:
             self._channel = grpc.insecure_channel(address, options=options)
         else:

@@ -9,25 +9,28 @@ event can never leave a stale view for longer than one reconnect. It also re-lis
 
 `EtcdDiscovery` runs a watcher on its own thread and event loop for synchronous callers (the
 remote tier); the daemon runs a `MembershipWatcher` directly in its own loop.
+
+A registration is a claim: each one passes the watcher's `DaemonTrust` (signed, or dialled
+over mTLS, or loopback; kvstore/tiers/daemon_trust.py) before it becomes a member. What fails
+is ignored, logged once and counted by reason (`rejected`); a trusted daemon whose key is
+overwritten by an untrusted value leaves the membership until it registers again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import threading
 import time
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
-from urllib.parse import urlsplit
 
-import aetcd  # type: ignore[import-untyped, unused-ignore]
-
-from kvstore.errors import ConfigError, KVKeepError
-from kvstore.keys import validate_name
+from kvstore.errors import UntrustedRegistration
+from kvstore.etcd import EtcdSpec, etcd_client, etcd_spec
+from kvstore.tiers.daemon_info import DaemonInfo
+from kvstore.tiers.daemon_trust import DaemonTrust
 
 __all__ = [
     "DEFAULT_PREFIX",
@@ -38,52 +41,17 @@ __all__ = [
     "EtcdDiscovery",
     "parse_etcd_endpoints",
     "Listener",
+    "DaemonTrust",
 ]
 
 DEFAULT_PREFIX = "/kvkeep/stores/"
 _log = logging.getLogger(__name__)
 
 _END = object()  # the watch stream ended
+_REMEMBERED_REJECTIONS = 1024  # (key, revision) pairs already counted and logged
 
 Listener = Callable[[Mapping[str, "DaemonInfo"]], None]
 """Called with the full new membership after every change (from the discovery's own thread)."""
-
-
-@dataclass(frozen=True, slots=True)
-class DaemonInfo:
-    """What a daemon publishes about itself."""
-
-    node_id: str
-    address: str
-    """host:port that clients dial."""
-    started_at: float = 0.0
-    data_address: str = ""
-    """host:port of the TCP data plane (kvstore/net/tcp_protocol.py); empty when there is none."""
-
-    def __post_init__(self) -> None:
-        validate_name(self.node_id, "node id")
-        for address in (self.address, self.data_address) if self.data_address else (
-                self.address,):
-            host, sep, port = address.rpartition(":")
-            if not sep or not host or not port.isdigit():
-                raise ConfigError(f"daemon address {address!r} is not host:port")
-
-    def encode(self) -> bytes:
-        fields: dict[str, object] = {"node_id": self.node_id, "address": self.address,
-                                     "started_at": self.started_at}
-        if self.data_address:
-            fields["data_address"] = self.data_address
-        return json.dumps(fields, separators=(",", ":")).encode()
-
-    @classmethod
-    def decode(cls, raw: bytes) -> DaemonInfo:
-        """Parse a registration value; raises ConfigError when it is not one of ours."""
-        try:
-            obj = json.loads(raw)
-            return cls(str(obj["node_id"]), str(obj["address"]), float(obj.get("started_at", 0)),
-                       str(obj.get("data_address") or ""))
-        except (ValueError, KeyError, TypeError, KVKeepError) as exc:
-            raise ConfigError(f"malformed daemon registration: {exc}") from exc
 
 
 class Discovery(Protocol):
@@ -113,28 +81,21 @@ class StaticDiscovery:
 
 
 def parse_etcd_endpoints(url: str) -> list[tuple[str, int]]:
-    """`http://h1:2379,http://h2:2379` -> [(h1, 2379), (h2, 2379)]."""
-    endpoints = []
-    for part in url.split(","):
-        split = urlsplit(part.strip() if "//" in part else f"http://{part.strip()}")
-        if split.hostname is None:
-            raise ConfigError(f"bad etcd endpoint {part!r}")
-        try:
-            port = split.port or 2379
-        except ValueError as exc:
-            raise ConfigError(f"bad etcd endpoint {part!r}") from exc
-        endpoints.append((split.hostname, port))
-    if not endpoints:
-        raise ConfigError("no etcd endpoint given")
-    return endpoints
+    """`http://h1:2379,http://h2:2379` -> [(h1, 2379), (h2, 2379)] (see `EtcdSpec`)."""
+    return list(EtcdSpec(url).endpoints)
 
 
 class MembershipWatcher:
     """Keeps `members` equal to the daemons registered under `prefix` (asyncio, one loop)."""
 
-    def __init__(self, etcd_url: str, prefix: str = DEFAULT_PREFIX, *,
-                 resync_interval: float = 5.0, request_timeout: float = 2.0) -> None:
-        self._endpoints = parse_etcd_endpoints(etcd_url)
+    def __init__(self, etcd: EtcdSpec | str, prefix: str = DEFAULT_PREFIX, *,
+                 trust: DaemonTrust | None = None, resync_interval: float = 5.0,
+                 request_timeout: float = 2.0) -> None:
+        self._etcd = etcd_spec(etcd)
+        self._trust = trust if trust is not None else DaemonTrust()
+        self.rejected: Counter[str] = Counter()
+        """Registrations ignored, by reason (each key and revision counted once)."""
+        self._counted: OrderedDict[tuple[bytes, int], None] = OrderedDict()
         self._prefix = prefix.encode()
         self._resync = resync_interval
         self._timeout = request_timeout
@@ -156,14 +117,13 @@ class MembershipWatcher:
         """List and watch forever (cancel to stop); errors only cause a reconnect."""
         attempt = 0
         while True:
-            host, port = self._endpoints[attempt % len(self._endpoints)]
-            client = aetcd.Client(host=host, port=port, timeout=self._timeout)
+            client = etcd_client(self._etcd, attempt, timeout=self._timeout)
             try:
                 await self._list_and_watch(client)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # aetcd raises its own tree and raw grpc errors alike
-                _log.info("etcd membership watch on %s:%d broke (%s); re-listing", host, port,
+                _log.info("etcd membership watch on %s broke (%s); re-listing", client.target,
                           exc)
             finally:
                 with contextlib.suppress(Exception):
@@ -205,15 +165,9 @@ class MembershipWatcher:
                     continue  # already in the listing
                 revision = event.kv.mod_revision
                 node_id = event.kv.key[len(self._prefix):].decode(errors="replace")
-                if event.kind == "PUT":
-                    try:
-                        info = DaemonInfo.decode(event.kv.value)
-                    except ConfigError as exc:
-                        _log.warning("ignoring registration %r: %s", event.kv.key, exc)
-                        continue
-                    self._update(_setter(info))
-                else:
-                    self._update(_remover(node_id))
+                info = self._admit(event.kv) if event.kind == "PUT" else None
+                # An untrusted value replacing a member's registration removes the member.
+                self._update(_remover(node_id) if info is None else _setter(info))
         finally:
             pumper.cancel()
             with contextlib.suppress(Exception):
@@ -224,15 +178,33 @@ class MembershipWatcher:
         listing = await client.get_prefix(self._prefix)
         members: dict[str, DaemonInfo] = {}
         for kv in listing:
-            try:
-                info = DaemonInfo.decode(kv.value)
-            except ConfigError as exc:
-                _log.warning("ignoring registration %r: %s", kv.key, exc)
-                continue
-            members[info.node_id] = info
+            info = self._admit(kv)
+            if info is not None:
+                members[info.node_id] = info
         self._update(_replacer(members))
         self.synced.set()
         return int(listing.header.revision)
+
+    @property
+    def trust(self) -> DaemonTrust:
+        return self._trust
+
+    def _admit(self, kv: Any) -> DaemonInfo | None:
+        """The daemon `kv` registers, if it proves to be one; else None (counted, logged)."""
+        try:
+            return self._trust.admit(self._prefix, bytes(kv.key), bytes(kv.value),
+                                     int(kv.lease))
+        except UntrustedRegistration as exc:
+            mark = (bytes(kv.key), int(kv.mod_revision))
+            with self._lock:
+                if mark in self._counted:  # seen before (a re-list): no second count
+                    return None
+                self._counted[mark] = None
+                if len(self._counted) > _REMEMBERED_REJECTIONS:
+                    self._counted.popitem(last=False)
+                self.rejected[exc.reason] += 1
+            _log.warning("ignoring registration %r: %s", mark[0], exc)
+            return None
 
     def _update(self, change: Callable[[dict[str, DaemonInfo]], object]) -> None:
         with self._lock:
@@ -270,9 +242,11 @@ def _replacer(new: dict[str, DaemonInfo]) -> Callable[[dict[str, DaemonInfo]], N
 class EtcdDiscovery:
     """`MembershipWatcher` on a background thread, for synchronous users (the remote tier)."""
 
-    def __init__(self, etcd_url: str, prefix: str = DEFAULT_PREFIX, *,
-                 resync_interval: float = 5.0, wait_synced: float = 5.0) -> None:
-        self._watcher = MembershipWatcher(etcd_url, prefix, resync_interval=resync_interval)
+    def __init__(self, etcd: EtcdSpec | str, prefix: str = DEFAULT_PREFIX, *,
+                 trust: DaemonTrust | None = None, resync_interval: float = 5.0,
+                 wait_synced: float = 5.0) -> None:
+        self._watcher = MembershipWatcher(etcd, prefix, trust=trust,
+                                          resync_interval=resync_interval)
         self._loop = asyncio.new_event_loop()
         self._task: asyncio.Task[None] | None = None
         self._started = threading.Event()
@@ -284,6 +258,11 @@ class EtcdDiscovery:
 
     def members(self) -> dict[str, DaemonInfo]:
         return self._watcher.members()
+
+    @property
+    def rejected(self) -> dict[str, int]:
+        """Registrations ignored as untrusted, by reason (see `MembershipWatcher.rejected`)."""
+        return dict(self._watcher.rejected)
 
     def subscribe(self, listener: Listener) -> None:
         self._watcher.subscribe(listener)

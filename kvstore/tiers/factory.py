@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvstore.errors import ConfigError
+from kvstore.etcd import EtcdSpec
 from kvstore.tiers.base import Tier
 
 __all__ = ["HbmSpec", "HostSpec", "NvmeSpec", "RemoteSpec", "RedisSpec", "TierSpec",
@@ -88,7 +89,8 @@ class RemoteSpec:
     Lookups get a quarter of `timeout_s` (at least 50 ms): they sit on the scheduler's path.
     """
 
-    etcd: str | None = None
+    etcd: EtcdSpec | str | None = None
+    """etcd URL(s), or an `EtcdSpec` with TLS and credentials (kvstore/etcd/spec.py)."""
     prefix: str | None = None
     """etcd key prefix of the daemons' registrations; None: the daemons' default."""
     replicas: int = 2
@@ -96,10 +98,22 @@ class RemoteSpec:
     timeout_s: float = 1.0
     token_file: str | None = None
     name: str = "remote"
+    tls_ca: str | None = None
+    """mTLS to the daemons: the cluster CA their certificates are verified against."""
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_server_name: str | None = None
+    """The name daemon certificates carry, checked instead of each registered address."""
+    registration_public_key: str | None = None
+    """Ed25519 public key(s) (PEM) the daemons sign their registrations with."""
 
     def __post_init__(self) -> None:
         if (self.etcd is None) == (not self.daemons):
             raise ConfigError("a remote tier needs exactly one of 'etcd' and 'daemons'")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError("a remote tier's tls_cert and tls_key go together")
+        if self.tls_ca is None and (self.tls_cert or self.tls_server_name):
+            raise ConfigError("a remote tier's tls_cert and tls_server_name need tls_ca")
         if self.replicas < 1:
             raise ConfigError(f"remote replicas must be >= 1, got {self.replicas}")
         _positive(self.timeout_s, "remote timeout")
@@ -189,12 +203,19 @@ def read_token_file(path: str) -> str:
 
 
 def _remote(spec: RemoteSpec) -> Tier:
+    from kvstore.net.daemon_client import ClientTLS
     from kvstore.tiers.remote import RemoteConfig, RemoteTier
 
+    def path(value: str | None) -> Path | None:
+        return None if value is None else Path(value)
+
+    tls = None if spec.tls_ca is None else ClientTLS(
+        Path(spec.tls_ca), path(spec.tls_cert), path(spec.tls_key), spec.tls_server_name)
     config = RemoteConfig(replicas=spec.replicas, call_timeout=spec.timeout_s,
                           lookup_timeout=max(0.05, spec.timeout_s / 4), name=spec.name,
                           token=None if spec.token_file is None
-                          else read_token_file(spec.token_file))
+                          else read_token_file(spec.token_file), tls=tls,
+                          registration_public_key=path(spec.registration_public_key))
     if spec.etcd is not None:
         if spec.prefix is None:
             return RemoteTier.from_etcd(spec.etcd, config)

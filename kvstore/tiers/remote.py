@@ -28,6 +28,7 @@ from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal, ParamSpec, TypeVar
 
 from kvstore.errors import (
@@ -37,12 +38,14 @@ from kvstore.errors import (
     KVKeepError,
     TierUnavailable,
 )
+from kvstore.etcd import EtcdSpec
 from kvstore.frame import BlockRead, LayerRange
 from kvstore.keys import BlockKey, SessionKey
 from kvstore.manifest import SessionManifest
 from kvstore.net.daemon_client import ClientTLS, DaemonClient
 from kvstore.net.scope import group_by_scope, scope_of
 from kvstore.tiers.base import Buffer, TierStats
+from kvstore.tiers.daemon_trust import DaemonTrust
 from kvstore.tiers.discovery import (
     DEFAULT_PREFIX,
     DaemonInfo,
@@ -83,6 +86,10 @@ class RemoteConfig:
     read_repair: bool = True
     token: str | None = None
     tls: ClientTLS | None = None
+    registration_public_key: Path | None = None
+    """Ed25519 public key(s) (PEM) the daemons sign their etcd registrations with: only
+    registrations that verify are believed. Without it (and without `tls`) only loopback
+    daemons are (kvstore/tiers/daemon_trust.py)."""
     name: str = "remote"
     fanout_threads: int = 16
     min_bandwidth: float = 200e6
@@ -138,9 +145,14 @@ class RemoteTier:
         discovery.subscribe(self._on_members)
 
     @classmethod
-    def from_etcd(cls, etcd_url: str, config: RemoteConfig | None = None, *,
+    def from_etcd(cls, etcd: EtcdSpec | str, config: RemoteConfig | None = None, *,
                   prefix: str = DEFAULT_PREFIX, wait_synced: float = 5.0) -> RemoteTier:
-        return cls(EtcdDiscovery(etcd_url, prefix, wait_synced=wait_synced), config,
+        """Daemons registered in etcd (`etcd`: URL(s), or a spec with TLS and credentials),
+        believed only when they prove to be daemons (`config.tls`, signed registrations)."""
+        config = config or RemoteConfig()
+        trust = DaemonTrust.of(public_key_file=config.registration_public_key,
+                               tls=config.tls is not None)
+        return cls(EtcdDiscovery(etcd, prefix, trust=trust, wait_synced=wait_synced), config,
                    own_discovery=True)
 
     @classmethod

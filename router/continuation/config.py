@@ -6,6 +6,11 @@
     --store-token-file FILE             bearer token of the daemons (first line)
     --store-tenant NAME                 the store tenant the records live under (default)
     --store-replicas N                  daemons each record is written to (2)
+    --store-tls-ca F [--store-tls-cert F --store-tls-key F] [--store-tls-server-name N]
+    --store-registration-pubkey F       how the daemons prove their identity (a token goes
+                                        only to daemons that do: kvstore/tiers/daemon_trust.py)
+
+Without --store-etcd the records use the router's own etcd, with its TLS and credentials.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ import argparse
 from dataclasses import dataclass
 
 from kvstore.errors import ConfigError, InvalidKey
+from kvstore.etcd import EtcdSpec
+from kvstore.etcd.flags import etcd_spec_from_args
 from kvstore.keys import validate_name
 from kvstore.tiers.factory import RemoteSpec
 
@@ -25,13 +32,18 @@ class ContinuationConfig:
     """Where conversation records live: the daemons (through etcd or listed), the token that
     grants `tenant`, and how many daemons hold each record."""
 
-    etcd: str | None = None
+    etcd: EtcdSpec | str | None = None
     daemons: tuple[tuple[str, str], ...] = ()
     token_file: str | None = None
     tenant: str = "default"
     replicas: int = 2
     timeout_s: float = 1.0
     etcd_prefix: str | None = None
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_server_name: str | None = None
+    registration_public_key: str | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -42,7 +54,10 @@ class ContinuationConfig:
     def remote_spec(self) -> RemoteSpec:
         return RemoteSpec(etcd=self.etcd, prefix=self.etcd_prefix, replicas=self.replicas,
                           daemons=self.daemons, timeout_s=self.timeout_s,
-                          token_file=self.token_file, name="conversations")
+                          token_file=self.token_file, name="conversations",
+                          tls_ca=self.tls_ca, tls_cert=self.tls_cert, tls_key=self.tls_key,
+                          tls_server_name=self.tls_server_name,
+                          registration_public_key=self.registration_public_key)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -60,6 +75,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="store tenant of the records (the token must grant it)")
     group.add_argument("--store-replicas", type=int, default=2)
     group.add_argument("--store-timeout", type=float, default=1.0, metavar="SECONDS")
+    group.add_argument("--store-tls-ca", default=None, metavar="FILE",
+                       help="mTLS to the daemons: the CA their certificates are checked against")
+    group.add_argument("--store-tls-cert", default=None, metavar="FILE")
+    group.add_argument("--store-tls-key", default=None, metavar="FILE")
+    group.add_argument("--store-tls-server-name", default=None, metavar="NAME",
+                       help="the name the daemons' certificates carry (checked instead of "
+                            "their address)")
+    group.add_argument("--store-registration-pubkey", default=None, metavar="FILE",
+                       help="Ed25519 public key the daemons sign their registrations with")
 
 
 def from_args(args: argparse.Namespace) -> ContinuationConfig | None:
@@ -73,12 +97,18 @@ def from_args(args: argparse.Namespace) -> ContinuationConfig | None:
         if not sep or not node or ":" not in address:
             raise ConfigError(f"--store-daemon must be ID=HOST:PORT, not {spec!r}")
         daemons.append((node, address))
-    etcd = None if daemons else (args.store_etcd or args.etcd)
+    # The router's own etcd comes with its TLS and credentials (--etcd-ca, ...).
+    etcd: EtcdSpec | str | None = None if daemons else (
+        args.store_etcd or etcd_spec_from_args(args))
     if etcd is None and not daemons:
         raise ConfigError("--continuation needs the kvstore daemons: --store-etcd, "
                           "--store-daemon, or --etcd")
     config = ContinuationConfig(etcd=etcd, daemons=tuple(daemons),
                                 token_file=args.store_token_file, tenant=args.store_tenant,
-                                replicas=args.store_replicas, timeout_s=args.store_timeout)
+                                replicas=args.store_replicas, timeout_s=args.store_timeout,
+                                tls_ca=args.store_tls_ca, tls_cert=args.store_tls_cert,
+                                tls_key=args.store_tls_key,
+                                tls_server_name=args.store_tls_server_name,
+                                registration_public_key=args.store_registration_pubkey)
     config.remote_spec()  # checked now: a bad flag stops the router at start
     return config

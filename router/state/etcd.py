@@ -26,32 +26,25 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit
 
 import aetcd  # type: ignore[import-untyped]
 import aetcd.rpc  # type: ignore[import-untyped]
 
 from kvstore.errors import ConfigError
+from kvstore.etcd import EtcdSpec, etcd_client, etcd_spec
 from kvstore.keys import SessionId
 from router.bindings import Binding, VersionedBinding
 from router.errors import StateUnavailable
 from router.state.base import BindingSink, WorkerLease, WorkerSink
 from router.workers import WorkerId, WorkerInfo
 
-__all__ = ["EtcdBackend", "EtcdLease", "parse_etcd_url"]
+__all__ = ["EtcdBackend", "EtcdLease"]
 
 log = logging.getLogger(__name__)
 
 _BACKOFF_S = (0.1, 0.2, 0.5, 1.0, 2.0)
 # Errors that mean "etcd is unreachable or the call failed", translated to StateUnavailable.
 _ETCD_ERRORS = (aetcd.ClientError, aetcd.rpc.AioRpcError, OSError, asyncio.TimeoutError)
-
-
-def parse_etcd_url(url: str) -> tuple[str, int]:
-    parts = urlsplit(url if "://" in url else f"http://{url}")
-    if not parts.hostname:
-        raise ConfigError(f"bad etcd url {url!r}")
-    return parts.hostname, parts.port or 2379
 
 
 @dataclass(slots=True)
@@ -92,7 +85,9 @@ class EtcdLease:
 
 @dataclass(slots=True)
 class EtcdBackend:
-    url: str
+    """`etcd`: a URL, or an `EtcdSpec` with TLS and credentials (kvstore/etcd/spec.py)."""
+
+    etcd: EtcdSpec | str
     prefix: str = "/kvkeep"
     # Short: a request that has to record a binding waits this long when etcd is away before
     # it is routed unrecorded.
@@ -105,12 +100,16 @@ class EtcdBackend:
     # later than its lease: a small price next to its TTL.
     worker_delete_grace_s: float = 1.0
     _client: Any = None
+    _dials: int = 0
     _bucket_leases: dict[int, int] = field(default_factory=dict)
     _bucket_lock: asyncio.Lock | None = None
 
+    def __post_init__(self) -> None:
+        self.etcd = etcd_spec(self.etcd)
+
     @property
     def name(self) -> str:
-        return f"etcd {self.url}"
+        return f"etcd {etcd_spec(self.etcd).describe()}"
 
     @property
     def shared(self) -> bool:
@@ -129,9 +128,19 @@ class EtcdBackend:
 
     async def client(self) -> Any:
         if self._client is None:
-            host, port = parse_etcd_url(self.url)
-            self._client = aetcd.Client(host=host, port=port, timeout=self.timeout_s)
+            self._client = etcd_client(self.etcd, self._dials, timeout=self.timeout_s)
         return self._client
+
+    async def _next_endpoint(self) -> None:
+        """After a failure, with several endpoints: the next client dials the next one."""
+        if len(etcd_spec(self.etcd).endpoints) < 2 or self._client is None:
+            return
+        client, self._client = self._client, None
+        self._dials += 1
+        try:
+            await client.close()
+        except _ETCD_ERRORS:
+            log.debug("etcd close failed", exc_info=True)
 
     async def close(self) -> None:
         if self._client is not None:
@@ -293,6 +302,8 @@ class EtcdBackend:
                 failures += 1
                 log.warning("etcd watch on %s failed (%s); retrying in %.1fs",
                             prefix.decode(), exc, delay)
+                if failures > 1:  # twice in a row: this endpoint may be the trouble
+                    await self._next_endpoint()
                 await asyncio.sleep(delay)
 
 
