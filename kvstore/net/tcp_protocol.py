@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -217,26 +218,42 @@ def decode_reply_head(raw: bytes | bytearray | memoryview) -> Reply:
                  (start, stop), payload_len)
 
 
-def recv_exact(sock: socket.socket, view: memoryview) -> None:
-    """Fill `view` from `sock`; raises ConnectionError on EOF (socket timeouts propagate)."""
+def recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
+    """Fill `view` from `sock`; raises ConnectionError on EOF. Socket timeouts propagate;
+    with `deadline` (a time.monotonic() instant) the whole read must end by then, however the
+    bytes trickle in (TimeoutError otherwise)."""
     pos, size = 0, len(view)
     while pos < size:
+        _time_left(sock, deadline)
         n = sock.recv_into(view[pos:], size - pos)
         if n == 0:
             raise ConnectionError("connection closed by peer")
         pos += n
 
 
-def recv_into_pieces(sock: socket.socket, pieces: Sequence[memoryview]) -> None:
+def recv_into_pieces(sock: socket.socket, pieces: Sequence[memoryview],
+                     deadline: float | None = None) -> None:
     """Fill every buffer of `pieces`, in order, from `sock` (scatter reads: one syscall may
-    fill several); raises ConnectionError on EOF (socket timeouts propagate)."""
+    fill several); raises ConnectionError on EOF, TimeoutError past `deadline` as recv_exact."""
     views = [p for p in pieces if len(p)]
     i = 0
     while i < len(views):
+        _time_left(sock, deadline)
         n = sock.recvmsg_into(views[i:i + _MAX_IOV])[0]
         if n == 0:
             raise ConnectionError("connection closed by peer")
         i = _advance(views, i, n)
+
+
+def _time_left(sock: socket.socket, deadline: float | None) -> None:
+    """Bound the next socket call by `deadline` (no change without one)."""
+    if deadline is None:
+        return
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("deadline passed")
+    current = sock.gettimeout()
+    sock.settimeout(left if current is None else min(current, left))
 
 
 def send_parts(sock: socket.socket, parts: Sequence[bytes | bytearray | memoryview]) -> None:

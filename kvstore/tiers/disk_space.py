@@ -1,9 +1,12 @@
-"""When a disk has run full: refuse writes until it is worth trying again.
+"""When a disk is full, or about to be: refuse writes until it is worth trying again.
 
 A cache that keeps retrying writes on a full disk burns I/O and fills logs; one that gives up for
-good never recovers. So after ENOSPC/EDQUOT writes are refused until either the owner frees
-space itself (`freed`), or a periodic statvfs shows room for the offered write plus a margin.
-Not thread-safe by itself: the owning tier calls it under its lock.
+good never recovers. So writes are refused after ENOSPC/EDQUOT, and also as soon as a periodic
+statvfs (at most every `recheck_s`) shows less free space than the offered write plus a margin
+(`min_free_bytes`, at most 1/16 of the filesystem, so a small disk is not refused outright): a
+disk filled by someone else is seen before a write of ours fails half way. Writes are allowed
+again when the owner frees space itself (`freed`), or when a later statvfs shows room. Not
+thread-safe by itself: the owning tier calls it under its lock.
 """
 
 from __future__ import annotations
@@ -24,12 +27,13 @@ class SpaceGuard:
         self._recheck_s = recheck_s
         self._min_free = min_free_bytes
         self._blocked_at: float | None = None
+        self._checked_at = float("-inf")
 
     @property
     def blocked(self) -> bool:
         return self._blocked_at is not None
 
-    def note_full(self, exc: OSError) -> None:
+    def note_full(self, exc: OSError | str) -> None:
         if self._blocked_at is None:
             log.warning("%s: disk full (%s); refusing writes", self._path, exc)
         self._blocked_at = time.monotonic()
@@ -40,18 +44,30 @@ class SpaceGuard:
 
     def allows(self, size: int) -> bool:
         """Whether a write of `size` bytes may be tried now (statvfs at most every recheck_s)."""
-        if self._blocked_at is None:
-            return True
         now = time.monotonic()
+        if self._blocked_at is None:
+            if now - self._checked_at < self._recheck_s:
+                return True
+            self._checked_at = now
+            if self._has_room(size) is not False:
+                return True
+            self.note_full("less free space than the write and its margin")
+            return False
         if now - self._blocked_at < self._recheck_s:
             return False
         self._blocked_at = now
+        if not self._has_room(size):
+            return False
+        self._blocked_at = None
+        self._checked_at = now
+        log.info("%s: disk has room again; admitting writes", self._path)
+        return True
+
+    def _has_room(self, size: int) -> bool | None:
+        """Room for `size` bytes and the margin; None when statvfs itself fails."""
         try:
             st = os.statvfs(self._path)
         except OSError:
-            return False
-        if st.f_bavail * st.f_frsize < size + self._min_free:
-            return False
-        self._blocked_at = None
-        log.info("%s: disk has room again; admitting writes", self._path)
-        return True
+            return None
+        margin = min(self._min_free, st.f_blocks * st.f_frsize // 16)
+        return bool(st.f_bavail * st.f_frsize >= size + margin)
