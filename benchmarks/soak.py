@@ -13,9 +13,10 @@ buffer grown to size) the rest of the run must stay flat: `growth_mib` is the RS
 minus the RSS when warm, `slope_kib_per_1k_blocks` a least-squares fit over the warm samples,
 and `flat` says whether growth stayed within `FLAT_MARGIN` of the warm RSS.
 
-Router: `RouterCore` (its decisions without HTTP or etcd) and the HTTP router (`kvkeep router
-serve`'s app, in-process, against fake OpenAI workers on loopback) fed new sessions whose prompts
-share rotating prefixes, sampled the same way (this process's RSS; the router runs in it).
+Router (benchmarks/soak_router.py): `RouterCore` (its decisions without HTTP or etcd, in this
+process) and `kvkeep router serve` (a subprocess, against a fake OpenAI worker on loopback), fed
+new sessions whose prompts share rotating prefixes, sampled the same way, with the size of each
+of the core's per-session and per-prefix structures at the end.
 
 Baselines measured in the same run: the RSS of an idle daemon right after start, and loopback
 TCP throughput (the ceiling of the put stream), so the figures read as ratios on any machine.
@@ -28,9 +29,12 @@ Writes::
      "daemon": {"blocks": n, "disk_capacity_blocks": n, "capacities": f, "block_bytes": n,
                 "puts_per_s": f, "put_gbps_over_loopback": f, "read_hits": n, "read_misses": n,
                 "rss_mib": {"start": f, "warm": f, "end": f, "max": f},
-                "growth_mib": f, "growth_ratio": f, "slope_kib_per_1k_blocks": f,
-                "bytes_per_block_after_warmup": f, "flat": bool, "samples": [[blocks, mib]...]},
-     "router": {...}, "settings": {...}}
+                "growth_mib": f, "growth_ratio": f, "slope_kib_per_1k_items": f,
+                "bytes_per_item_after_warmup": f, "flat": bool, "samples": [[blocks, mib]...],
+                "anon": {... the same for RssAnon}},
+     "router": {"core": {"items": n, "structures": {...}, "rss_mib": ..., "flat": bool, ...},
+                "http": {...}},
+     "settings": {...}}
 """
 
 from __future__ import annotations
@@ -223,7 +227,8 @@ def soak_daemon(mem_budget: int, disk_budget: int, block_bytes: int, capacities:
 def soak_router(sessions: int) -> dict[str, Any]:
     from benchmarks.soak_router import soak_router_core, soak_router_http
 
-    return {"core": soak_router_core(sessions), "http": soak_router_http(max(sessions // 10, 500))}
+    return {"core": soak_router_core(sessions),
+            "http": soak_router_http(max(sessions // 10, 500))}
 
 
 # -- the benchmark --------------------------------------------------------------------------------

@@ -192,18 +192,23 @@ class BlockServiceCore:
                           f"tenant {scope.namespace.tenant!r} is not granted to this token")
         return scope
 
-    def keys(self, scope: Scope, hashes: Sequence[bytes]) -> list[BlockKey]:
-        """The BlockKeys of `hashes` in `scope`, interned (see KeyCache)."""
+    def keys(self, scope: Scope, hashes: Sequence[bytes], *, remember: bool = True
+             ) -> list[BlockKey]:
+        """The BlockKeys of `hashes` in `scope`, interned (see KeyCache) when `remember`:
+        lookups, which ask about the same prefixes over and over. Block reads and writes move
+        far more bytes than a key costs to build, and would fill the cache with keys asked
+        for once."""
         if len(hashes) > MAX_KEYS_PER_CALL:
             raise Refusal(R.RESOURCE_EXHAUSTED,
                           f"{len(hashes)} keys in one call; at most {MAX_KEYS_PER_CALL}")
         try:
-            return self._keys.keys(scope, hashes)
+            return self._keys.keys(scope, hashes, remember=remember)
         except InvalidKey as exc:
             raise Refusal(R.INVALID_ARGUMENT, str(exc)) from None
 
     def key(self, scope: Scope, block_hash: bytes) -> BlockKey:
-        return self.keys(scope, (block_hash,))[0]
+        """The key of one block to read (not remembered: see `keys`)."""
+        return self.keys(scope, (block_hash,), remember=False)[0]
 
     def session_key(self, scope: Scope, session_id: str) -> SessionKey:
         try:

@@ -168,7 +168,7 @@ class GrpcFront:
 
     async def get(self, request: pb.GetRequest, context: Any) -> AsyncIterator[bytes]:
         scope = self._scope(self._principal(context), request.scope)
-        keys = self._core.keys(scope, request.block_hashes)
+        keys = self._core.keys(scope, request.block_hashes, remember=False)
         layers = (request.layers.start, request.layers.stop) if request.HasField("layers") \
             else None
         single = request.single_reply
@@ -190,7 +190,7 @@ class GrpcFront:
 
     async def delete(self, request: pb.DeleteRequest, context: Any) -> pb.DeleteReply:
         scope = self._scope(self._principal(context), request.scope)
-        keys = self._core.keys(scope, request.block_hashes)
+        keys = self._core.keys(scope, request.block_hashes, remember=False)
         return pb.DeleteReply(deleted=await self._run(self._core.delete, keys))
 
     async def put_manifest(self, request: pb.PutManifestRequest, context: Any
