@@ -99,9 +99,12 @@ class PutBudgets:
 
     def take_bytes(self, tenant: str, size: int) -> None:
         """Hold `size` in-flight bytes for `tenant`, or raise RESOURCE_EXHAUSTED (a refusal the
-        client takes as "not here, now": the next replica, no breaker). One put is always
-        admitted when nothing is in flight, however big (up to the frame limit): a budget
-        smaller than a block must not make the block unstorable."""
+        client takes as "not here, now": the next replica, no breaker).
+
+        A tenant that holds nothing is always admitted one put, however big (up to the frame
+        limit) and whatever the others hold: a budget smaller than a block must not make the
+        block unstorable, and the others' puts must not stop it. So the daemon holds at most
+        its total plus one frame per tenant."""
         tenant_limit = self.limits.tenant.put_bytes
         with self._lock:
             held = self._tenant_bytes.get(tenant, 0)
@@ -109,7 +112,7 @@ class PutBudgets:
                 raise Refusal(RefusalReason.RESOURCE_EXHAUSTED,
                               f"tenant {tenant!r} has {held} put bytes in flight; this put "
                               f"of {size} would pass its {tenant_limit}; retry later")
-            if self._bytes and self._bytes + size > self.limits.inflight_put_bytes:
+            if held and self._bytes + size > self.limits.inflight_put_bytes:
                 raise Refusal(RefusalReason.RESOURCE_EXHAUSTED,
                               "too many put bytes in flight; retry later")
             self._bytes += size

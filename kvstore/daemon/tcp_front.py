@@ -49,6 +49,9 @@ __all__ = ["TcpFront"]
 
 _log = logging.getLogger(__name__)
 _DISCARD_BYTES = 1 << 20
+# A refused PUT's body is read and dropped (the connection stays in step) up to this size, a
+# client's pipelining window (tcp_transport.py); past it the connection is closed instead.
+_DISCARD_MAX_BYTES = 64 << 20
 
 
 def _linger_close(sock: socket.socket) -> None:
@@ -327,7 +330,9 @@ class TcpFront:
                 core.admit_put_call()
                 holding.enter_context(core.put_stream(scope))
                 incoming = holding.enter_context(core.begin_put(scope, block_hash, size))
-            except Refusal:
+            except Refusal as refusal:
+                if size > _DISCARD_MAX_BYTES:  # not worth reading: end the connection
+                    raise _Close(refusal) from None
                 self._discard(sock, size)  # keep the connection in step
                 raise
             # A client gone mid-body, or too slow for the deadline: nothing stored, the

@@ -56,10 +56,16 @@ Rules, the same as over gRPC: both fronts ask the daemon's one core (kvstore/dae
   are unverified on arrival: the client checks every segment's checksum and the key binding
   before use (the daemon checks the key binding before sending and the checksums too, right
   after sending from RAM; it drops a copy that fails).
-- A refused PUT whose declared size is within the limits has its body read and discarded, so the
-  connection stays usable. A request that breaks the framing (bad magic, version, op, flags,
-  lengths, fields that must be zero) is answered with the close flag set, and the daemon
-  closes the connection. A daemon shutting down answers UNAVAILABLE with the close flag.
+- A refused PUT whose declared size is at most 64 MiB (a client's pipelining window) has its
+  body read and discarded, so the connection stays usable; a bigger one is answered with the
+  close flag set (its body is never read). A request that breaks the framing (bad magic,
+  version, op, flags, lengths, fields that must be zero) is answered with the close flag set,
+  and the daemon closes the connection. A missing or unknown token is answered with the close
+  flag set too, as is everything by a daemon shutting down (UNAVAILABLE).
+- Slow clients (slowloris): a connection must send an authenticated request within a few
+  seconds of opening, and each request's head must arrive within a bound however slowly it
+  trickles; authenticated connections may idle a while (`--idle-timeout`); a PUT's body must
+  arrive by a deadline (`--put-idle-timeout` between bytes, kvstore/daemon/budgets.py overall).
 
 The client half is kvstore/net/tcp_transport.py; the daemon half is kvstore/daemon/tcp_front.py.
 """
