@@ -79,6 +79,10 @@ __all__ = ["BlockServiceCore", "Counters", "ServiceStatus", "DiskTier", "store_c
 
 _log = logging.getLogger(__name__)
 R = RefusalReason
+# RAM kept free for frames declared and not yet arrived (a sixteenth of the RAM tier, at most
+# this): puts in flight at once are received straight into free pages; beyond it, a frame is
+# received into a buffer and copied in once it has arrived, which is when it may evict.
+_KEEP_FREE_MAX = 256 << 20
 T = TypeVar("T")
 
 
@@ -129,7 +133,7 @@ class BlockServiceCore:
                                                                    "page_bytes", 1))
         keep_free = getattr(store.tiers[0], "keep_free", None)
         if callable(keep_free):  # room for declared frames, so that they need not evict
-            keep_free(min(limits.tenant.put_bytes, budgets[0] // 8))
+            keep_free(min(limits.tenant.put_bytes, budgets[0] // 16, _KEEP_FREE_MAX))
         self._backpressure_timeout = backpressure_timeout
         self._read_deadline = read_deadline
         self._draining = False
