@@ -50,18 +50,20 @@ class SpaceGuard:
         self._blocked_at = None
         self._by_error = False
 
-    def allows(self, size: int) -> bool:
-        """Whether a write of `size` bytes may be tried now (statvfs at most every recheck_s)."""
+    def allows(self, size: int, *, fresh: bool = False) -> bool:
+        """Whether a write of `size` bytes may be tried now (statvfs at most every PROBE_S,
+        or now when `fresh`, while no write has failed; see the module doc)."""
         now = time.monotonic()
         if self._blocked_at is None:
-            if now - self._checked_at < PROBE_S:
+            if not fresh and now - self._checked_at < PROBE_S:
                 return True
             self._checked_at = now
             if self._has_room(size) is not False:
                 return True
             self.note_full("less free space than the write and its margin")
             return False
-        if now - self._blocked_at < (self._recheck_s if self._by_error else PROBE_S):
+        wait = self._recheck_s if self._by_error else 0.0 if fresh else PROBE_S
+        if now - self._blocked_at < wait:
             return False
         self._blocked_at = now
         if not self._has_room(size):
