@@ -38,9 +38,11 @@ from kvstore.frame import (
     Compression,
     DType,
     LayerRange,
+    Signer,
     build_frame,
     check_payload_size,
     segment_checksum,
+    signed_segment_checksum,
 )
 from kvstore.keys import BlockKey
 
@@ -75,8 +77,10 @@ def encode_block(
     compression: CompressionMode = "auto",
     dtype: DType | str | None = None,
     arrangement: Arrangement = Arrangement.ROWS,
+    signer: Signer | None = None,
 ) -> bytes:
-    """Encode all layers of one block into one frame bound to `key`.
+    """Encode all layers of one block into one frame bound to `key`; with `signer` (the
+    tenant's `kvstore.mac.MacKey`), a signed frame that readers holding the key accept.
 
     Every layer must have the same shape and dtype (CodecError otherwise). `dtype` is needed
     only for numpy arrays of bf16 bit patterns (uint16); `arrangement` says where K, V, tokens
@@ -91,7 +95,7 @@ def encode_block(
     encoded = coder.encode_many(layers, dtype=dtype, arrangement=arrangement)
     return build_frame(_compress(encoded.data, compression), codec=coder.codec_id,
                        dtype=encoded.dtype, layout_id=layout_id, token_count=token_count,
-                       layer_shape=encoded.shape, key_digest=key.digest)
+                       layer_shape=encoded.shape, key_digest=key.digest, signer=signer)
 
 
 @overload
@@ -275,8 +279,10 @@ class _CheckedRead:
                                f"shape and dtype need {self.expected}")
         lo = info.offset - self.base
         stored = self.payload[lo: lo + info.length]
-        if not self.read.verified and segment_checksum(stored) != info.checksum:
-            raise CorruptBlock(f"segment {layer} checksum mismatch")
+        if not self.read.verified:
+            checksum = signed_segment_checksum if self.read.header.signed else segment_checksum
+            if checksum(stored) != info.checksum:
+                raise CorruptBlock(f"segment {layer} checksum mismatch")
         if info.compression is Compression.NONE:
             return stored
         return self.read.segment(layer)  # decompresses, checking the size it comes out at

@@ -102,6 +102,23 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-timeout", type=float, default=15.0,
                    help="seconds in-flight streams get to finish on SIGTERM")
     p.add_argument("--workers", type=int, default=4, help="storage I/O threads")
+    p.add_argument("--tenant-put-share", type=float, default=0.5,
+                   help="share of the in-flight put budget (half of --mem-budget, 64MiB-4GiB) "
+                   "one tenant may hold (default 0.5)")
+    p.add_argument("--tenant-put-streams", type=int, default=16,
+                   help="concurrent puts (gRPC streams, data plane requests) per tenant")
+    p.add_argument("--tenant-stored-share", type=float, default=1.0,
+                   help="share of --disk-budget one tenant's blocks may fill; past it its "
+                   "oldest blocks go (default 1.0: all tenants share the disk by LRU)")
+    p.add_argument("--inflight-put-bytes", default=None,
+                   help="the daemon's in-flight put budget (default: half of --mem-budget)")
+    p.add_argument("--put-idle-timeout", type=float, default=10.0,
+                   help="seconds a put may go without a byte arriving before it is dropped")
+    p.add_argument("--idle-timeout", type=float, default=120.0,
+                   help="seconds an authenticated connection may stay idle")
+    p.add_argument("--preauth-timeout", type=float, default=5.0,
+                   help="seconds a data plane connection may stay open without an "
+                   "authenticated request (slowloris)")
     p.add_argument("--data-listen", default="auto",
                    help="bulk data plane (plain TCP beside gRPC, for block get/put): 'auto' "
                    "(the --listen host, any free port; advertised in etcd and Stat), 'off', or "
@@ -147,7 +164,13 @@ def _serve_handler(args: argparse.Namespace, argv: list[str] | None = None) -> i
             registration_public_keys=args.registration_pubkey,
             replicas=args.replicas, rereplicate_after=args.rereplicate_after,
             drain_timeout=args.drain_timeout, workers=args.workers,
-            data_listen=args.data_listen,
+            data_listen=args.data_listen, tenant_put_share=args.tenant_put_share,
+            tenant_put_streams=args.tenant_put_streams,
+            tenant_stored_share=args.tenant_stored_share,
+            inflight_put_bytes=(parse_size(args.inflight_put_bytes)
+                                if args.inflight_put_bytes else None),
+            put_idle_timeout=args.put_idle_timeout, idle_timeout=args.idle_timeout,
+            preauth_timeout=args.preauth_timeout,
             **({"etcd_prefix": args.etcd_prefix} if args.etcd_prefix else {}))
     except KVKeepError as exc:
         print(f"kvkeep store serve: {exc}", file=sys.stderr)

@@ -15,6 +15,7 @@ __all__ = [
     "InvalidKey",
     "InvalidFrame",
     "CorruptBlock",
+    "ForgedBlock",
     "CodecError",
     "TierError",
     "TierUnavailable",
@@ -50,6 +51,11 @@ class InvalidFrame(CorruptBlock, ValueError):
     A subclass of `CorruptBlock` so that every read path treats it as a miss; a write path
     (a client handing us garbage) reports it as invalid input.
     """
+
+
+class ForgedBlock(CorruptBlock):
+    """A frame without a valid MAC, read by a reader that holds its tenant's MAC key
+    (kvstore/mac.py): not written by the tenant's writers. A miss, like any corrupt copy."""
 
 
 class CodecError(KVKeepError):

@@ -6,13 +6,23 @@ Layout (little endian)::
     codec u8 | dtype u8 | flags u8 | ndim u8 | token_count u32 | num_layers u16 | layout_len u8
     layout_id (layout_len bytes) | key_digest 16 bytes | layer_shape (ndim x u32)
     segment table: num_layers x (offset u64, length u64, raw_length u64, compression u8,
-                                 xxh3-128 checksum of the stored bytes 16 bytes)
+                                 checksum of the stored bytes 16 bytes)
+    [signed frames only: MAC key id 8 bytes | MAC 32 bytes]
     header checksum: xxh3-64 of every header byte before it
     segments, one per layer, contiguous and in layer order
 
+Segment checksums are xxh3-128, or, in a signed frame (flags bit 0, `FLAG_SIGNED`), BLAKE3
+truncated to 128 bits; a signed frame's MAC is a keyed hash of every header byte before it
+(kvstore/mac.py), so it covers the segment checksums, the shape and the key binding.
+
 A reader that wants layers [a, b) reads the header, then one contiguous byte range: that is what
 makes layer-range reads cheap on disk and on the wire. Every segment is verified against its
-checksum before use, and the header against its own, so a bit flip anywhere is caught.
+checksum before use, and the header against its own, so a bit flip anywhere is caught. Why two
+checksums: xxh3 catches accidents at ~80 GB/s, but it is not a cryptographic hash (its secret is
+public and its mixing invertible; collisions and second preimages can be built), so a MAC over
+xxh3 digests would let whoever can write a frame swap a segment for one with the same digest.
+A signed frame's segments are hashed with BLAKE3 instead (second-preimage resistant at 128
+bits), still once per read: the MAC itself then costs one small keyed hash of the header.
 
 The key digest binds a frame to the key it was stored under, so a frame served for the wrong key
 (renamed file, index bug, replica mix-up) is detected as corrupt rather than used.
@@ -20,16 +30,34 @@ The key digest binds a frame to the key it was stored under, so a frame served f
 
 from __future__ import annotations
 
-import enum
-import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
+import blake3
 import xxhash
 import zstandard
 
 from kvstore.errors import CorruptBlock, InvalidFrame
+from kvstore.frame_header import (
+    FLAG_SIGNED,
+    FORMAT_VERSION,
+    HEADER_PREFIX_BYTES,
+    MAC_BYTES,
+    MAC_KEY_ID_BYTES,
+    MAGIC,
+    MAX_LAYERS,
+    CodecId,
+    Compression,
+    DType,
+    FrameHeader,
+    LayerRange,
+    SegmentInfo,
+    Signer,
+    header_size,
+    header_size_from_prefix,
+    pack_header,
+)
 
 __all__ = [
     "MAGIC",
@@ -43,9 +71,15 @@ __all__ = [
     "FrameHeader",
     "BlockRead",
     "FrameBytes",
+    "FLAG_SIGNED",
+    "MAC_KEY_ID_BYTES",
+    "MAC_BYTES",
+    "Signer",
     "build_frame",
     "header_size_from_prefix",
     "segment_checksum",
+    "signed_segment_checksum",
+    "checksum_of",
     "check_payload_size",
     "checked_frame",
     "verify_pieces",
@@ -54,145 +88,19 @@ __all__ = [
 FrameBytes: TypeAlias = bytes | bytearray | memoryview
 """A whole frame, or any part of one, as the buffer it arrived in."""
 
-MAGIC = b"KVKB"
-FORMAT_VERSION = 1
-_PREFIX = struct.Struct("<4sHI")
-HEADER_PREFIX_BYTES = _PREFIX.size
-_FIXED = struct.Struct("<BBBBIHB")
-_SEGMENT = struct.Struct("<QQQB16s")
-_HEADER_CHECKSUM = struct.Struct("<Q")
-_MAX_LAYOUT_ID = 64
-_MAX_NDIM = 8
-_MAX_LAYERS = 4096
-# A header past this size is malformed, whatever it claims (4096 layers need ~170 KiB).
-_MAX_HEADER_BYTES = 1 << 20
-
-
-class CodecId(enum.IntEnum):
-    """A frame's codec (`kvstore.codecs`); ids are never reused, so old frames stay readable."""
-
-    RAW = 0
-    INT8 = 1  # "int8-sym": symmetric, one scale per row (per token and KV head)
-    INT8_ASYM = 2
-    INT8_KIVI = 3
-    INT8_G32 = 4
-    INT4 = 5
-
-
-class DType(enum.IntEnum):
-    FLOAT16 = 0
-    BFLOAT16 = 1
-    FLOAT32 = 2
-
-    @property
-    def itemsize(self) -> int:
-        return 4 if self is DType.FLOAT32 else 2
-
-    @classmethod
-    def from_name(cls, name: str) -> DType:
-        normal = name.removeprefix("torch.").lower()
-        aliases = {"float16": cls.FLOAT16, "half": cls.FLOAT16, "fp16": cls.FLOAT16,
-                   "bfloat16": cls.BFLOAT16, "bf16": cls.BFLOAT16,
-                   "float32": cls.FLOAT32, "float": cls.FLOAT32, "fp32": cls.FLOAT32}
-        try:
-            return aliases[normal]
-        except KeyError:
-            raise InvalidFrame(f"unsupported dtype {name!r}") from None
-
-
-class Compression(enum.IntEnum):
-    NONE = 0
-    ZSTD = 1
-
-
 def segment_checksum(data: bytes | bytearray | memoryview) -> bytes:
     """xxh3-128 of a segment's stored bytes (~80 GB/s here, so verifying every read is cheap)."""
     return xxhash.xxh3_128_digest(data)
 
 
-@dataclass(frozen=True, slots=True)
-class LayerRange:
-    """Layers [start, stop) of a block."""
-
-    start: int
-    stop: int
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.start < self.stop:
-            raise ValueError(f"empty or negative layer range [{self.start}, {self.stop})")
-
-    def __len__(self) -> int:
-        return self.stop - self.start
-
-    def __contains__(self, layer: object) -> bool:
-        return isinstance(layer, int) and self.start <= layer < self.stop
-
-    def clamp_check(self, num_layers: int) -> None:
-        if self.stop > num_layers:
-            raise ValueError(f"layer range [{self.start}, {self.stop}) beyond {num_layers} layers")
+def signed_segment_checksum(data: bytes | bytearray | memoryview) -> bytes:
+    """BLAKE3 of a signed frame's segment, truncated to 128 bits (see the module doc)."""
+    return blake3.blake3(data).digest(16)
 
 
-@dataclass(frozen=True, slots=True)
-class SegmentInfo:
-    offset: int
-    length: int
-    raw_length: int
-    compression: Compression
-    checksum: bytes
-
-
-@dataclass(frozen=True, slots=True)
-class FrameHeader:
-    codec: CodecId
-    dtype: DType
-    layout_id: str
-    token_count: int
-    layer_shape: tuple[int, ...]
-    key_digest: bytes
-    segments: tuple[SegmentInfo, ...]
-    header_size: int
-    version: int = FORMAT_VERSION
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.segments)
-
-    @property
-    def frame_size(self) -> int:
-        return self.header_size + sum(s.length for s in self.segments)
-
-    @property
-    def all_layers(self) -> LayerRange:
-        return LayerRange(0, self.num_layers)
-
-    def span(self, layers: LayerRange) -> tuple[int, int]:
-        """Byte range [start, stop) of the frame that holds the segments of `layers`."""
-        layers.clamp_check(self.num_layers)
-        first, last = self.segments[layers.start], self.segments[layers.stop - 1]
-        return first.offset, last.offset + last.length
-
-    def pack(self) -> bytes:
-        return _pack_header(self.codec, self.dtype, self.layout_id, self.token_count,
-                            self.layer_shape, self.key_digest, self.segments)
-
-    @classmethod
-    def unpack(cls, buf: bytes | bytearray | memoryview) -> FrameHeader:
-        """Parse and verify a header from the start of `buf` (which may hold more than it)."""
-        return _unpack_header(memoryview(buf))
-
-
-def header_size_from_prefix(prefix: bytes | bytearray | memoryview) -> int:
-    """Total header size, from the first HEADER_PREFIX_BYTES bytes of a frame."""
-    if len(prefix) < HEADER_PREFIX_BYTES:
-        raise InvalidFrame("frame shorter than its header prefix")
-    magic, version, header_len = _PREFIX.unpack_from(prefix, 0)
-    if magic != MAGIC:
-        raise InvalidFrame("bad frame magic")
-    if version != FORMAT_VERSION:
-        raise InvalidFrame(f"unsupported frame version {version}")
-    if not HEADER_PREFIX_BYTES < header_len <= _MAX_HEADER_BYTES:
-        raise InvalidFrame(f"implausible header length {header_len}")
-    return int(header_len)
+def checksum_of(header: FrameHeader) -> Callable[[bytes | bytearray | memoryview], bytes]:
+    """The segment checksum a frame's header says its segments carry."""
+    return signed_segment_checksum if header.signed else segment_checksum
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,8 +161,9 @@ class BlockRead:
         if self.verified:
             return
         check_payload_size(self.header, self.layers, len(self.payload))
+        checksum = checksum_of(self.header)
         for layer in range(self.layers.start, self.layers.stop):
-            if segment_checksum(self._segment_view(layer)) != self.header.segments[layer].checksum:
+            if checksum(self._segment_view(layer)) != self.header.segments[layer].checksum:
                 raise CorruptBlock(f"segment {layer} checksum mismatch")
 
     def verify_key(self, key_digest: bytes) -> None:
@@ -325,6 +234,7 @@ def verify_pieces(header: FrameHeader, layers: LayerRange,
     any mismatch or a payload of the wrong size."""
     views = [memoryview(p).cast("B") for p in pieces]
     check_payload_size(header, layers, sum(len(v) for v in views))
+    checksum = checksum_of(header)
     index, offset = 0, 0  # the piece being consumed, and how far into it
     for layer in range(layers.start, layers.stop):
         info = header.segments[layer]
@@ -332,10 +242,10 @@ def verify_pieces(header: FrameHeader, layers: LayerRange,
         while index < len(views) and offset == len(views[index]):
             index, offset = index + 1, 0
         if need == 0 or offset + need <= len(views[index]):
-            digest = segment_checksum(views[index][offset: offset + need] if need else b"")
+            digest = checksum(views[index][offset: offset + need] if need else b"")
             offset += need
-        else:  # the segment spans pieces: one streaming hash (same digest as one-shot xxh3)
-            hasher = xxhash.xxh3_128()
+        else:  # the segment spans pieces: one streaming hash (same digest as one-shot)
+            hasher: Any = blake3.blake3() if header.signed else xxhash.xxh3_128()
             while need:
                 if offset == len(views[index]):
                     index, offset = index + 1, 0
@@ -343,7 +253,7 @@ def verify_pieces(header: FrameHeader, layers: LayerRange,
                 hasher.update(views[index][offset: offset + take])
                 offset += take
                 need -= take
-            digest = hasher.digest()
+            digest = hasher.digest(16) if header.signed else hasher.digest()
         if digest != info.checksum:
             raise CorruptBlock(f"segment {layer} checksum mismatch")
 
@@ -357,91 +267,24 @@ def build_frame(
     token_count: int,
     layer_shape: tuple[int, ...],
     key_digest: bytes,
+    signer: Signer | None = None,
 ) -> bytes:
-    """Assemble a frame from per-layer (stored bytes, compression, raw length) triples."""
-    if not 1 <= len(segments) <= _MAX_LAYERS:
-        raise InvalidFrame(f"a frame holds 1-{_MAX_LAYERS} layers, got {len(segments)}")
-    header_size = _header_size(len(layout_id.encode()), len(layer_shape), len(segments))
+    """Assemble a frame from per-layer (stored bytes, compression, raw length) triples; with
+    `signer`, a signed frame (BLAKE3 segment checksums and a MAC, see the module doc)."""
+    if not 1 <= len(segments) <= MAX_LAYERS:
+        raise InvalidFrame(f"a frame holds 1-{MAX_LAYERS} layers, got {len(segments)}")
+    size = header_size(len(layout_id.encode()), len(layer_shape), len(segments),
+                       signer is not None)
+    checksum = segment_checksum if signer is None else signed_segment_checksum
     infos: list[SegmentInfo] = []
-    offset = header_size
+    offset = size
     for data, compression, raw_length in segments:
-        infos.append(SegmentInfo(offset, len(data), raw_length, compression,
-                                 segment_checksum(data)))
+        infos.append(SegmentInfo(offset, len(data), raw_length, compression, checksum(data)))
         offset += len(data)
-    header = _pack_header(codec, dtype, layout_id, token_count, layer_shape, key_digest, infos)
-    assert len(header) == header_size
+    body, finish = pack_header(codec, dtype, layout_id, token_count, layer_shape, key_digest,
+                                infos, None if signer is None else signer.key_id)
+    header = finish(b"" if signer is None else signer.tag(body))
+    assert len(header) == size
     # One allocation and one copy of each segment: join sizes the result first.
     return b"".join([header, *(data for data, _, _ in segments)])
 
-
-def _header_size(layout_len: int, ndim: int, num_layers: int) -> int:
-    return (HEADER_PREFIX_BYTES + _FIXED.size + layout_len + 16 + 4 * ndim
-            + _SEGMENT.size * num_layers + _HEADER_CHECKSUM.size)
-
-
-def _pack_header(codec: CodecId, dtype: DType, layout_id: str, token_count: int,
-                 layer_shape: tuple[int, ...], key_digest: bytes,
-                 segments: Sequence[SegmentInfo]) -> bytes:
-    layout = layout_id.encode()
-    if not 0 < len(layout) <= _MAX_LAYOUT_ID:
-        raise InvalidFrame(f"layout id must be 1-{_MAX_LAYOUT_ID} bytes")
-    if len(key_digest) != 16:
-        raise InvalidFrame("key digest must be 16 bytes")
-    if not 0 < len(layer_shape) <= _MAX_NDIM or any(d <= 0 for d in layer_shape):
-        raise InvalidFrame(f"bad layer shape {layer_shape}")
-    size = _header_size(len(layout), len(layer_shape), len(segments))
-    parts = [
-        _PREFIX.pack(MAGIC, FORMAT_VERSION, size),
-        _FIXED.pack(int(codec), int(dtype), 0, len(layer_shape), token_count, len(segments),
-                    len(layout)),
-        layout,
-        key_digest,
-        struct.pack(f"<{len(layer_shape)}I", *layer_shape),
-    ]
-    parts.extend(_SEGMENT.pack(s.offset, s.length, s.raw_length, int(s.compression), s.checksum)
-                 for s in segments)
-    body = b"".join(parts)
-    return body + _HEADER_CHECKSUM.pack(xxhash.xxh3_64_intdigest(body))
-
-
-def _unpack_header(view: memoryview) -> FrameHeader:
-    size = header_size_from_prefix(view[:HEADER_PREFIX_BYTES])
-    if len(view) < size:
-        raise InvalidFrame(f"header truncated: need {size} bytes, have {len(view)}")
-    body = view[: size - _HEADER_CHECKSUM.size]
-    (stored_sum,) = _HEADER_CHECKSUM.unpack_from(view, size - _HEADER_CHECKSUM.size)
-    if xxhash.xxh3_64_intdigest(body) != stored_sum:
-        raise CorruptBlock("frame header checksum mismatch")
-    pos = HEADER_PREFIX_BYTES
-    codec_v, dtype_v, _flags, ndim, token_count, num_layers, layout_len = _FIXED.unpack_from(
-        view, pos)
-    pos += _FIXED.size
-    if size != _header_size(layout_len, ndim, num_layers):
-        raise InvalidFrame("header length disagrees with its contents")
-    try:
-        codec, dtype = CodecId(codec_v), DType(dtype_v)
-        layout_id = bytes(view[pos: pos + layout_len]).decode()
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise InvalidFrame(f"bad header field: {exc}") from exc
-    pos += layout_len
-    key_digest = bytes(view[pos: pos + 16])
-    pos += 16
-    layer_shape = struct.unpack_from(f"<{ndim}I", view, pos)
-    pos += 4 * ndim
-    segments: list[SegmentInfo] = []
-    expected_offset = size
-    for _ in range(num_layers):
-        offset, length, raw_length, comp, checksum = _SEGMENT.unpack_from(view, pos)
-        pos += _SEGMENT.size
-        if offset != expected_offset:
-            raise InvalidFrame("segments are not contiguous")
-        try:
-            compression = Compression(comp)
-        except ValueError as exc:
-            raise InvalidFrame(f"unknown compression {comp}") from exc
-        segments.append(SegmentInfo(offset, length, raw_length, compression, checksum))
-        expected_offset += length
-    if num_layers == 0 or ndim == 0:
-        raise InvalidFrame("frame has no layers or no shape")
-    return FrameHeader(codec, dtype, layout_id, token_count, tuple(layer_shape), key_digest,
-                       tuple(segments), size)

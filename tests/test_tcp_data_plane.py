@@ -6,6 +6,7 @@ mutated requests never crash a daemon nor store anything."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import socket
@@ -19,6 +20,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from kvstore.daemon.budgets import DaemonLimits
 from kvstore.daemon.catalog import KeyCatalog
 from kvstore.daemon.config import DaemonConfig
 from kvstore.daemon.core import BlockServiceCore
@@ -28,6 +30,7 @@ from kvstore.errors import (
     CorruptBlock,
     DeadlineExceeded,
     TierError,
+    TierFull,
     TierUnavailable,
 )
 from kvstore.frame import BlockRead, LayerRange
@@ -43,6 +46,7 @@ from kvstore.net.tcp_protocol import (
     OP_GET,
     OP_PUT,
     REPLY_HEAD,
+    REQUEST_HEAD,
     decode_reply_head,
     decode_request_head,
     encode_reply,
@@ -186,8 +190,10 @@ def test_one_status_table_for_both_transports() -> None:
     for sick in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL,
                  grpc.StatusCode.DATA_LOSS, grpc.StatusCode.CANCELLED):
         assert kinds[sick] is TierUnavailable, sick  # the breaker counts these ...
-    for refused in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED):
-        assert kinds[refused] is TierError, refused  # ... and not a refusal of one request
+    assert kinds[grpc.StatusCode.INVALID_ARGUMENT] is TierError  # ... not a refusal of one
+    # A full disk or a spent budget: another replica, now; the daemon is well (no breaker).
+    assert kinds[grpc.StatusCode.RESOURCE_EXHAUSTED] is TierFull
+    assert issubclass(TierFull, TierError) and not issubclass(TierFull, TierUnavailable)
     error = client_error(RefusalReason.PERMISSION_DENIED, "get from d1", "tenant 'b'")
     assert str(error) == "get from d1: PERMISSION_DENIED: tenant 'b'"
 
@@ -243,7 +249,8 @@ def test_data_listen_configuration(tmp_path: Path) -> None:
 def local_server(tmp_path: Path) -> Iterator[tuple[TcpFront, str]]:
     store = TieredStore([HostTier(64 << 20)])
     catalog = KeyCatalog(tmp_path / "keys.log")
-    core = BlockServiceCore("local", store, catalog, tokens=None)
+    limits = dataclasses.replace(DaemonLimits.scaled(64 << 20, 64 << 20), put_idle_s=2.0)
+    core = BlockServiceCore("local", store, catalog, tokens=None, limits=limits)
     server = TcpFront(core, "127.0.0.1", max_connections=1, request_timeout=2.0)
     port = server.start()
     try:
@@ -254,21 +261,40 @@ def local_server(tmp_path: Path) -> Iterator[tuple[TcpFront, str]]:
         catalog.close()
 
 
-def test_connections_over_the_limit_are_dropped_and_clients_can_fall_back(
+def _wait_idle(server: TcpFront) -> None:
+    """Until the server has finished the request whose reply the client already read."""
+    deadline = time.monotonic() + 5
+    while server.requests_in_progress and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
+def test_idle_connections_make_room_and_busy_ones_do_not(
         local_server: tuple[TcpFront, str]) -> None:
     server, address = local_server
     first, second = TcpBlockTransport("l", address), TcpBlockTransport("l", address)
     key = block_key(3)
     assert first.put(SCOPE, [(key.block_hash, make_frame(key))], timeout=T) == [True]  # 1 slot
-    with pytest.raises(TransportUnreachable):
-        second.get(SCOPE, key.block_hash, timeout=T)
-    first.close()
-    deadline = time.monotonic() + 5
-    while server.connections and time.monotonic() < deadline:
-        time.sleep(0.01)
+    _wait_idle(server)
+    # The only slot is held by an idle connection: it is closed to let the new one in ...
     read = second.get(SCOPE, key.block_hash, timeout=T)
     assert read is not None
     read.verify()
+    _wait_idle(server)
+    # ... and its client's next call finds it closed and reconnects (evicting the idle other).
+    assert first.get(SCOPE, key.block_hash, timeout=T) is not None
+    _wait_idle(server)
+    host, port = address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=T) as busy:
+        busy.sendall(put_request(3, make_frame(key))[:REQUEST_HEAD.size + 3])  # mid-request
+        deadline = time.monotonic() + 5
+        while server.requests_in_progress != 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert server.requests_in_progress == 1
+        # A connection in the middle of a request is never closed to make room: a client
+        # that finds no slot can fall back to gRPC (TransportUnreachable).
+        with pytest.raises(TransportUnreachable):
+            second.get(SCOPE, key.block_hash, timeout=T)
+    first.close()
     second.close()
 
 

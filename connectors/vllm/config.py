@@ -18,7 +18,14 @@ Example (every key optional except a store with at least one tier)::
      "checkpoint_tokens": 32, "restore_deadline_ms": 2000, "hinted_restore_deadline_ms": 5000,
      "save_timeout_ms": 2000,
      "load_mode": "sync", "tenant": "default",
-     "model_id": "llama-3-8b", "weights_revision": "abc123"}
+     "model_id": "llama-3-8b", "weights_revision": "abc123",
+     "mac_key_file": "/etc/kvkeep/tenant-default.mac"}
+
+`mac_key_file`: the tenant's MAC key (kvstore/mac.py), held by its engines and never by the
+daemons: every frame saved is signed with it, and a frame restored must carry a valid MAC
+under it (else it is recomputed, and deleted), so neither a holder of the tenant's daemon
+token nor a daemon or disk can inject KV. Without it frames are unsigned and any that verify
+are used.
 
 Unknown keys are an error, not a shrug: a typo in `checkpoint_tokens` would otherwise silently
 leave a session unprotected.
@@ -36,6 +43,7 @@ from kvstore.codecs import CODEC_NAMES, config_codec_name
 from kvstore.errors import CodecError, ConfigError, InvalidKey
 from kvstore.etcd import EtcdSpec
 from kvstore.keys import validate_name
+from kvstore.mac import MacKey
 from kvstore.tiers.factory import NvmeSpec, RedisSpec, RemoteSpec
 
 __all__ = [
@@ -64,7 +72,7 @@ DEFAULT_REPLICAS: Final = 2
 _TOP_KEYS: Final = frozenset({
     "store", "codec", "compression", "checkpoint_tokens", "restore_deadline_ms",
     "hinted_restore_deadline_ms", "save_timeout_ms", "load_mode", "tenant", "model_id",
-    "weights_revision", "max_inflight_saves", "lookup", "restore_first_layers",
+    "weights_revision", "max_inflight_saves", "lookup", "restore_first_layers", "mac_key_file",
 })
 _STORE_KEYS: Final = frozenset({"host_bytes", "nvme", "remote", "redis", "name"})
 _NVME_KEYS: Final = frozenset({"path", "bytes", "durable"})
@@ -127,6 +135,8 @@ class ConnectorConfig:
     restore_first_layers: int = 0
     """A restore reads layers [0, k) of every block first and the rest while the forward pass
     computes those (one more read per block); 0: all layers in one read."""
+    mac_key: MacKey | None = None
+    """The tenant's MAC key, from `mac_key_file` (see the module doc)."""
     lookup: LookupMode = "auto"
     """Where the scheduler's lookups run. "auto": in the scheduler's process when the worker
     shares it (vLLM's in-process executor), else in the worker, one engine step later, via the
@@ -171,6 +181,8 @@ class ConnectorConfig:
             lookup=cast(LookupMode, _choice(extra, "lookup", ("auto", "worker"), "auto")),
             restore_first_layers=_nonnegative_int(extra.get("restore_first_layers", 0),
                                                   "restore_first_layers"),
+            mac_key=(MacKey.from_file(_nonempty_str(extra["mac_key_file"], "mac_key_file"))
+                     if extra.get("mac_key_file") is not None else None),
         )
 
     def restore_deadline_for(self, *, hinted: bool) -> float:

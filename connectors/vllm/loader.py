@@ -34,9 +34,10 @@ from connectors.vllm.metadata import BlockRun, LoadReport, LoadSpec, SaveReport
 from connectors.vllm.stats import Counter
 from connectors.vllm.worker_context import WorkerContext
 from kvstore.block import decode_layer, decode_layer_batch
-from kvstore.errors import CodecError, CorruptBlock
+from kvstore.errors import CodecError, CorruptBlock, ForgedBlock
 from kvstore.frame import BlockRead, LayerRange
 from kvstore.keys import BlockKey, Namespace
+from kvstore.mac import verify_mac
 
 __all__ = ["Loader", "LoadBlock", "LoadJob", "layer_stages"]
 
@@ -307,6 +308,10 @@ class Loader:
             if read is None:
                 job.fail(block.block_id, Counter.LOAD_LATE if time.monotonic() >= job.deadline
                          else Counter.LOAD_MISSING)
+            elif (forged := self._forged(read)) is not None:
+                log.warning("kvkeep: frame for %s refused: %s", block.key.storage_name, forged)
+                job.fail(block.block_id, Counter.LOAD_FORGED)
+                self._ctx.store.delete([block.key])  # so that a save of ours can replace it
             elif (reason := self._mismatch(read)) is not None:
                 log.warning("kvkeep: frame for %s does not match this engine: %s",
                             block.key.storage_name, reason)
@@ -408,6 +413,16 @@ class Loader:
                 self._ctx.caches.bound[layer].scatter(
                     cache, torch.tensor(targets, device=cache.device), data.to(cache.device))
         return True
+
+    def _forged(self, read: BlockRead) -> ForgedBlock | None:
+        """With the tenant's MAC key: why a frame is not its writers' (None when it is)."""
+        if self._ctx.mac_key is None:
+            return None
+        try:
+            verify_mac(read.header, self._ctx.mac_key)
+        except ForgedBlock as exc:
+            return exc
+        return None
 
     def _mismatch(self, read: BlockRead) -> str | None:
         """Why a verified frame is not one this engine would have written, or None."""

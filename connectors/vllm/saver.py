@@ -190,7 +190,8 @@ class Saver:
                                  token_count=self._ctx.caches.layout.block_size,
                                  layout_id=self._ctx.caches.layout.layout_id,
                                  compression=self._config.compression,
-                                 arrangement=self._ctx.caches.layout.arrangement)
+                                 arrangement=self._ctx.caches.layout.arrangement,
+                                 signer=self._ctx.mac_key)
             return self._ctx.store.put(item.key, frame)
         except KVKeepError:
             log.warning("kvkeep: saving a block failed", exc_info=True)

@@ -23,6 +23,7 @@ worker half
     load_missing                     blocks the store no longer had (evicted, deleted)
     load_corrupt                     blocks whose frame failed verification or did not decode
     load_mismatch                    frames for another codec, dtype, layout or shape
+    load_forged                      frames without a valid MAC under `mac_key_file`
     load_late                        blocks past the restore deadline
     load_errors                      other failures of a load (store down, bug)
     saved_blocks, save_skipped_present, save_failed, save_dropped_after_load_error,
@@ -58,6 +59,7 @@ class Counter(enum.StrEnum):
     LOAD_MISSING = "load_missing"
     LOAD_CORRUPT = "load_corrupt"
     LOAD_MISMATCH = "load_mismatch"
+    LOAD_FORGED = "load_forged"
     LOAD_LATE = "load_late"
     LOAD_ERRORS = "load_errors"
     SAVED_BLOCKS = "saved_blocks"
@@ -68,7 +70,7 @@ class Counter(enum.StrEnum):
 
 
 LOAD_FAILURES = frozenset({Counter.LOAD_MISSING, Counter.LOAD_CORRUPT, Counter.LOAD_MISMATCH,
-                           Counter.LOAD_LATE, Counter.LOAD_ERRORS})
+                           Counter.LOAD_FORGED, Counter.LOAD_LATE, Counter.LOAD_ERRORS})
 """The reasons a block fails to load (each is also the counter that counts it)."""
 
 

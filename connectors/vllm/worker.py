@@ -57,7 +57,8 @@ class WorkerSide:
         codec = get_codec(config.codec).codec_id
         self._caches = PagedCaches(layout, fingerprint.num_layers)
         self._outbox = WorkerOutbox()
-        context = WorkerContext(store, self._caches, fingerprint, codec, self._outbox, counters)
+        context = WorkerContext(store, self._caches, fingerprint, codec, self._outbox, counters,
+                                config.mac_key)
         self._loader = Loader(context, deadline_s=config.restore_deadline_s,
                               first_layers=config.restore_first_layers)
         self._saver = Saver(context, config)

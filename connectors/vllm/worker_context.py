@@ -1,5 +1,6 @@
 """What the loader and the saver share: the store, the registered caches, the model's
-fingerprint and codec, where results go (`WorkerOutbox`) and the worker half's counters."""
+fingerprint and codec, where results go (`WorkerOutbox`), the worker half's counters, and the
+tenant's MAC key when it has one (saves are signed, loads refuse frames not signed with it)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from connectors.vllm.outbox import WorkerOutbox
 from connectors.vllm.stats import Counters
 from kvstore.frame import CodecId
 from kvstore.keys import ModelFingerprint
+from kvstore.mac import MacKey
 from kvstore.store import TieredStore
 
 __all__ = ["WorkerContext"]
@@ -23,3 +25,4 @@ class WorkerContext:
     codec: CodecId
     outbox: WorkerOutbox
     counters: Counters
+    mac_key: MacKey | None = None

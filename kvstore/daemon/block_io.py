@@ -54,17 +54,19 @@ class ScratchPool:
 
 class IncomingBlock:
     """One put's frame being received: fill `pieces` (writable views, in frame order, `size`
-    bytes in all), by `write` or a socket's scatter reads, then `commit()` or `abort()`, once.
-    Used as a context manager, it aborts on the way out unless it was committed."""
+    bytes in all), by `write` or a socket's scatter reads, by `deadline` (a time.monotonic()
+    instant the fronts enforce), then `commit()` or `abort()`, once. Used as a context manager,
+    it aborts on the way out unless it was committed."""
 
-    __slots__ = ("_buffer", "_commit", "_pool", "_release", "done", "key", "pieces",
+    __slots__ = ("_buffer", "_commit", "_pool", "_release", "deadline", "done", "key", "pieces",
                  "reservation", "size")
 
     def __init__(self, key: BlockKey, size: int, *, reservation: PageReservation | None,
                  pool: ScratchPool, commit: Callable[[IncomingBlock], bool],
-                 release: Callable[[], None]) -> None:
+                 release: Callable[[], None], deadline: float = float("inf")) -> None:
         self.key = key
         self.size = size
+        self.deadline = deadline
         self.reservation = reservation
         self._pool = pool
         self._buffer: bytearray | None = None

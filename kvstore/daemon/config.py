@@ -8,6 +8,7 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvstore.daemon.budgets import DaemonLimits
 from kvstore.errors import ConfigError
 from kvstore.etcd import EtcdSpec
 from kvstore.keys import validate_name
@@ -91,6 +92,22 @@ class DaemonConfig:
     keepalive: Keepalive = field(default_factory=Keepalive)
     """gRPC keepalive, shared with the clients' (kvstore/net/grpc_options.py); no flag: the
     defaults suit every deployment, tests shorten it."""
+    tenant_put_share: float = 0.5
+    """Of the in-flight put budget (half the RAM tier), what one tenant may hold."""
+    tenant_put_streams: int = 16
+    tenant_stored_share: float = 1.0
+    """Of the disk tier, what one tenant's blocks may fill (its oldest go first past it)."""
+    inflight_put_bytes: int | None = None
+    """The daemon's in-flight put budget; None: half the RAM tier, in [64 MiB, 4 GiB]."""
+    put_idle_timeout: float = 10.0
+    """A put that goes this long without a byte arriving is dropped (its budget given back)."""
+    idle_timeout: float = 120.0
+    """An authenticated connection idle this long is closed (TCP data plane; gRPC: one without
+    calls); clients reconnect on their next call."""
+    preauth_timeout: float = 5.0
+    """A data plane connection that has not authenticated a request this long after it
+    opened, or after its last one, is dropped (slowloris); also gRPC's handshake timeout."""
+    catalog_prune_s: float = 300.0
 
     def __post_init__(self) -> None:
         validate_name(self.node_id, "node id")
@@ -113,6 +130,19 @@ class DaemonConfig:
             raise ConfigError("--replicas, --lease-ttl and --workers must be >= 1")
         if self.rereplicate_after < 0 or self.drain_timeout < 0:
             raise ConfigError("--rereplicate-after and --drain-timeout cannot be negative")
+        if min(self.put_idle_timeout, self.idle_timeout, self.preauth_timeout,
+               self.catalog_prune_s) <= 0 or self.tenant_put_streams < 1:
+            raise ConfigError("timeouts and --tenant-put-streams must be positive")
+        self.limits()  # the shares and budgets are checked there
+
+    def limits(self) -> DaemonLimits:
+        """Per-tenant budgets and put deadlines (kvstore/daemon/budgets.py)."""
+        scaled = DaemonLimits.scaled(
+            self.mem_budget, self.disk_budget, put_share=self.tenant_put_share,
+            put_streams=self.tenant_put_streams, stored_share=self.tenant_stored_share,
+            inflight_put_bytes=self.inflight_put_bytes)
+        return DaemonLimits(scaled.inflight_put_bytes, scaled.tenant,
+                            put_idle_s=self.put_idle_timeout)
 
     @property
     def auth_enabled(self) -> bool:

@@ -8,15 +8,25 @@ both admit and refuse exactly the same things, and count them in one set of coun
 - auth: `authenticate` (a bearer token, or none when auth is off) and `scope` (its tenant must
   be granted to the token); nothing touches the store before both pass.
 - limits: keys per call, frame sizes (kvstore/net/limits.py).
-- admission and budgets: `admit_put_call` (a draining daemon refuses new puts; streams already
-  running finish), then per block `begin_put`, which takes the frame's bytes from the in-flight
-  put budget and returns where to receive it (`IncomingBlock`). Its `commit` verifies the whole
-  frame (header, every segment's checksum, size, key binding) before anything is stored, so a
-  malformed or corrupt frame is INVALID_ARGUMENT and nothing of it is stored; a block is stored
-  only once its last byte arrived, so a client that dies mid-put leaves nothing behind.
+- admission and budgets (kvstore/daemon/budgets.py): `admit_put_call` (a draining daemon
+  refuses new puts; streams already running finish), `put_stream` (one of the tenant's put
+  streams, held for the call), then per block `begin_put`: refused while the disk tier is full
+  (RESOURCE_EXHAUSTED, which clients take as "not here" without opening their breaker), else
+  the frame's bytes are taken from the tenant's and the daemon's in-flight put budgets and it
+  gets where to receive the frame (`IncomingBlock`, with the deadline its bytes must arrive
+  by). Free RAM pages only: a declared frame evicts nothing before its bytes arrive. Its
+  `commit` verifies the whole frame (header, every segment's checksum, size, key binding)
+  before anything is stored, so a malformed or corrupt frame is INVALID_ARGUMENT and nothing of
+  it is stored; a block is stored only once its last byte arrived, so a client that dies
+  mid-put leaves nothing behind. A tenant past its stored bytes then gives up its oldest
+  blocks.
+- per-block state: the catalog follows the disk tier's removals (kvstore/daemon/catalog.py),
+  and puts do not fill the key cache, so a daemon's memory does not grow with the blocks it
+  ever stored.
 - back-pressure: a put is acknowledged only while the store's write-behind queue (host ->
-  nvme) is below `max_pending_writes`, so acknowledged blocks cannot outrun the disk and be
-  dropped from the queue unwritten.
+  nvme) is below `max_pending_writes`, and below a quarter of the blocks of that size the RAM
+  tier holds, so acknowledged blocks can neither outrun the disk and be dropped from the queue
+  unwritten, nor be evicted from RAM before the write-behind has copied them down.
 - reads: `open_read` lends a block's pages in place from host RAM (key binding checked before,
   segment checksums right after they are sent: the client verifies every block anyway, and
   hashing first would put ~0.1 ms per 4 MiB on the critical path; a copy that fails is dropped
@@ -33,9 +43,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
-from typing import TypeVar
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Protocol, TypeVar, runtime_checkable
 
 from kvstore.daemon.auth import ANONYMOUS, AuthFailure, Principal, TokenTable
 from kvstore.daemon.block_io import (
@@ -45,7 +55,9 @@ from kvstore.daemon.block_io import (
     ScratchPool,
     byte_range,
 )
+from kvstore.daemon.budgets import DaemonLimits, PutBudgets, TenantLimits
 from kvstore.daemon.catalog import KeyCatalog
+from kvstore.daemon.counters import COUNTER_NAMES, Counters, ServiceStatus
 from kvstore.daemon.key_cache import KeyCache
 from kvstore.errors import CorruptBlock, InvalidKey, KVKeepError, TierFull
 from kvstore.frame import (
@@ -62,69 +74,73 @@ from kvstore.net.limits import MAX_FRAME_BYTES, MAX_KEYS_PER_CALL
 from kvstore.net.refusal import Refusal, RefusalReason
 from kvstore.net.scope import Scope
 from kvstore.store import TieredStore
-from kvstore.tiers.base import TierStats
 
-__all__ = ["BlockServiceCore", "Counters", "ServiceStatus", "store_contains"]
+__all__ = ["BlockServiceCore", "Counters", "ServiceStatus", "DiskTier", "store_contains"]
 
 _log = logging.getLogger(__name__)
 R = RefusalReason
+# RAM kept free for frames declared and not yet arrived (a sixteenth of the RAM tier, at most
+# this): puts in flight at once are received straight into free pages; beyond it, a frame is
+# received into a buffer and copied in once it has arrived, which is when it may evict.
+_KEEP_FREE_MAX = 256 << 20
 T = TypeVar("T")
 
 
-@dataclass(frozen=True, slots=True)
-class Counters:
-    """Wire and request counters since start (both fronts together)."""
+@runtime_checkable
+class DiskTier(Protocol):
+    """A tier that knows when its disk is full and tells who follows its contents what it
+    dropped (the nvme tier)."""
 
-    put_bytes_received: int = 0
-    get_bytes_sent: int = 0
-    puts: int = 0
-    rejected_puts: int = 0
-    invalid_puts: int = 0
-    gets: int = 0
-    hits: int = 0
-    misses: int = 0
-    lookups: int = 0
-    repaired_blocks: int = 0
+    @property
+    def admitting(self) -> bool: ...
 
-
-_COUNTER_NAMES = tuple(f.name for f in fields(Counters))
-
-
-@dataclass(frozen=True, slots=True)
-class ServiceStatus:
-    """What Stat reports."""
-
-    node_id: str
-    draining: bool
-    counters: Counters
-    tiers: tuple[TierStats, ...]
-    pending_writes: int
-    data_port: int
+    def subscribe_removals(self, listener: Callable[[Sequence[bytes]], None]) -> None: ...
 
 
 class BlockServiceCore:
-    """Auth, limits, budgets, admission, reads and back-pressure over the daemon's store."""
+    """Auth, limits, budgets, admission, reads and back-pressure over the daemon's store.
+
+    `limits` default to `DaemonLimits.scaled` over the store's first tier's budget (RAM) and
+    its disk tier's; `max_inflight_put_bytes` alone sets a single shared put budget (one
+    tenant may hold all of it), as before per-tenant budgets.
+    """
 
     def __init__(self, node_id: str, store: TieredStore, catalog: KeyCatalog, *,
-                 tokens: TokenTable | None, max_inflight_put_bytes: int = 4 << 30,
-                 max_pending_writes: int = 64, backpressure_timeout: float = 30.0,
-                 read_deadline: float = 10.0, scratch_buffers: int = 8) -> None:
+                 tokens: TokenTable | None, limits: DaemonLimits | None = None,
+                 max_inflight_put_bytes: int | None = None, max_pending_writes: int = 64,
+                 backpressure_timeout: float = 30.0, read_deadline: float = 10.0,
+                 scratch_buffers: int = 8, key_cache_limit: int = 1 << 16) -> None:
         self.node_id = node_id
         self.data_port = 0
         """The TCP data plane's port (tcp_front.py), 0 when there is none."""
         self._store = store
         self._catalog = catalog
         self._tokens = tokens
-        self._inflight_budget = max_inflight_put_bytes
-        self._inflight = 0
+        budgets = [t.stats().bytes_budget for t in store.tiers]
+        disks = [t for t in store.tiers if isinstance(t, DiskTier)]
+        self._disk = disks[-1] if disks else None
+        if self._disk is not None:
+            self._disk.subscribe_removals(catalog.forget)
+        if limits is None:
+            if max_inflight_put_bytes is not None:
+                limits = DaemonLimits(max_inflight_put_bytes, TenantLimits(
+                    max_inflight_put_bytes, 1 << 20, max(sum(budgets), 1)))
+            else:
+                limits = DaemonLimits.scaled(budgets[0], budgets[-1])
+        self._budgets = PutBudgets(limits)
         self._max_pending = max_pending_writes
+        self._ram_budget, self._ram_page = budgets[0], int(getattr(store.tiers[0],
+                                                                   "page_bytes", 1))
+        keep_free = getattr(store.tiers[0], "keep_free", None)
+        if callable(keep_free):  # room for declared frames, so that they need not evict
+            keep_free(min(limits.tenant.put_bytes, budgets[0] // 16, _KEEP_FREE_MAX))
         self._backpressure_timeout = backpressure_timeout
         self._read_deadline = read_deadline
         self._draining = False
-        self._keys = KeyCache()
+        self._keys = KeyCache(key_cache_limit)
         self._scratch = ScratchPool(SCRATCH_BYTES, scratch_buffers)
-        self._lock = threading.Lock()  # the counters and the in-flight budget
-        self._counts = dict.fromkeys(_COUNTER_NAMES, 0)
+        self._lock = threading.Lock()  # the counters
+        self._counts = dict.fromkeys(COUNTER_NAMES, 0)
 
     # -- state and counters -------------------------------------------------------------------
 
@@ -135,6 +151,19 @@ class BlockServiceCore:
     def start_draining(self) -> None:
         """Refuse new puts from now on; streams already running finish."""
         self._draining = True
+
+    @property
+    def limits(self) -> DaemonLimits:
+        return self._budgets.limits
+
+    @property
+    def budgets(self) -> PutBudgets:
+        return self._budgets
+
+    @property
+    def cached_keys(self) -> int:
+        """Keys in the key cache (bounded by `key_cache_limit`)."""
+        return len(self._keys)
 
     def count(self, **deltas: int) -> None:
         with self._lock:
@@ -167,18 +196,23 @@ class BlockServiceCore:
                           f"tenant {scope.namespace.tenant!r} is not granted to this token")
         return scope
 
-    def keys(self, scope: Scope, hashes: Sequence[bytes]) -> list[BlockKey]:
-        """The BlockKeys of `hashes` in `scope`, interned (see KeyCache)."""
+    def keys(self, scope: Scope, hashes: Sequence[bytes], *, remember: bool = True
+             ) -> list[BlockKey]:
+        """The BlockKeys of `hashes` in `scope`, interned (see KeyCache) when `remember`:
+        lookups, which ask about the same prefixes over and over. Block reads and writes move
+        far more bytes than a key costs to build, and would fill the cache with keys asked
+        for once."""
         if len(hashes) > MAX_KEYS_PER_CALL:
             raise Refusal(R.RESOURCE_EXHAUSTED,
                           f"{len(hashes)} keys in one call; at most {MAX_KEYS_PER_CALL}")
         try:
-            return self._keys.keys(scope, hashes)
+            return self._keys.keys(scope, hashes, remember=remember)
         except InvalidKey as exc:
             raise Refusal(R.INVALID_ARGUMENT, str(exc)) from None
 
     def key(self, scope: Scope, block_hash: bytes) -> BlockKey:
-        return self.keys(scope, (block_hash,))[0]
+        """The key of one block to read (not remembered: see `keys`)."""
+        return self.keys(scope, (block_hash,), remember=False)[0]
 
     def session_key(self, scope: Scope, session_id: str) -> SessionKey:
         try:
@@ -193,6 +227,21 @@ class BlockServiceCore:
         if self._draining:
             raise Refusal(R.UNAVAILABLE, "daemon is draining")
 
+    @contextmanager
+    def put_stream(self, scope: Scope) -> Iterator[None]:
+        """Hold one of the scope's tenant's put streams while a put call runs; refused
+        (RESOURCE_EXHAUSTED) when the tenant holds all of them."""
+        tenant = scope.namespace.tenant
+        try:
+            self._budgets.open_stream(tenant)
+        except Refusal:
+            self.count(refused_puts=1)
+            raise
+        try:
+            yield
+        finally:
+            self._budgets.close_stream(tenant)
+
     def check_frame_size(self, size: int) -> None:
         if size > MAX_FRAME_BYTES:
             self.count(invalid_puts=1)
@@ -206,27 +255,37 @@ class BlockServiceCore:
         return Refusal(R.INVALID_ARGUMENT, message)
 
     def begin_put(self, scope: Scope, block_hash: bytes, size: int) -> IncomingBlock:
-        """Admit a `size`-byte frame for a block: where to receive it, its bytes taken from the
-        in-flight put budget until it is committed or aborted."""
+        """Admit a `size`-byte frame for a block: where to receive it (free pages only: it
+        evicts nothing before it arrives), and by when (`IncomingBlock.deadline`); its bytes
+        are taken from the tenant's and the daemon's in-flight put budgets until it is
+        committed or aborted. Refused while the disk is full."""
         self.check_frame_size(size)
         try:
-            key = self.key(scope, block_hash)
-        except Refusal as refusal:
-            raise self.invalid_put(refusal.message) from None
-        with self._lock:
-            if self._inflight + size > self._inflight_budget:
-                raise Refusal(R.RESOURCE_EXHAUSTED, "too many put bytes in flight; retry later")
-            self._inflight += size
+            key = self._keys.keys(scope, (block_hash,), remember=False)[0]
+        except InvalidKey as exc:
+            raise self.invalid_put(str(exc)) from None
+        self.check_disk()
+        tenant = scope.namespace.tenant
         try:
-            reservation = self._store.begin_put(key, size)
+            self._budgets.take_bytes(tenant, size)
+        except Refusal:
+            self.count(refused_puts=1)
+            raise
+        try:
+            reservation = self._store.begin_put(key, size, evict=False)
         except KVKeepError:
             reservation = None  # received into a buffer instead, and stored by `put`
+        deadline = time.monotonic() + self._budgets.limits.put_deadline(size)
         return IncomingBlock(key, size, reservation=reservation, pool=self._scratch,
-                             commit=self._commit, release=lambda: self._release_budget(size))
+                             commit=self._commit, deadline=deadline,
+                             release=lambda: self._budgets.give_bytes(tenant, size))
 
-    def _release_budget(self, size: int) -> None:
-        with self._lock:
-            self._inflight -= size
+    def check_disk(self) -> None:
+        """Refuse a write while the disk tier is full (RESOURCE_EXHAUSTED): an ack would leave
+        the block in RAM only, to be lost when it is evicted. Reads go on."""
+        if self._disk is not None and not self._disk.admitting:
+            self.count(refused_puts=1, disk_full_refusals=1)
+            raise Refusal(R.RESOURCE_EXHAUSTED, "disk full: not admitting writes now")
 
     def _commit(self, incoming: IncomingBlock) -> bool:
         """Verify a received frame and store it (IncomingBlock.commit)."""
@@ -243,9 +302,23 @@ class BlockServiceCore:
             raise Refusal(R.UNAVAILABLE, f"store failed: {exc}") from None
         self.count(puts=1, rejected_puts=0 if admitted else 1)
         if admitted:
-            self._catalog.add((key,))
-            self._wait_for_disk()
+            self._catalog.add(((key, incoming.size),))
+            self._enforce_stored_bytes(key)
+            self._wait_for_disk(incoming.size)
         return admitted
+
+    def _enforce_stored_bytes(self, stored: BlockKey) -> None:
+        """A tenant past its stored bytes gives up its oldest blocks (never the one just
+        stored, never another tenant's)."""
+        tenant = stored.namespace.tenant
+        over = self._catalog.tenant_bytes(tenant) - self._budgets.limits.tenant.stored_bytes
+        if over <= 0:
+            return
+        victims = [k for k in self._catalog.oldest(tenant, over) if k.digest != stored.digest]
+        if victims:
+            self._store.delete(victims)
+            self._catalog.discard(victims)
+            self.count(tenant_evicted_blocks=len(victims))
 
     def _publish(self, incoming: IncomingBlock) -> bool:
         """The checks `_store_frame` makes, on a frame received into reserved pages; on any
@@ -276,10 +349,13 @@ class BlockServiceCore:
         except TierFull:
             return False
 
-    def _wait_for_disk(self) -> None:
+    def _wait_for_disk(self, size: int) -> None:
         """Hold the ack while the write-behind queue is over its mark (see the module doc)."""
+        page = max(self._ram_page, 1)
+        fits = self._ram_budget // (max(-(-size // page), 1) * page)
+        mark = max(1, min(self._max_pending, fits // 4))
         end = time.monotonic() + self._backpressure_timeout
-        while self._store.pending_writes > self._max_pending and time.monotonic() < end:
+        while self._store.pending_writes > mark and time.monotonic() < end:
             time.sleep(0.001)
 
     # -- reads --------------------------------------------------------------------------------
@@ -362,6 +438,7 @@ class BlockServiceCore:
             raise Refusal(R.PERMISSION_DENIED,
                           "the manifest's tenant is not granted to this token")
         self.admit_put_call()
+        self.check_disk()
         self._store_call(self._store.put_manifest, manifest)
 
     def get_manifest(self, key: SessionKey) -> SessionManifest | None:

@@ -14,6 +14,8 @@ a small thread pool so that one slow disk read never stalls other streams.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NoReturn, TypeVar
@@ -103,45 +105,70 @@ class GrpcFront:
         scope: Scope | None = None
         incoming: IncomingBlock | None = None
         received = 0
-        try:
-            async for raw in requests:
-                try:
-                    msg = decode_put_chunk(raw)
-                except InvalidFrame as exc:
-                    raise Refusal(RefusalReason.INVALID_ARGUMENT, f"bad PutChunk: {exc}") from None
-                if scope is None:
-                    if msg.scope is None:
+        messages = requests.__aiter__()
+        with contextlib.ExitStack() as holding:
+            try:
+                while True:
+                    raw = await self._next_message(messages, incoming)
+                    if raw is None:
+                        break
+                    try:
+                        msg = decode_put_chunk(raw)
+                    except InvalidFrame as exc:
                         raise Refusal(RefusalReason.INVALID_ARGUMENT,
-                                      "the first message of a put must carry the scope")
-                    scope = self._scope(principal, msg.scope)
-                if msg.block_hash:
-                    if incoming is not None:
-                        raise core.invalid_put("a block began before the last one ended")
-                    incoming = core.begin_put(scope, bytes(msg.block_hash), int(msg.frame_size))
-                    received = 0
-                elif incoming is None:
-                    raise core.invalid_put("data outside a block")
-                data = msg.data
-                core.count(put_bytes_received=len(data))
-                if received + len(data) > incoming.size:
-                    raise core.invalid_put(f"block carries more than its {incoming.size} bytes")
-                incoming.write(received, data)
-                received += len(data)
-                if received == incoming.size:
-                    block, incoming = incoming, None
-                    admitted = await self._run(block.commit)
-                    statuses.append(pb.PUT_STATUS_STORED if admitted else
-                                    pb.PUT_STATUS_NOT_ADMITTED)
-            if incoming is not None:
-                raise core.invalid_put("the put stream ended in the middle of a block")
-            return pb.PutReply(status=statuses)
-        finally:
-            if incoming is not None:
-                incoming.abort()
+                                      f"bad PutChunk: {exc}") from None
+                    if scope is None:
+                        if msg.scope is None:
+                            raise Refusal(RefusalReason.INVALID_ARGUMENT,
+                                          "the first message of a put must carry the scope")
+                        scope = self._scope(principal, msg.scope)
+                        holding.enter_context(core.put_stream(scope))
+                    if msg.block_hash:
+                        if incoming is not None:
+                            raise core.invalid_put("a block began before the last one ended")
+                        incoming = core.begin_put(scope, bytes(msg.block_hash),
+                                                  int(msg.frame_size))
+                        received = 0
+                    elif incoming is None:
+                        raise core.invalid_put("data outside a block")
+                    data = msg.data
+                    core.count(put_bytes_received=len(data))
+                    if received + len(data) > incoming.size:
+                        raise core.invalid_put(
+                            f"block carries more than its {incoming.size} bytes")
+                    incoming.write(received, data)
+                    received += len(data)
+                    if received == incoming.size:
+                        block, incoming = incoming, None
+                        admitted = await self._run(block.commit)
+                        statuses.append(pb.PUT_STATUS_STORED if admitted else
+                                        pb.PUT_STATUS_NOT_ADMITTED)
+                if incoming is not None:
+                    raise core.invalid_put("the put stream ended in the middle of a block")
+                return pb.PutReply(status=statuses)
+            finally:
+                if incoming is not None:
+                    incoming.abort()
+
+    async def _next_message(self, messages: AsyncIterator[bytes],
+                            incoming: IncomingBlock | None) -> bytes | None:
+        """The next message of a put stream, None at its end; DEADLINE_EXCEEDED when none came
+        within the put idle timeout, or the block being received ran past its deadline."""
+        wait = self._core.limits.put_idle_s
+        if incoming is not None:
+            wait = min(wait, incoming.deadline - time.monotonic())
+        try:
+            async with asyncio.timeout(max(wait, 0.0)):
+                return await messages.__anext__()
+        except StopAsyncIteration:
+            return None
+        except TimeoutError:
+            raise Refusal(RefusalReason.DEADLINE_EXCEEDED,
+                          "put stream stalled: no data within the put deadline") from None
 
     async def get(self, request: pb.GetRequest, context: Any) -> AsyncIterator[bytes]:
         scope = self._scope(self._principal(context), request.scope)
-        keys = self._core.keys(scope, request.block_hashes)
+        keys = self._core.keys(scope, request.block_hashes, remember=False)
         layers = (request.layers.start, request.layers.stop) if request.HasField("layers") \
             else None
         single = request.single_reply
@@ -163,7 +190,7 @@ class GrpcFront:
 
     async def delete(self, request: pb.DeleteRequest, context: Any) -> pb.DeleteReply:
         scope = self._scope(self._principal(context), request.scope)
-        keys = self._core.keys(scope, request.block_hashes)
+        keys = self._core.keys(scope, request.block_hashes, remember=False)
         return pb.DeleteReply(deleted=await self._run(self._core.delete, keys))
 
     async def put_manifest(self, request: pb.PutManifestRequest, context: Any

@@ -55,7 +55,8 @@ def _read(path: Path, what: str) -> bytes:
         raise ConfigError(f"cannot read {what} {path}: {exc}") from exc
 
 
-def _open_store(config: DaemonConfig) -> TieredStore:
+def open_daemon_store(config: DaemonConfig) -> TieredStore:
+    """The store a daemon serves: a RAM tier over an nvme tier in the data dir."""
     # Every frame reaches the nvme tier already verified: on receipt (BlockServiceCore's put
     # commit) and again when the write-behind reads it back from the host tier, so
     # the nvme tier's own check on put would hash each block a third time. Its reads verify.
@@ -98,17 +99,19 @@ class Daemon:
         self._membership: MembershipWatcher | None = None
         self.rereplicator: Rereplicator | None = None
         config.data_dir.mkdir(parents=True, exist_ok=True)
-        self.store = _open_store(config)
+        self.store = open_daemon_store(config)
         self.catalog = KeyCatalog(config.data_dir / "keys.log")
         self._prune_catalog()
         self.health = HealthService()
         self.core = BlockServiceCore(config.node_id, self.store, self.catalog,
-                                     tokens=self.tokens)
+                                     tokens=self.tokens, limits=config.limits())
         self.grpc_front = GrpcFront(self.core, self.executor)
 
     async def start(self) -> None:
         cfg = self.config
-        self._server = grpc.aio.server(options=server_options(cfg.keepalive))
+        self._server = grpc.aio.server(options=server_options(
+            cfg.keepalive, idle_timeout_s=cfg.idle_timeout,
+            handshake_timeout_s=cfg.preauth_timeout))
         self._server.add_generic_rpc_handlers((self.grpc_front.generic_handler(),
                                                self.health.generic_handler()))
         if cfg.tls_enabled:
@@ -125,7 +128,8 @@ class Daemon:
         data_address = ""
         bind = cfg.data_bind()
         if bind is not None:
-            self.tcp_front = TcpFront(self.core, *bind)
+            self.tcp_front = TcpFront(self.core, *bind, idle_timeout=cfg.idle_timeout,
+                                      preauth_timeout=cfg.preauth_timeout)
             try:
                 port = self.tcp_front.start()
             except OSError as exc:
@@ -143,6 +147,7 @@ class Daemon:
                   "data plane: %s)", cfg.node_id, info.address, len(self.catalog), security,
                   "mTLS" if cfg.tls_ca else "on" if cfg.tls_enabled else "off",
                   data_address or ("off (TLS)" if cfg.tls_enabled else "off"))
+        self._tasks.append(asyncio.create_task(self._prune_loop(), name="catalog-prune"))
         if cfg.etcd:
             self._registrar = Registrar(cfg.etcd, info, prefix=cfg.etcd_prefix, ttl=cfg.lease_ttl,
                                         signer=self.signer)
@@ -205,6 +210,15 @@ class Daemon:
 
     def _count_repaired(self, blocks: int) -> None:
         self.core.count(repaired_blocks=blocks)
+
+    async def _prune_loop(self) -> None:
+        """Now and then, drop catalog entries of blocks no tier holds. The catalog follows the
+        disk tier's removals as they happen; this catches the rest (a block that stayed in RAM
+        only, the disk being full when its copy was written behind, evicted from RAM since)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self.config.catalog_prune_s)
+            await loop.run_in_executor(self.executor, self._prune_catalog)
 
     def _prune_catalog(self) -> None:
         """Drop catalog entries for blocks the store no longer holds (lost in a crash, evicted)."""

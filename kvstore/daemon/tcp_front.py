@@ -8,6 +8,16 @@ copies). A PUT is received straight into the host-tier pages the core reserved f
 GET is sent straight from the block's pages (`socket.sendmsg` of the core's pieces), so a block
 crosses the wire with one kernel copy each way.
 
+Timeouts (slowloris): a connection that has not had a request authenticated must send one,
+whole, within `preauth_timeout` seconds of opening (or of its last request); a request with a
+missing or unknown token is answered and the connection closed. An authenticated connection
+may idle `idle_timeout` seconds between requests, and each request's head must arrive within
+`request_timeout`, however its bytes trickle in. A PUT's body must arrive by the deadline the
+core gives it (kvstore/daemon/budgets.py), with no gap longer than the put idle timeout; a PUT
+holds one of its tenant's put streams while its body arrives. At `max_connections`, a new
+connection takes the place of the longest idle one (unauthenticated first), so idle
+connections never lock clients out.
+
 Stop: `stop()` closes the listener, waits up to `drain_timeout` for requests in progress to
 finish (the core refuses new PUTs once it is draining), then shuts every connection down.
 """
@@ -39,6 +49,9 @@ __all__ = ["TcpFront"]
 
 _log = logging.getLogger(__name__)
 _DISCARD_BYTES = 1 << 20
+# A refused PUT's body is read and dropped (the connection stays in step) up to this size, a
+# client's pipelining window (tcp_transport.py); past it the connection is closed instead.
+_DISCARD_MAX_BYTES = 64 << 20
 
 
 def _linger_close(sock: socket.socket) -> None:
@@ -61,21 +74,35 @@ class _Close(Exception):
         self.refusal = refusal
 
 
+class _Connection:
+    """One client connection's state, under the front's lock."""
+
+    __slots__ = ("authenticated", "busy", "closing", "since", "sock")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.authenticated = False
+        self.busy = False
+        self.closing = False
+        self.since = time.monotonic()  # opened, or its last request ended
+
+
 class TcpFront:
     """Serves kvstore/net/tcp_protocol.py for one `BlockServiceCore`."""
 
     def __init__(self, core: BlockServiceCore, host: str, port: int = 0, *,
-                 max_connections: int = 256, idle_timeout: float = 600.0,
-                 request_timeout: float = 30.0) -> None:
+                 max_connections: int = 256, idle_timeout: float = 120.0,
+                 request_timeout: float = 30.0, preauth_timeout: float = 5.0) -> None:
         self._core = core
         self._bind = (host, port)
         self._max_connections = max_connections
         self._idle_timeout = idle_timeout
         self._request_timeout = request_timeout
+        self._preauth_timeout = preauth_timeout
         self._listener: socket.socket | None = None
         self._accept_thread: threading.Thread | None = None
         self._lock = threading.Condition()
-        self._connections: set[socket.socket] = set()
+        self._connections: dict[socket.socket, _Connection] = {}
         self._busy = 0  # requests being served
         self._stopping = False
         self.port = 0
@@ -123,6 +150,11 @@ class TcpFront:
         with self._lock:
             return len(self._connections)
 
+    @property
+    def requests_in_progress(self) -> int:
+        with self._lock:
+            return self._busy
+
     # -- threads ------------------------------------------------------------------------------
 
     def _accept_loop(self) -> None:
@@ -141,30 +173,50 @@ class TcpFront:
                 _log.warning("data plane accept failed: %s", exc)
                 time.sleep(0.05)
                 continue
+            conn = _Connection(sock)
             with self._lock:
-                if self._stopping or len(self._connections) >= self._max_connections:
-                    sock.close()
-                    continue
-                self._connections.add(sock)
+                admitted = not self._stopping and (len(self._connections) < self._max_connections
+                                                   or self._make_room())
+                if admitted:
+                    self._connections[sock] = conn
+            if not admitted:
+                sock.close()
+                continue
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=self._serve, args=(sock,), name="kvkeep-data-conn",
+            threading.Thread(target=self._serve, args=(conn,), name="kvkeep-data-conn",
                              daemon=True).start()
 
-    def _serve(self, sock: socket.socket) -> None:
+    def _make_room(self) -> bool:
+        """At the connection limit: close the longest idle connection, unauthenticated ones
+        first; False when every connection is busy. Caller holds the lock."""
+        idle = [c for c in self._connections.values() if not c.busy and not c.closing]
+        if not idle:
+            return False
+        victim = min(idle, key=lambda c: (c.authenticated, c.since))
+        victim.closing = True
+        with contextlib.suppress(OSError):
+            victim.sock.shutdown(socket.SHUT_RDWR)  # its thread sees EOF and cleans up
+        return True
+
+    def _serve(self, conn: _Connection) -> None:
+        sock = conn.sock
         head = bytearray(REQUEST_HEAD.size)
         try:
             while True:
-                sock.settimeout(self._idle_timeout)
+                wait = self._idle_timeout if conn.authenticated else self._preauth_timeout
+                waited_from = conn.since
+                sock.settimeout(max(waited_from + wait - time.monotonic(), 0.001))
                 try:
                     n = sock.recv_into(head)
                 except OSError:
-                    return
+                    return  # idle too long (or unauthenticated too long), or reset
                 if n == 0:
                     return  # the client closed the connection between requests
                 with self._lock:
-                    stopping = self._stopping
+                    stopping = self._stopping or conn.closing
                     if not stopping:
                         self._busy += 1
+                        conn.busy = True
                 if stopping:  # the client gets a reason, then the connection closes
                     with contextlib.suppress(OSError):
                         send_parts(sock, [encode_reply(RefusalReason.UNAVAILABLE, close=True,
@@ -172,10 +224,13 @@ class TcpFront:
                         _linger_close(sock)
                     return
                 try:
-                    sock.settimeout(self._request_timeout)
+                    limit = self._request_timeout if conn.authenticated else \
+                        self._preauth_timeout
+                    deadline = time.monotonic() + limit
+                    sock.settimeout(limit)
                     if n < len(head):
-                        recv_exact(sock, memoryview(head)[n:])
-                    if not self._handle(sock, head):
+                        recv_exact(sock, memoryview(head)[n:], deadline)
+                    if not self._handle(conn, head, deadline):
                         _linger_close(sock)
                         return
                 except (OSError, ValueError) as exc:  # timeouts, resets, a client gone mid-way
@@ -184,18 +239,21 @@ class TcpFront:
                 finally:
                     with self._lock:
                         self._busy -= 1
+                        conn.busy = False
+                        conn.since = time.monotonic()
                         self._lock.notify_all()
         except Exception:
             _log.exception("data plane connection crashed")
         finally:
             with self._lock:
-                self._connections.discard(sock)
+                self._connections.pop(sock, None)
             sock.close()
 
     # -- requests -----------------------------------------------------------------------------
 
-    def _handle(self, sock: socket.socket, head: bytearray) -> bool:
+    def _handle(self, conn: _Connection, head: bytearray, deadline: float) -> bool:
         """Serve one request whose head is in `head`; False when the connection must close."""
+        sock = conn.sock
         try:
             request = decode_request_head(head)
         except ValueError as exc:
@@ -204,12 +262,12 @@ class TcpFront:
                                            message=f"bad request: {exc}")])
             return False
         tail = bytearray(request.tail_len)
-        recv_exact(sock, memoryview(tail))
+        recv_exact(sock, memoryview(tail), deadline)
         try:
             if request.op == OP_GET:
-                self._get(sock, request, tail)
+                self._get(conn, request, tail)
             else:
-                self._put(sock, request, tail)
+                self._put(conn, request, tail)
         except _Close as closing:
             send_parts(sock, [encode_reply(closing.refusal.reason, close=True,
                                            message=closing.refusal.message)])
@@ -218,14 +276,20 @@ class TcpFront:
             send_parts(sock, [encode_reply(refusal.reason, message=refusal.message)])
         return True
 
-    def _scope(self, request: Request, tail: bytearray) -> tuple[Scope, bytes]:
-        """The request's scope, once its token may touch its tenant, and its block hash."""
+    def _scope(self, conn: _Connection, request: Request, tail: bytearray
+               ) -> tuple[Scope, bytes]:
+        """The request's scope, once its token may touch its tenant, and its block hash. A
+        missing or unknown token ends the connection (after its reply)."""
         pos = request.token_len
         try:
             token = bytes(tail[:pos]).decode()
         except UnicodeDecodeError:
             token = ""
-        principal = self._core.authenticate(token or None)
+        try:
+            principal = self._core.authenticate(token or None)
+        except Refusal as refusal:
+            raise _Close(refusal) from None
+        conn.authenticated = True
         try:
             tenant = bytes(tail[pos:pos + request.tenant_len]).decode()
             pos += request.tenant_len
@@ -235,8 +299,9 @@ class TcpFront:
             raise Refusal(RefusalReason.INVALID_ARGUMENT, f"bad scope: {exc}") from None
         return self._core.scope(principal, request.fingerprint, tenant, salt), bytes(tail[pos:])
 
-    def _get(self, sock: socket.socket, request: Request, tail: bytearray) -> None:
-        scope, block_hash = self._scope(request, tail)
+    def _get(self, conn: _Connection, request: Request, tail: bytearray) -> None:
+        sock = conn.sock
+        scope, block_hash = self._scope(conn, request, tail)
         block = self._core.open_read(self._core.key(scope, block_hash), request.layers)
         if block is None:
             send_parts(sock, [encode_reply(OK, result=False)])
@@ -250,30 +315,40 @@ class TcpFront:
         finally:
             block.finish()  # a copy lent unverified is checked now, while the client verifies
 
-    def _put(self, sock: socket.socket, request: Request, tail: bytearray) -> None:
+    def _put(self, conn: _Connection, request: Request, tail: bytearray) -> None:
+        sock, core = conn.sock, self._core
         size = request.body_len
         if size > MAX_FRAME_BYTES:  # refused, and too big to read and discard: the end
             try:
-                self._core.check_frame_size(size)
+                core.check_frame_size(size)
             except Refusal as refusal:
                 raise _Close(refusal) from None
-        try:
-            scope, block_hash = self._scope(request, tail)
-            self._core.admit_put_call()
-            incoming = self._core.begin_put(scope, block_hash, size)
-        except Refusal:
-            self._discard(sock, size)  # keep the connection in step
-            raise
-        with incoming:
-            recv_into_pieces(sock, incoming.pieces)  # a client gone mid-body: nothing stored
-            self._core.count(put_bytes_received=size)
+        with contextlib.ExitStack() as holding:
+            try:
+                # No token, or an unknown one: _Close (the body is never read).
+                scope, block_hash = self._scope(conn, request, tail)
+                core.admit_put_call()
+                holding.enter_context(core.put_stream(scope))
+                incoming = holding.enter_context(core.begin_put(scope, block_hash, size))
+            except Refusal as refusal:
+                if size > _DISCARD_MAX_BYTES:  # not worth reading: end the connection
+                    raise _Close(refusal) from None
+                self._discard(sock, size)  # keep the connection in step
+                raise
+            # A client gone mid-body, or too slow for the deadline: nothing stored, the
+            # connection dropped, the budgets given back.
+            sock.settimeout(core.limits.put_idle_s)
+            recv_into_pieces(sock, incoming.pieces, incoming.deadline)
+            core.count(put_bytes_received=size)
             admitted = incoming.commit()
         send_parts(sock, [encode_reply(OK, result=admitted)])
 
     def _discard(self, sock: socket.socket, size: int) -> None:
         buf = memoryview(bytearray(min(size, _DISCARD_BYTES)))
+        deadline = time.monotonic() + self._core.limits.put_deadline(size)
+        sock.settimeout(self._core.limits.put_idle_s)
         left = size
         while left:
             step = min(left, len(buf))
-            recv_exact(sock, buf[:step])
+            recv_exact(sock, buf[:step], deadline)
             left -= step

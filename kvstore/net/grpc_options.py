@@ -65,10 +65,19 @@ def channel_options(keepalive: Keepalive | None = None) -> list[GrpcOption]:
             ("grpc.http2.max_pings_without_data", 0)]
 
 
-def server_options(keepalive: Keepalive | None = None) -> list[GrpcOption]:
-    """Options of the daemon's gRPC server, agreeing with `channel_options(keepalive)`."""
+def server_options(keepalive: Keepalive | None = None, *, idle_timeout_s: float = 120.0,
+                   handshake_timeout_s: float = 5.0) -> list[GrpcOption]:
+    """Options of the daemon's gRPC server, agreeing with `channel_options(keepalive)`.
+
+    A connection without calls for `idle_timeout_s` is sent a GOAWAY (clients reconnect on
+    their next call; keepalive pings do not count as calls), and one that has not finished its
+    HTTP/2 (and TLS) handshake after `handshake_timeout_s` is closed: neither an idle client
+    nor a half-open one keeps a connection forever.
+    """
     ka = keepalive or Keepalive()
     return [*_COMMON,
+            ("grpc.max_connection_idle_ms", int(idle_timeout_s * 1000)),
+            ("grpc.server_handshake_timeout_ms", int(handshake_timeout_s * 1000)),
             # Pings from clients: accepted on idle connections too, as often as they are sent.
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.min_ping_interval_without_data_ms", ka.permitted_interval_ms),

@@ -11,7 +11,14 @@ from __future__ import annotations
 
 from enum import IntEnum
 
-from kvstore.errors import ConfigError, DeadlineExceeded, KVKeepError, TierError, TierUnavailable
+from kvstore.errors import (
+    ConfigError,
+    DeadlineExceeded,
+    KVKeepError,
+    TierError,
+    TierFull,
+    TierUnavailable,
+)
 
 __all__ = ["RefusalReason", "Refusal", "client_error", "status_name", "OK"]
 
@@ -24,10 +31,15 @@ class RefusalReason(IntEnum):
 
     INVALID_ARGUMENT = 3
     """A malformed request or frame (nothing of it was stored)."""
+    DEADLINE_EXCEEDED = 4
+    """A put whose bytes did not arrive in time (the daemon's own put deadlines)."""
     PERMISSION_DENIED = 7
     """The token is valid but not granted the request's tenant."""
     RESOURCE_EXHAUSTED = 8
-    """Over a size limit, or the in-flight put budget is spent (retry later)."""
+    """Not here, not now: the disk is full, a budget of the tenant or the daemon is spent
+    (in-flight put bytes, put streams), or a request is over a size limit. Clients take it as
+    `TierFull`: the next replica, no retry, and no breaker (the daemon is well, and serves
+    reads)."""
     INTERNAL = 13
     """The daemon failed in a way it did not expect."""
     UNAVAILABLE = 14
@@ -53,6 +65,7 @@ _NAMES = ("OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED",
           "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS",
           "UNAUTHENTICATED")
 _DEADLINE_EXCEEDED = 4
+_RESOURCE_EXHAUSTED = 8
 # A missing or wrong token is a deployment mistake, not a sick daemon.
 _CONFIG = frozenset({RefusalReason.UNAUTHENTICATED, RefusalReason.PERMISSION_DENIED})
 # The daemon (or the connection to it) is unwell: the caller's breaker counts these.
@@ -67,7 +80,8 @@ def status_name(status: int) -> str:
 def client_error(status: int, what: str, message: str) -> KVKeepError:
     """The kvkeep exception for a non-OK status from a daemon, whichever transport carried it:
     DeadlineExceeded, ConfigError (auth), TierUnavailable (the daemon is unwell: breakers count
-    it) or TierError (a refusal of this request only, e.g. a bad argument or a size limit)."""
+    it), TierFull (a full disk or a spent budget: try elsewhere, later; breakers do not count
+    it) or TierError (a refusal of this request only, e.g. a bad argument)."""
     text = f"{what}: {status_name(status)}: {message}"
     if status == _DEADLINE_EXCEEDED:
         return DeadlineExceeded(text)
@@ -75,4 +89,6 @@ def client_error(status: int, what: str, message: str) -> KVKeepError:
         return ConfigError(text)
     if status in _UNAVAILABLE:
         return TierUnavailable(text)
+    if status == _RESOURCE_EXHAUSTED:
+        return TierFull(text)
     return TierError(text)

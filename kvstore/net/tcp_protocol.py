@@ -56,10 +56,16 @@ Rules, the same as over gRPC: both fronts ask the daemon's one core (kvstore/dae
   are unverified on arrival: the client checks every segment's checksum and the key binding
   before use (the daemon checks the key binding before sending and the checksums too, right
   after sending from RAM; it drops a copy that fails).
-- A refused PUT whose declared size is within the limits has its body read and discarded, so the
-  connection stays usable. A request that breaks the framing (bad magic, version, op, flags,
-  lengths, fields that must be zero) is answered with the close flag set, and the daemon
-  closes the connection. A daemon shutting down answers UNAVAILABLE with the close flag.
+- A refused PUT whose declared size is at most 64 MiB (a client's pipelining window) has its
+  body read and discarded, so the connection stays usable; a bigger one is answered with the
+  close flag set (its body is never read). A request that breaks the framing (bad magic,
+  version, op, flags, lengths, fields that must be zero) is answered with the close flag set,
+  and the daemon closes the connection. A missing or unknown token is answered with the close
+  flag set too, as is everything by a daemon shutting down (UNAVAILABLE).
+- Slow clients (slowloris): a connection must send an authenticated request within a few
+  seconds of opening, and each request's head must arrive within a bound however slowly it
+  trickles; authenticated connections may idle a while (`--idle-timeout`); a PUT's body must
+  arrive by a deadline (`--put-idle-timeout` between bytes, kvstore/daemon/budgets.py overall).
 
 The client half is kvstore/net/tcp_transport.py; the daemon half is kvstore/daemon/tcp_front.py.
 """
@@ -68,6 +74,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -217,26 +224,42 @@ def decode_reply_head(raw: bytes | bytearray | memoryview) -> Reply:
                  (start, stop), payload_len)
 
 
-def recv_exact(sock: socket.socket, view: memoryview) -> None:
-    """Fill `view` from `sock`; raises ConnectionError on EOF (socket timeouts propagate)."""
+def recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
+    """Fill `view` from `sock`; raises ConnectionError on EOF. Socket timeouts propagate;
+    with `deadline` (a time.monotonic() instant) the whole read must end by then, however the
+    bytes trickle in (TimeoutError otherwise)."""
     pos, size = 0, len(view)
     while pos < size:
+        _time_left(sock, deadline)
         n = sock.recv_into(view[pos:], size - pos)
         if n == 0:
             raise ConnectionError("connection closed by peer")
         pos += n
 
 
-def recv_into_pieces(sock: socket.socket, pieces: Sequence[memoryview]) -> None:
+def recv_into_pieces(sock: socket.socket, pieces: Sequence[memoryview],
+                     deadline: float | None = None) -> None:
     """Fill every buffer of `pieces`, in order, from `sock` (scatter reads: one syscall may
-    fill several); raises ConnectionError on EOF (socket timeouts propagate)."""
+    fill several); raises ConnectionError on EOF, TimeoutError past `deadline` as recv_exact."""
     views = [p for p in pieces if len(p)]
     i = 0
     while i < len(views):
+        _time_left(sock, deadline)
         n = sock.recvmsg_into(views[i:i + _MAX_IOV])[0]
         if n == 0:
             raise ConnectionError("connection closed by peer")
         i = _advance(views, i, n)
+
+
+def _time_left(sock: socket.socket, deadline: float | None) -> None:
+    """Bound the next socket call by `deadline` (no change without one)."""
+    if deadline is None:
+        return
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("deadline passed")
+    current = sock.gettimeout()
+    sock.settimeout(left if current is None else min(current, left))
 
 
 def send_parts(sock: socket.socket, parts: Sequence[bytes | bytearray | memoryview]) -> None:

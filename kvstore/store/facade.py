@@ -219,17 +219,19 @@ class TieredStore:
     def put_many(self, items: Sequence[tuple[BlockKey, FrameBytes]]) -> list[bool]:
         return [self.put(key, frame) for key, frame in items]
 
-    def begin_put(self, key: BlockKey, size: int) -> PageReservation | None:
+    def begin_put(self, key: BlockKey, size: int, *, evict: bool = True
+                  ) -> PageReservation | None:
         """Pages of the first tier for a `size`-byte frame, to receive it into in place; then
         `commit_put` (or the reservation's `abort()`). None when the first tier cannot
         (it already holds the block, has no room, or its pages are not host memory): use
-        `put`, which handles each of those cases."""
+        `put`, which handles each of those cases. evict=False: free pages only (see
+        `SupportsReserve`)."""
         self._check_open()
         tier = self.tiers[0]
         if not isinstance(tier, SupportsReserve):
             return None
         try:
-            return tier.reserve(key, size)
+            return tier.reserve(key, size, evict=evict)
         except Exception:
             self._calls.failed(0, "put")
             return None

@@ -3,7 +3,10 @@
 A write reserves its bytes before it touches the disk, so concurrent writers never overshoot the
 budget together, and marks its key in flight, so a second put of the same block waits for
 nothing and writes nothing. Eviction happens at reservation time and returns the victims for the
-caller to delete. Not thread-safe by itself: the owning tier guards it with its lock.
+caller to delete. Every block that leaves the index (evicted or removed) is also noted, for
+the owner to hand to whoever follows its contents (`drain_removed`): the daemon's key catalog,
+which must not keep an entry for every block it ever held. Not thread-safe by itself: the
+owning tier guards it with its lock.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ class BlockIndex:
         self._inflight: set[bytes] = set()
         self._used = 0
         self._reserved = 0
+        self._removed: list[bytes] = []
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -55,6 +59,11 @@ class BlockIndex:
     @property
     def budget(self) -> int:
         return self._budget
+
+    def drain_removed(self) -> list[bytes]:
+        """The digests of the blocks that left the index since the last call."""
+        removed, self._removed = self._removed, []
+        return removed
 
     def lookup(self, digest: bytes) -> IndexEntry | None:
         """The entry of a block, marking it most recently used."""
@@ -93,6 +102,7 @@ class BlockIndex:
             return None
         del self._entries[digest]
         self._used -= entry.size
+        self._removed.append(digest)
         return entry
 
     def evict_to(self, limit: int) -> list[bytes]:
@@ -102,11 +112,13 @@ class BlockIndex:
             digest, entry = self._entries.popitem(last=False)
             self._used -= entry.size
             victims.append(digest)
+        self._removed.extend(victims)
         return victims
 
     def load(self, entries: Iterable[tuple[bytes, IndexEntry]]) -> None:
         """Add blocks found on disk, least recently used first."""
         for digest, entry in entries:
-            self.remove(digest)
+            old = self._entries.pop(digest, None)
+            self._used -= old.size if old else 0
             self._entries[digest] = entry
             self._used += entry.size

@@ -95,6 +95,8 @@ class SupportsBorrow(Protocol):
 @runtime_checkable
 class SupportsReserve(Protocol):
     """A tier whose pages a frame can be received into directly: None when the block is
-    present already, the budget cannot take it, or the pages are not host memory."""
+    present already, the budget cannot take it, or the pages are not host memory. With
+    evict=False it takes only free pages (a declared frame evicts nothing before it arrives)."""
 
-    def reserve(self, key: BlockKey, size: int) -> PageReservation | None: ...
+    def reserve(self, key: BlockKey, size: int, *, evict: bool = True
+                ) -> PageReservation | None: ...

@@ -1,9 +1,15 @@
-"""When a disk has run full: refuse writes until it is worth trying again.
+"""When a disk is full, or about to be: refuse writes until it is worth trying again.
 
 A cache that keeps retrying writes on a full disk burns I/O and fills logs; one that gives up for
-good never recovers. So after ENOSPC/EDQUOT writes are refused until either the owner frees
-space itself (`freed`), or a periodic statvfs shows room for the offered write plus a margin.
-Not thread-safe by itself: the owning tier calls it under its lock.
+good never recovers. So writes are refused as soon as a statvfs (at most every `PROBE_S`, ~1 us
+each) shows less free space than the offered write plus a margin (`min_free_bytes`, at most 1/16
+of the filesystem, so a small disk is not refused outright): a disk filled by someone else is
+seen before a write of ours fails half way, and before the daemon acknowledges a put it could
+not write. They are refused too after a write failed with ENOSPC/EDQUOT, and then statvfs is
+trusted again only after `recheck_s` (a filesystem that reports room it cannot give, out of
+inodes or over a quota, must not be retried in a loop). Writes are allowed again when the
+owner frees space itself (`freed`), or when a later statvfs shows room. Not thread-safe by
+itself: the owning tier calls it under its lock.
 """
 
 from __future__ import annotations
@@ -13,7 +19,9 @@ import os
 import time
 from pathlib import Path
 
-__all__ = ["SpaceGuard"]
+__all__ = ["SpaceGuard", "PROBE_S"]
+
+PROBE_S = 0.05
 
 log = logging.getLogger(__name__)
 
@@ -24,34 +32,53 @@ class SpaceGuard:
         self._recheck_s = recheck_s
         self._min_free = min_free_bytes
         self._blocked_at: float | None = None
+        self._by_error = False  # blocked by a failed write (else by a statvfs probe)
+        self._checked_at = float("-inf")
 
     @property
     def blocked(self) -> bool:
         return self._blocked_at is not None
 
-    def note_full(self, exc: OSError) -> None:
+    def note_full(self, exc: OSError | str) -> None:
         if self._blocked_at is None:
             log.warning("%s: disk full (%s); refusing writes", self._path, exc)
         self._blocked_at = time.monotonic()
+        self._by_error = self._by_error or isinstance(exc, OSError)
 
     def freed(self) -> None:
         """The owner deleted files: let the next write find out whether they were enough."""
         self._blocked_at = None
+        self._by_error = False
 
-    def allows(self, size: int) -> bool:
-        """Whether a write of `size` bytes may be tried now (statvfs at most every recheck_s)."""
-        if self._blocked_at is None:
-            return True
+    def allows(self, size: int, *, fresh: bool = False) -> bool:
+        """Whether a write of `size` bytes may be tried now (statvfs at most every PROBE_S,
+        or now when `fresh`, while no write has failed; see the module doc)."""
         now = time.monotonic()
-        if now - self._blocked_at < self._recheck_s:
+        if self._blocked_at is None:
+            if not fresh and now - self._checked_at < PROBE_S:
+                return True
+            self._checked_at = now
+            if self._has_room(size) is not False:
+                return True
+            self.note_full("less free space than the write and its margin")
+            return False
+        wait = self._recheck_s if self._by_error else 0.0 if fresh else PROBE_S
+        if now - self._blocked_at < wait:
             return False
         self._blocked_at = now
+        if not self._has_room(size):
+            return False
+        self._blocked_at = None
+        self._by_error = False
+        self._checked_at = now
+        log.info("%s: disk has room again; admitting writes", self._path)
+        return True
+
+    def _has_room(self, size: int) -> bool | None:
+        """Room for `size` bytes and the margin; None when statvfs itself fails."""
         try:
             st = os.statvfs(self._path)
         except OSError:
-            return False
-        if st.f_bavail * st.f_frsize < size + self._min_free:
-            return False
-        self._blocked_at = None
-        log.info("%s: disk has room again; admitting writes", self._path)
-        return True
+            return None
+        margin = min(self._min_free, st.f_blocks * st.f_frsize // 16)
+        return bool(st.f_bavail * st.f_frsize >= size + margin)

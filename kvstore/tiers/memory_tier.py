@@ -73,6 +73,7 @@ class MemoryTier(ABC, Generic[A]):
         self._manifest_budget = (manifest_budget if manifest_budget is not None
                                  else max(1 << 20, byte_budget // 16))
         self.manifest_evictions = 0
+        self._free_target = 0  # pages kept free after each stored block (keep_free)
         self._closed = False
         self._hits = 0
         self._misses = 0
@@ -157,11 +158,15 @@ class MemoryTier(ABC, Generic[A]):
 
         return BorrowedBlock(entry.header, want, pieces, release)
 
-    def reserve(self, key: BlockKey, size: int) -> PageReservation | None:
+    def reserve(self, key: BlockKey, size: int, *, evict: bool = True
+                ) -> PageReservation | None:
         """Pages for a `size`-byte frame of `key`, to be filled in place (e.g. straight from a
         socket) and then committed: a put without the copy out of a receive buffer. None when
         the block is already present, the budget cannot take it (evicting as `put` would), or
-        the pages are not host memory; `put` then does what it does in those cases."""
+        the pages are not host memory; `put` then does what it does in those cases.
+
+        evict=False takes only free pages: a frame that is declared but has not arrived (and
+        may never) then evicts nothing; `keep_free` keeps free pages there for it."""
         if size <= 0:
             return None
         npages = self._pool.pages_for(size)
@@ -169,7 +174,7 @@ class MemoryTier(ABC, Generic[A]):
             self._check_open()
             if key.digest in self._index:
                 return None
-            pages = self._reserve(npages)
+            pages = self._reserve(npages) if evict else self._pool.allocate(npages)
             if pages is None:
                 return None
             pieces = self._page_pieces(pages, 0, size)
@@ -191,6 +196,7 @@ class MemoryTier(ABC, Generic[A]):
                 return True
             self._index[key.digest] = _Entry(pages, size, header)
             self._puts += 1
+            self._evict_to_free_target()
             return True
 
     def _release_reserved(self, pages: list[int]) -> None:
@@ -224,7 +230,17 @@ class MemoryTier(ABC, Generic[A]):
                 return True
             self._index[key.digest] = _Entry(pages, len(src), header)
             self._puts += 1
+            self._evict_to_free_target()
             return True
+
+    def keep_free(self, nbytes: int) -> None:
+        """After each block stored, evict least recently used blocks until `nbytes` of pages
+        are free (capped at a quarter of the budget): room that `reserve(evict=False)` can
+        hand out to frames before they arrive. Eviction is thus paid for by bytes that did
+        arrive, never by a declaration."""
+        with self._lock:
+            self._free_target = min(self._pool.pages_for(nbytes) if nbytes > 0 else 0,
+                                    self._pool.capacity_pages // 4)
 
     def delete(self, keys: Sequence[BlockKey]) -> int:
         removed = 0
@@ -380,6 +396,14 @@ class MemoryTier(ABC, Generic[A]):
             victim = next((k for k, e in self._index.items() if e.pins == 0), None)
             if victim is None:  # everything left is pinned or being written
                 return None
+            self._free_pages(self._index.pop(victim).pages)
+            self._evictions += 1
+
+    def _evict_to_free_target(self) -> None:
+        while self._pool.available_pages() < self._free_target:
+            victim = next((k for k, e in self._index.items() if e.pins == 0), None)
+            if victim is None:
+                return
             self._free_pages(self._index.pop(victim).pages)
             self._evictions += 1
 

@@ -26,7 +26,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +39,7 @@ from kvstore.errors import (
     TierFull,
     TierUnavailable,
 )
-from kvstore.frame import BlockRead, FrameBytes, FrameHeader, LayerRange, checked_frame
+from kvstore.frame import BlockRead, FrameBytes, LayerRange, checked_frame
 from kvstore.keys import BlockKey, SessionKey
 from kvstore.manifest import SessionManifest
 from kvstore.tiers.base import Buffer, TierStats
@@ -49,14 +49,13 @@ from kvstore.tiers.durable_files import (
     WriteFn,
     create_temp,
     discard_temp,
-    drop_cache,
     finish_temp,
     is_space_error,
-    read_into,
     write_chunked,
 )
 from kvstore.tiers.manifest_files import ManifestFiles
 from kvstore.tiers.nvme_layout import open_and_scan
+from kvstore.tiers.nvme_reads import read_block
 from kvstore.tiers.nvme_recovery import RecoveryReport
 
 __all__ = ["NvmeTier", "RecoveryReport", "FrameBytes"]
@@ -82,9 +81,11 @@ class _Pending:
 class NvmeTier:
     """Blocks as files under `data_dir`, LRU within `byte_budget` bytes of frames.
 
-    After a disk-full error (ENOSPC, EDQUOT) puts return False until this tier frees space
-    itself (delete, eviction) or, checked at most every `space_recheck_s`, the filesystem has
-    `min_free_bytes` free beyond the offered frame; reads go on meanwhile. `write_fn` replaces
+    After a disk-full error (ENOSPC, EDQUOT), or when the filesystem has less than
+    `min_free_bytes` free beyond the offered frame (asked at most every `space_recheck_s`, so a
+    disk filled by others is seen before a write fails), puts return False until this tier
+    frees space itself (delete, eviction) or the filesystem has room again; reads go on
+    meanwhile, and `admitting` says which it is now. `write_fn` replaces
     the low-level write, for fault injection in tests. Session manifests have their own budget,
     `manifest_budget` bytes (default 1/16 of `byte_budget`, at least 16 MiB; least recently used
     deleted first).
@@ -105,13 +106,13 @@ class NvmeTier:
         self._write: WriteFn = write_fn or write_chunked
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
-        self._local = threading.local()
         self._index = BlockIndex(byte_budget)
         self._serial = 0
         self._active = 0
         self._closed = False
         self._space = SpaceGuard(self._root, recheck_s=space_recheck_s,
                                  min_free_bytes=min_free_bytes)
+        self._removal_listeners: list[Callable[[Sequence[bytes]], None]] = []
         self._hits = self._misses = self._puts = self._rejected = 0
         self._corrupt = self._errors = 0
         self._layout, found = open_and_scan(self._root, durable=durable)
@@ -146,9 +147,17 @@ class NvmeTier:
 
     @property
     def admitting(self) -> bool:
-        """False while writes are refused after a disk-full error."""
+        """False while writes are refused for want of space: asks the filesystem now (one
+        statvfs), so that a caller about to acknowledge a write knows the disk has room."""
         with self._lock:
-            return not self._space.blocked
+            return self._space.allows(0, fresh=True)
+
+    def subscribe_removals(self, listener: Callable[[Sequence[bytes]], None]) -> None:
+        """Call `listener(digests)` with the key digests of blocks that left this tier
+        (evicted, deleted, found corrupt or gone), after the call that removed them, outside
+        the tier's lock. Exceptions it raises are logged and dropped."""
+        with self._lock:
+            self._removal_listeners.append(listener)
 
     def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
         with self._lock:
@@ -183,7 +192,8 @@ class NvmeTier:
                 self._count_error()
                 raise TierUnavailable(f"cannot open block {file_name}: {exc}") from exc
             try:
-                result = self._read_block(fd, digest, entry, layers, out, deadline)
+                result = read_block(fd, digest, entry, layers, out, deadline=deadline,
+                                    drop_page_cache=self._drop_cache)
             except CorruptBlock:
                 self._discard_corrupt(fd, digest, entry)
                 raise
@@ -278,41 +288,6 @@ class NvmeTier:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-    # ------------------------------------------------------------------------------- reading
-
-    def _read_block(self, fd: int, digest: bytes, entry: IndexEntry, layers: LayerRange | None,
-                    out: Buffer | None, deadline: float | None) -> BlockRead:
-        header_view = self._header_buffer(entry.header_size)
-        if os.preadv(fd, [header_view], 0) != entry.header_size:
-            raise CorruptBlock("block file shorter than its header")
-        header = FrameHeader.unpack(header_view)
-        if header.frame_size != entry.size or header.key_digest != digest:
-            raise CorruptBlock("block header disagrees with the index")
-        wanted = layers or header.all_layers
-        start, stop = header.span(wanted)
-        length = stop - start
-        if out is None:
-            target = memoryview(bytearray(length))
-        else:
-            view = memoryview(out).cast("B")
-            if len(view) < length:
-                raise ValueError(f"out buffer holds {len(view)} bytes, the read needs {length}")
-            target = view[:length]
-        if read_into(fd, target, start, deadline=deadline) != length:
-            raise CorruptBlock("block file is truncated")
-        if self._drop_cache:
-            drop_cache(fd)
-        # Verified here, where a bad file can be deleted, and marked so nobody hashes it again.
-        return BlockRead(header, wanted, target).verified_for(digest)
-
-    def _header_buffer(self, size: int) -> memoryview:
-        """A per-thread reusable buffer for headers: no allocation per read."""
-        buf: bytearray | None = getattr(self._local, "header", None)
-        if buf is None or len(buf) < size:
-            buf = bytearray(max(size, 4096))
-            self._local.header = buf
-        return memoryview(buf)[:size]
 
     # ------------------------------------------------------------------------------- writing
 
@@ -493,3 +468,10 @@ class NvmeTier:
                 self._active -= 1
                 if not self._active:
                     self._idle.notify_all()
+                removed = self._index.drain_removed()
+                listeners = self._removal_listeners if removed else []
+            for listener in listeners:
+                try:
+                    listener(removed)
+                except Exception:
+                    log.exception("nvme tier %s: a removal listener failed", self._root)

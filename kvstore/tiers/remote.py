@@ -310,6 +310,7 @@ class RemoteTier:
                 if isinstance(result, list):
                     for i, ok in zip(idx, result, strict=True):
                         acks[i] += int(ok)
+                        placed[i] -= int(not ok)  # not admitted there: the next in rank
                 else:
                     for i in idx:
                         placed[i] -= 1  # that copy failed: let the next in rank take it
@@ -562,11 +563,16 @@ class RemoteTier:
         return peer
 
     def _guard(self, peer: _Peer, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
-        """One call; feeds the breaker (transport failures only) and translates nothing."""
+        """One call; feeds the breaker (transport failures only) and translates nothing.
+        A refusal (a full disk, a spent budget, a bad request) is an answer: the daemon is
+        well, and a half-open breaker's probe must not stay pending on it."""
         try:
             result = fn(*args, **kwargs)
         except (TierUnavailable, DeadlineExceeded) as exc:
             self._failed(peer, exc)
+            raise
+        except KVKeepError:
+            peer.breaker.record_success()
             raise
         peer.breaker.record_success()
         return result
@@ -588,6 +594,9 @@ class RemoteTier:
                 continue
             except DeadlineExceeded as exc:
                 self._failed(peer, exc)
+                raise
+            except KVKeepError:  # a refusal (TierFull: disk full, budget): not retried here
+                peer.breaker.record_success()
                 raise
             peer.breaker.record_success()
             return result
