@@ -2,7 +2,8 @@
 
     kvkeep store serve --listen HOST:PORT --data-dir DIR --mem-budget SIZE --disk-budget SIZE
                        --node-id ID [--etcd URL] [--token-file F]
-                       [--tls-cert F --tls-key F [--tls-ca F]] [--data-listen auto|off|H:P] ...
+                       [--tls-cert F --tls-key F [--tls-ca F]] [--data-listen auto|off|H:P]
+                       [--metrics-listen auto|off|H:P] ...
 
 Blocks travel over a plain TCP data plane beside gRPC (kvstore/net/tcp_protocol.py: same tokens,
 tenants and limits, every block verified; ~2-3x gRPC's throughput here), on `--data-listen`
@@ -81,6 +82,10 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="bulk data plane (plain TCP beside gRPC, for block get/put): 'auto' "
                    "(the --listen host, any free port; advertised in etcd and Stat), 'off', or "
                    "HOST:PORT. Always off with TLS.")
+    p.add_argument("--metrics-listen", default="auto",
+                   help="Prometheus /metrics over HTTP (HTTPS with --tls-cert): 'auto' (the "
+                   "--listen host, any free port; logged), 'off', or HOST:PORT (give one for "
+                   "Prometheus to scrape). Beyond loopback only with --token-file.")
 
 
 def _serve_handler(args: argparse.Namespace, argv: list[str] | None = None) -> int:
@@ -101,7 +106,7 @@ def _serve_handler(args: argparse.Namespace, argv: list[str] | None = None) -> i
             tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
             replicas=args.replicas, rereplicate_after=args.rereplicate_after,
             drain_timeout=args.drain_timeout, workers=args.workers,
-            data_listen=args.data_listen,
+            data_listen=args.data_listen, metrics_listen=args.metrics_listen,
             **({"etcd_prefix": args.etcd_prefix} if args.etcd_prefix else {}))
     except KVKeepError as exc:
         print(f"kvkeep store serve: {exc}", file=sys.stderr)

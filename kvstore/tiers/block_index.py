@@ -40,6 +40,8 @@ class BlockIndex:
         self._inflight: set[bytes] = set()
         self._used = 0
         self._reserved = 0
+        self.evicted = 0
+        """Blocks `evict_to` dropped since the index was made."""
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -102,6 +104,7 @@ class BlockIndex:
             digest, entry = self._entries.popitem(last=False)
             self._used -= entry.size
             victims.append(digest)
+        self.evicted += len(victims)
         return victims
 
     def load(self, entries: Iterable[tuple[bytes, IndexEntry]]) -> None:
