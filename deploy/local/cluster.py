@@ -95,6 +95,8 @@ class Daemon:
     process: ManagedProcess
     data_dir: Path = Path()
     host: str = "127.0.0.1"
+    metrics_port: int = 0
+    """Where its Prometheus `/metrics` is served (`--metrics-listen`)."""
 
     @property
     def address(self) -> str:
@@ -396,7 +398,7 @@ class LocalCluster:
 
     def _add_daemon(self, node_id: str) -> None:
         assert self.engine is not None
-        port = free_port()
+        port, metrics_port = free_port(), free_port()
         data = self.base_dir / f"store-{node_id}"
         data.mkdir(exist_ok=True)
         if self.spec.daemon_disk_tmpfs:
@@ -411,8 +413,9 @@ class LocalCluster:
             "--mem-budget", self.spec.daemon_mem_budget,
             "--disk-budget", self.spec.daemon_disk_budget, "--node-id", node_id,
             "--etcd", self.etcd_url, "--lease-ttl", "3", "--workers", "2",
-            "--replicas", str(self.engine.remote_replicas), *auth], _MALLOC_ENV)
-        self.daemons.append(Daemon(node_id, port, process.start(), data, host))
+            "--replicas", str(self.engine.remote_replicas),
+            "--metrics-listen", f"{host}:{metrics_port}", *auth], _MALLOC_ENV)
+        self.daemons.append(Daemon(node_id, port, process.start(), data, host, metrics_port))
 
     def _make_tokens(self) -> None:
         """A tenant token for the workers' connectors and an all-tenant one for the daemons'
