@@ -28,15 +28,21 @@ class Query:
     expr: str
 
 
-def dashboard_queries(path: Path = DASHBOARD) -> list[Query]:
-    """Every target of every panel (rows' nested panels too)."""
+RATE_INTERVAL = "$__rate_interval"
+"""Grafana's rate window variable (4 scrape intervals at least), which the panels use."""
+
+
+def dashboard_queries(path: Path = DASHBOARD, *, rate_interval: str = "1m") -> list[Query]:
+    """Every target of every panel (rows' nested panels too), with Grafana's
+    `$__rate_interval` replaced by `rate_interval` as Grafana would before querying."""
     dashboard = json.loads(path.read_text())
     queries: list[Query] = []
 
     def visit(panels: list[dict[str, Any]]) -> None:
         for panel in panels:
             for target in panel.get("targets", ()):
-                queries.append(Query(f"{panel['title']} [{target['refId']}]", target["expr"]))
+                expr = target["expr"].replace(RATE_INTERVAL, rate_interval)
+                queries.append(Query(f"{panel['title']} [{target['refId']}]", expr))
             visit(panel.get("panels", []))
     visit(dashboard["panels"])
     return queries
