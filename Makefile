@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
-APT_PACKAGES := etcd-server etcd-client redis-server redis-tools
+APT_PACKAGES := etcd-server etcd-client redis-server redis-tools prometheus
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
 .PHONY: test setup system-deps venv lint typecheck pytest bench demo clean bench-cluster
@@ -10,11 +10,12 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 ## test: install everything needed (apt, venv, pip), lint, type-check, run the whole suite
 test: setup lint typecheck pytest
 
-## setup: system packages (etcd, redis) and the project venv with its test extras
+## setup: system packages (etcd, redis, prometheus) and the project venv with its test extras
 setup: system-deps $(STAMP)
 
 system-deps:
-	@if ! command -v etcd >/dev/null || ! command -v redis-server >/dev/null; then \
+	@if ! command -v etcd >/dev/null || ! command -v redis-server >/dev/null \
+		|| ! command -v prometheus >/dev/null; then \
 		export DEBIAN_FRONTEND=noninteractive; \
 		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 		$$SUDO apt-get update -q && \

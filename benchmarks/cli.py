@@ -11,13 +11,18 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks.plots import RatioPanel, write_ratio_plots
+from benchmarks.progress import progress
+
 __all__ = ["run_benchmark"]
 
 
 def run_benchmark(name: str, measure: Callable[[argparse.Namespace], dict[str, Any]],
                   render: Callable[[dict[str, Any]], str],
                   argv: Sequence[str] | None = None,
-                  extra_args: Callable[[argparse.ArgumentParser], None] | None = None) -> int:
+                  extra_args: Callable[[argparse.ArgumentParser], None] | None = None,
+                  plots: Callable[[dict[str, Any]], Sequence[RatioPanel]] | None = None
+                  ) -> int:
     parser = argparse.ArgumentParser(prog=f"python -m benchmarks.{name}")
     parser.add_argument("--quick", action="store_true", help="fewer, smaller repeats")
     parser.add_argument("--json", type=Path, help="write the results here")
@@ -25,6 +30,7 @@ def run_benchmark(name: str, measure: Callable[[argparse.Namespace], dict[str, A
         extra_args(parser)
     args = parser.parse_args(argv)
     started = time.perf_counter()
+    progress(f"{'quick' if args.quick else 'full'} run")
     results = measure(args)
     results["meta"] = {"benchmark": name, "quick": args.quick, "host": platform.node(),
                        "python": platform.python_version(),
@@ -32,6 +38,11 @@ def run_benchmark(name: str, measure: Callable[[argparse.Namespace], dict[str, A
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2) + "\n")
+        if plots is not None:
+            png = write_ratio_plots(args.json, f"benchmarks.{name}", plots(results))
+            if png is not None:
+                progress(f"plot: {png}")
+    progress("done")
     if not args.quick or not args.json:
         sys.stdout.write(render(results) + "\n")
     return 0

@@ -67,8 +67,11 @@ import time
 from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 from benchmarks.baselines import tcp_loopback_gbps
+from benchmarks.plots import RatioPanel, write_ratio_plots
+from benchmarks.progress import progress
 from kvstore.commands import MALLOC_ENV
 from kvstore.frame import CodecId, Compression, DType, build_frame
 from kvstore.keys import BlockKey, ModelFingerprint, Namespace
@@ -221,6 +224,7 @@ def _measure(redis_port: int, address: str, daemon_pid: int, total: int, repeats
     try:
         for label, size in SIZES.items():
             count = max(total // size, 4)
+            progress(f"{label} blocks: redis and both transports, {repeats} ABBA rounds")
             value = os.urandom(size)
             names = [f"bench:{label}:{i}" for i in range(count)]
             frame_bytes = len(_frame(_key(label, 0), size))
@@ -375,6 +379,22 @@ def run(quick: bool) -> dict[str, object]:
     }
 
 
+def plots(result: dict[str, Any]) -> list[RatioPanel]:
+    """The remote tier against redis-py (same machine, same run), and TCP against gRPC."""
+    base, remote = result["baseline"], result["remote"]
+    vs_redis = {f"get {s}": remote["get_gbps"][s] / base["redis_get_gbps"][s] for s in SIZES}
+    vs_redis |= {f"put {s}": remote["put_gbps"][s] / base["redis_set_gbps"][s] for s in SIZES}
+    loopback = {f"{op} {s}": remote[f"{op}_gbps"][s] / base["tcp_loopback_gbps"]
+                for op in ("get", "put") for s in SIZES}
+    transports = {f"{op} {s}": result["tcp_over_grpc"][op][s]
+                  for op in ("get", "put") for s in SIZES}
+    return [RatioPanel(f"remote tier ({remote['transport']}) over redis-py + hiredis",
+                       vs_redis, baseline="redis-py"),
+            RatioPanel("remote tier over raw loopback TCP", loopback, baseline="loopback TCP"),
+            RatioPanel("TCP data plane over gRPC (median of per-round ratios)", transports,
+                       baseline="gRPC")]
+
+
 def _print_table(result: dict[str, object]) -> None:
     base = result["baseline"]
     remote = result["remote"]
@@ -427,6 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv is None:
         _reexec_with_allocator_settings()
     started = time.monotonic()
+    progress("starting redis-server and a kvstore daemon")
     result = run(args.quick)
     _print_table(result)
     print(f"({time.monotonic() - started:.1f} s)")
@@ -434,6 +455,9 @@ def main(argv: list[str] | None = None) -> int:
         tmp = args.json.with_suffix(args.json.suffix + ".tmp")
         tmp.write_text(json.dumps(result, indent=2) + "\n")
         tmp.replace(args.json)
+        png = write_ratio_plots(args.json, "benchmarks.remote", plots(result))
+        progress(f"plot: {png}")
+    progress("done")
     return 0
 
 

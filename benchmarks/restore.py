@@ -69,6 +69,9 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from benchmarks.plots import RatioPanel, write_ratio_plots
+from benchmarks.progress import progress
+
 for _name, _value in {"HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                       "OMP_NUM_THREADS": "1", "VLLM_NO_USAGE_STATS": "1",
                       "TOKENIZERS_PARALLELISM": "false"}.items():
@@ -302,6 +305,7 @@ def run(*, quick: bool, hidden: int = 1024, layers: int | None = None,
         out["model"] = _bench_model(tmp / "model", hidden, layers)
         model = tmp / "model"
         reference: dict[int, tuple[int, ...]] = {}
+        progress(f"recompute TTFT without the connector, contexts {contexts}")
         with _engine(model, None, **engine_kwargs) as llm:
             _generate(llm, _prompts(1, 256, 1), 4)  # warm-up
             recompute = []
@@ -324,6 +328,7 @@ def run(*, quick: bool, hidden: int = 1024, layers: int | None = None,
                                      {"restore_first_layers": 1}),
             }
             for tier, (store, extra) in stores.items():
+                progress(f"restore TTFT from {tier}")
                 with _engine(model, _kv_config(store, restore_deadline_ms=20000, **extra),
                              **engine_kwargs) as llm:
                     times = []
@@ -344,12 +349,14 @@ def run(*, quick: bool, hidden: int = 1024, layers: int | None = None,
             tier: [round(r / h, 4) for r, h in zip(restore[tier], restore["host"], strict=True)]
             for tier in ("remote", "remote_pipelined")}
         out["raw_outputs_identical"] = identical
+        progress("decode throughput, connector off and on (save overhead)")
         decode_off, decode_on = _decode_overhead(model, engine_kwargs, decode_batch,
                                                  decode_tokens, 3, 2)
         out["decode_tokens_per_s"] = {"connector_off": decode_off, "connector_on": decode_on,
                                       "batch": decode_batch, "tokens": decode_tokens}
         # Signed: a negative figure is run-to-run noise (saving made nothing slower).
         out["save_overhead_pct"] = round((1 - decode_on / decode_off) * 100, 2)
+        progress("int8 greedy token match on two tiny models")
         int8 = _int8_match(tmp, 20, 24 if quick else 32)
         out["int8_greedy_token_match"] = int8["trained"]["free_running"]
         out["int8_teacher_forced_match"] = int8["trained"]["teacher_forced"]
@@ -357,6 +364,21 @@ def run(*, quick: bool, hidden: int = 1024, layers: int | None = None,
         out["int8_teacher_forced_match_random_model"] = int8["random"]["teacher_forced"]
         out["int8_eval"] = int8
     return out
+
+
+def plots(results: dict[str, Any]) -> list[RatioPanel]:
+    """Restore TTFT over recompute TTFT per tier and context; remote over host."""
+    contexts = results["context_tokens"]
+    over = {f"{tier} @ {ctx}": ratio for tier, ratios in results["restore_over_recompute"].items()
+            for ctx, ratio in zip(contexts, ratios, strict=True)}
+    targets = {f"{tier} @ 2048": 0.1 if tier == "host" else 0.25
+               for tier in results["restore_over_recompute"]}
+    remote = {f"{tier} @ {ctx}": ratio for tier, ratios in results["remote_over_host"].items()
+              for ctx, ratio in zip(contexts, ratios, strict=True)}
+    return [RatioPanel("time to first token: restore over recompute", over,
+                       baseline="recompute", better="lower", targets=targets),
+            RatioPanel("remote restore over host RAM restore", remote, baseline="host restore",
+                       better="lower", targets={"remote_pipelined @ 2048": 1.3})]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -377,7 +399,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(text + "\n")
+        progress(f"plot: {write_ratio_plots(args.json, 'benchmarks.restore', plots(results))}")
     print(text)
+    progress("done")
     return 0
 
 

@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from benchmarks.plots import RatioPanel, write_ratio_plots
+from benchmarks.progress import progress
 from kvstore.keys import SessionId
 from router.core import RouterCore
 from router.decision import Placement, RouteReason, RouteRequest
@@ -463,6 +465,23 @@ def replay(policy: str, *, workers: int = 4, sessions: int = 64, turns: int = 30
             "rejected": rejected}
 
 
+def plots(result: dict[str, Any]) -> list[RatioPanel]:
+    """The router path over the direct one, and each policy's TTFT over round robin's."""
+    proxy = result["proxy"]
+    overhead = {f"time to last byte {q}": proxy[f"routed_ms_{q}"] / proxy[f"direct_ms_{q}"]
+                for q in ("p50", "p99")
+                if proxy.get(f"routed_ms_{q}") and proxy.get(f"direct_ms_{q}")}
+    replay = result["replay"]
+    base = replay["round-robin"]
+    ttft = {f"{policy} {stat}": figures[stat] / base[stat]
+            for policy, figures in replay.items() if policy != "round-robin"
+            for stat in ("mean_ttft_s", "p99_ttft_s") if base.get(stat) and stat in figures}
+    return [RatioPanel("proxy: through the router over straight to the server", overhead,
+                       baseline="direct", better="lower"),
+            RatioPanel("policy replay: TTFT over round robin's", ttft,
+                       baseline="round robin", better="lower")]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.router", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer requests (about 1 minute)")
@@ -471,20 +490,27 @@ def main(argv: list[str] | None = None) -> int:
     decisions = 20_000 if args.quick else 100_000
     requests = 1280 if args.quick else 6400
     result: dict[str, Any] = {}
+    progress(f"decision latency: {decisions} decisions, 100k sessions, 64 workers")
     dl = decision_latency(decisions=decisions)
     result["decision_us"] = {"p50": dl["p50"], "p99": dl["p99"]}
     result["place_us"] = {"p50": dl["place_p50"], "p99": dl["place_p99"]}
     result["sessions"], result["workers"] = dl["sessions"], dl["workers"]
+    progress(f"proxy overhead: {requests} streams, direct and through a router")
     result["proxy"] = proxy_overhead(requests=requests)
     turns = 3000 if args.quick else 10_000
-    result["replay"] = {p: replay(p, turns=turns) for p in
-                        ("round-robin", "session-only", "least-loaded", "llm-d", "kvkeep")}
+    result["replay"] = {}
+    for policy in ("round-robin", "session-only", "least-loaded", "llm-d", "kvkeep"):
+        progress(f"policy replay: {policy}, {turns} turns")
+        result["replay"][policy] = replay(policy, turns=turns)
+    progress(f"policy replay: kvkeep without the store, {turns} turns")
     result["replay"]["kvkeep-no-store"] = replay("kvkeep", turns=turns, store=False)
     text = json.dumps(result, indent=2)
     print(text)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(text + "\n")
+        progress(f"plot: {write_ratio_plots(args.json, 'benchmarks.router', plots(result))}")
+    progress("done")
     return 0
 
 

@@ -41,6 +41,8 @@ from benchmarks.baselines import (
     memcpy_gbps,
 )
 from benchmarks.cli import run_benchmark
+from benchmarks.plots import RatioPanel
+from benchmarks.progress import progress
 from kvstore.block import decode_layers, encode_block
 from kvstore.codecs import get_codec, warmup
 from kvstore.frame import DType
@@ -193,13 +195,17 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     count = 16 if args.quick else 64
     directory = Path(args.dir)
     keys, frames = _blocks(count)
+    progress(f"baselines: memcpy, disk write+fsync, cold disk read ({repeats} repeats)")
     baseline = {
         "memcpy_gbps": memcpy_gbps(256 << 20, repeats),
         "disk_write_fsync_gbps": disk_write_fsync_gbps(directory, len(frames[0]), count, repeats),
         "disk_read_gbps": disk_cold_read_gbps(directory, len(frames[0]), count, repeats),
     }
+    progress("codecs: int8 quantize / dequantize")
     codec = _codec(repeats)
+    progress(f"tiers: host and nvme put/get of {count} blocks")
     tiers = {**_host(keys, frames, repeats), **_nvme(directory, keys, frames, repeats)}
+    progress("the store: verified reads and decodes")
     reads = _store_reads(directory, keys, frames, repeats)
     memcpy = baseline["memcpy_gbps"]
     ratios = {
@@ -235,10 +241,15 @@ def render(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def plots(results: dict[str, Any]) -> list[RatioPanel]:
+    return [RatioPanel("the store against this machine's memcpy and disk",
+                       results["ratios"], baseline="memcpy / disk", targets=results["targets"])]
+
+
 def _extra(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dir", default=tempfile.gettempdir(),
                         help="a directory on the disk to measure (default: the temp dir)")
 
 
 if __name__ == "__main__":
-    sys.exit(run_benchmark("store", measure, render, extra_args=_extra))
+    sys.exit(run_benchmark("store", measure, render, extra_args=_extra, plots=plots))

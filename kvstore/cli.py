@@ -19,6 +19,7 @@ _COMPONENTS: tuple[str, ...] = (
     "kvstore.commands",
     "router.commands",
     "deploy.commands",
+    "deploy.serve_vllm",
 )
 
 
@@ -38,7 +39,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    if words[:1] == ["serve-vllm"]:  # every word after it is vLLM's, `--help` included
+        from deploy.serve_vllm import run
+
+        return run(words[1:])
+    args = build_parser().parse_args(words)
     handler: Callable[[argparse.Namespace], int] = args.handler
     return handler(args)
 

@@ -2,7 +2,8 @@
 
     kvkeep store serve --listen HOST:PORT --data-dir DIR --mem-budget SIZE --disk-budget SIZE
                        --node-id ID [--etcd URL] [--token-file F]
-                       [--tls-cert F --tls-key F [--tls-ca F]] [--data-listen auto|off|H:P] ...
+                       [--tls-cert F --tls-key F [--tls-ca F]] [--data-listen auto|off|H:P]
+                       [--metrics-listen auto|off|H:P] ...
                        [--etcd-ca F --etcd-cert F --etcd-key F] [--etcd-user U
                         --etcd-password-file F]
 
@@ -123,6 +124,10 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="bulk data plane (plain TCP beside gRPC, for block get/put): 'auto' "
                    "(the --listen host, any free port; advertised in etcd and Stat), 'off', or "
                    "HOST:PORT. Always off with TLS.")
+    p.add_argument("--metrics-listen", default="auto",
+                   help="Prometheus /metrics over HTTP (HTTPS with --tls-cert): 'auto' (the "
+                   "--listen host, any free port; logged), 'off', or HOST:PORT (give one for "
+                   "Prometheus to scrape). Beyond loopback only with --token-file.")
 
 
 def _probe_handler(args: argparse.Namespace) -> int:
@@ -164,7 +169,8 @@ def _serve_handler(args: argparse.Namespace, argv: list[str] | None = None) -> i
             registration_public_keys=args.registration_pubkey,
             replicas=args.replicas, rereplicate_after=args.rereplicate_after,
             drain_timeout=args.drain_timeout, workers=args.workers,
-            data_listen=args.data_listen, tenant_put_share=args.tenant_put_share,
+            data_listen=args.data_listen, metrics_listen=args.metrics_listen,
+            tenant_put_share=args.tenant_put_share,
             tenant_put_streams=args.tenant_put_streams,
             tenant_stored_share=args.tenant_stored_share,
             inflight_put_bytes=(parse_size(args.inflight_put_bytes)

@@ -11,9 +11,14 @@ name, so adding a tier to the store's configuration adds series, not code.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-__all__ = ["StoreMetrics", "LATENCY_BUCKETS", "total"]
+__all__ = ["StoreMetrics", "LATENCY_BUCKETS", "DROP_REASONS", "total"]
+
+DROP_REASONS = ("queue_full", "source_gone", "closed", "error")
+"""Why a background write is given up (`write_behind_dropped`'s `reason` label)."""
 
 # From 50 us (a host hit) to 2.5 s (a remote tier past any sensible deadline).
 LATENCY_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25,
@@ -64,6 +69,17 @@ class StoreMetrics:
                                        registry=reg)
         self.latency = Histogram(f"{prefix}_latency_seconds", "Tier operation latency",
                                  ["tier", "op"], buckets=LATENCY_BUCKETS, registry=reg)
+        for reason in DROP_REASONS:
+            self.write_behind_dropped.labels(reason)
+
+    def declare_tiers(self, names: Sequence[str]) -> None:
+        """Create every per-tier series at 0, so that a scrape shows the tiers before anything
+        happened to them (a series that appears only on its first corrupt block would read as
+        "no data", not as 0, and `rate()` over it would miss that first one)."""
+        for name in names:
+            for family in (self.hits, self.tier_misses, self.corrupt, self.read_bytes,
+                           self.written_bytes, self.rejected_puts, self.promotions):
+                family.labels(name)
 
 
 def total(counter: Counter, **labels: str) -> int:

@@ -336,4 +336,5 @@ class RouterCore:
                 del self._pending_by_tenant[tenant]
 
     def _worker_gone(self, worker: WorkerId) -> None:
+        self.metrics.worker_departures.labels(worker).inc()
         self.defer(self.rebinder.rebind(worker))

@@ -30,6 +30,7 @@ class RouterMetrics:
         "sessions_refused",
         "upstream_failures",
         "upstream_oversize",
+        "worker_departures",
         "workers",
     )
 
@@ -77,6 +78,10 @@ class RouterMetrics:
             "kvkeep_router_upstream_oversize",
             "Worker answers over a size limit (body, event, tokens): failed as the worker's",
             ["what"], registry=r)
+        self.worker_departures = Counter(
+            "kvkeep_router_worker_departures",
+            "Workers that left (lease expired or revoked), by worker: one leaving again and "
+            "again is flapping", ["worker"], registry=r)
         self.workers = Gauge("kvkeep_router_workers", "Workers known and usable", ["state"],
                              registry=r)
         self.workers.labels("registered").set_function(workers)

@@ -8,6 +8,7 @@ store for the configured spec, and builds only the half its role needs.
 from __future__ import annotations
 
 import logging
+import os
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
@@ -22,11 +23,18 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from connectors.vllm.config import ConnectorConfig
 from connectors.vllm.fingerprint import derive_fingerprint, derive_layout
+from connectors.vllm.hash_check import check_block_hashes_reproducible
 from connectors.vllm.layouts import check_codec
 from connectors.vllm.metadata import StepMetadata
+from connectors.vllm.prometheus import KVKeepPromMetrics, KVKeepStats, StatsReporter
 from connectors.vllm.scheduler import SchedulerSide
 from connectors.vllm.stats import Counters, CounterSnapshot
-from connectors.vllm.stores import acquire_existing_store, acquire_store, release_store
+from connectors.vllm.stores import (
+    acquire_existing_store,
+    acquire_store,
+    release_store,
+    tier_specs,
+)
 from connectors.vllm.worker import WorkerSide
 from kvstore.errors import ConfigError, KVKeepError
 from kvstore.keys import ModelFingerprint
@@ -37,6 +45,11 @@ if TYPE_CHECKING:
 
     from vllm.config import VllmConfig
     from vllm.distributed.kv_events import KVCacheEvent
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorStats,
+        PromMetric,
+        PromMetricT,
+    )
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -63,6 +76,8 @@ class KVKeepConnector(KVConnectorBase_V1):
                               "(hybrid attention) are not supported")
         self._config = ConnectorConfig.from_extra(
             self._kv_transfer_config.kv_connector_extra_config)
+        check_block_hashes_reproducible(vllm_config.cache_config.prefix_caching_hash_algo,
+                                        os.environ)
         layout = derive_layout(vllm_config)
         check_codec(self._config.codec, layout, vllm_config.model_config.dtype)
         self._fingerprint = derive_fingerprint(vllm_config, self._config, layout)
@@ -85,6 +100,11 @@ class KVKeepConnector(KVConnectorBase_V1):
             self._store = acquire_store(self._config.store)
             self._worker = WorkerSide(config=self._config, fingerprint=self._fingerprint,
                                       layout=layout, store=self._store, counters=self._counters)
+        # Only the worker half reports the store: the scheduler half may share the same one.
+        self._reporter = StatsReporter(
+            self._counters, block_size=layout.block_size,
+            store=self._store if self._worker is not None else None,
+            telemetry=self._worker.telemetry if self._worker is not None else None)
         log.info("kvkeep connector (%s): model %s fingerprint %s layout %s codec %s",
                  role.name, self._fingerprint.model_id, self._fingerprint.hex,
                  layout.layout_id, self._config.codec)
@@ -128,6 +148,28 @@ class KVKeepConnector(KVConnectorBase_V1):
                          f"tier_{tier.name}_errors": tier.errors,
                          f"tier_{tier.name}_rejected_puts": tier.rejected_puts})
         return CounterSnapshot(MappingProxyType(mine))
+
+    # -- metrics (connectors.vllm.prometheus: they reach vLLM's own /metrics) ------------------
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        return self._reporter.take()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
+                                 ) -> KVConnectorStats | None:
+        return KVKeepStats(data=data) if data is not None else KVKeepStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig,
+                           metric_types: dict[type[PromMetric], type[PromMetricT]],
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]
+                           ) -> KVKeepPromMetrics | None:
+        transfer = vllm_config.kv_transfer_config
+        extra = transfer.kv_connector_extra_config if transfer is not None else None
+        config = ConnectorConfig.from_extra(extra)
+        return KVKeepPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues,
+                                 tier_names=[spec.name for spec in tier_specs(config.store)])
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:

@@ -92,6 +92,9 @@ class LoadJob:
     stream waits for (the host-side event only says the copy was enqueued)."""
     loaded: int = 0
     finished: threading.Event = field(default_factory=threading.Event)
+    started: float = field(default_factory=time.monotonic)
+    ended: float = 0.0
+    """When the loader thread let go of the job (0 while it runs)."""
 
     def __post_init__(self) -> None:
         self.layer_done = [threading.Event() for _ in range(self.num_layers)]
@@ -273,6 +276,7 @@ class Loader:
                 job.fail_all(Counter.LOAD_ERRORS)
                 job.cancelled = True
         finally:
+            job.ended = time.monotonic()
             job.finished.set()
             job.release_waiters()
 
@@ -437,7 +441,11 @@ class Loader:
         for reason in job.failed.values():
             self._ctx.counters.add(reason)
         self._ctx.counters.add(Counter.LOADED_BLOCKS, job.loaded)
-        self._ctx.outbox.loads(job.reports(), job.failed)
+        reports = job.reports()
+        self._ctx.telemetry.restore((job.ended or time.monotonic()) - job.started,
+                                    blocks=len(job.blocks),
+                                    restored=sum(report.restored for report in reports))
+        self._ctx.outbox.loads(reports, job.failed)
         # The scheduler may count these blocks as stored (its lookup found them): they are
         # not, or not usable, so they must be saved again once recomputed.
         self._ctx.outbox.saves(SaveReport(block.req_id, block.index, block.key.block_hash, False,

@@ -58,6 +58,8 @@ class _Batch:
     block_ids: torch.Tensor
     layers: list[torch.Tensor | None]
     ready: list[torch.cuda.Event] = field(default_factory=list)
+    planned: float = field(default_factory=time.monotonic)
+    """When the step that computes these blocks began (or their request's flush): save lag."""
 
     @property
     def gathered(self) -> bool:
@@ -180,6 +182,8 @@ class Saver:
             for j, item in enumerate(batch.items):
                 ok = self._put(item, [layer[j] for layer in batch.layers if layer is not None])
                 self._ctx.counters.add(Counter.SAVED_BLOCKS if ok else Counter.SAVE_FAILED)
+                if ok:
+                    self._ctx.telemetry.saved(time.monotonic() - batch.planned)
                 self._ctx.outbox.saves((item.report(ok=ok),))
         finally:
             self._release(len(batch.items))

@@ -35,6 +35,7 @@ from connectors.vllm.metadata import (
 from connectors.vllm.outbox import WorkerOutbox
 from connectors.vllm.saver import Saver
 from connectors.vllm.stats import Counter, Counters
+from connectors.vllm.telemetry import Telemetry
 from connectors.vllm.worker_context import WorkerContext
 from kvstore.codecs import get_codec
 from kvstore.errors import KVKeepError
@@ -57,8 +58,10 @@ class WorkerSide:
         codec = get_codec(config.codec).codec_id
         self._caches = PagedCaches(layout, fingerprint.num_layers)
         self._outbox = WorkerOutbox()
+        self.telemetry = Telemetry()
+        """Restore and save timings, for vLLM's metrics (connectors.vllm.prometheus)."""
         context = WorkerContext(store, self._caches, fingerprint, codec, self._outbox, counters,
-                                config.mac_key)
+                                config.mac_key, self.telemetry)
         self._loader = Loader(context, deadline_s=config.restore_deadline_s,
                               first_layers=config.restore_first_layers)
         self._saver = Saver(context, config)

@@ -1,14 +1,16 @@
 """What the loader and the saver share: the store, the registered caches, the model's
-fingerprint and codec, where results go (`WorkerOutbox`), the worker half's counters, and the
-tenant's MAC key when it has one (saves are signed, loads refuse frames not signed with it)."""
+fingerprint and codec, where results go (`WorkerOutbox`), the worker half's counters and
+timings, and the tenant's MAC key when it has one (saves are signed, loads refuse frames not
+signed with it)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from connectors.vllm.caches import PagedCaches
 from connectors.vllm.outbox import WorkerOutbox
 from connectors.vllm.stats import Counters
+from connectors.vllm.telemetry import Telemetry
 from kvstore.frame import CodecId
 from kvstore.keys import ModelFingerprint
 from kvstore.mac import MacKey
@@ -26,3 +28,4 @@ class WorkerContext:
     outbox: WorkerOutbox
     counters: Counters
     mac_key: MacKey | None = None
+    telemetry: Telemetry = field(default_factory=Telemetry)

@@ -107,6 +107,8 @@ class Daemon:
     process: ManagedProcess
     data_dir: Path = Path()
     host: str = "127.0.0.1"
+    metrics_port: int = 0
+    """Where its Prometheus `/metrics` is served (`--metrics-listen`)."""
 
     @property
     def address(self) -> str:
@@ -425,7 +427,7 @@ class LocalCluster:
 
     def _add_daemon(self, node_id: str) -> None:
         assert self.engine is not None
-        port = free_port()
+        port, metrics_port = free_port(), free_port()
         data = self.base_dir / f"store-{node_id}"
         data.mkdir(exist_ok=True)
         if self.spec.daemon_disk_tmpfs:
@@ -440,9 +442,10 @@ class LocalCluster:
             "--mem-budget", self.spec.daemon_mem_budget,
             "--disk-budget", self.spec.daemon_disk_budget, "--node-id", node_id,
             *self._etcd_flags(), "--lease-ttl", "3", "--workers", "2",
-            "--replicas", str(self.engine.remote_replicas), *auth,
+            "--replicas", str(self.engine.remote_replicas),
+            "--metrics-listen", f"{host}:{metrics_port}", *auth,
             *([] if self.pki is None else self.pki.daemon_flags())], _MALLOC_ENV)
-        self.daemons.append(Daemon(node_id, port, process.start(), data, host))
+        self.daemons.append(Daemon(node_id, port, process.start(), data, host, metrics_port))
 
     def _make_tokens(self) -> None:
         """A tenant token for the workers' connectors and an all-tenant one for the daemons'

@@ -59,6 +59,8 @@ class DaemonConfig:
     first all-tenant (`*`) token in the token file.
     data_listen: where the TCP data plane (kvstore/net/tcp_protocol.py) listens: "auto" (the host of
     `listen`, any free port), "off", or HOST:PORT. It is always off with TLS (it is plain TCP).
+    metrics_listen: where `/metrics` is served (kvstore/daemon/metrics_http.py): "auto" (the
+    host of `listen`, any free port), "off", or HOST:PORT; HTTPS when TLS is on.
     """
 
     listen: str
@@ -89,6 +91,7 @@ class DaemonConfig:
     drain_timeout: float = 15.0
     workers: int = 4
     data_listen: str = "auto"
+    metrics_listen: str = "auto"
     keepalive: Keepalive = field(default_factory=Keepalive)
     """gRPC keepalive, shared with the clients' (kvstore/net/grpc_options.py); no flag: the
     defaults suit every deployment, tests shorten it."""
@@ -113,8 +116,9 @@ class DaemonConfig:
         validate_name(self.node_id, "node id")
         host, _ = split_host_port(self.listen)
         hosts = [host]
-        if self.data_listen not in ("auto", "off"):
-            hosts.append(split_host_port(self.data_listen)[0])
+        for extra in (self.data_listen, self.metrics_listen):
+            if extra not in ("auto", "off"):
+                hosts.append(split_host_port(extra)[0])
         for bind in hosts:
             if self.token_file is None and not is_loopback(bind):
                 raise ConfigError(
@@ -159,6 +163,14 @@ class DaemonConfig:
         if self.data_listen == "auto":
             return split_host_port(self.listen)[0], 0
         return split_host_port(self.data_listen)
+
+    def metrics_bind(self) -> tuple[str, int] | None:
+        """(host, port) for `/metrics`, or None when it is off."""
+        if self.metrics_listen == "off":
+            return None
+        if self.metrics_listen == "auto":
+            return split_host_port(self.listen)[0], 0
+        return split_host_port(self.metrics_listen)
 
     def advertised_data_address(self, bound_port: int) -> str:
         """The data plane's host:port for clients: the advertised gRPC host, the bound port."""

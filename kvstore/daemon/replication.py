@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from kvstore.daemon.catalog import KeyCatalog
 from kvstore.daemon.core import store_contains
+from kvstore.daemon.metrics import RepairState
 from kvstore.errors import KVKeepError
 from kvstore.keys import BlockKey
 from kvstore.net.daemon_client import ClientTLS, DaemonClient
@@ -72,11 +73,30 @@ class Rereplicator:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.last_report: RepairReport | None = None
         self.passes = 0
+        # When membership first changed since the last complete pass (monotonic), or None:
+        # how long blocks may have had fewer than R copies (the metrics' replication lag).
+        self._pending_since: float | None = time.monotonic()
 
     def membership_changed(self, _members: Mapping[str, DaemonInfo] | None = None) -> None:
         """A listener for the membership watcher; safe to call from any thread."""
         if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._changed.set)
+            self._loop.call_soon_threadsafe(self._mark_changed)
+
+    def state(self) -> RepairState:
+        """Where re-replication stands (for the daemon's metrics)."""
+        since, report = self._pending_since, self.last_report
+        return RepairState(
+            passes=self.passes,
+            pending_seconds=0.0 if since is None else time.monotonic() - since,
+            last_pass_seconds=report.seconds if report else 0.0,
+            blocks_checked=report.keys_checked if report else 0,
+            peers=tuple(sorted(n for n in self._members() if n != self._node_id)),
+            failed_peers=report.failed_peers if report else ())
+
+    def _mark_changed(self) -> None:
+        if self._pending_since is None:
+            self._pending_since = time.monotonic()
+        self._changed.set()
 
     async def run(self) -> None:
         """Forever: wait for membership to settle, repair if it differs from the last pass."""
@@ -96,7 +116,10 @@ class Rereplicator:
                     break
             members = dict(self._members())
             snapshot = frozenset((n, i.address) for n, i in members.items())
-            if snapshot == seen or self._node_id not in members:
+            if snapshot == seen:
+                self._pending_since = None  # back to what the last complete pass saw
+                continue
+            if self._node_id not in members:
                 continue
             report = await asyncio.get_running_loop().run_in_executor(
                 self._executor, self.repair_pass, members)
@@ -106,6 +129,8 @@ class Rereplicator:
             seen = snapshot if not report.failed_peers else None
             if report.failed_peers:
                 self._changed.set()
+            elif not self._changed.is_set():
+                self._pending_since = None
             _log.info("repair pass: %s", report)
 
     def repair_pass(self, members: Mapping[str, DaemonInfo]) -> RepairReport:

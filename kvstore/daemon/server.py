@@ -29,12 +29,16 @@ from kvstore.daemon.config import DaemonConfig
 from kvstore.daemon.core import BlockServiceCore, store_contains
 from kvstore.daemon.grpc_front import GrpcFront
 from kvstore.daemon.grpc_health import HealthService
+from kvstore.daemon.grpc_metrics import RpcMetricsInterceptor
+from kvstore.daemon.metrics import DaemonCollector, DaemonMetrics, DaemonState
+from kvstore.daemon.metrics_http import MetricsEndpoint
 from kvstore.daemon.registration import Registrar
 from kvstore.daemon.replication import Rereplicator
 from kvstore.daemon.tcp_front import TcpFront
 from kvstore.errors import ConfigError, KVKeepError
 from kvstore.etcd import etcd_spec
 from kvstore.keys import BlockKey
+from kvstore.metrics import StoreMetrics
 from kvstore.net.daemon_client import ClientTLS
 from kvstore.net.grpc_options import server_options
 from kvstore.store import StoreConfig, TieredStore
@@ -55,7 +59,8 @@ def _read(path: Path, what: str) -> bytes:
         raise ConfigError(f"cannot read {what} {path}: {exc}") from exc
 
 
-def open_daemon_store(config: DaemonConfig) -> TieredStore:
+def open_daemon_store(config: DaemonConfig, metrics: StoreMetrics | None = None
+                      ) -> TieredStore:
     """The store a daemon serves: a RAM tier over an nvme tier in the data dir."""
     # Every frame reaches the nvme tier already verified: on receipt (BlockServiceCore's put
     # commit) and again when the write-behind reads it back from the host tier, so
@@ -70,7 +75,8 @@ def open_daemon_store(config: DaemonConfig) -> TieredStore:
     # CPU priority so that, on a busy node, persisting blocks does not slow the puts and gets
     # being served (the write-behind never delays an ack unless the back-pressure mark is hit).
     return TieredStore.from_specs(specs, config=StoreConfig(
-        get_deadline_s=10.0, write_queue_depth=1024, write_batch=16, writer_nice=10))
+        get_deadline_s=10.0, write_queue_depth=1024, write_batch=16, writer_nice=10),
+        metrics=metrics)
 
 
 class Daemon:
@@ -98,20 +104,24 @@ class Daemon:
         self._registrar: Registrar | None = None
         self._membership: MembershipWatcher | None = None
         self.rereplicator: Rereplicator | None = None
+        self.metrics = DaemonMetrics()
+        self.metrics_endpoint: MetricsEndpoint | None = None
         config.data_dir.mkdir(parents=True, exist_ok=True)
-        self.store = open_daemon_store(config)
+        self.store = open_daemon_store(config, self.metrics.store)
         self.catalog = KeyCatalog(config.data_dir / "keys.log")
         self._prune_catalog()
         self.health = HealthService()
         self.core = BlockServiceCore(config.node_id, self.store, self.catalog,
                                      tokens=self.tokens, limits=config.limits())
         self.grpc_front = GrpcFront(self.core, self.executor)
+        self.metrics.registry.register(DaemonCollector(config.node_id, self.metrics_state))
 
     async def start(self) -> None:
         cfg = self.config
         self._server = grpc.aio.server(options=server_options(
             cfg.keepalive, idle_timeout_s=cfg.idle_timeout,
-            handshake_timeout_s=cfg.preauth_timeout))
+            handshake_timeout_s=cfg.preauth_timeout),
+            interceptors=[RpcMetricsInterceptor(self.metrics)])
         self._server.add_generic_rpc_handlers((self.grpc_front.generic_handler(),
                                                self.health.generic_handler()))
         if cfg.tls_enabled:
@@ -129,7 +139,8 @@ class Daemon:
         bind = cfg.data_bind()
         if bind is not None:
             self.tcp_front = TcpFront(self.core, *bind, idle_timeout=cfg.idle_timeout,
-                                      preauth_timeout=cfg.preauth_timeout)
+                                      preauth_timeout=cfg.preauth_timeout,
+                                      rpc_metrics=self.metrics)
             try:
                 port = self.tcp_front.start()
             except OSError as exc:
@@ -137,6 +148,7 @@ class Daemon:
                                   ) from exc
             self.core.data_port = port
             data_address = cfg.advertised_data_address(port)
+        self._start_metrics()
         await self._server.start()
         await self.health.set_serving(True)
         info = DaemonInfo(cfg.node_id, cfg.advertised_address(self.port), time.time(),
@@ -201,12 +213,32 @@ class Daemon:
         await loop.run_in_executor(self.executor, self.store.close, 30.0)
         self.catalog.close()
         self.executor.shutdown(wait=True)
+        if self.metrics_endpoint is not None:
+            self.metrics_endpoint.stop()
         _log.info("daemon %s stopped", cfg.node_id)
 
     async def wait_stopped(self) -> None:
         await self._stopped.wait()
 
+    def metrics_state(self) -> DaemonState:
+        """What a scrape of `/metrics` reads (kvstore/daemon/metrics.py)."""
+        status = self.core.status()
+        return DaemonState(status.counters, status.tiers, status.pending_writes, status.draining,
+                           len(self.catalog),
+                           self.rereplicator.state() if self.rereplicator else None)
+
     # -- private ------------------------------------------------------------------------------
+
+    def _start_metrics(self) -> None:
+        cfg = self.config
+        bind = cfg.metrics_bind()
+        if bind is None:
+            _log.info("metrics: off")
+            return
+        self.metrics_endpoint = MetricsEndpoint(self.metrics.registry, *bind,
+                                                tls_cert=cfg.tls_cert, tls_key=cfg.tls_key)
+        self.metrics_endpoint.start()
+        _log.info("metrics on %s", self.metrics_endpoint.url)
 
     def _count_repaired(self, blocks: int) -> None:
         self.core.count(repaired_blocks=blocks)

@@ -31,6 +31,7 @@ import threading
 import time
 
 from kvstore.daemon.core import BlockServiceCore
+from kvstore.daemon.metrics import DaemonMetrics, timed_call
 from kvstore.net.limits import MAX_FRAME_BYTES
 from kvstore.net.refusal import OK, Refusal, RefusalReason
 from kvstore.net.scope import Scope
@@ -92,8 +93,10 @@ class TcpFront:
 
     def __init__(self, core: BlockServiceCore, host: str, port: int = 0, *,
                  max_connections: int = 256, idle_timeout: float = 120.0,
-                 request_timeout: float = 30.0, preauth_timeout: float = 5.0) -> None:
+                 request_timeout: float = 30.0, preauth_timeout: float = 5.0,
+                 rpc_metrics: DaemonMetrics | None = None) -> None:
         self._core = core
+        self._metrics = rpc_metrics
         self._bind = (host, port)
         self._max_connections = max_connections
         self._idle_timeout = idle_timeout
@@ -263,17 +266,20 @@ class TcpFront:
             return False
         tail = bytearray(request.tail_len)
         recv_exact(sock, memoryview(tail), deadline)
-        try:
-            if request.op == OP_GET:
-                self._get(conn, request, tail)
-            else:
-                self._put(conn, request, tail)
-        except _Close as closing:
-            send_parts(sock, [encode_reply(closing.refusal.reason, close=True,
-                                           message=closing.refusal.message)])
-            return False
-        except Refusal as refusal:
-            send_parts(sock, [encode_reply(refusal.reason, message=refusal.message)])
+        with timed_call(self._metrics, "tcp", "Get" if request.op == OP_GET else "Put") as call:
+            try:
+                if request.op == OP_GET:
+                    self._get(conn, request, tail)
+                else:
+                    self._put(conn, request, tail)
+            except _Close as closing:
+                call.code = closing.refusal.reason
+                send_parts(sock, [encode_reply(closing.refusal.reason, close=True,
+                                               message=closing.refusal.message)])
+                return False
+            except Refusal as refusal:
+                call.code = refusal.reason
+                send_parts(sock, [encode_reply(refusal.reason, message=refusal.message)])
         return True
 
     def _scope(self, conn: _Connection, request: Request, tail: bytearray

@@ -47,6 +47,7 @@ class TierCalls:
         self.tiers: tuple[Tier, ...] = tuple(tiers)
         self.names: tuple[str, ...] = tuple(tier.name for tier in tiers)
         self.metrics = metrics
+        metrics.declare_tiers(self.names)
         self._reads = threading.Condition()
         self._reads_in_flight = [0] * len(self.tiers)
 

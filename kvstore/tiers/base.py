@@ -63,6 +63,8 @@ class TierStats:
     rejected_puts: int = 0
     corrupt: int = 0
     errors: int = 0
+    evictions: int = 0
+    """Blocks dropped to make room for others (LRU), since the tier opened."""
 
 
 @runtime_checkable

@@ -44,6 +44,8 @@ class BlockIndex:
         self._used = 0
         self._reserved = 0
         self._removed: list[bytes] = []
+        self.evicted = 0
+        """Blocks `evict_to` dropped since the index was made."""
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -113,6 +115,7 @@ class BlockIndex:
             self._used -= entry.size
             victims.append(digest)
         self._removed.extend(victims)
+        self.evicted += len(victims)
         return victims
 
     def load(self, entries: Iterable[tuple[bytes, IndexEntry]]) -> None:

@@ -302,6 +302,7 @@ class MemoryTier(ABC, Generic[A]):
                 misses=self._misses,
                 puts=self._puts,
                 rejected_puts=self._rejected,
+                evictions=self._evictions,
             )
 
     def close(self) -> None:

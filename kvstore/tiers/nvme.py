@@ -271,7 +271,7 @@ class NvmeTier:
                 name=self._name, blocks=len(self._index), bytes_used=self._index.used,
                 bytes_budget=self._index.budget, hits=self._hits, misses=self._misses,
                 puts=self._puts, rejected_puts=self._rejected, corrupt=self._corrupt,
-                errors=self._errors)
+                errors=self._errors, evictions=self._index.evicted)
 
     def close(self) -> None:
         """Wait for calls in progress, then release the directory. Idempotent."""

@@ -1,0 +1,72 @@
+"""`kvkeep serve-vllm`: vLLM's OpenAI server through kvkeep's CLI, exec'd (same pid, signals
+and exit status pass through), with every argument handed to vLLM untouched."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from deploy.serve_vllm import VLLM_SERVER_MODULE, server_argv
+from tests.models import TinyModel
+from tests.services import free_port
+from tests.vllm_server import vllm_env
+
+KVKEEP = [sys.executable, "-m", "kvstore.cli"]
+
+
+def test_the_command_line_is_the_server_module_with_every_argument() -> None:
+    assert server_argv(["--model", "m", "--help"]) == [
+        sys.executable, "-m", VLLM_SERVER_MODULE, "--model", "m", "--help"]
+    assert server_argv(["--", "--port", "1"])[3:] == ["--port", "1"]
+
+
+def test_vllms_own_errors_and_exit_status_come_through(tmp_path: Path) -> None:
+    done = subprocess.run([*KVKEEP, "serve-vllm", "--model", str(tmp_path), "--no-such-flag"],
+                          capture_output=True, text=True, timeout=120, env=vllm_env(),
+                          check=False)
+    assert done.returncode == 2
+    assert "unrecognized arguments: --no-such-flag" in done.stderr
+    assert "api_server" in done.stderr  # vLLM's parser said it, not kvkeep's
+
+
+@pytest.mark.slow
+def test_a_real_server_runs_in_the_same_process_and_stops_on_sigterm(
+        tiny: TinyModel, tmp_path: Path) -> None:
+    port = free_port()
+    log = (tmp_path / "vllm.log").open("wb")
+    proc = subprocess.Popen(
+        [*KVKEEP, "serve-vllm", "--model", str(tiny.path), "--served-model-name", "tiny",
+         "--dtype", "bfloat16", "--block-size", "32", "--max-model-len", "256",
+         "--enforce-eager", "--kv-cache-memory-bytes", str(32 << 20), "--host", "127.0.0.1",
+         "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
+        env=vllm_env(VLLM_ENABLE_V1_MULTIPROCESSING="0"))
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, (tmp_path / "vllm.log").read_text()[-3000:]
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "vLLM did not become healthy"
+            time.sleep(0.25)
+        # The pid kvkeep started is now vLLM's server: exec'd, not a child.
+        cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes().split(b"\0")
+        assert VLLM_SERVER_MODULE.encode() in cmdline
+        assert b"kvstore.cli" not in cmdline
+        os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(60) in (0, -signal.SIGTERM)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
