@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-__all__ = ["StoreMetrics", "LATENCY_BUCKETS", "DROP_REASONS", "total"]
+__all__ = ["StoreMetrics", "LATENCY_BUCKETS", "COPY_LAG_BUCKETS", "DROP_REASONS", "total"]
 
 DROP_REASONS = ("queue_full", "source_gone", "closed", "error")
 """Why a background write is given up (`write_behind_dropped`'s `reason` label)."""
@@ -23,6 +23,9 @@ DROP_REASONS = ("queue_full", "source_gone", "closed", "error")
 # From 50 us (a host hit) to 2.5 s (a remote tier past any sensible deadline).
 LATENCY_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25,
                    0.5, 1.0, 2.5)
+# From 0.5 ms (a synchronous copy on loopback) to 30 s (a write-behind queue far behind).
+COPY_LAG_BUCKETS = (5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                    10.0, 30.0)
 
 
 class StoreMetrics:
@@ -69,6 +72,12 @@ class StoreMetrics:
                                        registry=reg)
         self.latency = Histogram(f"{prefix}_latency_seconds", "Tier operation latency",
                                  ["tier", "op"], buckets=LATENCY_BUCKETS, registry=reg)
+        # The recovery point: how much KV a node that dies now could take with it.
+        self.copy_lag = Histogram(
+            f"{prefix}_copy_lag_seconds",
+            "From a block's computation (the put's computed_at, else the put) until a tier "
+            "acknowledged its copy; for a remote tier, until its R-th daemon did",
+            ["tier"], buckets=COPY_LAG_BUCKETS, registry=reg)
         for reason in DROP_REASONS:
             self.write_behind_dropped.labels(reason)
 

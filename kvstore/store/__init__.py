@@ -2,6 +2,7 @@
 
 - `facade.py`: `TieredStore` (get/put/lookup/manifests/lifecycle; the rules are in its docstring)
 - `write_behind.py` + `jobs.py`: the background copies between tiers, as typed jobs
+- `replicated.py`: puts that wait until several nodes of a replicating tier hold each block
 - `tier_calls.py`: each call into a tier timed and counted, and the one verifying read
 - `aio.py`: `AsyncTieredStore`, the same calls for asyncio code
 - `config.py`, `stats.py`: `StoreConfig`, and `StoreStats` (a view of the Prometheus counters)

@@ -8,7 +8,8 @@ special-cases a tier by name, and it imports no concrete tier: what a tier can d
   then copied behind to the lower ones by the write-behind engine (`write_behind.py`), which
   never makes a put wait. A queued block does not hold a copy of the caller's frame: it is read
   back from the first tier when its turn comes; only a frame the first tier did not admit is
-  copied into the queue.
+  copied into the queue. `put_replicated` instead waits for the tiers that keep copies on
+  other nodes (`replicated.py`): for callers whose KV must outlive their node.
 - get: walks the tiers in order and returns the first copy that verifies, verified exactly once:
   by its tier where the tier checks its own reads (nvme, remote: `BlockRead.verified`), else here
   (`BlockRead.verified_for`: every segment's checksum and the key binding). What it returns is
@@ -52,6 +53,7 @@ from kvstore.keys import BlockKey, SessionKey
 from kvstore.manifest import SessionManifest
 from kvstore.metrics import StoreMetrics
 from kvstore.store.config import StoreConfig
+from kvstore.store.replicated import ReplicatedPuts
 from kvstore.store.stats import StoreStats
 from kvstore.store.tier_calls import DEADLINE_PASSED, TierCalls
 from kvstore.store.write_behind import WriteBehind
@@ -84,6 +86,7 @@ class TieredStore:
         self._calls = TierCalls(tiers, metrics or StoreMetrics())
         self._close_tiers = close_tiers
         self._writes = WriteBehind(self._calls, self._config)
+        self._replicated = ReplicatedPuts(self._calls, self._writes)
 
     @classmethod
     def from_specs(cls, specs: Sequence[TierSpec], *, config: StoreConfig | None = None,
@@ -198,23 +201,53 @@ class TieredStore:
             return False
         return True
 
-    def put(self, key: BlockKey, frame: FrameBytes) -> bool:
+    def put(self, key: BlockKey, frame: FrameBytes, *, computed_at: float | None = None
+            ) -> bool:
         """Store a frame: synchronously in the first tier, in the background below it.
 
         Returns True if the first tier admitted it or a background write was queued. Raises
         InvalidFrame if the frame does not parse, has the wrong size or is bound to another key.
-        The caller may reuse `frame`'s buffer as soon as this returns.
+        The caller may reuse `frame`'s buffer as soon as this returns. `computed_at`
+        (`time.monotonic()`, default now) is when the block was computed: each tier's copy is
+        timed from it (`copy_lag_seconds`).
         """
         self._check_open()
+        born = time.monotonic() if computed_at is None else computed_at
         view, header = checked_frame(frame, key.digest)
         admitted = self._calls.put(0, key, view)
+        if admitted:
+            self._calls.copied(0, born)
         if len(self._calls) == 1:
             return admitted
         # Admitted: the writer reads it back from tier 0 later. Not admitted: keep an immutable
         # copy (no copy at all when the caller passed bytes).
         held = None if admitted else frame if isinstance(frame, bytes) else bytes(view)
-        queued = self._writes.copy_down(key, header, held)
+        queued = self._writes.copy_down(key, header, held, computed_at=born)
         return admitted or queued
+
+    @property
+    def max_replicated_copies(self) -> int:
+        """The most copies `put_replicated` may ask for; 0: no tier keeps copies on other
+        nodes (no remote tier)."""
+        return self._replicated.max_copies
+
+    def put_replicated(self, items: Sequence[tuple[BlockKey, FrameBytes]], *, copies: int,
+                       deadline: float, computed_at: float | None = None) -> list[bool]:
+        """`put` for each frame, returning once `copies` distinct nodes of every tier that
+        replicates (`SupportsReplicas`) acknowledged it or `deadline` passed: True per block
+        acknowledged in time. Lower tiers that do not replicate, and a replicated one that did
+        not acknowledge, get their copy behind as with `put` (see `kvstore.store.replicated`).
+        ConfigError when `copies` exceeds `max_replicated_copies`."""
+        self._check_open()
+        return self._replicated.put(items, copies=copies, deadline=deadline,
+                                    computed_at=computed_at)
+
+    def replicated_prefix(self, keys: Sequence[BlockKey], *, copies: int,
+                          deadline: float | None = None) -> int:
+        """How many of `keys`, from the first on, `copies` nodes of every replicating tier
+        hold now (0 without such a tier): `lookup` for durable saves."""
+        self._check_open()
+        return self._replicated.prefix(keys, copies=copies, deadline=self.deadline(deadline))
 
     def put_many(self, items: Sequence[tuple[BlockKey, FrameBytes]]) -> list[bool]:
         return [self.put(key, frame) for key, frame in items]
@@ -257,7 +290,9 @@ class TieredStore:
         self._calls.count_put(0, admitted, reservation.size)
         if len(self._calls) == 1 or not admitted:
             return admitted
-        self._writes.copy_down(key, header, None)  # read back from tier 0, as for any put
+        self._calls.copied(0, started)
+        # Read back from tier 0, as for any put.
+        self._writes.copy_down(key, header, None, computed_at=started)
         return True
 
     def lookup(self, keys: Sequence[BlockKey], *, deadline: float | None = None) -> int:

@@ -21,12 +21,15 @@ class BlockCopy:
 
     `frame` is None when the first tier admitted the block: the writer reads it back from there
     when its turn comes (no copy held in the queue). Otherwise it is an immutable copy.
+    `computed_at` (`time.monotonic()`) is when the block's KV was computed, or the put was
+    made: each target's acknowledgement is measured from it (`copy_lag_seconds`).
     """
 
     seq: int
     key: BlockKey
     targets: tuple[int, ...]
     header: FrameHeader
+    computed_at: float
     frame: bytes | None = None
 
     @property

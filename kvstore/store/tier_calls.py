@@ -169,3 +169,8 @@ class TierCalls:
 
     def observe(self, index: int, op: str, started: float) -> None:
         self.metrics.latency.labels(self.names[index], op).observe(time.monotonic() - started)
+
+    def copied(self, index: int, computed_at: float) -> None:
+        """Tier `index` acknowledged a block computed at `computed_at` (`time.monotonic()`)."""
+        self.metrics.copy_lag.labels(self.names[index]).observe(
+            max(time.monotonic() - computed_at, 0.0))

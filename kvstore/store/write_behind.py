@@ -7,7 +7,9 @@ writer threads that carry them out.
   it reads the frame back from the job's source tier into a reusable scratch buffer (unless the
   job holds a copy), gives way to reads in flight on the target (at most
   `read_priority_max_wait_s` per batch, so it cannot starve), and writes up to `write_batch`
-  blocks at a time, as one `put_many` where the tier has it.
+  blocks at a time, as one `put_many` where the tier has it. Each copy a target acknowledges
+  is timed from the block's computation (`BlockCopy.computed_at`) into `copy_lag_seconds`:
+  the window in which a dying node takes KV with it.
 - A `ManifestCopy` writes a session manifest to every lower tier.
 
 Submitting never blocks a put: when the queue is full the job is dropped and counted (a lost
@@ -69,10 +71,15 @@ class WriteBehind:
 
     # -- submitting ---------------------------------------------------------------------------
 
-    def copy_down(self, key: BlockKey, header: FrameHeader, frame: bytes | None) -> bool:
-        """Queue a put's copy into every tier below the first (`frame`: see BlockCopy)."""
-        targets = tuple(range(1, len(self._calls)))
-        return self._submit(key, lambda seq: BlockCopy(seq, key, targets, header, frame))
+    def copy_down(self, key: BlockKey, header: FrameHeader, frame: bytes | None, *,
+                  computed_at: float, skip: frozenset[int] = frozenset()) -> bool:
+        """Queue a put's copy into every tier below the first but those in `skip` (`frame`,
+        `computed_at`: see BlockCopy)."""
+        targets = tuple(t for t in range(1, len(self._calls)) if t not in skip)
+        if not targets:
+            return True
+        return self._submit(key, lambda seq: BlockCopy(seq, key, targets, header, computed_at,
+                                                       frame))
 
     def promote(self, key: BlockKey, source: int, header: FrameHeader) -> None:
         """Queue a copy of a block hit in tier `source` into the tiers above it."""
@@ -298,6 +305,8 @@ class WriteBehind:
         for (job, _), ok in zip(items, results, strict=False):
             if ok and isinstance(job, Promotion):
                 calls.metrics.promotions.labels(calls.names[target]).inc()
+            elif ok and isinstance(job, BlockCopy):
+                calls.copied(target, job.computed_at)
 
     def _undo(self, job: BlockJob) -> None:
         key = job.key

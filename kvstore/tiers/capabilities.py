@@ -5,7 +5,9 @@ so it never needs to know a concrete tier class:
 
 - `SupportsPutMany`: store a batch as one (the nvme tier syncs it once);
 - `SupportsBorrow`: lend a block's bytes in place, pinned, to send from (`BorrowedBlock`);
-- `SupportsReserve`: set pages aside to receive a frame into (`PageReservation`).
+- `SupportsReserve`: set pages aside to receive a frame into (`PageReservation`);
+- `SupportsReplicas`: keep each block on several nodes and say how many acknowledged it (the
+  remote tier's daemons), for puts that must be durable before they return.
 
 The memory tiers (`kvstore.tiers.memory_tier`) implement borrow and reserve over host pages.
 """
@@ -19,8 +21,8 @@ from kvstore.errors import TierError
 from kvstore.frame import FrameBytes, FrameHeader, LayerRange
 from kvstore.keys import BlockKey
 
-__all__ = ["SupportsPutMany", "SupportsBorrow", "SupportsReserve", "BorrowedBlock",
-           "PageReservation"]
+__all__ = ["SupportsPutMany", "SupportsBorrow", "SupportsReserve", "SupportsReplicas",
+           "BorrowedBlock", "PageReservation"]
 
 
 class BorrowedBlock:
@@ -100,3 +102,22 @@ class SupportsReserve(Protocol):
 
     def reserve(self, key: BlockKey, size: int, *, evict: bool = True
                 ) -> PageReservation | None: ...
+
+
+@runtime_checkable
+class SupportsReplicas(Protocol):
+    """A tier that stores each block on up to `replicas` distinct nodes (processes on other
+    machines), so a block it acknowledged outlives the writer's node.
+
+    `put_acknowledged` returns, per block, whether at least `copies` (1..replicas) distinct
+    nodes acknowledged storing it before `deadline` (`time.monotonic()`); copies beyond
+    `copies` may still be written in the background. `count_copies` says how many distinct
+    nodes hold each key now (at most the nodes a read would try)."""
+
+    @property
+    def replicas(self) -> int: ...
+
+    def put_acknowledged(self, items: Sequence[tuple[BlockKey, FrameBytes]], *, copies: int,
+                         deadline: float) -> list[bool]: ...
+
+    def count_copies(self, keys: Sequence[BlockKey], *, deadline: float) -> list[int]: ...

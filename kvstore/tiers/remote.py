@@ -6,6 +6,8 @@ client ranks the daemons for a key the same way, with no coordination and no dir
 - put: to the R best-ranked daemons that are not known to be down (a down one is replaced by the
   next in rank, so a block still gets R copies). `write_ack="all"` returns once every copy is
   stored; `"one"` returns after the first and writes the others in the background.
+  `put_acknowledged` asks for a given number of acknowledgements per call (a durable put);
+  `count_copies` counts the daemons holding each key (`SupportsReplicas`).
 - get: tries daemons in rank order (the R owners, then `extra_ranks` more, which may hold blocks
   written while an owner was down). A daemon that fails, times out or returns a block that does
   not verify is skipped; the first good copy is returned and, in the background, copied to the
@@ -276,16 +278,59 @@ class RemoteTier:
 
     def put_many(self, items: Sequence[tuple[BlockKey, FrameBytes]]) -> list[bool]:
         """Store blocks on their R owners; batched per daemon (one stream each), in parallel."""
+        needed = self._config.replicas if self._config.write_ack == "all" else 1
+        return self._put_blocks(items, needed, None)
+
+    @property
+    def replicas(self) -> int:
+        return self._config.replicas
+
+    def put_acknowledged(self, items: Sequence[tuple[BlockKey, FrameBytes]], *, copies: int,
+                         deadline: float) -> list[bool]:
+        """`put_many`, True for a block once `copies` distinct daemons acknowledged it (each
+        has verified the frame and holds it in its RAM tier, its disk write queued), whatever
+        `write_ack` says; the copies beyond `copies` (up to R) go on in the background."""
+        if not 1 <= copies <= self._config.replicas:
+            raise ConfigError(f"copies must be 1..{self._config.replicas}, not {copies}")
+        return self._put_blocks(items, copies, deadline)
+
+    def count_copies(self, keys: Sequence[BlockKey], *, deadline: float) -> list[int]:
+        """How many distinct daemons hold each key, among those a read would try (the R owners
+        and `extra_ranks` more): one batched lookup per daemon, in parallel. A daemon that does
+        not answer holds nothing here."""
+        counts = [0] * len(keys)
+        nodes = self.members()
+        if not keys or not nodes:
+            return counts
+        depth = self._config.replicas + self._config.extra_ranks
+        asks: dict[str, list[int]] = defaultdict(list)
+        for i, ranking in enumerate(rank_many([k.digest for k in keys], nodes, depth)):
+            for node in ranking:
+                if self._usable(node):
+                    asks[node].append(i)
+        deadline = min(deadline, time.monotonic() + self._config.lookup_timeout)
+        calls = {node: self._lookup_call(node, [keys[i] for i in idx], deadline)
+                 for node, idx in asks.items()}
+        for node, result in self._fanout(calls).items():
+            if isinstance(result, list):
+                for i, hit in zip(asks[node], result, strict=True):
+                    counts[i] += int(hit)
+        return counts
+
+    def _put_blocks(self, items: Sequence[tuple[BlockKey, FrameBytes]], sync_needed: int,
+                    deadline: float | None) -> list[bool]:
+        """Each block to its owners in rank order until `sync_needed` acknowledged it; the rest
+        of its R copies in the background."""
         if not items:
             return []
         # A batch may carry GiBs: its deadline grows with its size at a pessimistic bandwidth.
         total = sum(len(frame) for _, frame in items)
-        deadline = time.monotonic() + self._config.call_timeout + total / self._config.min_bandwidth
+        sized = time.monotonic() + self._config.call_timeout + total / self._config.min_bandwidth
+        deadline = sized if deadline is None else min(deadline, sized)
         replicas = self._config.replicas
         nodes = self.members()
         rankings = rank_many([key.digest for key, _ in items], nodes)
         acks = [0] * len(items)
-        sync_needed = replicas if self._config.write_ack == "all" else 1
         cursor = [0] * len(items)
         background: dict[str, list[int]] = defaultdict(list)
         placed = [0] * len(items)
@@ -316,7 +361,7 @@ class RemoteTier:
                         placed[i] -= 1  # that copy failed: let the next in rank take it
             if time.monotonic() >= deadline:
                 break
-        if self._config.write_ack == "one":
+        if sync_needed < replicas:
             for i, ranking in enumerate(rankings):
                 extra = replicas - placed[i]
                 while acks[i] and extra > 0 and cursor[i] < len(ranking):
