@@ -3,7 +3,7 @@ bound to the layout that gathers and scatters whole blocks of it."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -34,19 +34,24 @@ class PagedCaches:
         from vllm.model_executor.models.utils import extract_layer_index
 
         names = sorted(kv_caches, key=extract_layer_index)
-        if len(names) != self.num_layers:
-            raise ConfigError(f"kvkeep: {len(names)} KV cache layers registered, the model "
+        self.bind([kv_caches[name] for name in names])
+        self._index = {name: i for i, name in enumerate(names)}
+
+    def bind(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Take the paged tensors of every layer, in layer order (what `register` does once it
+        has sorted vLLM's layer names; benchmarks without vLLM call it directly)."""
+        if len(tensors) != self.num_layers:
+            raise ConfigError(f"kvkeep: {len(tensors)} KV cache layers registered, the model "
                               f"has {self.num_layers}")
-        tensors = [kv_caches[name] for name in names]
-        dtypes = {t.dtype for t in tensors}
+        layers = list(tensors)
+        dtypes = {t.dtype for t in layers}
         if len(dtypes) != 1:
             raise ConfigError(f"kvkeep: KV cache layers differ in dtype: {dtypes}")
-        self.bound = [self.layout.bind(t) for t in tensors]
-        self.host_blocks = [bound.host_blocks(t) for bound, t in zip(self.bound, tensors,
+        self.bound = [self.layout.bind(t) for t in layers]
+        self.host_blocks = [bound.host_blocks(t) for bound, t in zip(self.bound, layers,
                                                                      strict=True)]
-        self.tensors = tensors
-        self._index = {name: i for i, name in enumerate(names)}
-        self._dtype = DType.from_name(str(tensors[0].dtype))
+        self.tensors = layers
+        self._dtype = DType.from_name(str(layers[0].dtype))
 
     def index_of(self, layer_name: str) -> int | None:
         """The layer index of a vLLM layer name; None for layers that are not ours."""

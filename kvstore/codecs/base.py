@@ -135,6 +135,24 @@ class Codec(Protocol):
         returns the rows refused (see `BaseCodec.decode_rows`)."""
         ...
 
+    def encode_batch(self, blocks: torch.Tensor, arrangement: Arrangement = Arrangement.ROWS
+                     ) -> torch.Tensor:
+        """Encode K stacked layer tensors `[K, *shape]` with torch ops where they live: a
+        `[K, encoded_size]` uint8 tensor on the same device, row k the segment of blocks[k]."""
+        ...
+
+    def decode_batch(self, staged: torch.Tensor, shape: tuple[int, ...], dtype: DType
+                     ) -> torch.Tensor:
+        """Decode K segments `[K, encoded_size]` (uint8, on any device, rows may be strided)
+        into a `[K, *shape]` tensor of `dtype` there; each row must have passed
+        `segment_valid` first."""
+        ...
+
+    def segment_valid(self, data: Array, shape: tuple[int, ...], dtype: DType) -> bool:
+        """Whether a verified segment of the right size is one this codec writes (int8: sane
+        scales): the host-side check before a segment is decoded on a device."""
+        ...
+
 
 class BaseCodec(abc.ABC):
     """Shared dispatch: validate, then run the host (numpy/numba) or device (torch) half."""
@@ -258,9 +276,32 @@ class BaseCodec(abc.ABC):
                 out.index_copy_(0, torch.tensor(kept, device=out.device), decoded)
         return refused
 
+    def encode_batch(self, blocks: torch.Tensor, arrangement: Arrangement = Arrangement.ROWS
+                     ) -> torch.Tensor:
+        shape, found = describe(blocks[0])
+        if blocks.ndim != len(shape) + 1:
+            raise CodecError(f"encode_batch takes [K, *shape] blocks, got {tuple(blocks.shape)}")
+        return self._encode_batch(blocks.detach(), self._spec(shape, found, arrangement))
+
+    def decode_batch(self, staged: torch.Tensor, shape: tuple[int, ...], dtype: DType
+                     ) -> torch.Tensor:
+        expected = self.encoded_size(shape, dtype)
+        if staged.ndim != 2 or staged.shape[1] != expected:
+            raise CorruptBlock(f"{self.name} segments are {tuple(staged.shape)}; shape {shape} "
+                               f"{dtype.name} needs rows of {expected} bytes")
+        return self._decode_device_many(staged, shape, dtype)
+
+    def segment_valid(self, data: Array, shape: tuple[int, ...], dtype: DType) -> bool:
+        return data.size == self.encoded_size(shape, dtype) and self._valid_segment(data, shape,
+                                                                                    dtype)
+
     def _valid_segment(self, data: Array, shape: tuple[int, ...], dtype: DType) -> bool:
         """Whether a segment of the right size can be decoded (int8: its scales are sane)."""
         return True
+
+    @abc.abstractmethod
+    def _encode_batch(self, blocks: torch.Tensor, spec: LayerSpec) -> torch.Tensor:
+        """`encode_batch` once its input is checked: [K, *spec.shape] -> [K, bytes] uint8."""
 
     @abc.abstractmethod
     def _decode_device_many(self, staged: torch.Tensor, shape: tuple[int, ...],
@@ -281,9 +322,12 @@ class BaseCodec(abc.ABC):
 
     def _encode_device_many(self, layers: Sequence[torch.Tensor], spec: LayerSpec,
                             dest: Array) -> None:
-        """Encode same-shaped layers on one device into the rows of `dest` [L, size]."""
-        for index, x in enumerate(layers):
-            self._encode_device(x, spec, dest[index])
+        """Encode same-shaped layers on one device into the rows of `dest` [L, size]: one
+        set of kernels for the block and one copy to host."""
+        import torch
+
+        encoded = self._encode_batch(torch.stack([x.detach() for x in layers]), spec)
+        torch.from_numpy(dest).copy_(encoded)
 
     @abc.abstractmethod
     def _decode_host(self, data: Buffer | Array, rows: Array, shape: tuple[int, ...],

@@ -32,7 +32,6 @@ arrangements, so the segment size follows from shape and dtype as the frame need
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -237,18 +236,17 @@ class GroupedCodec(BaseCodec):
     def _encode_device(self, x: torch.Tensor, spec: LayerSpec, dest: Array) -> None:
         self._encode_device_many([x], spec, dest.reshape(1, -1))
 
-    def _encode_device_many(self, layers: Sequence[torch.Tensor], spec: LayerSpec,
-                            dest: Array) -> None:
+    def _encode_batch(self, blocks: torch.Tensor, spec: LayerSpec) -> torch.Tensor:
         import torch
 
         from kvstore.codecs import torch_ops
 
         plan = spec.plan
         assert isinstance(plan, _Plan)
-        payload = torch_ops.grouped_quantize(torch.stack([x.detach() for x in layers]),
-                                             plan.planes, self.scheme.top)
-        dest[:, :HEADER_BYTES] = (int(spec.arrangement), 0, 0, 0)
-        torch.from_numpy(dest[:, HEADER_BYTES:]).copy_(payload)
+        payload = torch_ops.grouped_quantize(blocks, plan.planes, self.scheme.top)
+        header = torch.tensor([int(spec.arrangement), 0, 0, 0], dtype=torch.uint8,
+                              device=payload.device)
+        return torch.cat([header.expand(payload.shape[0], HEADER_BYTES), payload], dim=1)
 
     def _decode_device(self, data: Array, out: torch.Tensor) -> None:
         import torch

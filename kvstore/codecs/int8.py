@@ -100,14 +100,10 @@ class Int8Codec(BaseCodec):
 
         torch.from_numpy(dest).copy_(torch_ops.quantize(x))
 
-    def _encode_device_many(self, layers: Sequence[torch.Tensor], spec: LayerSpec,
-                            dest: Array) -> None:
-        import torch
-
+    def _encode_batch(self, blocks: torch.Tensor, spec: LayerSpec) -> torch.Tensor:
         from kvstore.codecs import torch_ops
 
-        torch.from_numpy(dest).copy_(torch_ops.quantize_many(torch.stack([x.detach()
-                                                                          for x in layers])))
+        return torch_ops.quantize_many(blocks)
 
     def _decode_host(self, data: Buffer | Array, rows: Array, shape: tuple[int, ...],
                      dtype: DType) -> None:

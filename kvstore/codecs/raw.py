@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -41,12 +40,10 @@ class RawCodec(BaseCodec):
                             dtype: DType) -> torch.Tensor:
         return staged.view(torch_dtype(dtype)).view(staged.shape[0], *shape)
 
-    def _encode_device_many(self, layers: Sequence[torch.Tensor], spec: LayerSpec,
-                            dest: Array) -> None:
+    def _encode_batch(self, blocks: torch.Tensor, spec: LayerSpec) -> torch.Tensor:
         import torch
 
-        block = torch.stack([x.detach() for x in layers]).reshape(len(layers), -1)
-        torch.from_numpy(dest).copy_(block.view(torch.uint8))
+        return blocks.contiguous().reshape(blocks.shape[0], -1).view(torch.uint8)
 
     def _decode_host(self, data: Buffer | Array, rows: Array, shape: tuple[int, ...],
                      dtype: DType) -> None:
