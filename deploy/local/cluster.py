@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from deploy.local.disks import mount_tmpfs, unmount
 from deploy.local.engines import EngineSettings, vllm_argv, vllm_env
@@ -42,6 +42,7 @@ from deploy.local.netns import Fabric
 from deploy.local.probes import daemon_serving, http_json, http_ok, port_open, wait_until
 from deploy.local.processes import ManagedProcess, free_port
 from deploy.local.tls import LocalPki
+from deploy.pki import registration_keypair, write_private
 from kvstore.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -444,7 +445,7 @@ class LocalCluster:
             *self._etcd_flags(), "--lease-ttl", "3", "--workers", "2",
             "--replicas", str(self.engine.remote_replicas),
             "--metrics-listen", f"{host}:{metrics_port}", *auth,
-            *([] if self.pki is None else self.pki.daemon_flags())], _MALLOC_ENV)
+            *self._daemon_trust_flags()], _MALLOC_ENV)
         self.daemons.append(Daemon(node_id, port, process.start(), data, host, metrics_port))
 
     def _make_tokens(self) -> None:
@@ -456,6 +457,26 @@ class LocalCluster:
         (self.base_dir / "daemon-tokens").write_text(
             f"{tenant} {(self.spec.engine or EngineSettings(Path())).tenant}\n"
             f"{self.peer_token} *\n")
+        # Clients believe a non-loopback daemon only once it proves it is one: the daemons sign
+        # their registrations and the connectors get the public key (kvstore/tiers/daemon_trust).
+        private, public = registration_keypair()
+        write_private(self.base_dir / "registration.key", private)
+        (self.base_dir / "registration.pub").write_bytes(public)
+
+    def _daemon_trust_flags(self) -> list[str]:
+        if self.pki is not None:
+            return self.pki.daemon_flags()
+        if self.peer_token is not None:
+            return ["--registration-key", str(self.base_dir / "registration.key")]
+        return []
+
+    def _connector_remote(self) -> dict[str, Any] | None:
+        """More `store.remote` keys: TLS and identity settings, or the registrations' key."""
+        if self.pki is not None:
+            return self.pki.connector_remote()
+        if self.peer_token is not None:
+            return {"registration_public_key": str(self.base_dir / "registration.pub")}
+        return None
 
     def _add_worker(self, worker_id: str) -> None:
         assert self.engine is not None
@@ -470,8 +491,7 @@ class LocalCluster:
         server = ManagedProcess(f"vllm-{worker_id}",
                                 wrap(vllm_argv(self.engine, port=port, events_port=events,
                                                etcd_url=etcd_url, host=host,
-                                               remote_extra=None if self.pki is None
-                                               else self.pki.connector_remote())),
+                                               remote_extra=self._connector_remote())),
                                 self.logs / f"vllm-{worker_id}.log", vllm_env(REPO_ROOT),
                                 REPO_ROOT)
         agent = self._kvkeep(f"agent-{worker_id}", [
@@ -491,9 +511,13 @@ class LocalCluster:
     def _add_router(self, replica_id: str) -> None:
         assert self.engine is not None
         port = free_port()
+        # Routers trust loopback workers only unless told; isolated workers register their
+        # namespace's address, so the fabric's subnet is allowed too.
+        allow = ([] if self.fabric is None else
+                 ["--allow-workers", f"127.0.0.0/8,::1,localhost,{self.fabric.subnet}"])
         process = self._kvkeep(f"router-{replica_id}", [
             "router", "serve", "--listen", f"127.0.0.1:{port}", *self._etcd_flags(),
             "--replica-id", replica_id, "--block-size", str(self.engine.block_size),
-            "--stream-idle-timeout", "20", *self.spec.router_args])
+            "--stream-idle-timeout", "20", *allow, *self.spec.router_args])
         self.routers.append(Router(replica_id, port, process.start()))
 
