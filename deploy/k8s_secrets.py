@@ -13,7 +13,9 @@ user name (etcd's --client-cert-auth):
 - kvkeep-connector-tls, kvkeep-agent-tls, kvkeep-router-tls: client certificates of the vLLM
   connector (etcd and the daemons), the worker agents and the routers (etcd);
 - kvkeep-registration-key / kvkeep-registration-pubkey: the Ed25519 pair daemons sign their
-  etcd registrations with / connectors verify them with.
+  etcd registrations with / connectors verify them with;
+- kvkeep-ca: the CA certificate alone (`ca.crt`), for Prometheus to check the daemons' HTTPS
+  /metrics (deploy/k8s/monitoring.yaml) without reading a Secret that holds a private key.
 
 The CA's private key is not written anywhere: to rotate, make a new set and apply it.
 Secrets of type kubernetes.io/tls carry `ca.crt`, `tls.crt`, `tls.key`.
@@ -33,12 +35,13 @@ import yaml  # type: ignore[import-untyped, unused-ignore]
 from deploy.pki import Authority, registration_keypair, write_private
 
 __all__ = ["Identity", "identities", "build_secrets", "main", "STORE_SERVER_NAME",
-           "REGISTRATION_KEY_SECRET", "REGISTRATION_PUBKEY_SECRET"]
+           "REGISTRATION_KEY_SECRET", "REGISTRATION_PUBKEY_SECRET", "CA_SECRET"]
 
 STORE_SERVER_NAME = "kvkeep-store"
 """The name every daemon's certificate carries, which its clients check."""
 REGISTRATION_KEY_SECRET = "kvkeep-registration-key"
 REGISTRATION_PUBKEY_SECRET = "kvkeep-registration-pubkey"
+CA_SECRET = "kvkeep-ca"
 _LABELS = {"app.kubernetes.io/name": "kvkeep"}
 
 
@@ -78,6 +81,7 @@ def build_secrets(namespace: str = "kvkeep", authority: Authority | None = None
     private, public = registration_keypair()
     docs.append(_secret(REGISTRATION_KEY_SECRET, "Opaque", {"key.pem": private.decode()}))
     docs.append(_secret(REGISTRATION_PUBKEY_SECRET, "Opaque", {"key.pub": public.decode()}))
+    docs.append(_secret(CA_SECRET, "Opaque", {"ca.crt": ca.cert_pem.decode()}))
     return docs
 
 

@@ -2,7 +2,7 @@
 
     kvkeep router serve --listen 0.0.0.0:8000 --etcd http://etcd:2379 [--policy kvkeep]
     kvkeep worker --etcd http://etcd:2379 --url http://vllm-0:8000 [--id w0]
-                  [--kv-events tcp://vllm-0:5557]
+                  [--kv-events tcp://vllm-0:5557] [--metrics-listen 0.0.0.0:8001]
 
 Both take the etcd TLS and auth flags of kvstore/etcd/flags.py (`--etcd https://...
 --etcd-ca F --etcd-cert F --etcd-key F`, `--etcd-user U --etcd-password-file F`).
@@ -116,6 +116,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     worker.add_argument("--model", action="append", default=None,
                         help="served model names (default: ask /v1/models)")
     worker.add_argument("--ttl", type=float, default=3.0, metavar="SECONDS")
+    worker.add_argument("--metrics-listen", default=None, metavar="HOST:PORT",
+                        help="relay the server's /metrics (only that page) on HOST:PORT, so "
+                             "Prometheus need not reach vLLM's API port (router/metrics_relay.py)")
     worker.add_argument("--log-level", default="INFO")
     worker.set_defaults(handler=_worker_command)
 
@@ -226,38 +229,57 @@ def _worker_command(args: argparse.Namespace) -> int:
     _logging(args.log_level)
     from urllib.parse import urlsplit
 
+    from router.metrics_relay import parse_listen
+
     url = str(args.url).rstrip("/")
     parts = urlsplit(url)
     worker_id = args.id or f"{parts.hostname}:{parts.port or 80}"
     models = tuple(args.model) if args.model else None
     try:
         etcd = etcd_spec_from_args(args, check_files=True)
+        relay = parse_listen(args.metrics_listen) if args.metrics_listen else None
     except ConfigError as exc:
         log.error("%s", exc)
         return 2
     assert etcd is not None  # --etcd is required
-    asyncio.run(run_worker_agent(etcd, args.etcd_prefix, WorkerId(worker_id), url,
-                                 args.kv_events, models, args.ttl))
+    try:
+        asyncio.run(run_worker_agent(etcd, args.etcd_prefix, WorkerId(worker_id), url,
+                                     args.kv_events, models, args.ttl, metrics_listen=relay))
+    except ConfigError as exc:  # the relay's port is taken
+        log.error("%s", exc)
+        return 2
     return 0
 
 
 async def run_worker_agent(etcd_url: EtcdSpec | str, prefix: str, worker_id: WorkerId, url: str,
                            kv_events: str | None, models: tuple[str, ...] | None,
-                           ttl_s: float) -> None:
+                           ttl_s: float, *, metrics_listen: tuple[str, int] | None = None
+                           ) -> None:
     import aiohttp
 
     from router.agent import AgentConfig, WorkerAgent
+    from router.metrics_relay import MetricsRelay
     from router.state.etcd import EtcdBackend
 
     backend = EtcdBackend(etcd_url, prefix)
     await backend.start()
     async with aiohttp.ClientSession() as http:
+        relay = None if metrics_listen is None else MetricsRelay(
+            f"{url.rstrip('/')}/metrics", http, *metrics_listen)
+        if relay is not None:
+            try:
+                await relay.start()
+            except ConfigError:
+                await backend.close()
+                raise
         agent = WorkerAgent(backend, AgentConfig(worker_id, url, ttl_s, kv_events, models), http)
         task = asyncio.get_running_loop().create_task(agent.run())
         await _until_signalled(task)
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task  # revokes the lease: routers see the worker leave at once
+        if relay is not None:
+            await relay.stop()
     await backend.close()
 
 

@@ -20,17 +20,20 @@ import asyncio
 import json
 import os
 import shutil
+import socket
+import ssl
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from connectors.vllm.config import ConnectorConfig
 from connectors.vllm.stores import tier_specs
-from deploy.k8s_secrets import STORE_SERVER_NAME, build_secrets, identities, main
+from deploy.k8s_secrets import CA_SECRET, STORE_SERVER_NAME, build_secrets, identities, main
 from kvstore.cli import build_parser
 from kvstore.etcd import EtcdSpec, etcd_client
 from kvstore.etcd.flags import etcd_spec_from_args
@@ -186,6 +189,89 @@ def test_the_gateway_path_through_the_policies() -> None:
     actual = {case: allowed(sources[case[0]], dests[case[1]], case[2], policies)
               for case in expected}
     assert actual == expected
+
+
+PROMETHEUS = Source({"app.kubernetes.io/name": "prometheus"}, {"kvkeep.io/monitoring": "true"})
+"""A Prometheus Operator's pod in the labelled monitoring namespace (monitoring.yaml)."""
+
+
+def _monitors() -> dict[str, dict[str, Any]]:
+    return {d["metadata"]["name"]: d for d in DOCS if d["kind"] == "ServiceMonitor"}
+
+
+def _monitored_port(monitor: dict[str, Any]) -> str:
+    """The named container port a ServiceMonitor's endpoint reaches, through its Service."""
+    (endpoint,) = monitor["spec"]["endpoints"]
+    wanted = monitor["spec"]["selector"]["matchLabels"].items()
+    (service,) = [s for s in DOCS if s["kind"] == "Service"
+                  and wanted <= s["metadata"]["labels"].items()
+                  and any(p["name"] == endpoint["port"] for p in s["spec"]["ports"])]
+    port = next(p for p in service["spec"]["ports"] if p["name"] == endpoint["port"])
+    target = port.get("targetPort", port["name"])
+    assert isinstance(target, str), "a named targetPort, as the policies name ports"
+    return target
+
+
+def test_prometheus_reaches_the_metrics_ports_and_nothing_else() -> None:
+    """Before: the workers were scraped on vLLM's API port, which only routers may reach (so
+    Prometheus either got nothing or, with a rule for it, prompts too), and no policy let a
+    monitoring namespace reach the daemons' metrics port."""
+    pods = {"router": _pod("Deployment", "kvkeep-router"),
+            "worker": _pod("Deployment", "kvkeep-worker"),
+            "store": _pod("DaemonSet", "kvkeep-store"),
+            "etcd": _pod("StatefulSet", "kvkeep-etcd")}
+    scraped = {"kvkeep-daemon": "store", "kvkeep-worker": "worker", "kvkeep-router": "router"}
+    monitors = _monitors()
+    assert set(monitors) == set(scraped)
+    reached = {(scraped[name], _monitored_port(m)) for name, m in monitors.items()}
+    assert reached == {("store", "metrics"), ("worker", "metrics"), ("router", "http")}
+    for pod_name, port in reached:
+        assert port in pods[pod_name][1], (pod_name, port)
+    # Every named port of every kvkeep pod: Prometheus gets exactly the scraped ones.
+    for pod_name, pod in pods.items():
+        for port in pod[1]:
+            assert allowed(PROMETHEUS, pod, port) == ((pod_name, port) in reached), (
+                pod_name, port)
+    assert pods["worker"][1]["metrics"] != pods["worker"][1]["http"]  # not vLLM's API port
+    # Nobody else gains the metrics ports: another pod of the monitoring namespace, a
+    # Prometheus of an unlabelled namespace or of kvkeep's own, the routers, the world.
+    others = [Source({"app.kubernetes.io/name": "grafana"}, {"kvkeep.io/monitoring": "true"}),
+              Source({"app.kubernetes.io/name": "prometheus"}, {"team": "b"}),
+              Source({"app.kubernetes.io/name": "prometheus"}),
+              Source(pods["router"][0]), OUTSIDE]
+    for source in others:
+        for pod_name in ("store", "worker"):
+            assert not allowed(source, pods[pod_name], "metrics"), (source, pod_name)
+
+
+def test_service_monitors_check_the_daemons_tls() -> None:
+    """The daemons serve /metrics over HTTPS (they have --tls-cert): Prometheus checks their
+    certificate against the cluster CA under the daemons' shared name, from a Secret holding
+    the CA certificate alone, and presents none of its own (one of the cluster CA would open
+    etcd too)."""
+    doc, daemon = _container("DaemonSet", "kvkeep-store", "kvstore")
+    assert "--tls-cert" in daemon["args"] and "--metrics-listen" in daemon["args"]
+    monitors = _monitors()
+    (endpoint,) = monitors["kvkeep-daemon"]["spec"]["endpoints"]
+    assert endpoint["scheme"] == "https"
+    tls = endpoint["tlsConfig"]
+    assert tls["serverName"] == STORE_SERVER_NAME
+    assert not {"cert", "keySecret", "insecureSkipVerify"} & set(tls)
+    ca = tls["ca"]["secret"]
+    assert ca["name"] == CA_SECRET and set(GENERATED[CA_SECRET]["stringData"]) == {ca["key"]}
+    store_tls = _secret_file(daemon["args"][daemon["args"].index("--tls-cert") + 1],
+                             _mounts(doc, daemon))[0]
+    assert GENERATED[CA_SECRET]["stringData"][ca["key"]] == \
+        GENERATED[store_tls]["stringData"]["ca.crt"]
+    # The others are plain HTTP on the pod network, as the workers' vLLM and the routers are.
+    for name in ("kvkeep-worker", "kvkeep-router"):
+        (endpoint,) = monitors[name]["spec"]["endpoints"]
+        assert endpoint.get("scheme", "http") == "http" and "tlsConfig" not in endpoint
+    # The agent relays on its `metrics` port, bound where vLLM binds (the pod IP).
+    _, agent = _container("Deployment", "kvkeep-worker", "kvkeep-agent")
+    ports = {p["name"]: p["containerPort"] for p in agent["ports"]}
+    relay = agent["args"][agent["args"].index("--metrics-listen") + 1]
+    assert relay == f"$(POD_IP):{ports['metrics']}"
 
 
 def test_worker_ports_bind_the_pod_ip_only() -> None:
@@ -423,6 +509,8 @@ def test_manifest_settings_work_together(tmp_path: Path) -> None:
         args[args.index("--data-dir") + 1] = str(tmp_path / "store")
         args[args.index("--mem-budget") + 1] = "64MiB"
         args[args.index("--disk-budget") + 1] = "256MiB"
+        metrics_port = free_port()
+        args[args.index("--metrics-listen") + 1] = f"127.0.0.1:{metrics_port}"
         serve = args[args.index("serve") + 1:]
         daemon = DaemonProcess("node", port, tmp_path / "store", tmp_path / "store.log", serve)
         daemon.spawn()
@@ -438,6 +526,17 @@ def test_manifest_settings_work_together(tmp_path: Path) -> None:
             wait_until(probe_ok, timeout=60, step=0.5)  # the manifest's exec probe
         except TimeoutError:
             raise AssertionError(daemon.log_text()) from None
+
+        # Its /metrics, scraped as the ServiceMonitor's tlsConfig says (the CA from the Secret
+        # it names, the server name it checks, no client certificate); plain HTTP gets nothing.
+        (endpoint,) = _monitors()["kvkeep-daemon"]["spec"]["endpoints"]
+        tls = endpoint["tlsConfig"]
+        ca_file = dirs[tls["ca"]["secret"]["name"]] / tls["ca"]["secret"]["key"]
+        page = _scrape(metrics_port, endpoint["path"], ca_file, tls["serverName"])
+        assert page.startswith(b"HTTP/1.0 200") and b"kvkeep_daemon_" in page, page[:200]
+        with pytest.raises(ssl.SSLCertVerificationError):
+            _scrape(metrics_port, "/metrics", ca_file, "kvkeep-etcd")  # the name is checked
+        assert not _scrape(metrics_port, "/metrics", None, None).startswith(b"HTTP/1.0 200")
 
         # The connector's store, from the manifest's --kv-transfer-config.
         doc, vllm = _container("Deployment", "kvkeep-worker", "vllm")
@@ -467,6 +566,25 @@ def test_manifest_settings_work_together(tmp_path: Path) -> None:
         if daemon is not None:
             daemon.terminate()
         stop_process(proc)
+
+
+def _scrape(port: int, path: str, ca_file: Path | None, server_name: str | None) -> bytes:
+    """One GET over TLS checked against `ca_file` under `server_name` (None: plain HTTP);
+    the raw answer (empty if the server hung up)."""
+    request = f"GET {path} HTTP/1.0\r\nHost: {server_name or 'x'}\r\n\r\n".encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:
+        conn: socket.socket = raw
+        if ca_file is not None:
+            conn = ssl.create_default_context(cafile=str(ca_file)).wrap_socket(
+                raw, server_hostname=server_name)
+        chunks = []
+        try:
+            conn.sendall(request)
+            while chunk := conn.recv(1 << 16):
+                chunks.append(chunk)
+        except (ConnectionResetError, ssl.SSLError):
+            pass  # (plain HTTP to the TLS port: the server drops it)
+        return b"".join(chunks)
 
 
 async def _router_backend_works(spec: EtcdSpec, who: str) -> None:

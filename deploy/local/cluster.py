@@ -127,6 +127,8 @@ class Worker:
     agent: ManagedProcess
     host: str = "127.0.0.1"
     """127.0.0.1, or its namespace's address when isolated."""
+    metrics_port: int = 0
+    """The agent's relay of vLLM's /metrics (`kvkeep worker --metrics-listen`)."""
 
     @property
     def url(self) -> str:
@@ -480,7 +482,7 @@ class LocalCluster:
 
     def _add_worker(self, worker_id: str) -> None:
         assert self.engine is not None
-        port, events = free_port(), free_port()
+        port, events, metrics = free_port(), free_port(), free_port()
         host, etcd_url = "127.0.0.1", self.etcd_url
         wrap: Callable[[list[str]], list[str]] = list
         if worker_id in self.spec.isolated_workers:
@@ -498,8 +500,10 @@ class LocalCluster:
             "worker", "--etcd", etcd_url,
             *([] if self.pki is None else self.pki.etcd_client_flags()), "--url", f"http://{host}:{port}",
             "--id", worker_id, "--kv-events", f"tcp://{host}:{events}",
-            "--ttl", str(self.spec.lease_ttl_s)], wrap=wrap)
-        self.workers[worker_id] = Worker(worker_id, port, events, server.start(), agent, host)
+            "--ttl", str(self.spec.lease_ttl_s), "--metrics-listen", f"{host}:{metrics}"],
+            wrap=wrap)
+        self.workers[worker_id] = Worker(worker_id, port, events, server.start(), agent, host,
+                                         metrics)
 
     def _wait_worker(self, w: Worker) -> None:
         wait_until(lambda: http_ok(f"{w.url}/health"), timeout=self.spec.vllm_start_timeout_s,

@@ -29,11 +29,12 @@ DEFAULT_OUT = Path(__file__).resolve().parent / "dashboard.png"
 
 def scrape_jobs(cluster: LocalCluster) -> list[ScrapeJob]:
     """The jobs the dashboard's queries expect (`job="kvkeep-daemon"` ...), as the
-    ServiceMonitors in deploy/k8s/monitoring.yaml name them."""
+    ServiceMonitors in deploy/k8s/monitoring.yaml name them; the workers through their agents'
+    relay of vLLM's /metrics, as there."""
     return [
         ScrapeJob("kvkeep-daemon", tuple(f"{d.host}:{d.metrics_port}" for d in cluster.daemons)),
         ScrapeJob("kvkeep-router", tuple(f"127.0.0.1:{r.port}" for r in cluster.routers)),
-        ScrapeJob("kvkeep-worker", tuple(f"127.0.0.1:{w.port}"
+        ScrapeJob("kvkeep-worker", tuple(f"{w.host}:{w.metrics_port}"
                                          for w in cluster.workers.values()))]
 
 
