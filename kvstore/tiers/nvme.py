@@ -148,9 +148,9 @@ class NvmeTier:
     @property
     def admitting(self) -> bool:
         """False while writes are refused for want of space: asks the filesystem now (one
-        statvfs), so that a caller about to acknowledge a write knows the disk has room."""
-        with self._lock:
-            return self._space.allows(0, fresh=True)
+        statvfs, without the tier's lock), so that a caller about to acknowledge a write knows
+        the disk has room."""
+        return self._space.allows(0, fresh=True)
 
     def subscribe_removals(self, listener: Callable[[Sequence[bytes]], None]) -> None:
         """Call `listener(digests)` with the key digests of blocks that left this tier
