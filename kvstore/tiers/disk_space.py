@@ -2,12 +2,16 @@
 
 A cache that keeps retrying writes on a full disk burns I/O and fills logs; one that gives up for
 good never recovers. So writes are refused as soon as a statvfs (at most every `PROBE_S`, ~1 us
-each) shows less free space than the offered write plus a margin (`min_free_bytes`, at most 1/16
-of the filesystem, so a small disk is not refused outright): a disk filled by someone else is
-seen before a write of ours fails half way, and before the daemon acknowledges a put it could
-not write. They are refused too after a write failed with ENOSPC/EDQUOT, and then statvfs is
-trusted again only after `recheck_s` (a filesystem that reports room it cannot give, out of
-inodes or over a quota, must not be retried in a loop). Writes are allowed again when the
+each) shows less free space than the offered write plus a margin: a disk filled by someone else
+is seen before a write of ours fails half way, and before the daemon acknowledges a put it could
+not write. The margin is `min_free_bytes` (64 MiB by default), at most 1/16 of the filesystem and
+at most 1/16 of the owner's own byte budget: a fixed margin never let a small disk take writes
+again (a 128 MiB tmpfs under a 96 MiB budget has at most ~32 MiB free once the others' files
+go), and an owner at its budget replaces its own oldest files rather than growing, so it needs
+room for the write in hand plus a slack that scales with what it writes, not with the disk.
+Writes are refused too after a write failed with ENOSPC/EDQUOT, and then statvfs is trusted
+again only after `recheck_s` (a filesystem that reports room it cannot give, out of inodes or
+over a quota, must not be retried in a loop). Writes are allowed again when the
 owner frees space itself (`freed`), or when a later statvfs shows room. Thread-safe (a lock
 of its own, held for bookkeeping only, never across the statvfs): the tier asks it without
 taking its own lock, so a put's check never waits behind the tier's file operations.
@@ -29,10 +33,12 @@ log = logging.getLogger(__name__)
 
 
 class SpaceGuard:
-    def __init__(self, path: Path, *, recheck_s: float, min_free_bytes: int) -> None:
+    def __init__(self, path: Path, *, recheck_s: float, min_free_bytes: int,
+                 budget_bytes: int | None = None) -> None:
         self._path = path
         self._recheck_s = recheck_s
-        self._min_free = min_free_bytes
+        self._min_free = (min_free_bytes if budget_bytes is None
+                          else min(min_free_bytes, budget_bytes // 16))
         self._blocked_at: float | None = None
         self._by_error = False  # blocked by a failed write (else by a statvfs probe)
         self._checked_at = float("-inf")
