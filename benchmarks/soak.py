@@ -16,7 +16,10 @@ and `flat` says whether growth stayed within `FLAT_MARGIN` of the warm RSS.
 Router (benchmarks/soak_router.py): `RouterCore` (its decisions without HTTP or etcd, in this
 process) and `kvkeep router serve` (a subprocess, against a fake OpenAI worker on loopback), fed
 new sessions whose prompts share rotating prefixes, sampled the same way, with the size of each
-of the core's per-session and per-prefix structures at the end.
+of the core's per-session and per-prefix structures at the end. `core` runs with the router's
+default limits (caps of a million sessions and prefix keys: a run this short never reaches
+them, so it shows the per-session cost until they apply); `core_bounded` with caps small
+enough to be reached, and bindings that expire, to show the RSS once every bound applies.
 
 Baselines measured in the same run: the RSS of an idle daemon right after start, and loopback
 TCP throughput (the ceiling of the put stream), so the figures read as ratios on any machine.
@@ -33,6 +36,7 @@ Writes::
                 "bytes_per_item_after_warmup": f, "flat": bool, "samples": [[blocks, mib]...],
                 "anon": {... the same for RssAnon}},
      "router": {"core": {"items": n, "structures": {...}, "rss_mib": ..., "flat": bool, ...},
+                "core_bounded": {... the same, with caps reached and bindings expiring},
                 "http": {...}},
      "settings": {...}}
 """
@@ -228,6 +232,7 @@ def soak_router(sessions: int) -> dict[str, Any]:
     from benchmarks.soak_router import soak_router_core, soak_router_http
 
     return {"core": soak_router_core(sessions),
+            "core_bounded": soak_router_core(sessions, bounded=True),
             "http": soak_router_http(max(sessions // 10, 500))}
 
 

@@ -6,9 +6,9 @@ Every request is a new session whose prompt starts with one of `PREFIXES` shared
 prompts, rotating, and ends with text of its own; its answer returns prompt and output token
 ids (so the router remembers the session's blocks), and the workers announce the blocks they
 cached (KV events). The router keeps nothing per request beyond what its bounded indexes and
-session table allow, so after a warm-up its RSS must stay flat; `structures` reports the size
-of each of RouterCore's per-session and per-prefix structures at the end, so that a growth can
-be told apart.
+session table allow, so once those bounds apply its RSS must stay flat; `structures` reports
+the size of each of RouterCore's per-session and per-prefix structures at the end, so that a
+growth can be told apart.
 """
 
 from __future__ import annotations
@@ -34,19 +34,34 @@ WARMUP_SHARE = 0.3
 _WORKERS = 16
 
 
-def soak_router_core(sessions: int, seed: int = 0) -> dict[str, Any]:
+BOUNDED_TTL_S = 30.0
+"""`bounded` runs: bindings expire after this much simulated time (a request every 10 ms)."""
+
+
+def soak_router_core(sessions: int, seed: int = 0, *, bounded: bool = False) -> dict[str, Any]:
     """`sessions` new sessions through one RouterCore (place, finish with token ids, KV
-    events), sampling this process's RSS."""
+    events), sampling this process's RSS. Default limits (`router.limits.Limits`), or with
+    `bounded`, caps small enough to be reached within the run and bindings that expire (a
+    simulated clock): what the RSS does once every bound applies."""
     from kvstore.keys import SessionId
     from router.core import RouterCore
     from router.decision import RequestFeatures
     from router.hooks import Outcome
     from router.indexer import BlockStored
+    from router.limits import Limits
     from router.policy import build_policy
     from router.workers import WorkerId, WorkerInfo
 
     rng = random.Random(seed)
-    core = RouterCore(build_policy("kvkeep", rng=rng), block_size=32)
+    now = [0.0]
+    if bounded:
+        limits = Limits(max_sessions=max(sessions, 1), history_keys=20_000,
+                        session_block_keys=50_000, kv_blocks_per_worker=200,
+                        shared_kv_blocks=2_000)
+        core = RouterCore(build_policy("kvkeep", rng=rng), block_size=32, limits=limits,
+                          session_ttl_s=BOUNDED_TTL_S, clock=lambda: now[0])
+    else:
+        core = RouterCore(build_policy("kvkeep", rng=rng), block_size=32)
     workers = [WorkerId(f"w{i:02d}") for i in range(_WORKERS)]
     for wid in workers:
         core.add_worker(WorkerInfo(wid, f"http://{wid}", ("m",)))
@@ -57,6 +72,10 @@ def soak_router_core(sessions: int, seed: int = 0) -> dict[str, Any]:
     samples: list[tuple[int, float]] = []
     started = time.perf_counter()
     for i in range(sessions):
+        if bounded:
+            now[0] += 0.01
+            if i % 100 == 0 and core._own_state is not None:
+                core._own_state.reap()  # what its reaper task does every 100 ms
         own = [rng.randrange(10, 30000) for _ in range(96)]
         prompt = tuple(systems[i % PREFIXES] + own)
         features = RequestFeatures("m", SessionId(f"soak-{i}"), prompt_tokens=prompt,

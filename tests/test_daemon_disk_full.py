@@ -222,3 +222,54 @@ def test_a_full_disk_refuses_puts_cleanly_serves_reads_and_recovers(
             assert read is not None and read.to_frame() == frames[i], i
     finally:
         tier.close()
+
+
+@pytest.mark.parametrize(("disk_size", "disk_budget", "blocks", "left_free"), [
+    # deploy/chaos/every-fault.yaml's daemons: a 128 MiB tmpfs, a 96 MiB budget nearly full
+    # (a fixed 64 MiB margin never came back: at most ~32 MiB is free once the filler goes).
+    ("128m", "96MiB", 80, None),
+    # A small budget on a bigger disk the others fill: they give back 12 MiB, a margin of 1/16
+    # of the disk (16 MiB) would refuse for good though the daemon, at its budget, only
+    # replaces its own oldest blocks.
+    ("256m", "32MiB", 40, 12 << 20),
+])
+def test_puts_resume_on_a_small_disk_once_space_returns(
+        tmp_path: Path, disk_size: str, disk_budget: str, blocks: int,
+        left_free: int | None) -> None:
+    """The resume margin is relative to the disk and to the daemon's budget (lead's note 2)."""
+    with tmpfs(tmp_path / "disk", disk_size) as disk:
+        d = start_daemon(tmp_path, "small", mem_budget="8MiB", disk_budget=disk_budget,
+                         extra=["--data-dir", str(disk / "data")])
+        tier = _remote(d, True)
+        client = DaemonClient(d.node_id, d.address, data_plane=False)
+        frame_of = {i: make_frame(block_key(i), segment_bytes=256_000)  # ~1 MiB each
+                    for i in range(blocks + 2)}
+        try:
+            for i in range(blocks):
+                assert tier.put(block_key(i), frame_of[i]), i
+                if i % 8 == 7:  # the RAM tier is 8 MiB: let the write-behind keep up
+                    _settle(client)
+            _settle(client)
+            written = fill(disk)
+            assert written > 0
+            assert tier.put(block_key(blocks), frame_of[blocks]) is False
+            if left_free is None:
+                free(disk)
+            else:  # the others give back only part of what they took
+                os.truncate(disk / FILLER, max(written - left_free, 0))
+            deadline = time.monotonic() + 20
+            while not tier.put(block_key(blocks), frame_of[blocks]):
+                st = os.statvfs(disk)
+                assert time.monotonic() < deadline, (
+                    f"no put was taken with {st.f_bavail * st.f_frsize >> 20} MiB free")
+                time.sleep(0.2)
+            assert tier.put(block_key(blocks + 1), frame_of[blocks + 1])
+            _settle(client)
+            for i in (blocks, blocks + 1):  # written behind to the disk, and readable
+                read = tier.get(block_key(i))
+                assert read is not None and read.to_frame() == frame_of[i]
+            assert tier.breaker_states() == {d.node_id: "closed"}
+        finally:
+            tier.close()
+            client.close()
+            d.terminate()

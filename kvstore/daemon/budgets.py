@@ -43,11 +43,13 @@ class TenantLimits:
     """Bytes of declared puts in flight."""
     put_streams: int
     """gRPC Put calls plus TCP PUT requests in progress."""
-    stored_bytes: int
-    """Frame bytes of its blocks held; past them its oldest blocks are dropped."""
+    stored_bytes: int | None
+    """Frame bytes of its blocks held; past them its oldest blocks are dropped. None: the
+    whole disk tier (whose own LRU then shares it between tenants; nothing to enforce)."""
 
     def __post_init__(self) -> None:
-        if self.put_bytes <= 0 or self.put_streams <= 0 or self.stored_bytes <= 0:
+        if (self.put_bytes <= 0 or self.put_streams <= 0
+                or (self.stored_bytes is not None and self.stored_bytes <= 0)):
             raise ConfigError(f"tenant limits must be positive: {self}")
 
 
@@ -78,9 +80,9 @@ class DaemonLimits:
         if not 0 < put_share <= 1 or not 0 < stored_share <= 1:
             raise ConfigError("tenant shares must be in (0, 1]")
         total = inflight_put_bytes or min(max(mem_budget // 2, _MIN_INFLIGHT), _MAX_INFLIGHT)
+        stored = None if stored_share >= 1 else max(int(disk_budget * stored_share), 1)
         return cls(total, TenantLimits(put_bytes=max(int(total * put_share), 1),
-                                       put_streams=put_streams,
-                                       stored_bytes=max(int(disk_budget * stored_share), 1)))
+                                       put_streams=put_streams, stored_bytes=stored))
 
     def put_deadline(self, size: int) -> float:
         """Seconds a block of `size` bytes may take to arrive."""

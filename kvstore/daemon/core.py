@@ -24,8 +24,8 @@ both admit and refuse exactly the same things, and count them in one set of coun
   and puts do not fill the key cache, so a daemon's memory does not grow with the blocks it
   ever stored.
 - back-pressure: a put is acknowledged only while the store's write-behind queue (host ->
-  nvme) is below `max_pending_writes`, and below a quarter of the blocks of that size the RAM
-  tier holds, so acknowledged blocks can neither outrun the disk and be dropped from the queue
+  nvme) is below `max_pending_writes`, and below half the blocks of that size the RAM tier
+  holds, so acknowledged blocks can neither outrun the disk and be dropped from the queue
   unwritten, nor be evicted from RAM before the write-behind has copied them down.
 - reads: `open_read` lends a block's pages in place from host RAM (key binding checked before,
   segment checksums right after they are sent: the client verifies every block anyway, and
@@ -124,7 +124,7 @@ class BlockServiceCore:
         if limits is None:
             if max_inflight_put_bytes is not None:
                 limits = DaemonLimits(max_inflight_put_bytes, TenantLimits(
-                    max_inflight_put_bytes, 1 << 20, max(sum(budgets), 1)))
+                    max_inflight_put_bytes, 1 << 20, None))
             else:
                 limits = DaemonLimits.scaled(budgets[0], budgets[-1])
         self._budgets = PutBudgets(limits)
@@ -310,8 +310,11 @@ class BlockServiceCore:
     def _enforce_stored_bytes(self, stored: BlockKey) -> None:
         """A tenant past its stored bytes gives up its oldest blocks (never the one just
         stored, never another tenant's)."""
+        limit = self._budgets.limits.tenant.stored_bytes
+        if limit is None:
+            return
         tenant = stored.namespace.tenant
-        over = self._catalog.tenant_bytes(tenant) - self._budgets.limits.tenant.stored_bytes
+        over = self._catalog.tenant_bytes(tenant) - limit
         if over <= 0:
             return
         victims = [k for k in self._catalog.oldest(tenant, over) if k.digest != stored.digest]
@@ -353,7 +356,7 @@ class BlockServiceCore:
         """Hold the ack while the write-behind queue is over its mark (see the module doc)."""
         page = max(self._ram_page, 1)
         fits = self._ram_budget // (max(-(-size // page), 1) * page)
-        mark = max(1, min(self._max_pending, fits // 4))
+        mark = max(1, min(self._max_pending, fits // 2))
         end = time.monotonic() + self._backpressure_timeout
         while self._store.pending_writes > mark and time.monotonic() < end:
             time.sleep(0.001)

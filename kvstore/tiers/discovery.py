@@ -14,6 +14,16 @@ A registration is a claim: each one passes the watcher's `DaemonTrust` (signed, 
 over mTLS, or loopback; kvstore/tiers/daemon_trust.py) before it becomes a member. What fails
 is ignored, logged once and counted by reason (`rejected`); a trusted daemon whose key is
 overwritten by an untrusted value leaves the membership until it registers again.
+
+A daemon whose key vanishes (a delete, or a re-listing without it) leaves only if its key has
+not come back within `delete_grace_s`. When etcd stalls (paused, a slow disk, an election) past
+the daemons' lease TTL, it expires every lease at once on resuming, and each live daemon's
+registrar writes its key again as soon as it notices (at most TTL/3 later): acting on those
+deletes dropped every daemon from every client for that moment (puts and reads missed, the
+daemon's own re-replication saw its peers go). The router's worker registry does the same
+(router/state/etcd.py). A daemon that is really gone leaves this much after its lease: its
+calls fail meanwhile, which the remote tier's breakers and fallbacks handle anyway. An untrusted
+value replacing a registration is not a departure to wait for: that member goes at once.
 """
 
 from __future__ import annotations
@@ -34,6 +44,7 @@ from kvstore.tiers.daemon_trust import DaemonTrust
 
 __all__ = [
     "DEFAULT_PREFIX",
+    "DELETE_GRACE_S",
     "DaemonInfo",
     "Discovery",
     "StaticDiscovery",
@@ -49,6 +60,11 @@ _log = logging.getLogger(__name__)
 
 _END = object()  # the watch stream ended
 _REMEMBERED_REJECTIONS = 1024  # (key, revision) pairs already counted and logged
+
+DELETE_GRACE_S = 2.0
+"""How long a vanished registration may take to come back before its daemon leaves: longer than
+a registrar takes to notice a lost lease and register again (TTL/3: 1.7 s at the daemon's
+default TTL of 5 s), much shorter than a TTL."""
 
 Listener = Callable[[Mapping[str, "DaemonInfo"]], None]
 """Called with the full new membership after every change (from the discovery's own thread)."""
@@ -90,8 +106,12 @@ class MembershipWatcher:
 
     def __init__(self, etcd: EtcdSpec | str, prefix: str = DEFAULT_PREFIX, *,
                  trust: DaemonTrust | None = None, resync_interval: float = 5.0,
-                 request_timeout: float = 2.0) -> None:
+                 request_timeout: float = 2.0,
+                 delete_grace_s: float = DELETE_GRACE_S) -> None:
         self._etcd = etcd_spec(etcd)
+        self._grace = delete_grace_s
+        # Members whose key vanished, until their grace ends (touched on the loop only).
+        self._leaving: dict[str, asyncio.TimerHandle] = {}
         self._trust = trust if trust is not None else DaemonTrust()
         self.rejected: Counter[str] = Counter()
         """Registrations ignored, by reason (each key and revision counted once)."""
@@ -115,6 +135,14 @@ class MembershipWatcher:
 
     async def run(self) -> None:
         """List and watch forever (cancel to stop); errors only cause a reconnect."""
+        try:
+            await self._run()
+        finally:
+            for timer in self._leaving.values():
+                timer.cancel()
+            self._leaving.clear()
+
+    async def _run(self) -> None:
         attempt = 0
         while True:
             client = etcd_client(self._etcd, attempt, timeout=self._timeout)
@@ -165,9 +193,15 @@ class MembershipWatcher:
                     continue  # already in the listing
                 revision = event.kv.mod_revision
                 node_id = event.kv.key[len(self._prefix):].decode(errors="replace")
-                info = self._admit(event.kv) if event.kind == "PUT" else None
-                # An untrusted value replacing a member's registration removes the member.
-                self._update(_remover(node_id) if info is None else _setter(info))
+                if event.kind != "PUT":
+                    if not self._defer_departure(node_id):
+                        self._update(_remover(node_id))
+                elif (info := self._admit(event.kv)) is not None:
+                    self._cancel_departure(info.node_id)
+                    self._update(_setter(info))
+                else:  # an untrusted value replacing a member's registration: gone at once
+                    self._cancel_departure(node_id)
+                    self._update(_remover(node_id))
         finally:
             pumper.cancel()
             with contextlib.suppress(Exception):
@@ -177,10 +211,16 @@ class MembershipWatcher:
     async def _relist(self, client: Any) -> int:
         listing = await client.get_prefix(self._prefix)
         members: dict[str, DaemonInfo] = {}
+        listed: set[str] = set()  # node ids with a key, trusted or not
         for kv in listing:
+            listed.add(bytes(kv.key)[len(self._prefix):].decode(errors="replace"))
             info = self._admit(kv)
             if info is not None:
                 members[info.node_id] = info
+                self._cancel_departure(info.node_id)
+        for node_id, info in self.members().items():
+            if node_id not in listed and self._defer_departure(node_id):
+                members[node_id] = info  # absent from this listing: leaves after the grace
         self._update(_replacer(members))
         self.synced.set()
         return int(listing.header.revision)
@@ -205,6 +245,29 @@ class MembershipWatcher:
                 self.rejected[exc.reason] += 1
             _log.warning("ignoring registration %r: %s", mark[0], exc)
             return None
+
+    def _defer_departure(self, node_id: str) -> bool:
+        """Start (or keep running) the grace of a member whose key vanished; False when it is
+        no member or there is no grace (then it goes now). On the loop."""
+        if self._grace <= 0:
+            return False
+        with self._lock:
+            if node_id not in self._members:
+                return False
+        if node_id not in self._leaving:
+            self._leaving[node_id] = asyncio.get_running_loop().call_later(
+                self._grace, self._depart, node_id)
+        return True
+
+    def _cancel_departure(self, node_id: str) -> None:
+        """Its key is back (or replaced): no departure pending any more."""
+        if (timer := self._leaving.pop(node_id, None)) is not None:
+            timer.cancel()
+
+    def _depart(self, node_id: str) -> None:
+        """The grace ran out without the key coming back."""
+        self._leaving.pop(node_id, None)
+        self._update(_remover(node_id))
 
     def _update(self, change: Callable[[dict[str, DaemonInfo]], object]) -> None:
         with self._lock:
@@ -244,9 +307,10 @@ class EtcdDiscovery:
 
     def __init__(self, etcd: EtcdSpec | str, prefix: str = DEFAULT_PREFIX, *,
                  trust: DaemonTrust | None = None, resync_interval: float = 5.0,
-                 wait_synced: float = 5.0) -> None:
+                 wait_synced: float = 5.0, delete_grace_s: float = DELETE_GRACE_S) -> None:
         self._watcher = MembershipWatcher(etcd, prefix, trust=trust,
-                                          resync_interval=resync_interval)
+                                          resync_interval=resync_interval,
+                                          delete_grace_s=delete_grace_s)
         self._loop = asyncio.new_event_loop()
         self._task: asyncio.Task[None] | None = None
         self._started = threading.Event()

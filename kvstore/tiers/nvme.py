@@ -82,8 +82,9 @@ class NvmeTier:
     """Blocks as files under `data_dir`, LRU within `byte_budget` bytes of frames.
 
     After a disk-full error (ENOSPC, EDQUOT), or when the filesystem has less than
-    `min_free_bytes` free beyond the offered frame (asked at most every `space_recheck_s`, so a
-    disk filled by others is seen before a write fails), puts return False until this tier
+    `min_free_bytes` free beyond the offered frame (at most 1/16 of the filesystem and of
+    `byte_budget`, see disk_space.py; asked at most every `space_recheck_s`, so a disk filled
+    by others is seen before a write fails), puts return False until this tier
     frees space itself (delete, eviction) or the filesystem has room again; reads go on
     meanwhile, and `admitting` says which it is now. `write_fn` replaces
     the low-level write, for fault injection in tests. Session manifests have their own budget,
@@ -111,7 +112,7 @@ class NvmeTier:
         self._active = 0
         self._closed = False
         self._space = SpaceGuard(self._root, recheck_s=space_recheck_s,
-                                 min_free_bytes=min_free_bytes)
+                                 min_free_bytes=min_free_bytes, budget_bytes=byte_budget)
         self._removal_listeners: list[Callable[[Sequence[bytes]], None]] = []
         self._hits = self._misses = self._puts = self._rejected = 0
         self._corrupt = self._errors = 0
@@ -148,9 +149,9 @@ class NvmeTier:
     @property
     def admitting(self) -> bool:
         """False while writes are refused for want of space: asks the filesystem now (one
-        statvfs), so that a caller about to acknowledge a write knows the disk has room."""
-        with self._lock:
-            return self._space.allows(0, fresh=True)
+        statvfs, without the tier's lock), so that a caller about to acknowledge a write knows
+        the disk has room."""
+        return self._space.allows(0, fresh=True)
 
     def subscribe_removals(self, listener: Callable[[Sequence[bytes]], None]) -> None:
         """Call `listener(digests)` with the key digests of blocks that left this tier
