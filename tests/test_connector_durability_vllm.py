@@ -1,0 +1,155 @@
+"""Checkpoint durability (RPO) with real vLLM workers: a worker SIGKILLed 0 ms after a response
+ends, and the next turn on another worker.
+
+Two kvstore daemons (R=2). Each worker under test (a real `vllm serve`, multiprocess) reaches
+them over a slow link (`tests.slow_link`: its bytes arrive `DELAY_S` late), so a block's copy
+to the daemons lags its computation by at least that: the window in which a dying node takes
+its KV along. The client reads the whole response, the worker's process group is SIGKILLed at
+once and its link cut (bytes it had not got out are lost with it); a fresh engine elsewhere
+(in-process, straight to the daemons) then runs the next turn, whose prompt starts with the
+previous prompt and answer, and reports how many tokens it restored.
+
+- `durability` on: the response is only sent once its KV is on both daemons, so every full
+  block of the prompt comes back, and both daemons hold each (checked directly).
+- `durability` off (write-behind): the same response completes long before its blocks reach
+  the daemons, and the next turn restores nothing: the setting is what keeps the KV.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.connector_harness import (
+    BLOCK_SIZE,
+    block_hashes,
+    generate,
+    kv_transfer_config,
+    open_engine,
+    random_prompts,
+    worker_connector,
+)
+from tests.daemon_process import DaemonProcess, running_daemons
+from tests.models import TinyModel
+from tests.slow_link import SlowLink, slow_links
+from tests.test_store_replicated import copies_on
+from tests.vllm_server import VllmServer, start_vllm
+
+pytestmark = pytest.mark.slow
+
+DELAY_S = 1.5
+"""Every call from a worker under test to a daemon takes this much longer. A write-behind copy
+needs two calls (which daemons lack the block, then the put) after the prefill step: the
+response (a few decode steps) ends long before that."""
+MODEL_ID = "tiny-durability"
+PROMPT_TOKENS = 100  # 3 full blocks and 4 tokens: no block completes during the 4 decode steps
+MAX_TOKENS = 4
+
+
+@dataclass
+class Worker:
+    server: VllmServer
+    links: dict[str, SlowLink]
+
+    def die(self) -> None:
+        """A node lost: its processes SIGKILLed, its link cut."""
+        self.server.kill(signal.SIGKILL)
+        for link in self.links.values():
+            link.sever()
+
+
+@dataclass
+class Cluster:
+    daemons: list[DaemonProcess]
+    durable: Worker
+    write_behind: Worker
+    elsewhere: Any  # the in-process vLLM engine of the next turn
+
+
+def _connector(daemons: dict[str, str], *, name: str, **extra: Any) -> dict[str, Any]:
+    return kv_transfer_config(
+        {"host_bytes": 64 << 20, "name": name,
+         "remote": {"daemons": daemons, "replicas": 2, "timeout_ms": 20000}},
+        model_id=MODEL_ID, restore_deadline_ms=20000, **extra)
+
+
+def _worker(model: Path, logs: Path, daemons: list[DaemonProcess], *, durable: bool,
+            links: dict[str, SlowLink]) -> VllmServer:
+    extra = {"durability": {"replicas": 2, "timeout_ms": 20000}} if durable else {}
+    config = _connector({n: link.address for n, link in links.items()},
+                        name="durable" if durable else "write-behind", **extra)
+    return start_vllm(model, logs, kv_events=False,
+                      extra_args=["--kv-transfer-config", json.dumps(config)])
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny: TinyModel, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    base = tmp_path_factory.mktemp("durability")
+    # No bulk data plane: every byte to a daemon goes over gRPC, through the slow link.
+    with running_daemons(base, 2, extra=["--data-listen", "off"]) as daemons:
+        direct = {d.node_id: d.address for d in daemons}
+        with slow_links(direct, DELAY_S) as durable_links, \
+                slow_links(direct, DELAY_S) as behind_links:
+            servers = {
+                "durable": _worker(tiny.path, base, daemons, durable=True, links=durable_links),
+                "behind": _worker(tiny.path, base, daemons, durable=False, links=behind_links)}
+            try:
+                with open_engine(tiny.path, _connector(direct, name="elsewhere"),
+                                 dtype="float32") as elsewhere:
+                    for server in servers.values():
+                        server.wait_healthy()
+                    yield Cluster(daemons, Worker(servers["durable"], durable_links),
+                                  Worker(servers["behind"], behind_links), elsewhere)
+            finally:
+                for server in servers.values():
+                    server.kill(signal.SIGKILL)
+
+
+def _respond_then_die(worker: Worker, prompt: list[int]) -> list[int]:
+    """One completion read to its end, then the worker's node dies at once; its answer."""
+    reply = httpx.post(f"{worker.server.url}/v1/completions", timeout=120, json={
+        "model": worker.server.name, "prompt": prompt, "max_tokens": MAX_TOKENS,
+        "temperature": 0, "ignore_eos": True, "return_token_ids": True})
+    worker.die()  # 0 ms after the client has the whole response
+    reply.raise_for_status()
+    answer = reply.json()["choices"][0]["token_ids"]
+    assert len(answer) == MAX_TOKENS
+    return [int(t) for t in answer]
+
+
+def _next_turn_elsewhere(cluster: Cluster, history: list[int]) -> int:
+    """The next turn (history plus a new user message) on the other engine: tokens restored."""
+    (result,) = generate(cluster.elsewhere, [history + random_prompts(1, 40, seed=7)[0]], 1)
+    return int((result.kv_transfer_params or {}).get("restored_tokens", 0))
+
+
+def _prompt_copies(cluster: Cluster, prompt: list[int]) -> list[int]:
+    from kvstore.keys import BlockKey, Namespace
+
+    fingerprint = worker_connector().fingerprint  # the engine elsewhere: the same model
+    keys = [BlockKey.of(fingerprint, Namespace("default"), h) for h in block_hashes(prompt)]
+    return copies_on(cluster.daemons, keys)
+
+
+def test_durable_response_survives_a_sigkill_right_after_it_ends(cluster: Cluster) -> None:
+    prompt = random_prompts(1, PROMPT_TOKENS, seed=101)[0]
+    full_blocks = PROMPT_TOKENS // BLOCK_SIZE
+    answer = _respond_then_die(cluster.durable, prompt)
+    # Both daemons held every full block of the prompt when the response was sent.
+    assert _prompt_copies(cluster, prompt) == [2] * full_blocks
+    assert _next_turn_elsewhere(cluster, prompt + answer) == full_blocks * BLOCK_SIZE
+
+
+def test_write_behind_loses_a_response_killed_right_after_it_ends(cluster: Cluster) -> None:
+    prompt = random_prompts(1, PROMPT_TOKENS, seed=202)[0]
+    answer = _respond_then_die(cluster.write_behind, prompt)
+    # The response was complete while its blocks were still on the way: lost with the node.
+    assert _prompt_copies(cluster, prompt) == [0] * (PROMPT_TOKENS // BLOCK_SIZE)
+    assert _next_turn_elsewhere(cluster, prompt + answer) == 0
