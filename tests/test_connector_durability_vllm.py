@@ -40,7 +40,7 @@ from tests.daemon_process import DaemonProcess, running_daemons
 from tests.models import TinyModel
 from tests.slow_link import SlowLink, slow_links
 from tests.test_store_replicated import copies_on
-from tests.vllm_server import VllmServer, start_vllm
+from tests.vllm_server import VllmServer, start_vllm, vllm_env
 
 pytestmark = pytest.mark.slow
 
@@ -100,13 +100,17 @@ def cluster(tiny: TinyModel, tmp_path_factory: pytest.TempPathFactory) -> Iterat
             servers = {
                 "durable": _worker(tiny.path, base, daemons, durable=True, links=durable_links),
                 "behind": _worker(tiny.path, base, daemons, durable=False, links=behind_links)}
+            # The servers hash blocks with PYTHONHASHSEED=0 (tests.vllm_server.vllm_env); the
+            # engine elsewhere must chain its block hashes from the same seed to find theirs.
             try:
-                with open_engine(tiny.path, _connector(direct, name="elsewhere"),
-                                 dtype="float32") as elsewhere:
-                    for server in servers.values():
-                        server.wait_healthy()
-                    yield Cluster(daemons, Worker(servers["durable"], durable_links),
-                                  Worker(servers["behind"], behind_links), elsewhere)
+                with pytest.MonkeyPatch.context() as env:
+                    env.setenv("PYTHONHASHSEED", vllm_env()["PYTHONHASHSEED"])
+                    with open_engine(tiny.path, _connector(direct, name="elsewhere"),
+                                     dtype="float32") as elsewhere:
+                        for server in servers.values():
+                            server.wait_healthy()
+                        yield Cluster(daemons, Worker(servers["durable"], durable_links),
+                                      Worker(servers["behind"], behind_links), elsewhere)
             finally:
                 for server in servers.values():
                     server.kill(signal.SIGKILL)

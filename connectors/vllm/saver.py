@@ -280,6 +280,9 @@ class Saver:
             # daemons behind, as without durability: saved, but not durable yet.
             self._ctx.counters.add(Counter.SAVED_BLOCKS, len(items))
             self._ctx.counters.add(Counter.DURABLE_BLOCKS, sum(acked))
+            lag = time.monotonic() - batch.planned
+            for _ in items:
+                self._ctx.telemetry.saved(lag)
             self._ctx.outbox.saves(item.report(ok=True) for item in items)
             self._not_durable([item for item, ok in zip(items, acked, strict=True) if not ok],
                               f"{durability.replicas} daemons did not acknowledge it in "
