@@ -104,8 +104,9 @@ def test_copy_lags_reach_the_api_servers_histogram_by_tier() -> None:
             n: v for n, v in k.items() if n != "multiprocess_mode"}))
 
     metrics = KVKeepPromMetrics(
-        cast(Any, SimpleNamespace(kv_transfer_config=None)), {Counter: in_registry(Counter), Gauge: in_registry(Gauge),
-                          Histogram: in_registry(Histogram)},
+        cast(Any, SimpleNamespace(kv_transfer_config=None)),
+        {Counter: in_registry(Counter), Gauge: in_registry(Gauge),
+         Histogram: in_registry(Histogram)},
         ["model_name", "engine"], {0: ["tiny", "0"]}, tier_names=["host", "remote"])
     labels = {"model_name": "tiny", "engine": "0"}
     name = "kvkeep_connector_store_copy_lag_seconds"
