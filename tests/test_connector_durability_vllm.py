@@ -9,10 +9,14 @@ once and its link cut (bytes it had not got out are lost with it); a fresh engin
 (in-process, straight to the daemons) then runs the next turn, whose prompt starts with the
 previous prompt and answer, and reports how many tokens it restored.
 
-- `durability` on: the response is only sent once its KV is on both daemons, so every full
-  block of the prompt comes back, and both daemons hold each (checked directly).
+- `durability` on: the response is only sent once its KV is on both daemons, so both daemons
+  hold every full block of the prompt when the client has it (checked directly), and the next
+  turn elsewhere restores every one of them even with one of the two daemons killed as well;
+  the worker's `/metrics` shows each remote copy's lag (at least the link's delay).
 - `durability` off (write-behind): the same response completes long before its blocks reach
   the daemons, and the next turn restores nothing: the setting is what keeps the KV.
+
+One module of engines (two servers, one in-process engine) serves every test, in file order.
 """
 
 from __future__ import annotations
