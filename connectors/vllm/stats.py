@@ -34,7 +34,8 @@ worker half
                                      too few daemons, refused, skipped): not durable then
     durable_wait_us                  with `durability`: microseconds steps waited for it (the
                                      latency the setting costs; the lag itself is the store's
-                                     `kvkeep_store_copy_lag_seconds{tier="remote"}`)
+                                     `kvkeep_store_copy_lag_seconds{tier="remote"}`, on vLLM's
+                                     /metrics `kvkeep_connector_store_copy_lag_seconds`)
     manifests_written, manifest_errors  (manifests the scheduler handed over in step metadata)
 """
 
