@@ -11,11 +11,14 @@ name, so adding a tier to the store's configuration adds series, not code.
 
 from __future__ import annotations
 
+import threading
+from collections import deque
 from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-__all__ = ["StoreMetrics", "LATENCY_BUCKETS", "COPY_LAG_BUCKETS", "DROP_REASONS", "total"]
+__all__ = ["StoreMetrics", "RecentObservations", "LATENCY_BUCKETS", "COPY_LAG_BUCKETS",
+           "DROP_REASONS", "total"]
 
 DROP_REASONS = ("queue_full", "source_gone", "closed", "error")
 """Why a background write is given up (`write_behind_dropped`'s `reason` label)."""
@@ -26,6 +29,28 @@ LATENCY_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5
 # From 0.5 ms (a synchronous copy on loopback) to 30 s (a write-behind queue far behind).
 COPY_LAG_BUCKETS = (5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                     10.0, 30.0)
+
+
+class RecentObservations:
+    """The latest observations of a labelled histogram, for one reader that exports them again
+    elsewhere (the vLLM connector, on vLLM's `/metrics`): a histogram's own samples are bucket
+    counts, from which the values (and so an exact sum) cannot be recovered. Bounded: with no
+    reader, only the newest `maxlen` are kept."""
+
+    def __init__(self, maxlen: int = 4096) -> None:
+        self._lock = threading.Lock()
+        self._items: deque[tuple[str, float]] = deque(maxlen=maxlen)
+
+    def add(self, label: str, value: float) -> None:
+        with self._lock:
+            self._items.append((label, value))
+
+    def take(self) -> list[tuple[str, float]]:
+        """Every (label, value) added since the last `take`, oldest first."""
+        with self._lock:
+            items = list(self._items)
+            self._items.clear()
+        return items
 
 
 class StoreMetrics:
@@ -78,6 +103,8 @@ class StoreMetrics:
             "From a block's computation (the put's computed_at, else the put) until a tier "
             "acknowledged its copy; for a remote tier, until its R-th daemon did",
             ["tier"], buckets=COPY_LAG_BUCKETS, registry=reg)
+        self.recent_copy_lags = RecentObservations()
+        """`copy_lag`'s observations as (tier, seconds), for the connector to export."""
         for reason in DROP_REASONS:
             self.write_behind_dropped.labels(reason)
 

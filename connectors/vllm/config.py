@@ -18,6 +18,7 @@ Example (every key optional except a store with at least one tier)::
      "checkpoint_tokens": 32, "restore_deadline_ms": 2000, "hinted_restore_deadline_ms": 5000,
      "save_timeout_ms": 2000,
      "load_mode": "sync", "tenant": "default",
+     "durability": {"replicas": 2, "timeout_ms": 5000},
      "model_id": "llama-3-8b", "weights_revision": "abc123",
      "mac_key_file": "/etc/kvkeep/tenant-default.mac"}
 
@@ -26,6 +27,9 @@ daemons: every frame saved is signed with it, and a frame restored must carry a 
 under it (else it is recomputed, and deleted), so neither a holder of the tenant's daemon
 token nor a daemon or disk can inject KV. Without it frames are unsigned and any that verify
 are used.
+
+`durability`: see DurabilitySpec and the connector README ("Durability"); absent, blocks reach
+the daemons by write-behind.
 
 Unknown keys are an error, not a shrug: a typo in `checkpoint_tokens` would otherwise silently
 leave a session unprotected.
@@ -52,6 +56,7 @@ __all__ = [
     "RedisSpec",
     "StoreSpec",
     "ConnectorConfig",
+    "DurabilitySpec",
     "Codec",
     "Compression",
     "LoadMode",
@@ -73,6 +78,7 @@ _TOP_KEYS: Final = frozenset({
     "store", "codec", "compression", "checkpoint_tokens", "restore_deadline_ms",
     "hinted_restore_deadline_ms", "save_timeout_ms", "load_mode", "tenant", "model_id",
     "weights_revision", "max_inflight_saves", "lookup", "restore_first_layers", "mac_key_file",
+    "durability",
 })
 _STORE_KEYS: Final = frozenset({"host_bytes", "nvme", "remote", "redis", "name"})
 _NVME_KEYS: Final = frozenset({"path", "bytes", "durable"})
@@ -108,6 +114,36 @@ class StoreSpec:
             raise ConfigError("store: configure at least one of host_bytes, nvme, remote, redis")
 
 
+# -- durability (issue 13 item 10): one block, `"durability": {"replicas": R, "timeout_ms": T}`
+
+_DURABILITY_KEYS: Final = frozenset({"replicas", "timeout_ms"})
+DEFAULT_DURABILITY_TIMEOUT_MS: Final = 5000
+
+
+@dataclass(frozen=True, slots=True)
+class DurabilitySpec:
+    """Make KV durable on `replicas` remote daemons before the tokens computed with it reach the
+    client: every engine step that completes full blocks returns only once each is held by
+    `replicas` distinct daemons, or `timeout_s` after the step (then counted, logged, and the
+    blocks go on behind as without the setting). See the connector README, "Durability"."""
+
+    replicas: int
+    timeout_s: float
+
+
+def _durability(raw: object, remote: RemoteSpec | None) -> DurabilitySpec:
+    if not isinstance(raw, Mapping):
+        raise ConfigError('durability must be an object, e.g. {"replicas": 2, "timeout_ms": 5000}')
+    _reject_unknown("durability", raw, _DURABILITY_KEYS)
+    if remote is None:
+        raise ConfigError("durability needs store.remote: KV is durable on remote daemons")
+    replicas = _positive_int(raw.get("replicas", remote.replicas), "durability.replicas")
+    if replicas > remote.replicas:
+        raise ConfigError(f"durability.replicas is {replicas} but store.remote keeps "
+                          f"{remote.replicas} copies of each block")
+    return DurabilitySpec(replicas, _positive_ms(raw, "timeout_ms", DEFAULT_DURABILITY_TIMEOUT_MS))
+
+
 @dataclass(frozen=True, slots=True)
 class ConnectorConfig:
     store: StoreSpec
@@ -141,6 +177,8 @@ class ConnectorConfig:
     """Where the scheduler's lookups run. "auto": in the scheduler's process when the worker
     shares it (vLLM's in-process executor), else in the worker, one engine step later, via the
     per-step metadata ("worker", which can also be forced)."""
+    durability: DurabilitySpec | None = None
+    """None: blocks reach the daemons by write-behind (a node lost meanwhile loses them)."""
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -163,8 +201,12 @@ class ConnectorConfig:
         if hinted < deadline:
             raise ConfigError("hinted_restore_deadline_ms must not be below restore_deadline_ms "
                               "(a restore known to be in the store waits at least as long)")
+        store = _store(extra["store"])
+        durability = (None if extra.get("durability") is None
+                      else _durability(extra["durability"], store.remote))
         return cls(
-            store=_store(extra["store"]),
+            store=store,
+            durability=durability,
             codec=cast(Codec, codec),
             compression=cast(Compression, compression),
             checkpoint_tokens=checkpoint,
@@ -191,7 +233,10 @@ class ConnectorConfig:
 
     def checkpoint_interval(self, block_size: int) -> int:
         """Tokens between decode-time checkpoints; never below one block (blocks are the unit
-        a store holds, so a smaller interval cannot lose less)."""
+        a store holds, so a smaller interval cannot lose less). With `durability`, one block:
+        a block must be durable by the end of the step that completes it."""
+        if self.durability is not None:
+            return block_size
         return max(block_size, self.checkpoint_tokens or block_size)
 
 

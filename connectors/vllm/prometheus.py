@@ -22,6 +22,9 @@ Families (all `kvkeep_connector_*`, labels `model_name`, `engine`, and those sho
                                                      failed to (vLLM recomputed them)
     restore_seconds                                  per load job, start to last block
     save_lag_seconds                                 per block, its step's start to stored
+    store_copy_lag_seconds{tier}                     per block and tier, its computation to
+                                                     the tier's acknowledgement (remote: the
+                                                     R-th daemon's): the recovery point
     load_failures_total{cause}                       missing, corrupt, mismatch, late, error
     saved_blocks_total, save_failures_total{cause}   failed, backpressure, load_error
     events_total{event}                              every counter of connectors.vllm.stats
@@ -51,7 +54,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from connectors.vllm.stats import Counter as Event
 from connectors.vllm.stats import Counters
 from connectors.vllm.telemetry import Telemetry
-from kvstore.metrics import DROP_REASONS, StoreMetrics
+from kvstore.metrics import COPY_LAG_BUCKETS, DROP_REASONS, StoreMetrics
 from kvstore.store import TieredStore
 from kvstore.tiers.remote import RemoteTier
 
@@ -95,7 +98,8 @@ _FAMILY_OF = {attr: _store_family(StoreMetrics(), attr) for attr in STORE_COUNTE
 @dataclass
 class KVKeepStats(KVConnectorStats):
     """One report: {"counters"|"gauges": {family: {labels: value}}, "observations": {family:
-    [seconds]}} (families without the prefix; labels joined by \\x1f)."""
+    [seconds]}} (families without the prefix; labels joined by \\x1f; a labelled histogram's
+    observations under its family and labels joined so)."""
 
     def __post_init__(self) -> None:
         for part in ("counters", "gauges", "observations"):
@@ -124,7 +128,8 @@ class KVKeepStats(KVConnectorStats):
         for family, series in self.data["counters"].items():
             out[family] = sum(series.values())
         for family, values in self.data["observations"].items():
-            out[f"{family}_count"] = len(values)
+            name = f"{family.split(_SEP)[0]}_count"
+            out[name] = out.get(name, 0) + len(values)
         return out
 
     def is_empty(self) -> bool:
@@ -170,6 +175,7 @@ class StatsReporter:
         if self._store is not None and (batch or now - self._store_read_at >= self._interval):
             self._store_read_at = now
             self._store_families(counters, stats.data["gauges"])
+            self._copy_lags(stats.data["observations"])
         return None if stats.is_empty() else stats
 
     def _events(self, counters: dict[str, dict[str, float]]) -> None:
@@ -218,6 +224,12 @@ class StatsReporter:
             gauges["daemon_breaker"] = breakers
 
 
+    def _copy_lags(self, observations: dict[str, list[float]]) -> None:
+        assert self._store is not None
+        for tier, seconds in self._store.metrics.recent_copy_lags.take():
+            observations.setdefault(f"store_copy_lag_seconds{_SEP}{tier}", []).append(seconds)
+
+
 def _add(families: dict[str, dict[str, float]], family: str, labels: str, value: float) -> None:
     series = families.setdefault(family, {})
     series[labels] = series.get(labels, 0) + value
@@ -235,7 +247,7 @@ class KVKeepPromMetrics(KVConnectorPromMetrics):
         self._gauge_type = cast("type[Gauge]", metric_types[Gauge])
         self._histogram_type = cast("type[Histogram]", metric_types[Histogram])
         self._counters: dict[str, tuple[Counter, int]] = {}
-        self._histograms: dict[str, Histogram] = {}
+        self._histograms: dict[str, tuple[Histogram, int]] = {}
         self._gauges: dict[str, tuple[Gauge, int]] = {}
         self._breakers: dict[int, set[str]] = {}
         self._counter("restored_tokens", "Prompt tokens restored from the kvkeep store", ())
@@ -255,6 +267,10 @@ class KVKeepPromMetrics(KVConnectorPromMetrics):
                         RESTORE_BUCKETS)
         self._histogram("save_lag_seconds", "Time from the step that computed a block to its "
                         "checkpoint being stored", SAVE_LAG_BUCKETS)
+        self._histogram("store_copy_lag_seconds", "Time from a block's computation until a tier "
+                        "of the connector's store acknowledged its copy (remote: the R-th "
+                        "daemon): how much KV a node that dies takes along",
+                        COPY_LAG_BUCKETS, ("tier",))
         self._gauge("store_write_queue_depth",
                     "Background writes (write-behind, promotions) the store has pending", ())
         self._gauge("daemon_breaker", "1 for the state each remote daemon's circuit breaker is "
@@ -278,8 +294,11 @@ class KVKeepPromMetrics(KVConnectorPromMetrics):
                     tiered = self._counters[_FAMILY_OF[attr].removeprefix(PREFIX)][0]
                     for tier in tier_names:
                         tiered.labels(*values, tier)
-            for histogram in self._histograms.values():
-                histogram.labels(*values)
+            for histogram, arity in self._histograms.values():
+                if arity == 0:
+                    histogram.labels(*values)
+            for tier in tier_names:
+                self._histograms["store_copy_lag_seconds"][0].labels(*values, tier)
             self._gauges["store_write_queue_depth"][0].labels(*values).set(0)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
@@ -294,10 +313,12 @@ class KVKeepPromMetrics(KVConnectorPromMetrics):
             for labels, value in series.items():
                 if value > 0:
                     counter.labels(*values, *_split(labels, arity)).inc(value)
-        for family, observed in transfer_stats_data.get("observations", {}).items():
-            histogram = self._histograms.get(family)
-            if histogram is not None:
-                child = histogram.labels(*values)
+        for key, observed in transfer_stats_data.get("observations", {}).items():
+            family, _, labels = key.partition(_SEP)
+            known_histogram = self._histograms.get(family)
+            if known_histogram is not None:
+                histogram, arity = known_histogram
+                child = histogram.labels(*values, *_split(labels, arity))
                 for seconds in observed:
                     child.observe(seconds)
         for family, series in transfer_stats_data.get("gauges", {}).items():
@@ -318,10 +339,12 @@ class KVKeepPromMetrics(KVConnectorPromMetrics):
             name=_fresh(PREFIX + family), documentation=doc,
             labelnames=[*self._labelnames, *names]), len(names))
 
-    def _histogram(self, family: str, doc: str, buckets: Sequence[float]) -> None:
-        self._histograms[family] = self._histogram_type(
-            name=_fresh(PREFIX + family),
-            documentation=doc, labelnames=list(self._labelnames), buckets=list(buckets))
+    def _histogram(self, family: str, doc: str, buckets: Sequence[float],
+                   labels: Iterable[str] = ()) -> None:
+        names = list(labels)
+        self._histograms[family] = (self._histogram_type(
+            name=_fresh(PREFIX + family), documentation=doc,
+            labelnames=[*self._labelnames, *names], buckets=list(buckets)), len(names))
 
     def _gauge(self, family: str, doc: str, labels: Iterable[str]) -> None:
         names = list(labels)

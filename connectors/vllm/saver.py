@@ -14,6 +14,7 @@ grow memory without bound) and retried at the next checkpoint.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -34,6 +35,10 @@ from kvstore.keys import BlockKey, Namespace
 __all__ = ["Saver", "SaveItem"]
 
 log = logging.getLogger(__name__)
+
+# How long past its durability deadline a step still waits for a save to report (the put
+# itself ends by the deadline; this covers encoding and a thread hop).
+_DURABLE_GRACE_S = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +65,10 @@ class _Batch:
     ready: list[torch.cuda.Event] = field(default_factory=list)
     planned: float = field(default_factory=time.monotonic)
     """When the step that computes these blocks began (or their request's flush): save lag."""
+    computed_at: float = 0.0
+    """`time.monotonic()` once its KV was complete (the step's forward pass, or the flush)."""
+    deadline: float = math.inf
+    """With `durability`: when its step stops waiting for R daemons to hold it."""
 
     @property
     def gathered(self) -> bool:
@@ -102,15 +111,21 @@ class Saver:
                 self._ctx.counters.add(Counter.SAVE_DROPPED_AFTER_LOAD_ERROR, len(step.items))
                 self._ctx.outbox.saves(item.report(ok=False, retry_now=True) for item in step.items)
                 self._release(len(step.items))
+                self._not_durable(step.items, "its loads failed")
             elif not step.gathered:
                 self._ctx.counters.add(Counter.SAVE_FAILED, len(step.items))
                 self._ctx.outbox.saves(item.report(ok=False) for item in step.items)
                 self._release(len(step.items))
+                self._not_durable(step.items, "a layer was not gathered")
             else:
+                self._stamp(step)
                 futures.append(self._executor.submit(self._encode_and_put, step))
         for spec in saves:
             if spec.flush:
                 futures.extend(self._flush(spec.run))
+        if self._config.durability is not None:
+            self._wait_durable(futures)
+            return
         deadline = time.monotonic() + self._config.save_timeout_s
         for future in futures:
             remaining = deadline - time.monotonic()
@@ -138,7 +153,7 @@ class Saver:
             # store treats as a no-op. No local "saved lately" cache: the store may have
             # evicted or deleted (corrupt) a block since, and then it must be saved again.
             try:
-                present = self._ctx.store.lookup(keys)
+                present = self._stored_prefix(keys)
             except KVKeepError:
                 present = 0
             self._ctx.counters.add(Counter.SAVE_SKIPPED_PRESENT, present)
@@ -153,6 +168,7 @@ class Saver:
         if dropped:
             self._ctx.counters.add(Counter.SAVE_BACKPRESSURE, len(dropped))
             self._ctx.outbox.saves(item.report(ok=False) for item in dropped)
+            self._not_durable(dropped, "too many saves in flight")
         if not taken:
             return None
         return _Batch(tuple(taken), torch.tensor([item.block_id for item in taken]),
@@ -169,6 +185,7 @@ class Saver:
                     batch.layers[layer] = self._ctx.caches.bound[layer].gather(cache, ids)
                     if cache.is_cuda:
                         batch.ready.append(recorded_event())
+                self._stamp(batch)
                 futures.append(self._executor.submit(self._encode_and_put, batch))
         finally:
             # The gathered copies no longer need the paged blocks: vLLM may free them now.
@@ -176,11 +193,15 @@ class Saver:
         return futures
 
     def _encode_and_put(self, batch: _Batch) -> None:
+        if self._config.durability is not None:
+            self._encode_and_replicate(batch)
+            return
         try:
             for event in batch.ready:
                 event.synchronize()
             for j, item in enumerate(batch.items):
-                ok = self._put(item, [layer[j] for layer in batch.layers if layer is not None])
+                ok = self._put(item, [layer[j] for layer in batch.layers if layer is not None],
+                               batch.computed_at)
                 self._ctx.counters.add(Counter.SAVED_BLOCKS if ok else Counter.SAVE_FAILED)
                 if ok:
                     self._ctx.telemetry.saved(time.monotonic() - batch.planned)
@@ -188,18 +209,112 @@ class Saver:
         finally:
             self._release(len(batch.items))
 
-    def _put(self, item: SaveItem, layers: Iterable[torch.Tensor]) -> bool:
+    def _put(self, item: SaveItem, layers: Iterable[torch.Tensor], computed_at: float) -> bool:
         try:
-            frame = encode_block(list(layers), codec=self._ctx.codec, key=item.key,
-                                 token_count=self._ctx.caches.layout.block_size,
-                                 layout_id=self._ctx.caches.layout.layout_id,
-                                 compression=self._config.compression,
-                                 arrangement=self._ctx.caches.layout.arrangement,
-                                 signer=self._ctx.mac_key)
-            return self._ctx.store.put(item.key, frame)
+            return self._ctx.store.put(item.key, self._frame(item, layers),
+                                       computed_at=computed_at)
         except KVKeepError:
             log.warning("kvkeep: saving a block failed", exc_info=True)
             return False
+
+    def _frame(self, item: SaveItem, layers: Iterable[torch.Tensor]) -> bytes:
+        return encode_block(list(layers), codec=self._ctx.codec, key=item.key,
+                            token_count=self._ctx.caches.layout.block_size,
+                            layout_id=self._ctx.caches.layout.layout_id,
+                            compression=self._config.compression,
+                            arrangement=self._ctx.caches.layout.arrangement,
+                            signer=self._ctx.mac_key)
+
+    # -- durability: blocks on R daemons before the step that computed them returns ------------
+
+    def _stamp(self, batch: _Batch) -> None:
+        batch.computed_at = time.monotonic()
+        if self._config.durability is not None:
+            batch.deadline = batch.computed_at + self._config.durability.timeout_s
+
+    def _stored_prefix(self, keys: Sequence[BlockKey]) -> int:
+        """The leading `keys` a save may skip: held by some tier, or with `durability`, by R
+        daemons (a block only in this node's RAM must still be made durable)."""
+        durability = self._config.durability
+        if durability is None:
+            return self._ctx.store.lookup(keys)
+        present = self._ctx.store.replicated_prefix(
+            keys, copies=durability.replicas,
+            deadline=time.monotonic() + durability.timeout_s)
+        self._ctx.counters.add(Counter.DURABLE_BLOCKS, present)
+        return present
+
+    def _encode_and_replicate(self, batch: _Batch) -> None:
+        """Encode the batch's frames and put them as one replicated put, which returns once R
+        daemons hold each (or at the batch's deadline)."""
+        durability = self._config.durability
+        assert durability is not None
+        try:
+            for event in batch.ready:
+                event.synchronize()
+            items: list[SaveItem] = []
+            frames: list[tuple[BlockKey, bytes]] = []
+            for j, item in enumerate(batch.items):
+                try:
+                    frames.append((item.key, self._frame(
+                        item, [layer[j] for layer in batch.layers if layer is not None])))
+                    items.append(item)
+                except KVKeepError:
+                    log.warning("kvkeep: encoding a block failed", exc_info=True)
+                    self._ctx.counters.add(Counter.SAVE_FAILED)
+                    self._ctx.outbox.saves((item.report(ok=False),))
+                    self._not_durable((item,), "it did not encode")
+            try:
+                acked = self._ctx.store.put_replicated(
+                    frames, copies=durability.replicas, deadline=batch.deadline,
+                    computed_at=batch.computed_at) if frames else []
+            except KVKeepError:
+                log.warning("kvkeep: a durable save failed", exc_info=True)
+                self._ctx.counters.add(Counter.SAVE_FAILED, len(items))
+                self._ctx.outbox.saves(item.report(ok=False) for item in items)
+                self._not_durable(items, "the store refused it")
+                return
+            if time.monotonic() > batch.deadline + _DURABLE_GRACE_S:
+                acked = [False] * len(items)  # its step no longer waited for it
+            # A block not acknowledged in time is still in this node's tiers and goes to the
+            # daemons behind, as without durability: saved, but not durable yet.
+            self._ctx.counters.add(Counter.SAVED_BLOCKS, len(items))
+            self._ctx.counters.add(Counter.DURABLE_BLOCKS, sum(acked))
+            lag = time.monotonic() - batch.planned
+            for _ in items:
+                self._ctx.telemetry.saved(lag)
+            self._ctx.outbox.saves(item.report(ok=True) for item in items)
+            self._not_durable([item for item, ok in zip(items, acked, strict=True) if not ok],
+                              f"{durability.replicas} daemons did not acknowledge it in "
+                              f"{durability.timeout_s * 1000:.0f} ms")
+        finally:
+            self._release(len(batch.items))
+
+    def _wait_durable(self, futures: Sequence[Future[None]]) -> None:
+        """Hold the step (and so every token it sampled) until its saves are durable. Each
+        save ends by its own deadline (`durability.timeout_s` from now); past it and a grace,
+        the step goes on regardless (a save that ends later counts as not durable)."""
+        if not futures:
+            return
+        assert self._config.durability is not None
+        started = time.monotonic()
+        give_up = started + self._config.durability.timeout_s + _DURABLE_GRACE_S
+        for future in futures:
+            try:
+                future.result(timeout=max(give_up - time.monotonic(), 0.0))
+            except TimeoutError:
+                log.warning("kvkeep: a step stopped waiting for its durable saves")
+                break
+        self._ctx.counters.add(Counter.DURABLE_WAIT_US,
+                               int((time.monotonic() - started) * 1e6))
+
+    def _not_durable(self, items: Sequence[SaveItem], why: str) -> None:
+        if self._config.durability is None or not items:
+            return
+        self._ctx.counters.add(Counter.DURABLE_MISSED, len(items))
+        log.warning("kvkeep: %d block(s) of %s not durable on %d daemons: %s", len(items),
+                    ", ".join(sorted({item.req_id for item in items})),
+                    self._config.durability.replicas, why)
 
     def _release(self, count: int) -> None:
         with self._lock:

@@ -83,6 +83,9 @@ class SchedulerSide:
         self._bs = block_size
         self._num_layers = num_layers
         self._interval = config.checkpoint_interval(block_size)
+        if config.durability is not None and (config.checkpoint_tokens or 0) > block_size:
+            log.warning("kvkeep: durability saves every block as it completes; checkpoint_tokens "
+                        "%d is not used", config.checkpoint_tokens)
         self._counters = counters
         self._reqs: dict[str, TrackedRequest] = {}
         self._finished_last_step: list[str] = []

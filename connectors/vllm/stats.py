@@ -28,6 +28,14 @@ worker half
     load_errors                      other failures of a load (store down, bug)
     saved_blocks, save_skipped_present, save_failed, save_dropped_after_load_error,
     save_backpressure                saves not attempted because too many were in flight
+    durable_blocks                   with `durability`: blocks held by R daemons before the step
+                                     that completed them returned (saved so, or found so)
+    durable_missed                   with `durability`: blocks a step returned without (deadline,
+                                     too few daemons, refused, skipped): not durable then
+    durable_wait_us                  with `durability`: microseconds steps waited for it (the
+                                     latency the setting costs; the lag itself is the store's
+                                     `kvkeep_store_copy_lag_seconds{tier="remote"}`, on vLLM's
+                                     /metrics `kvkeep_connector_store_copy_lag_seconds`)
     manifests_written, manifest_errors  (manifests the scheduler handed over in step metadata)
 """
 
@@ -67,6 +75,9 @@ class Counter(enum.StrEnum):
     SAVE_FAILED = "save_failed"
     SAVE_DROPPED_AFTER_LOAD_ERROR = "save_dropped_after_load_error"
     SAVE_BACKPRESSURE = "save_backpressure"
+    DURABLE_BLOCKS = "durable_blocks"
+    DURABLE_MISSED = "durable_missed"
+    DURABLE_WAIT_US = "durable_wait_us"
 
 
 LOAD_FAILURES = frozenset({Counter.LOAD_MISSING, Counter.LOAD_CORRUPT, Counter.LOAD_MISMATCH,

@@ -38,7 +38,7 @@ from connectors.vllm.stats import Counter, Counters
 from connectors.vllm.telemetry import Telemetry
 from connectors.vllm.worker_context import WorkerContext
 from kvstore.codecs import get_codec
-from kvstore.errors import KVKeepError
+from kvstore.errors import ConfigError, KVKeepError
 from kvstore.keys import BlockKey, ModelFingerprint, Namespace
 from kvstore.manifest import SessionManifest
 from kvstore.store import TieredStore
@@ -51,6 +51,10 @@ log = logging.getLogger(__name__)
 class WorkerSide:
     def __init__(self, *, config: ConnectorConfig, fingerprint: ModelFingerprint,
                  layout: LayoutSpec, store: TieredStore, counters: Counters) -> None:
+        if config.durability is not None \
+                and store.max_replicated_copies < config.durability.replicas:
+            raise ConfigError(f"durability.replicas is {config.durability.replicas}, but the "
+                              f"store keeps at most {store.max_replicated_copies} remote copies")
         self._config = config
         self._fp = fingerprint
         self._store = store

@@ -172,5 +172,6 @@ class TierCalls:
 
     def copied(self, index: int, computed_at: float) -> None:
         """Tier `index` acknowledged a block computed at `computed_at` (`time.monotonic()`)."""
-        self.metrics.copy_lag.labels(self.names[index]).observe(
-            max(time.monotonic() - computed_at, 0.0))
+        lag = max(time.monotonic() - computed_at, 0.0)
+        self.metrics.copy_lag.labels(self.names[index]).observe(lag)
+        self.metrics.recent_copy_lags.add(self.names[index], lag)
