@@ -30,7 +30,7 @@ from kvstore.keys import SessionId
 from kvstore.tiers.factory import RemoteSpec
 from router.continuation import StoreRecords
 from tests.daemon_process import DaemonProcess, start_daemon
-from tests.models import build_tiny_llama
+from tests.models import TinyModel
 from tests.router_harness import wait_until
 from tests.services import EtcdServer, free_port, start_etcd, stop_process
 from tests.vllm_server import VllmServer, start_vllm
@@ -83,11 +83,12 @@ def _spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def cluster(tmp_path_factory: pytest.TempPathFactory, tiny: TinyModel
+            ) -> Iterator[Cluster]:
     base = tmp_path_factory.mktemp("continuation")
     logs = base / "logs"
     logs.mkdir()
-    model = build_tiny_llama(tmp_path_factory.getbasetemp() / "tiny-llama")
+    model = tiny
     template = base / "template.jinja"
     template.write_text(TEMPLATE)
     tokens = base / "tokens"

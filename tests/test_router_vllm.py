@@ -25,7 +25,7 @@ import openai
 import pytest
 
 from router.tenants import cache_salt_for
-from tests.models import build_tiny_llama
+from tests.models import TinyModel
 from tests.router_harness import wait_until
 from tests.services import EtcdServer, free_port, start_etcd, stop_process
 from tests.vllm_server import VllmServer, start_vllm
@@ -72,12 +72,12 @@ def _start_router(name: str, port: int, etcd_url: str, logs: Path) -> subprocess
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def cluster(tmp_path_factory: pytest.TempPathFactory, tiny: TinyModel
+            ) -> Iterator[Cluster]:
     base = tmp_path_factory.mktemp("router-vllm")
     logs = base / "logs"
     logs.mkdir()
-    # Shared with the connector tests: built once per pytest session (idempotent).
-    model = build_tiny_llama(tmp_path_factory.getbasetemp() / "tiny-llama")
+    model = tiny
     workers = {w: start_vllm(model.path, logs) for w in ("w1", "w2")}
     with start_etcd(base) as etcd, contextlib.ExitStack() as stack:
         for server in workers.values():
@@ -412,15 +412,13 @@ def _agent(cluster: Cluster, wid: str, server: VllmServer) -> None:
                                   "--ttl", str(TTL)], cluster.logs / f"agent-{wid}.log")
 
 
-def test_a_stream_with_stop_strings_survives_a_sigkill(cluster: Cluster,
-                                                        tmp_path_factory: pytest.TempPathFactory
+def test_a_stream_with_stop_strings_survives_a_sigkill(cluster: Cluster, tiny: TinyModel
                                                         ) -> None:
     """A chat stream with stop strings on a worker SIGKILLed mid-answer: vLLM held the last
     characters back (a 20-character stop string makes it hold 19), the stream resumes on
     another worker, and the client gets exactly what one unbroken vLLM stream gives: the same
     text, cut before the same stop string, with `finish_reason` "stop"."""
-    model = build_tiny_llama(tmp_path_factory.getbasetemp() / "tiny-llama")
-    w3 = start_vllm(model.path, cluster.logs)
+    w3 = start_vllm(tiny.path, cluster.logs)
     cluster.workers["w3"] = w3
     try:
         w3.wait_healthy()
