@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -25,6 +23,7 @@ import openai
 import pytest
 
 from router.tenants import cache_salt_for
+from tests.deploy_cli import spawn_cli
 from tests.models import TinyModel
 from tests.router_harness import wait_until
 from tests.services import EtcdServer, free_port, start_etcd, stop_process
@@ -33,7 +32,6 @@ from tests.vllm_server import VllmServer, start_vllm
 pytestmark = pytest.mark.slow
 
 TTL = 2.0
-REPO = Path(__file__).resolve().parents[1]
 CHAT = {"model": "tiny", "temperature": 0}
 
 
@@ -58,17 +56,10 @@ class Cluster:
                 if w["usable"]}
 
 
-def _spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    with log.open("wb") as out:
-        return subprocess.Popen([sys.executable, "-m", "kvstore.cli", *args], stdout=out,
-                                stderr=subprocess.STDOUT, env=env)
-
-
 def _start_router(name: str, port: int, etcd_url: str, logs: Path) -> subprocess.Popen[bytes]:
-    return _spawn(["router", "serve", "--listen", f"127.0.0.1:{port}", "--etcd", etcd_url,
-                   "--replica-id", name, "--stream-idle-timeout", "20"],
-                  logs / f"router-{name}.log")
+    return spawn_cli(["router", "serve", "--listen", f"127.0.0.1:{port}", "--etcd", etcd_url,
+                      "--replica-id", name, "--stream-idle-timeout", "20"],
+                     logs / f"router-{name}.log")
 
 
 @pytest.fixture(scope="module")
@@ -90,9 +81,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, tiny: TinyModel
             routers[name] = _start_router(name, port, etcd.url, logs)
         for wid, server in workers.items():
             server.wait_healthy()
-            agents[wid] = _spawn(["worker", "--etcd", etcd.url, "--url", server.url, "--id", wid,
-                                  "--kv-events", server.events_endpoint or "",
-                                  "--ttl", str(TTL)], logs / f"agent-{wid}.log")
+            agents[wid] = spawn_cli(["worker", "--etcd", etcd.url, "--url", server.url, "--id", wid,
+                                     "--kv-events", server.events_endpoint or "",
+                                     "--ttl", str(TTL)], logs / f"agent-{wid}.log")
         c = Cluster(etcd, workers, agents, routers, ports, logs)
         for replica in ports:
             wait_until(lambda r=replica: _quiet(lambda: c.worker_ids(r)) == {"w1", "w2"},
@@ -244,9 +235,9 @@ def test_tenants_never_share_vllms_prefix_cache(cluster: Cluster) -> None:
     keys.write_text("".join(f"{k} {t}\n" for t, k in TENANT_KEYS.items()))
     port = free_port()
     cluster.router_ports["T"] = port
-    cluster.routers["T"] = _spawn(["router", "serve", "--listen", f"127.0.0.1:{port}",
-                                   "--etcd", cluster.etcd.url, "--replica-id", "T",
-                                   "--api-keys", str(keys)], cluster.logs / "router-T.log")
+    cluster.routers["T"] = spawn_cli(["router", "serve", "--listen", f"127.0.0.1:{port}",
+                                      "--etcd", cluster.etcd.url, "--replica-id", "T",
+                                      "--api-keys", str(keys)], cluster.logs / "router-T.log")
     http = cluster.http("T")
 
     def auth(who: str) -> dict[str, str]:
@@ -407,9 +398,9 @@ def test_worker_sigkill_resumes_the_stream_and_rebinds_sessions(cluster: Cluster
 
 
 def _agent(cluster: Cluster, wid: str, server: VllmServer) -> None:
-    cluster.agents[wid] = _spawn(["worker", "--etcd", cluster.etcd.url, "--url", server.url,
-                                  "--id", wid, "--kv-events", server.events_endpoint or "",
-                                  "--ttl", str(TTL)], cluster.logs / f"agent-{wid}.log")
+    cluster.agents[wid] = spawn_cli(["worker", "--etcd", cluster.etcd.url, "--url", server.url,
+                                     "--id", wid, "--kv-events", server.events_endpoint or "",
+                                     "--ttl", str(TTL)], cluster.logs / f"agent-{wid}.log")
 
 
 def test_a_stream_with_stop_strings_survives_a_sigkill(cluster: Cluster, tiny: TinyModel
