@@ -57,7 +57,6 @@ import contextlib
 import json
 import os
 import shutil
-import signal
 import socket
 import statistics
 import subprocess
@@ -71,6 +70,7 @@ from typing import Any
 
 from benchmarks.baselines import tcp_loopback_gbps
 from benchmarks.plots import RatioPanel, write_ratio_plots
+from benchmarks.processes import bench_daemon, free_port, stop_process
 from benchmarks.progress import progress
 from kvstore.commands import MALLOC_ENV
 from kvstore.frame import CodecId, Compression, DType, build_frame
@@ -87,12 +87,6 @@ _FINGERPRINT = ModelFingerprint("bench/model", "w", "float16", _LAYERS, 8, 128, 
 _NAMESPACE = Namespace("bench")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 20.0) -> None:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
@@ -104,22 +98,12 @@ def _wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 20.0) 
     raise TimeoutError(f"nothing listening on port {port}")
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 @contextlib.contextmanager
 def _redis_server(tmp: Path) -> Iterator[int]:
     binary = shutil.which("redis-server")
     if binary is None:
         raise RuntimeError("redis-server is not installed (make setup)")
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "",
                              "--appendonly", "no", "--dir", str(tmp),
                              "--proto-max-bulk-len", "1gb"],
@@ -128,30 +112,7 @@ def _redis_server(tmp: Path) -> Iterator[int]:
         _wait_port(port, proc)
         yield port
     finally:
-        _stop(proc)
-
-
-@contextlib.contextmanager
-def _daemon(tmp: Path) -> Iterator[tuple[str, int]]:
-    port = _free_port()
-    env = {**os.environ, **MALLOC_ENV}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvstore.daemon", "--listen", f"127.0.0.1:{port}",
-         "--data-dir", str(tmp / "daemon"), "--mem-budget", "3GiB", "--disk-budget", "8GiB",
-         "--node-id", "bench"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        _wait_port(port, proc)
-        probe = DaemonClient("bench", f"127.0.0.1:{port}")
-        end = time.monotonic() + 20
-        while time.monotonic() < end:
-            with contextlib.suppress(Exception):
-                if probe.health(timeout=1) == "SERVING":
-                    break
-            time.sleep(0.05)
-        probe.close()
-        yield f"127.0.0.1:{port}", proc.pid
-    finally:
-        _stop(proc)
+        stop_process(proc)
 
 
 _PAYLOAD: dict[int, bytes] = {}
@@ -334,7 +295,8 @@ def run(quick: bool) -> dict[str, object]:
     repeats = 5 if quick else 9
     with tempfile.TemporaryDirectory(prefix="kvkeep-bench-") as tmp_name:
         tmp = Path(tmp_name)
-        with _redis_server(tmp) as port, _daemon(tmp) as (address, pid):
+        daemon = bench_daemon(tmp / "daemon", mem_budget="3GiB", disk_budget="8GiB")
+        with _redis_server(tmp) as port, daemon as (address, pid):
             rates, tcp, latency, transport = _measure(port, address, pid, total, repeats)
     kinds = {kind: {op: {s: rates.median(f"{kind}_{op}/{s}") for s in SIZES}
                     for op in ("get", "put")} for kind in ("tcp", "grpc")}

@@ -58,10 +58,7 @@ import gc
 import json
 import os
 import random
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -70,6 +67,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from benchmarks.plots import RatioPanel, write_ratio_plots
+from benchmarks.processes import bench_daemon
 from benchmarks.progress import progress
 
 for _name, _value in {"HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -188,37 +186,6 @@ def _bench_model(directory: Path, hidden: int, layers: int) -> dict[str, Any]:
             "weights": "dummy", "dtype": "bfloat16", "block_size": BLOCK}
 
 
-@contextlib.contextmanager
-def _daemon(tmp: Path) -> Iterator[str]:
-    """One `kvkeep store serve` daemon on loopback."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = int(sock.getsockname()[1])
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvstore.daemon", "--listen", f"127.0.0.1:{port}",
-         "--data-dir", str(tmp / "daemon"), "--mem-budget", "2GiB", "--disk-budget", "4GiB",
-         "--node-id", "bench"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        end = time.monotonic() + 30
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the daemon exited with {proc.returncode}")
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
-                break
-            if time.monotonic() > end:
-                raise TimeoutError("the daemon did not start listening")
-            time.sleep(0.05)
-        yield f"127.0.0.1:{port}"
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-
 def _int8_vs_bf16(model: Path, cases: list[list[int]], tokens: int, name: str
                   ) -> dict[str, Any]:
     """Greedy int8-restored decoding against a bf16 reference on `model`.
@@ -317,7 +284,7 @@ def run(*, quick: bool, hidden: int = 1024, layers: int | None = None,
 
         identical = True
         restore: dict[str, list[float]] = {}
-        with _daemon(tmp) as address:
+        with bench_daemon(tmp / "daemon", mem_budget="2GiB", disk_budget="4GiB") as (address, _):
             daemon = {"daemons": {"bench": address}, "timeout_ms": 5000}
             stores: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
                 "host": ({"host_bytes": 2 << 30, "name": "bench-host"}, {}),

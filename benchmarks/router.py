@@ -25,18 +25,18 @@ import heapq
 import json
 import os
 import random
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import time
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from benchmarks.plots import RatioPanel, write_ratio_plots
+from benchmarks.processes import free_port, stop_process
 from benchmarks.progress import progress
 from kvstore.keys import SessionId
 from router.core import RouterCore
@@ -156,12 +156,6 @@ web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None, access_log
 '''
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _wait_http(url: str, timeout: float = 30.0) -> None:
     import urllib.request
 
@@ -263,25 +257,14 @@ def proxy_overhead(concurrency: int = 64, requests: int = 1280, chunks: int = 32
     rounds. `cpu` says what the router and the worker cost per request and how busy the rest of
     the machine was (cores), since on a small shared machine that decides the figures.
     """
-    fake_port, router_port = _free_port(), _free_port()
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    procs = [subprocess.Popen([sys.executable, "-c", _FAKE_SERVER, str(fake_port), str(chunks),
-                               str(interval_ms / 1000)], env=env)]
     load_before = os.getloadavg()
-    try:
-        _wait_http(f"http://127.0.0.1:{fake_port}/health")
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "kvstore.cli", "router", "serve",
-             "--listen", f"127.0.0.1:{router_port}", "--log-level", "WARNING",
-             "--worker", f"fake=http://127.0.0.1:{fake_port}"], env=env))
-        _wait_http(f"http://127.0.0.1:{router_port}/health")
-        _wait_models(f"http://127.0.0.1:{router_port}/v1/models")
-        urls = {"direct": f"http://127.0.0.1:{fake_port}/v1/completions",
-                "routed": f"http://127.0.0.1:{router_port}/v1/completions"}
+    with fake_worker_behind_router(chunks, interval_ms / 1000) as served:
+        urls = {"direct": f"{served.worker_url}/v1/completions",
+                "routed": f"{served.router_url}/v1/completions"}
         stagger = chunks * interval_ms / 1000
         for path, url in urls.items():  # warm-up: connections, caches, the router's state
             asyncio.run(_load(url, concurrency, concurrency * 2, path == "routed", stagger))
-        meter = _CpuMeter(procs[1].pid, procs[0].pid)
+        meter = _CpuMeter(served.router_pid, served.worker_pid)
         first: dict[str, list[float]] = {"direct": [], "routed": []}
         last: dict[str, list[float]] = {"direct": [], "routed": []}
         medians: dict[str, list[tuple[float, float]]] = {"direct": [], "routed": []}
@@ -292,13 +275,6 @@ def proxy_overhead(concurrency: int = 64, requests: int = 1280, chunks: int = 32
                 first[path] += f
                 last[path] += t
                 medians[path].append((statistics.median(t), statistics.median(f)))
-    finally:
-        for p in reversed(procs):
-            p.send_signal(signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(10)
-            if p.poll() is None:
-                p.kill()
     d_first, d_last, r_first, r_last = first["direct"], last["direct"], first["routed"], \
         last["routed"]
     pairs = list(zip(medians["direct"], medians["routed"], strict=True))
@@ -330,6 +306,39 @@ def proxy_overhead(concurrency: int = 64, requests: int = 1280, chunks: int = 32
                                               3),
             "requests_per_path": len(d_last), "chunks_per_stream": chunks,
             "chunk_interval_ms": interval_ms, "cpu": cpu}
+
+
+@dataclass(frozen=True, slots=True)
+class RoutedFake:
+    """A fake worker (`_FAKE_SERVER`) and a `kvkeep router serve` in front of it."""
+
+    worker_url: str
+    router_url: str
+    worker_pid: int
+    router_pid: int
+
+
+@contextlib.contextmanager
+def fake_worker_behind_router(chunks: int, interval_s: float) -> Iterator[RoutedFake]:
+    """Start the fake worker (`chunks` chunks `interval_s` apart per stream) and a router whose
+    one static worker it is; both stopped at the end."""
+    fake_port, router_port = free_port(), free_port()
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    procs = [subprocess.Popen([sys.executable, "-c", _FAKE_SERVER, str(fake_port), str(chunks),
+                               str(interval_s)], env=env)]
+    try:
+        _wait_http(f"http://127.0.0.1:{fake_port}/health")
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "kvstore.cli", "router", "serve",
+             "--listen", f"127.0.0.1:{router_port}", "--log-level", "WARNING",
+             "--worker", f"fake=http://127.0.0.1:{fake_port}"], env=env))
+        _wait_http(f"http://127.0.0.1:{router_port}/health")
+        _wait_models(f"http://127.0.0.1:{router_port}/v1/models")
+        yield RoutedFake(f"http://127.0.0.1:{fake_port}", f"http://127.0.0.1:{router_port}",
+                         procs[0].pid, procs[1].pid)
+    finally:
+        for p in reversed(procs):
+            stop_process(p, 10.0)
 
 
 def _wait_models(url: str, timeout: float = 20.0) -> None:

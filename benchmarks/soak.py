@@ -47,23 +47,19 @@ import argparse
 import contextlib
 import os
 import shutil
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from benchmarks.baselines import tcp_loopback_gbps
 from benchmarks.cli import run_benchmark
+from benchmarks.processes import bench_daemon
 from kvstore.commands import MALLOC_ENV
 from kvstore.frame import CodecId, Compression, DType, build_frame
 from kvstore.keys import BlockKey, ModelFingerprint, Namespace
-from kvstore.net.daemon_client import DaemonClient
 from kvstore.tiers.remote import RemoteConfig, RemoteTier
 
 __all__ = ["main", "rss_mib", "fit_slope"]
@@ -121,53 +117,12 @@ def _summary(samples: list[tuple[int, float]], warm_at: int, items: int) -> dict
 
 # -- the daemon ---------------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _data_root(disk_budget: int) -> Path:
     shm = Path("/dev/shm")
     with contextlib.suppress(OSError):
         if shm.is_dir() and shutil.disk_usage(shm).free > 3 * disk_budget:
             return shm
     return Path(tempfile.gettempdir())
-
-
-@contextlib.contextmanager
-def _daemon(data_dir: Path, mem_budget: int, disk_budget: int) -> Iterator[tuple[str, int]]:
-    port = _free_port()
-    env = {**os.environ, **MALLOC_ENV}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvstore.daemon", "--listen", f"127.0.0.1:{port}",
-         "--data-dir", str(data_dir), "--mem-budget", str(mem_budget),
-         "--disk-budget", str(disk_budget), "--node-id", "soak"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        probe = DaemonClient("soak", f"127.0.0.1:{port}")
-        end = time.monotonic() + 30
-        try:
-            while time.monotonic() < end:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"daemon exited with {proc.returncode}")
-                with contextlib.suppress(Exception):
-                    if probe.health(timeout=1) == "SERVING":
-                        break
-                time.sleep(0.05)
-            else:
-                raise TimeoutError("daemon not serving after 30 s")
-        finally:
-            probe.close()
-        yield f"127.0.0.1:{port}", proc.pid
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
 
 def _frame(key: BlockKey, payload: bytes) -> bytes:
@@ -191,7 +146,8 @@ def soak_daemon(mem_budget: int, disk_budget: int, block_bytes: int, capacities:
     samples: list[tuple[int, float]] = []
     anon: list[tuple[int, float]] = []
     with tempfile.TemporaryDirectory(prefix="kvkeep-soak-", dir=root) as tmp, \
-            _daemon(Path(tmp) / "daemon", mem_budget, disk_budget) as (address, pid):
+            bench_daemon(Path(tmp) / "daemon", mem_budget=mem_budget, disk_budget=disk_budget,
+                         node_id="soak") as (address, pid):
         idle = rss_mib(pid)
         tier = RemoteTier.from_addresses({"soak": address}, RemoteConfig(
             replicas=1, extra_ranks=0, call_timeout=30.0, lookup_timeout=5.0))

@@ -14,17 +14,12 @@ growth can be told apart.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import random
-import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
-from benchmarks.router import _FAKE_SERVER, _free_port, _wait_http, _wait_models
+from benchmarks.router import fake_worker_behind_router
 from benchmarks.soak import SAMPLES, _summary, rss_mib
 
 __all__ = ["soak_router_core", "soak_router_http"]
@@ -106,30 +101,12 @@ def soak_router_core(sessions: int, seed: int = 0, *, bounded: bool = False) -> 
 def soak_router_http(sessions: int, concurrency: int = 16) -> dict[str, Any]:
     """`sessions` new sessions through `kvkeep router serve` (one request each, streamed),
     sampling the router process's RSS."""
-    fake_port, router_port = _free_port(), _free_port()
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    procs = [subprocess.Popen([sys.executable, "-c", _FAKE_SERVER, str(fake_port), "8", "0"],
-                              env=env)]
-    try:
-        _wait_http(f"http://127.0.0.1:{fake_port}/health")
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "kvstore.cli", "router", "serve",
-             "--listen", f"127.0.0.1:{router_port}", "--log-level", "WARNING",
-             "--worker", f"fake=http://127.0.0.1:{fake_port}"], env=env))
-        _wait_http(f"http://127.0.0.1:{router_port}/health")
-        _wait_models(f"http://127.0.0.1:{router_port}/v1/models")
+    with fake_worker_behind_router(8, 0.0) as served:
         samples: list[tuple[int, float]] = []
         started = time.perf_counter()
-        errors = asyncio.run(_drive(f"http://127.0.0.1:{router_port}/v1/completions", sessions,
-                                    concurrency, procs[1].pid, samples))
+        errors = asyncio.run(_drive(f"{served.router_url}/v1/completions", sessions,
+                                    concurrency, served.router_pid, samples))
         elapsed = time.perf_counter() - started
-    finally:
-        for p in reversed(procs):
-            p.send_signal(signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(10)
-            if p.poll() is None:
-                p.kill()
     result = {"items": sessions, "requests_per_s": round(sessions / elapsed, 1),
               "errors": errors, **_summary(samples, int(sessions * WARMUP_SHARE), sessions)}
     result.pop("samples")

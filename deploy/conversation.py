@@ -21,19 +21,21 @@ from typing import Any
 
 import httpx
 
-__all__ = ["TapTransport", "ChatSession", "Turn", "reference_answer", "Message",
+__all__ = ["NoteTee", "TapTransport", "ChatSession", "Turn", "reference_answer", "Message",
            "REFERENCE_SALT"]
 
 Message = dict[str, str]
 REFERENCE_SALT = "kvkeep-reference"
 
 
-class _TeeStream(httpx.SyncByteStream):
-    """Yields the response body unchanged while collecting its SSE comment lines."""
+class NoteTee(httpx.SyncByteStream):
+    """Yields the response body unchanged, handing each SSE comment note (`: kvkeep {...}`) to
+    `on_note` as it passes."""
 
-    def __init__(self, inner: httpx.SyncByteStream, sink: list[dict[str, Any]]) -> None:
+    def __init__(self, inner: httpx.SyncByteStream,
+                 on_note: Callable[[dict[str, Any]], None]) -> None:
         self._inner = inner
-        self._sink = sink
+        self._on_note = on_note
         self._pending = b""
 
     def __iter__(self) -> Iterator[bytes]:
@@ -54,7 +56,7 @@ class _TeeStream(httpx.SyncByteStream):
                 except ValueError:
                     continue
                 if isinstance(note, dict):
-                    self._sink.append(note)
+                    self._on_note(note)
 
 
 class TapTransport(httpx.BaseTransport):
@@ -71,7 +73,7 @@ class TapTransport(httpx.BaseTransport):
         self.notes = []
         assert isinstance(response.stream, httpx.SyncByteStream)
         return httpx.Response(response.status_code, headers=response.headers,
-                              stream=_TeeStream(response.stream, self.notes),
+                              stream=NoteTee(response.stream, self.notes.append),
                               extensions=response.extensions)
 
     def close(self) -> None:

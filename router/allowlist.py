@@ -30,32 +30,14 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from kvstore.errors import ConfigError
+from kvstore.net.addresses import ip_literal, is_loopback
 
 __all__ = ["AllowEntry", "WorkerAllowList", "is_loopback"]
 
 _Network = ipaddress.IPv4Network | ipaddress.IPv6Network
-_Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 _LABEL = re.compile(r"[a-z0-9_]([a-z0-9_-]{0,61}[a-z0-9_])?")
 _NUMERIC_LABEL = re.compile(r"(0x[0-9a-f]*|[0-9]+)")
 _DEFAULT_PORTS = {"http": 80, "https": 443}
-
-
-def is_loopback(host: str) -> bool:
-    """Whether `host` (a listen address or name) is this machine's loopback."""
-    if host.lower() == "localhost":
-        return True
-    address = _address(host)
-    return address is not None and address.is_loopback
-
-
-def _address(host: str) -> _Address | None:
-    try:
-        address = ipaddress.ip_address(host.strip("[]"))
-    except ValueError:
-        return None
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        return address.ipv4_mapped
-    return address
 
 
 def _valid_name(host: str) -> bool:
@@ -99,7 +81,7 @@ class AllowEntry:
         return cls(text.strip(), name=name, suffix=suffix, ports=ports)
 
     def matches_host(self, host: str) -> bool:
-        address = _address(host)
+        address = ip_literal(host)
         if self.network is not None:
             return address is not None and address.version == self.network.version \
                 and address in self.network
@@ -198,7 +180,7 @@ class WorkerAllowList:
         host = parts.hostname
         if not host:
             return "URL names no host"
-        if _address(host) is None and not _valid_name(host.rstrip(".")):
+        if ip_literal(host) is None and not _valid_name(host.rstrip(".")):
             return f"host {host!r} is neither a canonical address nor a name"
         port = port or _DEFAULT_PORTS[parts.scheme]
         if not any(e.matches(host, port) for e in self.entries):
@@ -216,7 +198,7 @@ class WorkerAllowList:
         host = host.strip("[]")
         if not sep or not port.isdigit() or not host or host == "*":
             return f"KV-event endpoint {endpoint!r} is not tcp://HOST:PORT"
-        if _address(host) is None and not _valid_name(host.lower().rstrip(".")):
+        if ip_literal(host) is None and not _valid_name(host.lower().rstrip(".")):
             return f"KV-event host {host!r} is neither a canonical address nor a name"
         if not any(e.matches_host(host) for e in self.entries):
             return f"KV-event host {host} is not in the worker allow-list ({self.describe()})"

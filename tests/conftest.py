@@ -1,4 +1,5 @@
-"""Shared fixtures: real etcd and redis-server processes, GPU skipping."""
+"""Shared fixtures: real etcd, redis-server and kvstore daemon processes, the tiny model, GPU
+skipping."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
+from kvstore.net.daemon_client import DaemonClient
+from tests.daemon_process import DaemonProcess, running_daemon, running_daemons
 from tests.models import TinyModel, build_tiny_llama
 from tests.services import EtcdServer, RedisServer, start_etcd, start_redis
 
@@ -54,3 +57,41 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
     """The tiny local Llama the vLLM engine tests run (built once per test session)."""
     return build_tiny_llama(tmp_path_factory.getbasetemp() / "tiny-llama")
+
+
+# -- daemons: one module's worth, real `python -m kvstore.daemon` processes ---------------------
+# A module that needs another kind of daemon (tokens, budgets, metrics) defines its own `daemon`
+# fixture, which overrides this one; `running_daemon` keeps that fixture to one line.
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
+    """One plain daemon for the module (no auth, default budgets, no etcd)."""
+    with running_daemon(tmp_path_factory.mktemp("daemon"), "solo") as d:
+        yield d
+
+
+@pytest.fixture
+def client(daemon: DaemonProcess) -> DaemonClient:
+    """A client of the module's `daemon` (closed when the daemon stops)."""
+    return daemon.client()
+
+
+@pytest.fixture(scope="module")
+def daemons(request: pytest.FixtureRequest,
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[DaemonProcess]]:
+    """`DAEMON_COUNT` daemons for the module (a module constant; 2 when it has none), node ids
+    d0, d1, ..., started in parallel."""
+    count = int(getattr(request.module, "DAEMON_COUNT", 2))
+    with running_daemons(tmp_path_factory.mktemp("daemons"), count) as ds:
+        yield ds
+
+
+# -- engines -------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def model_dir(tiny: TinyModel) -> Path:
+    """The tiny Llama's directory, for what takes a model path (`kvkeep demo --model-dir`,
+    `vllm serve`)."""
+    return tiny.path

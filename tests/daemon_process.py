@@ -21,7 +21,8 @@ from kvstore.errors import KVKeepError
 from kvstore.net.daemon_client import DaemonClient
 from tests.services import free_port, stop_process
 
-__all__ = ["DaemonProcess", "start_daemon", "running_daemons", "wait_healthy", "REPO_ROOT"]
+__all__ = ["DaemonProcess", "start_daemon", "running_daemon", "running_daemons", "wait_healthy",
+           "REPO_ROOT"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # Tests run from another environment (the LMCache plugin's, which has protobuf < 7) still
@@ -140,6 +141,18 @@ def start_daemon(tmp: Path, node_id: str, *, etcd_url: str | None = None,
             daemon.kill()
             raise
     return daemon
+
+
+@contextlib.contextmanager
+def running_daemon(tmp: Path, node_id: str, **kwargs: object) -> Iterator[DaemonProcess]:
+    """One daemon (`start_daemon`'s arguments), drained with SIGTERM and its clients closed at
+    the end: the body of a test module's own `daemon` fixture."""
+    daemon = start_daemon(tmp, node_id, **kwargs)  # type: ignore[arg-type]
+    try:
+        yield daemon
+    finally:
+        daemon.close_clients()
+        daemon.terminate()
 
 
 @contextlib.contextmanager

@@ -1,4 +1,4 @@
-"""Shared by the demo and chaos tests: run `kvkeep ...` as a subprocess."""
+"""Shared by the demo, chaos and cluster tests: run `kvkeep ...` as a subprocess."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["REPO", "run_cli"]
+__all__ = ["REPO", "run_cli", "spawn_cli"]
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -28,3 +28,11 @@ def run_cli(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]
             proc.kill()
             out, err = proc.communicate()
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def spawn_cli(args: list[str], log: Path) -> subprocess.Popen[bytes]:
+    """`kvkeep ARGS` started in the background, its output to `log`; the caller stops it."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    with log.open("wb") as out:
+        return subprocess.Popen([sys.executable, "-m", "kvstore.cli", *args], stdout=out,
+                                stderr=subprocess.STDOUT, env=env)

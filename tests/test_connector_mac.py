@@ -30,7 +30,7 @@ from tests.connector_harness import (
     scheduler_connector,
     worker_connector,
 )
-from tests.daemon_process import DaemonProcess, start_daemon
+from tests.daemon_process import DaemonProcess, running_daemon
 from tests.models import TinyModel
 
 pytestmark = pytest.mark.slow
@@ -44,11 +44,8 @@ MAX_TOKENS = 8
 def daemon(tmp_path: Path) -> Iterator[DaemonProcess]:
     tokens = tmp_path / "daemon-tokens"
     tokens.write_text(f"{TOKEN} default\n")
-    proc = start_daemon(tmp_path, "mac1", token_file=tokens)
-    try:
+    with running_daemon(tmp_path, "mac1", token_file=tokens) as proc:
         yield proc
-    finally:
-        proc.terminate()
 
 
 def _config(daemon: DaemonProcess, tmp: Path, name: str, mac_key: Path | None

@@ -40,7 +40,7 @@ from tests.connector_harness import (
     random_prompts,
     worker_connector,
 )
-from tests.daemon_process import DaemonProcess, start_daemon
+from tests.daemon_process import DaemonProcess, running_daemon
 from tests.metrics_scrape import Scrape, scrape, wait_for_sample
 from tests.models import TinyModel
 from tests.services import free_port
@@ -153,12 +153,8 @@ def test_a_seeded_xxhash_engine_restores_what_another_saved(
 @pytest.fixture
 def daemon(tmp_path: Path) -> Iterator[tuple[DaemonProcess, str]]:
     port = free_port()
-    d = start_daemon(tmp_path, "d0", extra=["--metrics-listen", f"127.0.0.1:{port}"])
-    try:
+    with running_daemon(tmp_path, "d0", extra=["--metrics-listen", f"127.0.0.1:{port}"]) as d:
         yield d, f"http://127.0.0.1:{port}/metrics"
-    finally:
-        d.close_clients()
-        d.terminate()
 
 
 def _complete(server: VllmServer, prompt: list[int]) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from tests.connector_harness import (
     random_prompts,
     scheduler_connector,
 )
-from tests.daemon_process import DaemonProcess, start_daemon
+from tests.daemon_process import DaemonProcess, running_daemon
 from tests.models import TinyModel
 
 pytestmark = pytest.mark.slow
@@ -29,11 +29,8 @@ MAX_TOKENS = 8
 def daemon(tmp_path: Path) -> Iterator[DaemonProcess]:
     tokens = tmp_path / "daemon-tokens"
     tokens.write_text("s3cret-token-0123456789 default\n")
-    proc = start_daemon(tmp_path, "auth1", token_file=tokens)
-    try:
+    with running_daemon(tmp_path, "auth1", token_file=tokens) as proc:
         yield proc
-    finally:
-        proc.terminate()
 
 
 def _store(daemon: DaemonProcess, token_file: Path, name: str) -> dict[str, object]:

@@ -28,7 +28,7 @@ from tests.connector_harness import (
     scheduler_connector,
     worker_connector,
 )
-from tests.daemon_process import REPO_ROOT, DaemonProcess, start_daemon
+from tests.daemon_process import REPO_ROOT, DaemonProcess, running_daemon
 from tests.models import TinyModel
 
 pytestmark = pytest.mark.slow
@@ -121,11 +121,8 @@ def test_hinted_restores_wait_longer_than_cold_ones(tiny: TinyModel, tmp_path: P
 
 @pytest.fixture
 def daemon(tmp_path: Path) -> Iterator[DaemonProcess]:
-    proc = start_daemon(tmp_path, "fence1")
-    try:
+    with running_daemon(tmp_path, "fence1") as proc:
         yield proc
-    finally:
-        proc.terminate()
 
 
 _STALE_WORKER = textwrap.dedent("""

@@ -29,21 +29,6 @@ from tests.daemon_process import DaemonProcess, start_daemon
 T = 10.0  # generous per-call timeout on a loaded 2-core machine
 
 
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
-    d = start_daemon(tmp_path_factory.mktemp("daemon"), "solo")
-    try:
-        yield d
-    finally:
-        d.close_clients()
-        d.terminate()
-
-
-@pytest.fixture
-def client(daemon: DaemonProcess) -> DaemonClient:
-    return daemon.client()
-
-
 def raw_stub(daemon: DaemonProcess, max_send: int = MAX_MESSAGE_BYTES
              ) -> kvstore_pb2_grpc.KVStoreStub:
     channel = grpc.insecure_channel(daemon.address, options=[

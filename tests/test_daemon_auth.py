@@ -23,7 +23,7 @@ from kvstore.net.limits import MAX_MESSAGE_BYTES
 from kvstore.net.scope import scope_of
 from proto.gen import kvstore_pb2 as pb
 from tests.blockframes import block_key, make_frame, session_key
-from tests.daemon_process import REPO_ROOT, DaemonProcess, start_daemon
+from tests.daemon_process import REPO_ROOT, DaemonProcess, running_daemon, start_daemon
 from tests.services import free_port
 
 T = 10.0
@@ -40,12 +40,8 @@ def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]
     tokens = tmp / "tokens"
     tokens.write_text(f"# token tenants\n{TOKEN_A} tenant-a\n{TOKEN_B} tenant-b\n"
                       f"{TOKEN_PEER} *\n")
-    d = start_daemon(tmp, "secured", token_file=tokens)
-    try:
+    with running_daemon(tmp, "secured", token_file=tokens) as d:
         yield d
-    finally:
-        d.close_clients()
-        d.terminate()
 
 
 def _raw(channel: grpc.Channel, method: str) -> Callable[..., Any]:

@@ -30,7 +30,7 @@ from kvstore.net.scope import Scope
 from kvstore.tiers.nvme import NvmeTier
 from kvstore.tiers.remote import RemoteConfig, RemoteTier
 from tests.blockframes import FINGERPRINT, NAMESPACE, block_key, make_frame
-from tests.daemon_process import DaemonProcess, start_daemon
+from tests.daemon_process import DaemonProcess, running_daemon
 
 SCOPE = Scope(FINGERPRINT.digest, NAMESPACE)
 FILLER = "filler"
@@ -141,15 +141,11 @@ def test_key_log_and_its_compaction_survive_enospc(tmp_path: Path) -> None:
 
 @pytest.fixture
 def full_daemon(tmp_path: Path) -> Iterator[tuple[DaemonProcess, Path]]:
-    with tmpfs(tmp_path / "disk", "24m") as disk:
-        # The disk budget is bigger than the filesystem: the disk, not the budget, runs out.
-        d = start_daemon(tmp_path, "full", mem_budget="4MiB", disk_budget="1GiB",
-                         extra=["--data-dir", str(disk / "data")])
-        try:
-            yield d, disk
-        finally:
-            d.close_clients()
-            d.terminate()
+    # The disk budget is bigger than the filesystem: the disk, not the budget, runs out.
+    with tmpfs(tmp_path / "disk", "24m") as disk, \
+            running_daemon(tmp_path, "full", mem_budget="4MiB", disk_budget="1GiB",
+                           extra=["--data-dir", str(disk / "data")]) as d:
+        yield d, disk
 
 
 def _settle(client: DaemonClient) -> None:

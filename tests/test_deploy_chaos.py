@@ -13,13 +13,6 @@ from tests.deploy_cli import run_cli
 
 pytestmark = pytest.mark.slow
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from deploy.local.model import build_tiny_llama
-
-    return build_tiny_llama(tmp_path_factory.getbasetemp() / "deploy-tiny-llama").path
-
-
 @pytest.mark.timeout(400)
 def test_two_kills_lose_nothing(model_dir: Path, tmp_path: Path) -> None:
     summary = tmp_path / "chaos.json"

@@ -34,7 +34,7 @@ from kvstore.tiers.host import HostTier
 from kvstore.tiers.nvme import NvmeTier
 from kvstore.tiers.remote import RemoteConfig, RemoteTier
 from tests.blockframes import block_key
-from tests.daemon_process import DaemonProcess, start_daemon
+from tests.daemon_process import DaemonProcess, running_daemon
 
 KEY = MacKey(bytes(range(32)))
 OTHER = MacKey(bytes(range(1, 33)))
@@ -162,11 +162,8 @@ def test_signed_reads_are_hashed_once(tmp_path: Path, monkeypatch: pytest.Monkey
 
 @pytest.fixture
 def daemon(tmp_path: Path) -> Iterator[DaemonProcess]:
-    d = start_daemon(tmp_path, "mac", mem_budget="8MiB")
-    try:
-        yield d
-    finally:
-        d.terminate()
+    with running_daemon(tmp_path, "mac", mem_budget="8MiB") as proc:
+        yield proc
 
 
 def _block_file(daemon: DaemonProcess, i: int) -> Path:

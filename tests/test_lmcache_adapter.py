@@ -14,7 +14,6 @@ import contextlib
 import json
 import select
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -116,12 +115,6 @@ def load(adapter: KVKeepL2Adapter, keys: list[ObjectKey], objs: list[Any]) -> li
     bitmap = adapter.query_load_result(task)
     assert bitmap is not None
     return [bitmap.test(i) for i in range(len(keys))]
-
-
-@pytest.fixture(scope="module")
-def daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[DaemonProcess]]:
-    with running_daemons(tmp_path_factory.mktemp("lmcache-adapter"), 2) as ds:
-        yield ds
 
 
 def test_lmcache_builds_the_plugin_with_its_config_class(daemons: list[DaemonProcess]) -> None:

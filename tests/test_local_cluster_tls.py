@@ -17,13 +17,6 @@ from tests.deploy_cli import run_cli
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from deploy.local.model import build_tiny_llama
-
-    return build_tiny_llama(tmp_path_factory.getbasetemp() / "deploy-tiny-llama").path
-
-
 @pytest.mark.timeout(420)
 def test_demo_passes_every_check_with_tls(model_dir: Path, tmp_path: Path) -> None:
     summary = tmp_path / "demo.json"

@@ -7,7 +7,6 @@ import os
 import signal
 import time
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -29,10 +28,7 @@ from tests.services import free_port
 T = 10.0
 
 
-@pytest.fixture(scope="module")
-def daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[DaemonProcess]]:
-    with running_daemons(tmp_path_factory.mktemp("remote"), 3) as ds:
-        yield ds
+DAEMON_COUNT = 3
 
 
 def make_tier(daemons: list[DaemonProcess], **config: object) -> RemoteTier:

@@ -12,10 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -30,7 +28,8 @@ from kvstore.keys import SessionId
 from kvstore.tiers.factory import RemoteSpec
 from router.continuation import StoreRecords
 from tests.daemon_process import DaemonProcess, start_daemon
-from tests.models import build_tiny_llama
+from tests.deploy_cli import spawn_cli
+from tests.models import TinyModel
 from tests.router_harness import wait_until
 from tests.services import EtcdServer, free_port, start_etcd, stop_process
 from tests.vllm_server import VllmServer, start_vllm
@@ -38,7 +37,6 @@ from tests.vllm_server import VllmServer, start_vllm
 pytestmark = pytest.mark.slow
 
 TTL = 2.0
-REPO = Path(__file__).resolve().parents[1]
 EOS = 2
 # Turns delimited by special tokens: what a full-history request renders can be compared
 # token for token with a continuation (a space-delimited template merges the seam's spaces).
@@ -75,19 +73,13 @@ class Cluster:
             return set()
 
 
-def _spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    with log.open("wb") as out:
-        return subprocess.Popen([sys.executable, "-m", "kvstore.cli", *args], stdout=out,
-                                stderr=subprocess.STDOUT, env=env)
-
-
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def cluster(tmp_path_factory: pytest.TempPathFactory, tiny: TinyModel
+            ) -> Iterator[Cluster]:
     base = tmp_path_factory.mktemp("continuation")
     logs = base / "logs"
     logs.mkdir()
-    model = build_tiny_llama(tmp_path_factory.getbasetemp() / "tiny-llama")
+    model = tiny
     template = base / "template.jinja"
     template.write_text(TEMPLATE)
     tokens = base / "tokens"
@@ -113,16 +105,16 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         stack.callback(lambda: [stop_process(p) for p in [*agents.values(), *routers.values()]])
         ports = {r: free_port() for r in ("A", "B")}
         for name, port in ports.items():
-            routers[name] = _spawn(
+            routers[name] = spawn_cli(
                 ["router", "serve", "--listen", f"127.0.0.1:{port}", "--etcd", etcd.url,
                  "--replica-id", name, "--continuation", "--store-token-file",
                  str(router_token), "--store-tenant", "conversations"],
                 logs / f"router-{name}.log")
         for wid, server in workers.items():
             server.wait_healthy()
-            agents[wid] = _spawn(["worker", "--etcd", etcd.url, "--url", server.url, "--id", wid,
-                                  "--kv-events", server.events_endpoint or "",
-                                  "--ttl", str(TTL)], logs / f"agent-{wid}.log")
+            agents[wid] = spawn_cli(["worker", "--etcd", etcd.url, "--url", server.url, "--id", wid,
+                                     "--kv-events", server.events_endpoint or "",
+                                     "--ttl", str(TTL)], logs / f"agent-{wid}.log")
         c = Cluster(etcd, daemons, workers, agents, routers, ports, router_token)
         for replica in ports:
             wait_until(lambda r=replica: c.usable(r) == {"w1", "w2"}, timeout=90)

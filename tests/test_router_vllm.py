@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -25,7 +23,8 @@ import openai
 import pytest
 
 from router.tenants import cache_salt_for
-from tests.models import build_tiny_llama
+from tests.deploy_cli import spawn_cli
+from tests.models import TinyModel
 from tests.router_harness import wait_until
 from tests.services import EtcdServer, free_port, start_etcd, stop_process
 from tests.vllm_server import VllmServer, start_vllm
@@ -33,7 +32,6 @@ from tests.vllm_server import VllmServer, start_vllm
 pytestmark = pytest.mark.slow
 
 TTL = 2.0
-REPO = Path(__file__).resolve().parents[1]
 CHAT = {"model": "tiny", "temperature": 0}
 
 
@@ -58,26 +56,19 @@ class Cluster:
                 if w["usable"]}
 
 
-def _spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    with log.open("wb") as out:
-        return subprocess.Popen([sys.executable, "-m", "kvstore.cli", *args], stdout=out,
-                                stderr=subprocess.STDOUT, env=env)
-
-
 def _start_router(name: str, port: int, etcd_url: str, logs: Path) -> subprocess.Popen[bytes]:
-    return _spawn(["router", "serve", "--listen", f"127.0.0.1:{port}", "--etcd", etcd_url,
-                   "--replica-id", name, "--stream-idle-timeout", "20"],
-                  logs / f"router-{name}.log")
+    return spawn_cli(["router", "serve", "--listen", f"127.0.0.1:{port}", "--etcd", etcd_url,
+                      "--replica-id", name, "--stream-idle-timeout", "20"],
+                     logs / f"router-{name}.log")
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def cluster(tmp_path_factory: pytest.TempPathFactory, tiny: TinyModel
+            ) -> Iterator[Cluster]:
     base = tmp_path_factory.mktemp("router-vllm")
     logs = base / "logs"
     logs.mkdir()
-    # Shared with the connector tests: built once per pytest session (idempotent).
-    model = build_tiny_llama(tmp_path_factory.getbasetemp() / "tiny-llama")
+    model = tiny
     workers = {w: start_vllm(model.path, logs) for w in ("w1", "w2")}
     with start_etcd(base) as etcd, contextlib.ExitStack() as stack:
         for server in workers.values():
@@ -90,9 +81,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             routers[name] = _start_router(name, port, etcd.url, logs)
         for wid, server in workers.items():
             server.wait_healthy()
-            agents[wid] = _spawn(["worker", "--etcd", etcd.url, "--url", server.url, "--id", wid,
-                                  "--kv-events", server.events_endpoint or "",
-                                  "--ttl", str(TTL)], logs / f"agent-{wid}.log")
+            agents[wid] = spawn_cli(["worker", "--etcd", etcd.url, "--url", server.url, "--id", wid,
+                                     "--kv-events", server.events_endpoint or "",
+                                     "--ttl", str(TTL)], logs / f"agent-{wid}.log")
         c = Cluster(etcd, workers, agents, routers, ports, logs)
         for replica in ports:
             wait_until(lambda r=replica: _quiet(lambda: c.worker_ids(r)) == {"w1", "w2"},
@@ -244,9 +235,9 @@ def test_tenants_never_share_vllms_prefix_cache(cluster: Cluster) -> None:
     keys.write_text("".join(f"{k} {t}\n" for t, k in TENANT_KEYS.items()))
     port = free_port()
     cluster.router_ports["T"] = port
-    cluster.routers["T"] = _spawn(["router", "serve", "--listen", f"127.0.0.1:{port}",
-                                   "--etcd", cluster.etcd.url, "--replica-id", "T",
-                                   "--api-keys", str(keys)], cluster.logs / "router-T.log")
+    cluster.routers["T"] = spawn_cli(["router", "serve", "--listen", f"127.0.0.1:{port}",
+                                      "--etcd", cluster.etcd.url, "--replica-id", "T",
+                                      "--api-keys", str(keys)], cluster.logs / "router-T.log")
     http = cluster.http("T")
 
     def auth(who: str) -> dict[str, str]:
@@ -407,20 +398,18 @@ def test_worker_sigkill_resumes_the_stream_and_rebinds_sessions(cluster: Cluster
 
 
 def _agent(cluster: Cluster, wid: str, server: VllmServer) -> None:
-    cluster.agents[wid] = _spawn(["worker", "--etcd", cluster.etcd.url, "--url", server.url,
-                                  "--id", wid, "--kv-events", server.events_endpoint or "",
-                                  "--ttl", str(TTL)], cluster.logs / f"agent-{wid}.log")
+    cluster.agents[wid] = spawn_cli(["worker", "--etcd", cluster.etcd.url, "--url", server.url,
+                                     "--id", wid, "--kv-events", server.events_endpoint or "",
+                                     "--ttl", str(TTL)], cluster.logs / f"agent-{wid}.log")
 
 
-def test_a_stream_with_stop_strings_survives_a_sigkill(cluster: Cluster,
-                                                        tmp_path_factory: pytest.TempPathFactory
+def test_a_stream_with_stop_strings_survives_a_sigkill(cluster: Cluster, tiny: TinyModel
                                                         ) -> None:
     """A chat stream with stop strings on a worker SIGKILLed mid-answer: vLLM held the last
     characters back (a 20-character stop string makes it hold 19), the stream resumes on
     another worker, and the client gets exactly what one unbroken vLLM stream gives: the same
     text, cut before the same stop string, with `finish_reason` "stop"."""
-    model = build_tiny_llama(tmp_path_factory.getbasetemp() / "tiny-llama")
-    w3 = start_vllm(model.path, cluster.logs)
+    w3 = start_vllm(tiny.path, cluster.logs)
     cluster.workers["w3"] = w3
     try:
         w3.wait_healthy()

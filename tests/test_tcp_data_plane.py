@@ -71,21 +71,6 @@ TOKEN_B = "token-tenant-b-0123456789"
 SCOPE = Scope(FINGERPRINT.digest, NAMESPACE)
 
 
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
-    d = start_daemon(tmp_path_factory.mktemp("dataplane"), "dp")
-    try:
-        yield d
-    finally:
-        d.close_clients()
-        d.terminate()
-
-
-@pytest.fixture
-def client(daemon: DaemonProcess) -> DaemonClient:
-    return daemon.client()
-
-
 def data_address(daemon: DaemonProcess) -> str:
     port = daemon.client().stat(timeout=T).data_port
     assert port
@@ -385,7 +370,7 @@ def test_batches_are_pipelined_and_a_bad_block_spoils_only_itself(daemon: Daemon
     assert client.put(SCOPE, [(k.block_hash, f) for k, f in zip(keys, frames, strict=True)],
                       timeout=T) == [True] * len(keys)
     assert client.lookup(SCOPE, [k.block_hash for k in keys], timeout=T) == [True] * len(keys)
-    c = TcpBlockTransport("dp", data_address(daemon))
+    c = TcpBlockTransport(daemon.node_id, data_address(daemon))
     fresh = [block_key(i) for i in range(2000, 2010)]
     batch = [(k.block_hash, make_frame(k)) for k in fresh]
     batch[4] = (fresh[4].block_hash, corrupt(batch[4][1]))
@@ -514,7 +499,7 @@ def test_without_a_data_plane_everything_goes_over_grpc(tmp_path: Path) -> None:
 def test_an_unreachable_data_port_falls_back_to_grpc_then_recovers(
         daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(daemon_client, "DATA_RETRY_S", 0.2)
-    c = DaemonClient("dp", daemon.address, data_address=f"127.0.0.1:{free_port()}")
+    c = DaemonClient(daemon.node_id, daemon.address, data_address=f"127.0.0.1:{free_port()}")
     try:
         key = block_key(60)
         frame = make_frame(key)
@@ -600,7 +585,7 @@ def recv_all(sock: socket.socket) -> bytes:
 
 
 def test_a_call_past_its_deadline_raises_deadline_exceeded(daemon: DaemonProcess) -> None:
-    c = TcpBlockTransport("dp", data_address(daemon))
+    c = TcpBlockTransport(daemon.node_id, data_address(daemon))
     key = block_key(90)
     with pytest.raises(DeadlineExceeded):
         c.put(SCOPE, [(key.block_hash, make_frame(key, segment_bytes=1 << 20))], timeout=1e-6)
@@ -638,7 +623,7 @@ def test_fuzz_random_truncated_and_mutated_requests(daemon: DaemonProcess,
             payload[at] ^= data.draw(st.integers(1, 255))
         payload = bytes(payload)
         assume(payload != base)  # two flips of one byte can cancel out
-    stat = DaemonClient("dp", daemon.address, data_plane=False)
+    stat = DaemonClient(daemon.node_id, daemon.address, data_plane=False)
     try:
         before = stat.stat(timeout=T)
         for head, _ in replies(exchange(address, payload)):  # whatever it answers parses

@@ -9,7 +9,6 @@ a count, not a timing, so these tests say the same on any machine.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +26,7 @@ from kvstore.tiers.host import HostTier
 from kvstore.tiers.nvme import NvmeTier
 from kvstore.tiers.remote import RemoteTier
 from tests.blockframes import block_key, make_frame
-from tests.daemon_process import DaemonProcess, running_daemons
+from tests.daemon_process import DaemonProcess
 from tests.services import RedisServer
 
 LAYERS, SEGMENT = 4, 8192
@@ -219,12 +218,6 @@ def test_a_value_flipped_in_redis_is_a_miss_and_deleted(redis_server: RedisServe
         assert store.tiers[1].contains([key]) == [False]
         get_and_decode(store, intact, expected)
         assert store.stats().corrupt == 1
-
-
-@pytest.fixture(scope="module")
-def daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[DaemonProcess]]:
-    with running_daemons(tmp_path_factory.mktemp("verify-once"), 2) as ds:
-        yield ds
 
 
 def remote_store(daemons: list[DaemonProcess], replicas: int) -> TieredStore:

@@ -42,6 +42,7 @@ from typing import Any, Final, Literal
 from kvstore.errors import ConfigError, InvalidKey
 from kvstore.etcd import EtcdSpec
 from kvstore.keys import validate_name
+from kvstore.tiers.factory import read_token_file
 
 __all__ = ["PluginSettings", "TLSPaths", "read_token"]
 
@@ -141,16 +142,7 @@ class PluginSettings:
 
 def read_token(path: str | None) -> str | None:
     """The first non-comment line of a token file; None without a file."""
-    if path is None:
-        return None
-    try:
-        lines = [line.strip() for line in Path(path).read_text().splitlines()]
-    except OSError as exc:
-        raise ConfigError(f"cannot read token_file {path!r}: {exc}") from exc
-    token = next((line for line in lines if line and not line.startswith("#")), None)
-    if token is None:
-        raise ConfigError(f"token_file {path!r} holds no token")
-    return token
+    return None if path is None else read_token_file(path)
 
 
 def _valid_name(value: str, what: str) -> None:

@@ -18,7 +18,6 @@ another worker is timed from the last token before the note to the first after i
 
 from __future__ import annotations
 
-import json
 import random
 import threading
 import time
@@ -28,7 +27,7 @@ from typing import Any
 
 import httpx
 
-from deploy.conversation import Message
+from deploy.conversation import Message, NoteTee
 
 __all__ = ["RouterPool", "ChaosSession", "TurnRecord", "Resumption", "Retry"]
 
@@ -59,34 +58,6 @@ class RouterPool:
             self._down_until[url] = time.monotonic() + self._down_for
 
 
-class _TimedTee(httpx.SyncByteStream):
-    def __init__(self, inner: httpx.SyncByteStream, notes: list[tuple[float, dict[str, Any]]]
-                 ) -> None:
-        self._inner = inner
-        self._notes = notes
-        self._pending = b""
-
-    def __iter__(self) -> Iterator[bytes]:
-        for chunk in self._inner:
-            self._scan(chunk)
-            yield chunk
-
-    def close(self) -> None:
-        self._inner.close()
-
-    def _scan(self, chunk: bytes) -> None:
-        lines = (self._pending + chunk).split(b"\n")
-        self._pending = lines.pop()
-        for line in lines:
-            if line.startswith(b": kvkeep "):
-                try:
-                    note = json.loads(line[len(b": kvkeep "):])
-                except ValueError:
-                    continue
-                if isinstance(note, dict):
-                    self._notes.append((time.monotonic(), note))
-
-
 class _TimedTap(httpx.BaseTransport):
     """Passes bytes through untouched; keeps the latest response's headers and timed notes."""
 
@@ -101,8 +72,10 @@ class _TimedTap(httpx.BaseTransport):
         response = self._inner.handle_request(request)
         self.headers = {k.lower(): v for k, v in response.headers.items()}
         assert isinstance(response.stream, httpx.SyncByteStream)
+        notes = self.notes
         return httpx.Response(response.status_code, headers=response.headers,
-                              stream=_TimedTee(response.stream, self.notes),
+                              stream=NoteTee(response.stream,
+                                             lambda note: notes.append((time.monotonic(), note))),
                               extensions=response.extensions)
 
     def close(self) -> None:

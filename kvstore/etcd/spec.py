@@ -12,7 +12,6 @@ part of a log line or a repr.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from kvstore.errors import ConfigError
+from kvstore.net.addresses import is_loopback
 
 __all__ = ["EtcdSpec", "etcd_spec"]
 
@@ -32,15 +32,6 @@ def _read(path: Path, what: str) -> bytes:
         return path.read_bytes()
     except OSError as exc:
         raise ConfigError(f"cannot read the etcd {what} {path}: {exc}") from exc
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _endpoint(part: str) -> tuple[str, str, int]:
@@ -86,7 +77,7 @@ class EtcdSpec:
             raise ConfigError(f"etcd TLS files given but {self.url!r} is plain http: write "
                               "https:// to use TLS (a TLS setting is never silently ignored)")
         if schemes == {"http"} and self.user is not None and not all(
-                _is_loopback(host) for _, host, _ in parsed):
+                is_loopback(host) for _, host, _ in parsed):
             _log.warning("etcd user %s authenticates over plain http to %s: the password "
                          "crosses the network in clear (use https://)", self.user, self.url)
 

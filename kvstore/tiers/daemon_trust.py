@@ -30,7 +30,6 @@ config's `daemons`) are the operator's own and are not checked here.
 from __future__ import annotations
 
 import base64
-import ipaddress
 import json
 import struct
 from collections.abc import Sequence
@@ -42,6 +41,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from kvstore.errors import ConfigError, UntrustedRegistration
+from kvstore.net.addresses import is_loopback
 from kvstore.tiers.daemon_info import DaemonInfo
 
 __all__ = ["DaemonTrust", "RegistrationSigner", "load_verify_keys", "signed_message"]
@@ -51,13 +51,8 @@ _PEM_END = b"-----END PUBLIC KEY-----"
 
 
 def _is_loopback(address: str) -> bool:
-    host = address.rpartition(":")[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    """Whether a registered HOST:PORT is on this machine's loopback."""
+    return is_loopback(address.rpartition(":")[0])
 
 
 def signed_message(key: bytes, lease: int, info: DaemonInfo) -> bytes:

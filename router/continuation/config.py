@@ -29,21 +29,11 @@ __all__ = ["ContinuationConfig", "add_arguments", "from_args"]
 
 @dataclass(frozen=True, slots=True)
 class ContinuationConfig:
-    """Where conversation records live: the daemons (through etcd or listed), the token that
-    grants `tenant`, and how many daemons hold each record."""
+    """Where conversation records live: the daemons (a remote tier's spec: through etcd or
+    listed, the token that grants `tenant`, TLS, how many daemons hold each record)."""
 
-    etcd: EtcdSpec | str | None = None
-    daemons: tuple[tuple[str, str], ...] = ()
-    token_file: str | None = None
+    remote: RemoteSpec
     tenant: str = "default"
-    replicas: int = 2
-    timeout_s: float = 1.0
-    etcd_prefix: str | None = None
-    tls_ca: str | None = None
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    tls_server_name: str | None = None
-    registration_public_key: str | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -52,12 +42,7 @@ class ContinuationConfig:
             raise ConfigError(str(exc)) from exc
 
     def remote_spec(self) -> RemoteSpec:
-        return RemoteSpec(etcd=self.etcd, prefix=self.etcd_prefix, replicas=self.replicas,
-                          daemons=self.daemons, timeout_s=self.timeout_s,
-                          token_file=self.token_file, name="conversations",
-                          tls_ca=self.tls_ca, tls_cert=self.tls_cert, tls_key=self.tls_key,
-                          tls_server_name=self.tls_server_name,
-                          registration_public_key=self.registration_public_key)
+        return self.remote
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -103,12 +88,11 @@ def from_args(args: argparse.Namespace) -> ContinuationConfig | None:
     if etcd is None and not daemons:
         raise ConfigError("--continuation needs the kvstore daemons: --store-etcd, "
                           "--store-daemon, or --etcd")
-    config = ContinuationConfig(etcd=etcd, daemons=tuple(daemons),
-                                token_file=args.store_token_file, tenant=args.store_tenant,
-                                replicas=args.store_replicas, timeout_s=args.store_timeout,
-                                tls_ca=args.store_tls_ca, tls_cert=args.store_tls_cert,
-                                tls_key=args.store_tls_key,
-                                tls_server_name=args.store_tls_server_name,
-                                registration_public_key=args.store_registration_pubkey)
-    config.remote_spec()  # checked now: a bad flag stops the router at start
-    return config
+    # A bad flag stops the router at start: the spec checks itself.
+    remote = RemoteSpec(etcd=etcd, daemons=tuple(daemons), replicas=args.store_replicas,
+                        timeout_s=args.store_timeout, token_file=args.store_token_file,
+                        name="conversations", tls_ca=args.store_tls_ca,
+                        tls_cert=args.store_tls_cert, tls_key=args.store_tls_key,
+                        tls_server_name=args.store_tls_server_name,
+                        registration_public_key=args.store_registration_pubkey)
+    return ContinuationConfig(remote, tenant=args.store_tenant)
