@@ -30,7 +30,7 @@ from kvstore.net.scope import Scope
 from kvstore.tiers.nvme import NvmeTier
 from kvstore.tiers.remote import RemoteConfig, RemoteTier
 from tests.blockframes import FINGERPRINT, NAMESPACE, block_key, make_frame
-from tests.daemon_process import DaemonProcess, running_daemon
+from tests.daemon_process import DaemonProcess, running_daemon, start_daemon
 
 SCOPE = Scope(FINGERPRINT.digest, NAMESPACE)
 FILLER = "filler"
