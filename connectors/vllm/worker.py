@@ -63,7 +63,8 @@ class WorkerSide:
         context = WorkerContext(store, self._caches, fingerprint, codec, self._outbox, counters,
                                 config.mac_key, self.telemetry)
         self._loader = Loader(context, deadline_s=config.restore_deadline_s,
-                              first_layers=config.restore_first_layers)
+                              first_layers=config.restore_first_layers,
+                              path=config.restore_path)
         self._saver = Saver(context, config)
         self._manifests = ManifestWriter(store, counters)
 

@@ -24,6 +24,7 @@ forward's stream waits for) once the stage's last batch is scattered.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 import warnings
@@ -52,7 +53,7 @@ from kvstore.keys import BlockKey
 from kvstore.store import TieredStore
 from kvstore.tiers.capabilities import BorrowedBlock
 
-__all__ = ["RestoreBlock", "RestoreJob", "RestorePipeline", "ReadLower", "Mismatch"]
+__all__ = ["RestoreBlock", "RestoreJob", "RestorePipeline", "ReadLower", "Refusal"]
 
 # Page-locked pages are lent read-only; a device copy only reads them, but torch warns when it
 # wraps a read-only buffer. Silenced for this module's calls only.
@@ -60,6 +61,8 @@ warnings.filterwarnings("ignore", message=r"The given buffer is not writable",
                         category=UserWarning, module=r"connectors\.vllm\.staging\.restore")
 
 _Bytes = npt.NDArray[np.uint8]
+
+log = logging.getLogger(__name__)
 
 
 class RestoreBlock(Protocol):
@@ -105,8 +108,9 @@ class RestoreJob(Protocol):
 
 ReadLower = Callable[[RestoreJob, LayerRange, Sequence[RestoreBlock]], list[BlockRead | None]]
 """Reads of blocks the first tier could not lend (the loader's threaded `get_many`)."""
-Mismatch = Callable[[FrameHeader], str | None]
-"""Why a frame is not one this engine would have written, or None."""
+Refusal = Callable[[FrameHeader], tuple[Counter, str] | None]
+"""Why a frame's header refuses it (forged, or not one this engine would have written), as its
+load counter and a reason; None when it may be restored."""
 
 
 @dataclass(eq=False, slots=True)
@@ -156,6 +160,10 @@ class RestorePipeline:
         self._config = config or StagingConfig()
         device = caches.tensors[0].device
         self._cuda = device.type == "cuda"
+        # Host caches whose blocks hold a raw frame's layers verbatim (vLLM's CPU backend): a
+        # block's bytes go from where they lie straight into its paged block, with no slot.
+        self._in_place = (not self._cuda and self._codec.codec_id is CodecId.RAW
+                          and all(blocks is not None for blocks in caches.host_blocks))
         self._segment = self._codec.encoded_size(caches.block_shape, caches.dtype)
         full = self._segment * caches.num_layers
         self.ring = StagingRing(slots=self._config.slots,
@@ -172,7 +180,7 @@ class RestorePipeline:
         self._pool.shutdown(wait=True)
 
     def load(self, job: RestoreJob, stages: Sequence[LayerRange], read_lower: ReadLower,
-             mismatch: Mismatch) -> None:
+             refusal: Refusal) -> None:
         """Restore `stages` of every block of `job`, in order; blocks that cannot be are failed
         on the job with their reason. Returns early (writing nothing more) once the job is
         cancelled or late."""
@@ -180,7 +188,7 @@ class RestorePipeline:
         units = self._units(job, stages)
         unit = next(units, None)
         fetched = None if unit is None else self._fetcher.submit(
-            self._fetch, job, unit[0], unit[1], read_lower, mismatch)
+            self._fetch, job, unit[0], unit[1], read_lower, refusal)
         try:
             while unit is not None and fetched is not None:
                 layers, _, last = unit
@@ -189,8 +197,11 @@ class RestorePipeline:
                 unit = next(units, None)
                 if unit is not None:
                     fetched = self._fetcher.submit(self._fetch, job, unit[0], unit[1],
-                                                   read_lower, mismatch)
-                if not self._stage(run, layers, entries, last):
+                                                   read_lower, refusal)
+                if self._in_place:
+                    if not self._write_in_place(job, layers, entries, last):
+                        return
+                elif not self._stage(run, layers, entries, last):
                     return
                 while len(run.pending) > 1:
                     if not self._finish_oldest(run):
@@ -252,7 +263,7 @@ class RestorePipeline:
             batch.failures.extend(failures)
         self.times.add("host_copy", time.perf_counter() - started)
         with self._copy.activate():
-            if any(not entry.direct for entry in batch.entries):
+            if not slot.shared and any(not entry.direct for entry in batch.entries):
                 device.copy_(host, non_blocking=True)
             for row, entry in enumerate(batch.entries):
                 if entry.direct and entry.borrowed is not None:
@@ -266,6 +277,74 @@ class RestorePipeline:
         batch.checks = [self._pool.submit(self._check_rows, host_rows, batch, rows)
                         for rows in parts]
         return True
+
+    def _write_in_place(self, job: RestoreJob, layers: LayerRange, entries: list[_Entry],
+                        last: bool) -> bool:
+        """Host caches holding frames verbatim: check each block where it lies (lent pages
+        are hashed in place, once, unless trusted; a lower tier's reads were verified by it),
+        then copy it straight into its paged block on the pool, under the job's lock: one
+        copy per block, none written after a cancel or before its check. False once the job
+        is cancelled or late."""
+        try:
+            live = [entry for entry in entries if entry.block.block_id not in job.failed]
+            parts = split(len(live), self._config.workers)
+            started = time.perf_counter()
+            checks = [self._pool.submit(self._check_in_place, live, layers, rows)
+                      for rows in parts]
+            bad = dict(failure for failures in _all_results(checks) for failure in failures)
+            self.times.add("verify", time.perf_counter() - started)
+            for row, reason in bad.items():
+                job.fail(live[row].block.block_id, reason)
+                self._store.delete([live[row].block.key])
+            good = [entry for row, entry in enumerate(live)
+                    if row not in bad and entry.block.block_id not in job.failed]
+            with job.lock:
+                if not job.still_on_time():
+                    return False
+                started = time.perf_counter()
+                copies = [self._pool.submit(self._copy_in_place, good, layers, rows)
+                          for rows in split(len(good), self._config.workers)]
+                _all_results(copies)
+                self.times.add("host_copy", time.perf_counter() - started)
+        finally:
+            for entry in entries:
+                entry.release()
+        if last:
+            for layer in range(layers.start, layers.stop):
+                job.layer_done[layer].set()
+        return True
+
+    def _check_in_place(self, entries: Sequence[_Entry], layers: LayerRange, rows: range
+                        ) -> list[tuple[int, Counter]]:
+        failed = []
+        for row in rows:
+            entry = entries[row]
+            try:
+                if entry.borrowed is not None:
+                    if not self._config.trust_host_pages:
+                        frame.verify_pieces(entry.header, layers, entry.borrowed.pieces)
+                elif entry.read is not None:
+                    entry.read.verify()  # a no-op for the store's reads: verified by their tier
+                    for layer in range(layers.start, layers.stop):
+                        if len(entry.read.segment(layer)) != self._segment:
+                            raise CorruptBlock(f"segment {layer} is not {self._segment} bytes")
+            except CorruptBlock:
+                failed.append((row, Counter.LOAD_CORRUPT))
+        return failed
+
+    def _copy_in_place(self, entries: Sequence[_Entry], layers: LayerRange, rows: range
+                       ) -> list[tuple[int, Counter]]:
+        caches = self._caches.host_blocks
+        for row in rows:
+            entry = entries[row]
+            targets = [_flat_bytes(caches[layer], entry.block.block_id)
+                       for layer in range(layers.start, layers.stop)]
+            if entry.borrowed is not None:
+                _copy_across(entry.borrowed.pieces, targets)
+            elif entry.read is not None:
+                for target, layer in zip(targets, range(layers.start, layers.stop), strict=True):
+                    np.copyto(target, np.frombuffer(entry.read.segment(layer), np.uint8))
+        return []
 
     def _finish_oldest(self, run: _Run) -> bool:
         batch = run.pending[0]
@@ -376,13 +455,14 @@ class RestorePipeline:
                 if entry.read is not None:
                     entry.read.verify()  # a no-op for the store's reads: verified by their tier
                 elif entry.borrowed is not None and not trusted:
+                    checksum = frame.checksum_of(entry.header)  # BLAKE3 in a signed frame
                     if entry.direct:
                         frame.verify_pieces(entry.header, layers, entry.borrowed.pieces)
                     else:
                         for i, layer in enumerate(range(layers.start, layers.stop)):
                             data = destination[i * size: (i + 1) * size].data
                             want = entry.header.segments[layer].checksum
-                            if frame.segment_checksum(data) != want:
+                            if checksum(data) != want:
                                 raise CorruptBlock(f"segment {layer} checksum mismatch")
                 if not entry.direct and self._codec.codec_id is not CodecId.RAW:
                     for i in range(len(layers)):
@@ -397,7 +477,7 @@ class RestorePipeline:
     # -- fetching (fetch thread) ----------------------------------------------------------------
 
     def _fetch(self, job: RestoreJob, layers: LayerRange, blocks: Sequence[RestoreBlock],
-               read_lower: ReadLower, mismatch: Mismatch) -> list[_Entry]:
+               read_lower: ReadLower, refusal: Refusal) -> list[_Entry]:
         """Where each block's bytes are: lent by the first tier, else read from below."""
         if job.cancelled or not blocks:
             return []
@@ -411,13 +491,13 @@ class RestorePipeline:
                 if lent is None:
                     lower.append(block)
                     continue
-                reason = mismatch(lent.header)
-                if reason is not None or lent.size != width:
+                refused = refusal(lent.header)
+                if refused is not None or lent.size != width:
                     lent.release()
-                    if reason is None:  # compressed segments: read (and decompress) below
+                    if refused is None:  # compressed segments: read (and decompress) below
                         lower.append(block)
                     else:
-                        self._mismatched(job, block)
+                        self._refused(job, block, refused)
                     continue
                 direct = (self._config.direct_from_pinned and self._cuda
                           and self._codec.codec_id is CodecId.RAW and _pinned(lent))
@@ -428,8 +508,8 @@ class RestorePipeline:
                     if read is None:
                         job.fail(block.block_id, Counter.LOAD_LATE if time.monotonic()
                                  >= job.deadline else Counter.LOAD_MISSING)
-                    elif mismatch(read.header) is not None:
-                        self._mismatched(job, block)
+                    elif (refused := refusal(read.header)) is not None:
+                        self._refused(job, block, refused)
                     else:
                         entries.append(_Entry(block, read.header, read=read))
         except BaseException:
@@ -439,9 +519,34 @@ class RestorePipeline:
         self.times.add("fetch", time.perf_counter() - started)
         return entries
 
-    def _mismatched(self, job: RestoreJob, block: RestoreBlock) -> None:
-        job.fail(block.block_id, Counter.LOAD_MISMATCH)
+    def _refused(self, job: RestoreJob, block: RestoreBlock,
+                 refused: tuple[Counter, str]) -> None:
+        reason, why = refused
+        log.warning("kvkeep: frame for %s refused: %s", block.key.storage_name, why)
+        job.fail(block.block_id, reason)
         self._store.delete([block.key])  # it can never be used under this key
+
+
+def _flat_bytes(blocks: npt.NDArray[np.generic] | None, block_id: int) -> _Bytes:
+    """Paged block `block_id` of a host cache layer as its bytes (a view, no copy)."""
+    assert blocks is not None  # (only called where every layer has them)
+    return np.ravel(blocks[block_id]).view(np.uint8)
+
+
+def _copy_across(pieces: Sequence[memoryview], targets: Sequence[_Bytes]) -> None:
+    """Copy the bytes of `pieces` (back to back) into `targets` (back to back): page runs
+    and segments need not line up. The sizes were checked to match."""
+    sources = [np.frombuffer(piece, np.uint8) for piece in pieces]
+    index, offset = 0, 0
+    for target in targets:
+        filled = 0
+        while filled < len(target):
+            source = sources[index]
+            take = min(len(target) - filled, len(source) - offset)
+            np.copyto(target[filled: filled + take], source[offset: offset + take])
+            filled, offset = filled + take, offset + take
+            if offset == len(source):
+                index, offset = index + 1, 0
 
 
 def _pinned(block: BorrowedBlock) -> bool:
