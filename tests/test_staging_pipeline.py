@@ -231,7 +231,7 @@ def test_verbatim_host_caches_are_written_in_place(store: TieredStore,
         monkeypatch.setattr(StagingRing, "try_acquire", no_slots)
         monkeypatch.setattr(StagingRing, "acquire", no_slots)
         monkeypatch.setattr(frame, "segment_checksum", counting)
-        monkeypatch.setattr(frame.xxhash, "xxh3_128", CountingStream)
+        monkeypatch.setattr(xxhash, "xxh3_128", CountingStream)
         monkeypatch.setattr(store, "get_many", get_many)
         assert _load(loader, targets, hashes)
     finally:
