@@ -343,6 +343,12 @@ class Loader:
                 fetched.append(_Fetched(block, read))
         return fetched
 
+    def prepare(self) -> None:
+        """Once the caches are registered: build the staging pipeline now (its ring and
+        threads), not during the first restore."""
+        if self._path == "staged":
+            self._staged()
+
     def _staged(self) -> RestorePipeline:
         with self._lock:
             if self._pipeline is None:

@@ -195,10 +195,15 @@ class Saver:
         finally:
             self._release(len(batch.items))
 
+    def prepare(self) -> None:
+        """Once the caches are registered: build the staging pipeline (save_path "staged")."""
+        if self._config.save_path == "staged" and self._pipeline is None:
+            self._pipeline = SavePipeline(self._ctx.caches, self._ctx.store, self._ctx.codec)
+
     def _staged_save(self, batch: _Batch) -> None:
         """The staging pipeline (`connectors.vllm.staging.save`) frames and puts the batch."""
-        if self._pipeline is None:
-            self._pipeline = SavePipeline(self._ctx.caches, self._ctx.store, self._ctx.codec)
+        self.prepare()
+        assert self._pipeline is not None
 
         def report(j: int, ok: bool) -> None:
             self._ctx.counters.add(Counter.SAVED_BLOCKS if ok else Counter.SAVE_FAILED)

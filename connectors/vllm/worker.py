@@ -70,6 +70,8 @@ class WorkerSide:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._caches.register(kv_caches)
+        self._loader.prepare()
+        self._saver.prepare()
 
     def begin_step(self, meta: StepMetadata) -> None:
         """Before the forward pass: answer the scheduler's probes, queue its manifests, and
