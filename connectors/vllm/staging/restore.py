@@ -25,14 +25,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 import time
 import warnings
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -40,6 +38,15 @@ import torch
 
 from connectors.vllm.caches import PagedCaches
 from connectors.vllm.staging.config import StagingConfig
+from connectors.vllm.staging.in_place import InPlaceWriter
+from connectors.vllm.staging.jobs import (
+    Located,
+    ReadLower,
+    Refusal,
+    RestoreBlock,
+    RestoreJob,
+    all_results,
+)
 from connectors.vllm.staging.kernels import scatter_rows
 from connectors.vllm.staging.ring import Cancelled, Slot, StagingRing, split
 from connectors.vllm.staging.streams import Event, lane_for
@@ -48,8 +55,7 @@ from connectors.vllm.stats import Counter
 from kvstore import frame
 from kvstore.codecs import get_codec
 from kvstore.errors import CorruptBlock
-from kvstore.frame import BlockRead, CodecId, FrameHeader, LayerRange
-from kvstore.keys import BlockKey
+from kvstore.frame import CodecId, LayerRange
 from kvstore.store import TieredStore
 from kvstore.tiers.capabilities import BorrowedBlock
 
@@ -65,70 +71,6 @@ _Bytes = npt.NDArray[np.uint8]
 log = logging.getLogger(__name__)
 
 
-class RestoreBlock(Protocol):
-    @property
-    def block_id(self) -> int:
-        """The paged block it goes to."""
-        ...
-
-    @property
-    def key(self) -> BlockKey: ...
-
-
-class RestoreJob(Protocol):
-    """What the pipeline needs of a load (`connectors.vllm.loader.LoadJob` is one)."""
-
-    @property
-    def blocks(self) -> Sequence[RestoreBlock]: ...
-
-    @property
-    def failed(self) -> Mapping[int, Counter]: ...
-
-    @property
-    def lock(self) -> threading.Lock: ...
-
-    @property
-    def cancelled(self) -> bool: ...
-
-    @property
-    def deadline(self) -> float: ...
-
-    @property
-    def layer_done(self) -> Sequence[threading.Event]: ...
-
-    @property
-    def device_done(self) -> list[torch.cuda.Event | None]: ...
-
-    def fail(self, block_id: int, reason: Counter) -> None: ...
-
-    def still_on_time(self) -> bool:
-        """Under `lock`: False once cancelled or late (and then it is cancelled)."""
-        ...
-
-
-ReadLower = Callable[[RestoreJob, LayerRange, Sequence[RestoreBlock]], list[BlockRead | None]]
-"""Reads of blocks the first tier could not lend (the loader's threaded `get_many`)."""
-Refusal = Callable[[FrameHeader], tuple[Counter, str] | None]
-"""Why a frame's header refuses it (forged, or not one this engine would have written), as its
-load counter and a reason; None when it may be restored."""
-
-
-@dataclass(eq=False, slots=True)
-class _Entry:
-    """One block of a batch and where its bytes are."""
-
-    block: RestoreBlock
-    header: FrameHeader
-    borrowed: BorrowedBlock | None = None
-    read: BlockRead | None = None
-    direct: bool = False
-    """Copied to the device from its own page-locked pages (no host copy)."""
-
-    def release(self) -> None:
-        if self.borrowed is not None:
-            self.borrowed.release()
-
-
 @dataclass(eq=False, slots=True)
 class _InFlight:
     """A staged batch waiting to be finished."""
@@ -136,7 +78,7 @@ class _InFlight:
     layers: LayerRange
     last_of_stage: bool
     slot: Slot | None = None
-    entries: list[_Entry] = field(default_factory=list)
+    entries: list[Located] = field(default_factory=list)
     failures: list[tuple[int, Counter]] = field(default_factory=list)
     checks: list[Future[list[tuple[int, Counter]]]] = field(default_factory=list)
     copied: Event | None = None
@@ -162,8 +104,8 @@ class RestorePipeline:
         self._cuda = device.type == "cuda"
         # Host caches whose blocks hold a raw frame's layers verbatim (vLLM's CPU backend): a
         # block's bytes go from where they lie straight into its paged block, with no slot.
-        self._in_place = (not self._cuda and self._codec.codec_id is CodecId.RAW
-                          and all(blocks is not None for blocks in caches.host_blocks))
+        verbatim = (not self._cuda and self._codec.codec_id is CodecId.RAW
+                    and all(blocks is not None for blocks in caches.host_blocks))
         self._segment = self._codec.encoded_size(caches.block_shape, caches.dtype)
         full = self._segment * caches.num_layers
         self.ring = StagingRing(slots=self._config.slots,
@@ -174,6 +116,8 @@ class RestorePipeline:
         self._pool = ThreadPoolExecutor(self._config.workers, thread_name_prefix="kvkeep-stage")
         self._fetcher = ThreadPoolExecutor(2, thread_name_prefix="kvkeep-stage-fetch")
         self.times = StageTimes()
+        self._in_place = (InPlaceWriter(caches, store, self._pool, self._config, self._segment,
+                                        self.times) if verbatim else None)
 
     def close(self) -> None:
         self._fetcher.shutdown(wait=True)
@@ -198,8 +142,8 @@ class RestorePipeline:
                 if unit is not None:
                     fetched = self._fetcher.submit(self._fetch, job, unit[0], unit[1],
                                                    read_lower, refusal)
-                if self._in_place:
-                    if not self._write_in_place(job, layers, entries, last):
+                if self._in_place is not None:
+                    if not self._in_place.write(job, layers, entries, last):
                         return
                 elif not self._stage(run, layers, entries, last):
                     return
@@ -231,7 +175,7 @@ class RestorePipeline:
             for number, chunk in enumerate(chunks):
                 yield layers, chunk, number == len(chunks) - 1
 
-    def _stage(self, run: _Run, layers: LayerRange, entries: list[_Entry], last: bool) -> bool:
+    def _stage(self, run: _Run, layers: LayerRange, entries: list[Located], last: bool) -> bool:
         """Copy a batch into a slot and ship it; queue it to be finished. False once the job
         is cancelled or late."""
         job = run.job
@@ -259,7 +203,7 @@ class RestorePipeline:
         parts = split(len(batch.entries), self._config.workers)
         started = time.perf_counter()
         copies = [self._pool.submit(self._copy_rows, host_rows, batch, rows) for rows in parts]
-        for failures in _all_results(copies):  # all done before the slot could be given back
+        for failures in all_results(copies):  # all done before the slot could be given back
             batch.failures.extend(failures)
         self.times.add("host_copy", time.perf_counter() - started)
         with self._copy.activate():
@@ -278,74 +222,6 @@ class RestorePipeline:
                         for rows in parts]
         return True
 
-    def _write_in_place(self, job: RestoreJob, layers: LayerRange, entries: list[_Entry],
-                        last: bool) -> bool:
-        """Host caches holding frames verbatim: check each block where it lies (lent pages
-        are hashed in place, once, unless trusted; a lower tier's reads were verified by it),
-        then copy it straight into its paged block on the pool, under the job's lock: one
-        copy per block, none written after a cancel or before its check. False once the job
-        is cancelled or late."""
-        try:
-            live = [entry for entry in entries if entry.block.block_id not in job.failed]
-            parts = split(len(live), self._config.workers)
-            started = time.perf_counter()
-            checks = [self._pool.submit(self._check_in_place, live, layers, rows)
-                      for rows in parts]
-            bad = dict(failure for failures in _all_results(checks) for failure in failures)
-            self.times.add("verify", time.perf_counter() - started)
-            for row, reason in bad.items():
-                job.fail(live[row].block.block_id, reason)
-                self._store.delete([live[row].block.key])
-            good = [entry for row, entry in enumerate(live)
-                    if row not in bad and entry.block.block_id not in job.failed]
-            with job.lock:
-                if not job.still_on_time():
-                    return False
-                started = time.perf_counter()
-                copies = [self._pool.submit(self._copy_in_place, good, layers, rows)
-                          for rows in split(len(good), self._config.workers)]
-                _all_results(copies)
-                self.times.add("host_copy", time.perf_counter() - started)
-        finally:
-            for entry in entries:
-                entry.release()
-        if last:
-            for layer in range(layers.start, layers.stop):
-                job.layer_done[layer].set()
-        return True
-
-    def _check_in_place(self, entries: Sequence[_Entry], layers: LayerRange, rows: range
-                        ) -> list[tuple[int, Counter]]:
-        failed = []
-        for row in rows:
-            entry = entries[row]
-            try:
-                if entry.borrowed is not None:
-                    if not self._config.trust_host_pages:
-                        frame.verify_pieces(entry.header, layers, entry.borrowed.pieces)
-                elif entry.read is not None:
-                    entry.read.verify()  # a no-op for the store's reads: verified by their tier
-                    for layer in range(layers.start, layers.stop):
-                        if len(entry.read.segment(layer)) != self._segment:
-                            raise CorruptBlock(f"segment {layer} is not {self._segment} bytes")
-            except CorruptBlock:
-                failed.append((row, Counter.LOAD_CORRUPT))
-        return failed
-
-    def _copy_in_place(self, entries: Sequence[_Entry], layers: LayerRange, rows: range
-                       ) -> list[tuple[int, Counter]]:
-        caches = self._caches.host_blocks
-        for row in rows:
-            entry = entries[row]
-            targets = [_flat_bytes(caches[layer], entry.block.block_id)
-                       for layer in range(layers.start, layers.stop)]
-            if entry.borrowed is not None:
-                _copy_across(entry.borrowed.pieces, targets)
-            elif entry.read is not None:
-                for target, layer in zip(targets, range(layers.start, layers.stop), strict=True):
-                    np.copyto(target, np.frombuffer(entry.read.segment(layer), np.uint8))
-        return []
-
     def _finish_oldest(self, run: _Run) -> bool:
         batch = run.pending[0]
         ok = self._finish(run, batch)  # if it raises, the batch stays for load's clean-up
@@ -358,7 +234,7 @@ class RestorePipeline:
         job = run.job
         started = time.perf_counter()
         failures = list(batch.failures)
-        for checked in _all_results(batch.checks):
+        for checked in all_results(batch.checks):
             failures.extend(checked)
         self.times.add("wait_checks", time.perf_counter() - started)
         bad = dict(failures)
@@ -477,13 +353,13 @@ class RestorePipeline:
     # -- fetching (fetch thread) ----------------------------------------------------------------
 
     def _fetch(self, job: RestoreJob, layers: LayerRange, blocks: Sequence[RestoreBlock],
-               read_lower: ReadLower, refusal: Refusal) -> list[_Entry]:
+               read_lower: ReadLower, refusal: Refusal) -> list[Located]:
         """Where each block's bytes are: lent by the first tier, else read from below."""
         if job.cancelled or not blocks:
             return []
         started = time.perf_counter()
         width = len(layers) * self._segment
-        entries: list[_Entry] = []
+        entries: list[Located] = []
         lower: list[RestoreBlock] = []
         try:
             for block in blocks:
@@ -501,7 +377,7 @@ class RestorePipeline:
                     continue
                 direct = (self._config.direct_from_pinned and self._cuda
                           and self._codec.codec_id is CodecId.RAW and _pinned(lent))
-                entries.append(_Entry(block, lent.header, borrowed=lent, direct=direct))
+                entries.append(Located(block, lent.header, borrowed=lent, direct=direct))
             if lower:
                 reads = read_lower(job, layers, lower)
                 for block, read in zip(lower, reads, strict=True):
@@ -511,7 +387,7 @@ class RestorePipeline:
                     elif (refused := refusal(read.header)) is not None:
                         self._refused(job, block, refused)
                     else:
-                        entries.append(_Entry(block, read.header, read=read))
+                        entries.append(Located(block, read.header, read=read))
         except BaseException:
             for entry in entries:
                 entry.release()
@@ -527,45 +403,13 @@ class RestorePipeline:
         self._store.delete([block.key])  # it can never be used under this key
 
 
-def _flat_bytes(blocks: npt.NDArray[np.generic] | None, block_id: int) -> _Bytes:
-    """Paged block `block_id` of a host cache layer as its bytes (a view, no copy)."""
-    assert blocks is not None  # (only called where every layer has them)
-    return np.ravel(blocks[block_id]).view(np.uint8)
-
-
-def _copy_across(pieces: Sequence[memoryview], targets: Sequence[_Bytes]) -> None:
-    """Copy the bytes of `pieces` (back to back) into `targets` (back to back): page runs
-    and segments need not line up. The sizes were checked to match."""
-    sources = [np.frombuffer(piece, np.uint8) for piece in pieces]
-    index, offset = 0, 0
-    for target in targets:
-        filled = 0
-        while filled < len(target):
-            source = sources[index]
-            take = min(len(target) - filled, len(source) - offset)
-            np.copyto(target[filled: filled + take], source[offset: offset + take])
-            filled, offset = filled + take, offset + take
-            if offset == len(source):
-                index, offset = index + 1, 0
-
-
 def _pinned(block: BorrowedBlock) -> bool:
     """Whether a lent block's pages are page-locked (a DMA can read them in place)."""
     return bool(block.pieces) and bool(torch.frombuffer(block.pieces[0],
                                                         dtype=torch.uint8).is_pinned())
 
 
-def _all_results(futures: Sequence[Future[list[tuple[int, Counter]]]]
-                 ) -> list[list[tuple[int, Counter]]]:
-    """Every future's result once all are done; the first error after that."""
-    errors = [future.exception() for future in futures]
-    for error in errors:
-        if error is not None:
-            raise error
-    return [future.result() for future in futures]
-
-
-def _release_fetched(fetched: Future[list[_Entry]]) -> None:
+def _release_fetched(fetched: Future[list[Located]]) -> None:
     """A batch fetched for a load that ended first: give back what it borrowed."""
     if fetched.cancelled() or fetched.exception() is not None:
         return
