@@ -476,3 +476,28 @@ def test_restore_pipeline_builds_without_vllm(store: TieredStore) -> None:
         assert pipeline.ring.slot_bytes == LAYERS * 2 * BLOCK * HEADS * HEAD_SIZE * 2
     finally:
         pipeline.close()
+
+
+# -- the connector's config keys for the staged paths --------------------------------------------
+
+def test_staged_path_config_keys(tmp_path: Path) -> None:
+    from connectors.vllm.config import ConnectorConfig
+
+    base = {"store": {"host_bytes": 1 << 20}}
+    default = ConnectorConfig.from_extra(base)
+    assert (default.restore_path, default.save_path, default.store.host_pinned) == (
+        "auto", "auto", False)
+    config = ConnectorConfig.from_extra({"store": {"host_bytes": 1 << 20, "host_pinned": True},
+                                         "restore_path": "staged", "save_path": "staged"})
+    assert (config.restore_path, config.save_path, config.store.host_pinned) == (
+        "staged", "staged", True)
+    assert ConnectorConfig.from_extra({**base, "restore_path": "device_decode"}).restore_path \
+        == "device_decode"
+    key_file = tmp_path / "mac"
+    key_file.write_bytes(b"s" * 32)
+    for bad in ({**base, "restore_path": "fast"}, {**base, "save_path": "device"},
+                {**base, "save_path": "staged", "compression": "zstd"},
+                {**base, "save_path": "staged", "mac_key_file": str(key_file)},
+                {"store": {"host_bytes": 1 << 20, "host_pinned": "yes"}}):
+        with pytest.raises(ConfigError):
+            ConnectorConfig.from_extra(bad)
