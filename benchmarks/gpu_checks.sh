@@ -6,7 +6,7 @@
 # of vLLM is installed, restore vs recompute TTFT with the connector inside it
 # (benchmarks.gpu_vllm). Each step is guarded: one failing still leaves the others' results.
 # Results go to $OUT (default ./bench-results/gpu). It uses the machine's own python3 with
-# torch; packages it lacks travel as wheels in .whl/ (see README, "GPU checks").
+# torch; packages it lacks travel as wheels in .whl/ (benchmarks/gpu_wheels.sh fetches them).
 set -uo pipefail
 OUT=${OUT:-bench-results/gpu}
 mkdir -p "$OUT"
@@ -22,6 +22,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee 
 python3 -c "import torch, numpy, numba; print('torch', torch.__version__, 'numpy', numpy.__version__,
 'numba', numba.__version__, 'cuda', torch.cuda.is_available())" 2>&1 | tee "$OUT/versions.txt"
 python3 -c "import vllm; print('vllm', vllm.__version__)" >> "$OUT/versions.txt" 2>&1 || true
+# what the project imports on this machine (a missing wheel shows here first)
+python3 -c "import kvstore.store, kvstore.tiers.hbm, connectors.vllm.loader, benchmarks.gpu" \
+    >> "$OUT/versions.txt" 2>&1 && echo "kvkeep imports: ok" >> "$OUT/versions.txt"
 status=0
 step() {  # step NAME SECONDS COMMAND...: run it under a timeout, log it, note its status
     local name=$1 seconds=$2
