@@ -501,3 +501,29 @@ def test_staged_path_config_keys(tmp_path: Path) -> None:
                 {"store": {"host_bytes": 1 << 20, "host_pinned": "yes"}}):
         with pytest.raises(ConfigError):
             ConnectorConfig.from_extra(bad)
+
+
+@pytest.mark.parametrize("layout", ["transposed", "flash"])
+def test_device_decode_path_restores_what_frames_hold(store: TieredStore, layout: str) -> None:
+    """`restore_path: "device_decode"`: chunks staged on the cache's device (here the host, the
+    same code a GPU runs) and decoded there in one batch per layer."""
+    caches, fp = _caches(layout, torch.bfloat16, "int8-sym")
+    gen = torch.Generator().manual_seed(13)
+    hashes = [bytes([i + 1]) * 32 for i in range(6)]
+    keys = [BlockKey.of(fp, Namespace("t"), h) for h in hashes]
+    frames = {key: _frame(caches, key, "int8-sym", gen) for key in keys}
+    for key in keys:
+        assert store.put(key, frames[key])
+    counters, outbox = Counters(), WorkerOutbox()
+    loader = Loader(WorkerContext(store, caches, fp, get_codec("int8-sym").codec_id, outbox,
+                                  counters), deadline_s=10.0, path="device_decode")
+    targets = (2, 4, 6, 8, 10, 12)
+    try:
+        assert _load(loader, targets, hashes)
+    finally:
+        loader.shutdown()
+    assert counters.snapshot()[Counter.LOADED_BLOCKS] == 6
+    for key, block_id in zip(keys, targets, strict=True):
+        for layer in range(LAYERS):
+            assert torch.equal(_restored(caches, layer, block_id),
+                               _expected(caches, frames[key], layer))
