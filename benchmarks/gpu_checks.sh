@@ -39,7 +39,7 @@ step() {  # step NAME SECONDS COMMAND...: run it under a timeout, log it, note i
 step gpu-tests 120 python3 -m pytest -q -p no:cacheprovider -o addopts="-ra --strict-markers" \
     tests/test_staging_gpu.py tests/test_codecs_batch.py tests/test_codecs.py tests/test_block.py \
     tests/test_hbm_tier.py tests/test_connector_layouts.py tests/test_router_gpu_nvml.py
-step gpu-bench-quick 60 python3 -m benchmarks.gpu --quick --device cuda --json "$OUT/gpu-quick.json"
-step gpu-bench 120 python3 -m benchmarks.gpu --device cuda --json "$OUT/gpu.json"
-step gpu-vllm 200 python3 -m benchmarks.gpu_vllm --json "$OUT/gpu-vllm.json"
+step gpu-bench-quick 75 python3 -m benchmarks.gpu --quick --device cuda --json "$OUT/gpu-quick.json"
+step gpu-bench 135 python3 -m benchmarks.gpu --device cuda --json "$OUT/gpu.json"
+step gpu-vllm 170 python3 -m benchmarks.gpu_vllm --json "$OUT/gpu-vllm.json"
 exit $status
