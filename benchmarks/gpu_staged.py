@@ -34,9 +34,8 @@ import torch
 
 from connectors.vllm.caches import PagedCaches
 from connectors.vllm.layouts import cuda_layout
-from connectors.vllm.loader import LoadBlock, LoadJob
 from connectors.vllm.staging import RestorePipeline, SavePipeline, StagingConfig
-from connectors.vllm.staging.restore import RestoreBlock, RestoreJob
+from connectors.vllm.staging.jobs import BatchJob, RestoreBlock, RestoreJob, StagedBlock
 from kvstore.codecs import DEFAULT_INT8, get_codec
 from kvstore.frame import BlockRead, FrameHeader, LayerRange
 from kvstore.keys import BlockKey, ModelFingerprint, Namespace
@@ -216,8 +215,8 @@ def _restore(caches: PagedCaches, store: TieredStore, codec_id: Any, config: Sta
         return store.get_many([block.key for block in wanted], None)
 
     def run() -> None:
-        job = LoadJob(tuple(LoadBlock(count + i, key, "bench", i) for i, key in enumerate(keys)),
-                      ("bench",), time.monotonic() + 120, shape.layers)
+        job = BatchJob([StagedBlock(count + i, key) for i, key in enumerate(keys)],
+                       time.monotonic() + 120, shape.layers)
         pipeline.load(job, stage, read_lower, _accept)
         if job.failed:
             raise RuntimeError(f"{name}: {len(job.failed)} blocks failed: "

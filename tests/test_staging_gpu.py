@@ -13,8 +13,8 @@ import torch
 
 from connectors.vllm.caches import PagedCaches
 from connectors.vllm.layouts import cuda_layout
-from connectors.vllm.loader import LoadBlock, LoadJob
 from connectors.vllm.staging import RestorePipeline, SavePipeline, StagingConfig
+from connectors.vllm.staging.jobs import BatchJob, StagedBlock
 from connectors.vllm.staging.restore import _pinned
 from connectors.vllm.staging.streams import is_cuda_event, lane_for
 from connectors.vllm.stats import Counter
@@ -57,12 +57,11 @@ def _nothing_below(_job: object, _layers: LayerRange, blocks: Sequence[object]
     return [None] * len(blocks)  # (the host tier holds every block)
 
 
-def _job(keys: list[BlockKey], targets: list[int]) -> LoadJob:
+def _job(keys: list[BlockKey], targets: list[int]) -> BatchJob:
     import time
 
-    return LoadJob(tuple(LoadBlock(t, k, "r", i) for i, (k, t) in enumerate(zip(keys, targets,
-                                                                               strict=True))),
-                   ("r",), time.monotonic() + 30, LAYERS)
+    return BatchJob([StagedBlock(t, k) for k, t in zip(keys, targets, strict=True)],
+                    time.monotonic() + 30, LAYERS)
 
 
 def test_a_pinned_host_tier_needs_cuda() -> None:

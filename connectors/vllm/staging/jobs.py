@@ -5,9 +5,10 @@ store (lent in place by the first tier, or read from below)."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -17,7 +18,8 @@ from kvstore.frame import BlockRead, FrameHeader, LayerRange
 from kvstore.keys import BlockKey
 from kvstore.tiers.capabilities import BorrowedBlock
 
-__all__ = ["Located", "ReadLower", "Refusal", "RestoreBlock", "RestoreJob", "all_results"]
+__all__ = ["BatchJob", "Located", "ReadLower", "Refusal", "RestoreBlock", "RestoreJob",
+           "StagedBlock", "all_results"]
 
 
 class RestoreBlock(Protocol):
@@ -93,3 +95,43 @@ def all_results(futures: Sequence[Future[list[tuple[int, Counter]]]]
         if error is not None:
             raise error
     return [future.result() for future in futures]
+
+
+@dataclass(frozen=True, slots=True)
+class StagedBlock:
+    """A block to restore, for callers without the connector's loader (benchmarks, tests)."""
+
+    block_id: int
+    key: BlockKey
+
+
+@dataclass(eq=False, slots=True)
+class BatchJob:
+    """A `RestoreJob` without vLLM (the loader's `LoadJob` needs vLLM's metadata types): every
+    block of `blocks` under one deadline (`time.monotonic()`)."""
+
+    blocks: Sequence[StagedBlock]
+    deadline: float
+    num_layers: int
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    cancelled: bool = False
+    failed: dict[int, Counter] = field(default_factory=dict)
+    layer_done: list[threading.Event] = field(default_factory=list)
+    device_done: list[torch.cuda.Event | None] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.layer_done = [threading.Event() for _ in range(self.num_layers)]
+        self.device_done = [None] * self.num_layers
+
+    def fail(self, block_id: int, reason: Counter) -> None:
+        self.failed.setdefault(block_id, reason)
+
+    def still_on_time(self) -> bool:
+        if self.cancelled:
+            return False
+        if time.monotonic() > self.deadline:
+            self.cancelled = True
+            for block in self.blocks:
+                self.fail(block.block_id, Counter.LOAD_LATE)
+            return False
+        return True
