@@ -1,11 +1,15 @@
 """The GPU side of the block store against the same GPU's own ceilings, measured in one run.
 
     python -m benchmarks.gpu --quick --json OUT.json
+    python -m benchmarks.gpu --device cpu --quick      (the staged paths only, small blocks)
 
-Needs CUDA (torch); without it, it says so and exits 2. Blocks are shaped like the store
-benchmark's: 32 layers x (K, V) x 32 tokens x 8 KV heads x 128 head size in fp16 = 4 MiB, in
-vLLM's CUDA flash-attention layout `[2, num_blocks, block_size, H, D]` per layer. Every figure
-is GB/s of fp16 KV bytes. Baselines, measured in the same run:
+Needs CUDA (torch) unless `--device cpu`; `--device cuda` without it says so and exits 2.
+The staging pipelines' figures (`staged`: 8B-shaped blocks through the connector's
+staging pipelines against pinned copies, issue 9's targets, 2,048-token restore time,
+per-stage breakdown) come from `benchmarks.gpu_staged`; the rest below. Blocks are shaped
+like the store benchmark's: 32 layers x (K, V) x 32 tokens x 8 KV heads x 128 head size in
+fp16 = 4 MiB, in vLLM's CUDA flash-attention layout `[2, num_blocks, block_size, H, D]` per
+layer. Every figure is GB/s of fp16 KV bytes. Baselines, measured in the same run:
 
 - device-to-device copy (`Tensor.copy_` on the GPU);
 - host<->device copies of one 4 MiB block, from pinned and from pageable host memory (our
@@ -37,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from benchmarks.cli import run_benchmark
+from benchmarks.gpu_staged import Shape, measure_staged
 from kvstore.block import decode_layer, decode_layer_batch, encode_block
 from kvstore.codecs import get_codec, torch_ops, warmup
 from kvstore.frame import BlockRead, Compression, DType, build_frame
@@ -291,12 +296,35 @@ def _quantize_on_device(repeats: int) -> float:
     return _timed(lambda: _discard(torch_ops.quantize_many(block)), KV_BYTES, repeats * 4)
 
 
+def _device(args: argparse.Namespace) -> str:
+    import torch
+
+    if args.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.stderr.write("benchmarks.gpu --device cuda needs a CUDA device\n")
+        raise SystemExit(2)
+    return str(args.device)
+
+
+def _staged(device: str, quick: bool) -> dict[str, Any]:
+    import torch
+
+    if device == "cpu":  # small: exercises the code paths, says nothing about a GPU
+        return measure_staged(torch.device("cpu"), shape=Shape(4, 2, 64, 16), count=8,
+                              repeats=2, slot_bytes=1 << 20, workers=2)
+    tokens = 16
+    return measure_staged(torch.device("cuda"), shape=Shape(block_tokens=tokens),
+                          count=(1024 if quick else 2048) // tokens, repeats=3 if quick else 7)
+
+
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    if not torch.cuda.is_available():
-        sys.stderr.write("benchmarks.gpu needs a CUDA device\n")
-        raise SystemExit(2)
+    device = _device(args)
+    if device == "cpu":
+        return {"device": "cpu", "torch": torch.__version__,
+                "staged": _staged(device, args.quick)}
     warmup((DType.FLOAT16,))
     repeats = 5 if args.quick else 15
     count = 16 if args.quick else 64
@@ -326,6 +354,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "int8_quantize_vs_d2d": paths["int8_quantize_on_device_gbps"] / baseline["d2d_gbps"],
     }
     return {"baseline": baseline, "paths": paths, "stages": stages, "ratios": ratios,
+            "staged": _staged(device, args.quick),
             "device": torch.cuda.get_device_name(), "torch": torch.__version__,
             "block": {"layers": LAYERS, "tokens": TOKENS, "kv_heads": HEADS,
                       "head_size": HEAD_SIZE, "dtype": "float16", "kv_bytes": KV_BYTES,
@@ -336,16 +365,31 @@ def render(results: dict[str, Any]) -> str:
     lines = [f"device: {results['device']} (torch {results['torch']})",
              f"{'figure':46s} {'GB/s':>8s}"]
     for section in ("baseline", "paths", "stages"):
-        for name, value in results[section].items():
+        for name, value in results.get(section, {}).items():
             lines.append(f"{section + '.' + name:46s} {value:8.3f}")
     lines.append("")
-    for name, value in results["ratios"].items():
+    for name, value in results.get("ratios", {}).items():
         lines.append(f"{name:46s} {value:8.2f}")
+    staged = results["staged"]
+    lines.append("")
+    for section in ("baseline", "paths"):
+        for name, value in staged[section].items():
+            lines.append(f"{'staged.' + section + '.' + name:46s} {value:8.3f}")
+    for name, value in staged["ratios"].items():
+        target = staged["targets"].get(name)
+        lines.append(f"{'staged.' + name:46s} {value:8.2f}"
+                     + ("" if target is None else f"  (target >= {target})"))
+    lines.append(f"{'staged.restore_2048_tokens_s':46s} {staged['restore_2048_tokens_s']:8.4f}")
     return "\n".join(lines)
 
 
+def _arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                        help="cpu: only the staged paths at small sizes (no GPU needed)")
+
+
 def main(argv: list[str] | None = None) -> int:
-    return run_benchmark("gpu", measure, render, argv)
+    return run_benchmark("gpu", measure, render, argv, extra_args=_arguments)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,9 @@ prefill costs seconds on these CPUs) serves prompts of 512-4096 tokens. For each
   vLLM's own prefix cache was reset, so the KV comes from the store (host RAM, the nvme tier
   on local disk, a `kvkeep store serve` daemon on loopback); `remote_pipelined` is the daemon
   with layer-pipelined reads (`restore_first_layers: 1`: layer 0 of every block first, the
-  rest while layer 0 computes), and `remote_over_host` compares both remote figures with host;
+  rest while layer 0 computes), `host_staged` host RAM through the staging pipeline
+  (`restore_path: "staged"`: a verbatim CPU cache is written straight from the host tier's
+  pages), and `remote_over_host` compares those three with host;
 - raw_outputs_identical: greedy outputs after every restore equal the recomputed ones.
 
 Also measured: decode throughput of a batch with the connector saving every completed block,
@@ -288,6 +290,8 @@ def run(*, quick: bool, hidden: int = 1024, layers: int | None = None,
             daemon = {"daemons": {"bench": address}, "timeout_ms": 5000}
             stores: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
                 "host": ({"host_bytes": 2 << 30, "name": "bench-host"}, {}),
+                "host_staged": ({"host_bytes": 2 << 30, "name": "bench-host-staged"},
+                                {"restore_path": "staged"}),
                 "nvme": ({"nvme": {"path": str(tmp / "nvme"), "bytes": 4 << 30},
                           "name": "bench-nvme"}, {}),
                 "remote": ({"remote": daemon, "name": "bench-remote"}, {}),
@@ -314,7 +318,7 @@ def run(*, quick: bool, hidden: int = 1024, layers: int | None = None,
             for tier, times in restore.items()}
         out["remote_over_host"] = {
             tier: [round(r / h, 4) for r, h in zip(restore[tier], restore["host"], strict=True)]
-            for tier in ("remote", "remote_pipelined")}
+            for tier in ("remote", "remote_pipelined", "host_staged")}
         out["raw_outputs_identical"] = identical
         progress("decode throughput, connector off and on (save overhead)")
         decode_off, decode_on = _decode_overhead(model, engine_kwargs, decode_batch,

@@ -20,7 +20,7 @@ Example (every key optional except a store with at least one tier)::
      "load_mode": "sync", "tenant": "default",
      "durability": {"replicas": 2, "timeout_ms": 5000},
      "model_id": "llama-3-8b", "weights_revision": "abc123",
-     "mac_key_file": "/etc/kvkeep/tenant-default.mac"}
+     "mac_key_file": "/etc/kvkeep/tenant-default.mac", "restore_path": "auto"}
 
 `mac_key_file`: the tenant's MAC key (kvstore/mac.py), held by its engines and never by the
 daemons: every frame saved is signed with it, and a frame restored must carry a valid MAC
@@ -61,6 +61,8 @@ __all__ = [
     "Compression",
     "LoadMode",
     "LookupMode",
+    "RestorePath",
+    "SavePath",
     "DEFAULT_REPLICAS",
 ]
 
@@ -69,6 +71,8 @@ __all__ = [
 Codec = Literal["raw", "int8-sym", "int8-asym", "int8-kivi", "int8-g32", "int4"]
 LoadMode = Literal["sync", "async"]
 LookupMode = Literal["auto", "worker"]
+RestorePath = Literal["auto", "device_decode", "staged"]
+SavePath = Literal["auto", "staged"]
 Compression = Literal["none", "auto", "zstd"]
 
 DEFAULT_REPLICAS: Final = 2
@@ -79,8 +83,9 @@ _TOP_KEYS: Final = frozenset({
     "hinted_restore_deadline_ms", "save_timeout_ms", "load_mode", "tenant", "model_id",
     "weights_revision", "max_inflight_saves", "lookup", "restore_first_layers", "mac_key_file",
     "durability",
+    "restore_path", "save_path",
 })
-_STORE_KEYS: Final = frozenset({"host_bytes", "nvme", "remote", "redis", "name"})
+_STORE_KEYS: Final = frozenset({"host_bytes", "host_pinned", "nvme", "remote", "redis", "name"})
 _NVME_KEYS: Final = frozenset({"path", "bytes", "durable"})
 # etcd_*: TLS and auth towards etcd (kvstore/etcd/spec.py), as `kvkeep store serve --etcd-*`.
 _ETCD_KEYS: Final = ("etcd_ca", "etcd_cert", "etcd_key", "etcd_user", "etcd_password_file")
@@ -107,6 +112,8 @@ class StoreSpec:
     remote: RemoteSpec | None = None
     name: str = "default"
     redis: RedisSpec | None = None
+    host_pinned: bool = False
+    """Page-locked host pages (CUDA only): a GPU restores lent blocks from them by DMA."""
 
     def __post_init__(self) -> None:
         if (self.host_bytes <= 0 and self.nvme is None and self.remote is None
@@ -179,6 +186,16 @@ class ConnectorConfig:
     per-step metadata ("worker", which can also be forced)."""
     durability: DurabilitySpec | None = None
     """None: blocks reach the daemons by write-behind (a node lost meanwhile loses them)."""
+    restore_path: RestorePath = "auto"
+    """How blocks reach the paged cache. "auto": decoded on the host (straight into CPU caches
+    whose blocks hold frames verbatim; else into a host staging tensor, copied over, scattered).
+    "device_decode": a chunk's segments go to the cache's device in one copy and are decoded
+    there (`decode_layer_batch`). "staged": the staging pipeline (`connectors.vllm.staging`).
+    The last two are measured by `benchmarks.gpu` and not the default until a GPU run says."""
+    save_path: SavePath = "auto"
+    """"auto": one frame encoded per block on the saver's thread. "staged": the staging
+    pipeline (batches quantized on the device, one copy per batch, hashed on a pool); needs
+    `compression: "none"`."""
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -225,6 +242,9 @@ class ConnectorConfig:
                                                   "restore_first_layers"),
             mac_key=(MacKey.from_file(_nonempty_str(extra["mac_key_file"], "mac_key_file"))
                      if extra.get("mac_key_file") is not None else None),
+            restore_path=cast(RestorePath, _choice(extra, "restore_path",
+                                                   ("auto", "device_decode", "staged"), "auto")),
+            save_path=_save_path(extra, compression),
         )
 
     def restore_deadline_for(self, *, hinted: bool) -> float:
@@ -289,7 +309,11 @@ def _store(raw: object) -> StoreSpec:
         )
     redis = None if store.get("redis") is None else _redis(store["redis"])
     name = _name(store.get("name", "default"), "store.name")
-    return StoreSpec(host_bytes=host, nvme=nvme, remote=remote, name=name, redis=redis)
+    pinned = store.get("host_pinned", False)
+    if not isinstance(pinned, bool):
+        raise ConfigError(f"store.host_pinned must be true or false, got {pinned!r}")
+    return StoreSpec(host_bytes=host, nvme=nvme, remote=remote, name=name, redis=redis,
+                     host_pinned=pinned)
 
 
 def _etcd(remote: Mapping[str, Any]) -> EtcdSpec:
@@ -336,6 +360,20 @@ def _replicas(spec: Mapping[str, Any], daemons: tuple[tuple[str, str], ...]) -> 
         raise ConfigError(f"store.remote.replicas is {replicas} but only {len(daemons)} "
                           f"daemon(s) are listed")
     return replicas
+
+
+def _save_path(extra: Mapping[str, Any], compression: str) -> SavePath:
+    path = _choice(extra, "save_path", ("auto", "staged"), "auto")
+    if path == "staged" and compression != "none":
+        raise ConfigError("save_path 'staged' writes frames in place, uncompressed: it needs "
+                          f"compression 'none', not {compression!r}")
+    if path == "staged" and extra.get("mac_key_file") is not None:
+        raise ConfigError("save_path 'staged' seals unsigned frames: it cannot be combined with "
+                          "mac_key_file")
+    if path == "staged" and extra.get("durability") is not None:
+        # Durable saves wait for R acknowledgements per block on the saver's own path.
+        raise ConfigError("save_path 'staged' cannot be combined with durability")
+    return cast(SavePath, path)
 
 
 def _codec(name: str) -> str:

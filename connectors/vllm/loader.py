@@ -7,7 +7,10 @@ one segment per layer, so a range is one contiguous read in every tier); the nex
 is in flight on the fetch thread while this one is checked (codec, dtype, layout, shape, token
 and layer count: what this engine would have written), decoded and scattered layer by layer.
 `wait_for_layer(i)` waits for just layer i, so the forward pass computes layer 0 while later
-layers are still arriving.
+layers are still arriving. With `restore_path: "staged"` a job's stages go through the staging
+pipeline instead (`connectors.vllm.staging.restore`: borrowed pages, a ring of pinned slots,
+one copy and one scatter per layer per batch); "device_decode" stages decoded chunks on the
+cache's device.
 
 A block that is missing, corrupt, mismatched or not there by the deadline fails (the reason is
 its counter) and is reported through `WorkerOutbox`: vLLM recomputes it and every later block
@@ -30,12 +33,14 @@ import numpy as np
 import torch
 
 from connectors.vllm.caches import PagedCaches, recorded_event
+from connectors.vllm.config import RestorePath
 from connectors.vllm.metadata import BlockRun, LoadReport, LoadSpec, SaveReport
+from connectors.vllm.staging import RestorePipeline, StagingConfig
 from connectors.vllm.stats import Counter
 from connectors.vllm.worker_context import WorkerContext
 from kvstore.block import decode_layer, decode_layer_batch
 from kvstore.errors import CodecError, CorruptBlock, ForgedBlock
-from kvstore.frame import BlockRead, LayerRange
+from kvstore.frame import BlockRead, FrameHeader, LayerRange
 from kvstore.keys import BlockKey, Namespace
 from kvstore.mac import verify_mac
 
@@ -160,24 +165,30 @@ class _Staging:
     """The host tensor a load decodes into before scattering (layouts that rearrange blocks,
     device caches); allocated on first use, as layouts decoded in place need none."""
 
-    def __init__(self, caches: PagedCaches, blocks: int) -> None:
+    def __init__(self, caches: PagedCaches, blocks: int, *, on_device: bool) -> None:
         self._caches = caches
         self._rows = min(blocks, _LOAD_CHUNK_BLOCKS)
+        self._on_device = on_device
         self._tensor: torch.Tensor | None = None
 
     def rows(self) -> torch.Tensor:
         if self._tensor is None:
+            device = self._caches.tensors[0].device if self._on_device else torch.device("cpu")
             self._tensor = torch.empty((self._rows, *self._caches.block_shape),
-                                       dtype=self._caches.torch_dtype, device="cpu")
+                                       dtype=self._caches.torch_dtype, device=device)
         return self._tensor
 
 
 class Loader:
     def __init__(self, context: WorkerContext, *, deadline_s: float,
-                 first_layers: int = 0) -> None:
+                 first_layers: int = 0, path: RestorePath = "auto",
+                 staging: StagingConfig | None = None) -> None:
         self._ctx = context
         self._deadline_s = deadline_s
         self._stages = layer_stages(context.fingerprint.num_layers, first_layers)
+        self._path = path
+        self._staging = staging
+        self._pipeline: RestorePipeline | None = None  # built on first use: caches come later
         self._sync = ThreadPoolExecutor(1, thread_name_prefix="kvkeep-load")
         self._async = ThreadPoolExecutor(1, thread_name_prefix="kvkeep-aload")
         # Reads of a job's next stage, while the loader decodes this one (I/O mostly waits on
@@ -245,6 +256,8 @@ class Loader:
         self._async.shutdown(wait=True)
         self._fetch.shutdown(wait=True)
         self._readers.shutdown(wait=True)
+        if self._pipeline is not None:
+            self._pipeline.close()
 
     # -- a job ----------------------------------------------------------------------------------
 
@@ -281,7 +294,12 @@ class Loader:
             job.release_waiters()
 
     def _load(self, job: LoadJob) -> None:
-        staging = _Staging(self._ctx.caches, len(job.blocks))
+        if self._path == "staged":
+            self._staged().load(job, self._stages, self._read_lower, self._refusal)
+            job.loaded = sum(1 for block in job.blocks if block.block_id not in job.failed)
+            return
+        staging = _Staging(self._ctx.caches, len(job.blocks),
+                           on_device=self._path == "device_decode")
         pending: Future[list[_Fetched]] | None = self._fetch.submit(
             self._read_stage, job, self._stages[0], job.blocks)
         for number, stage in enumerate(self._stages):
@@ -312,11 +330,11 @@ class Loader:
             if read is None:
                 job.fail(block.block_id, Counter.LOAD_LATE if time.monotonic() >= job.deadline
                          else Counter.LOAD_MISSING)
-            elif (forged := self._forged(read)) is not None:
+            elif (forged := self._forged(read.header)) is not None:
                 log.warning("kvkeep: frame for %s refused: %s", block.key.storage_name, forged)
                 job.fail(block.block_id, Counter.LOAD_FORGED)
                 self._ctx.store.delete([block.key])  # so that a save of ours can replace it
-            elif (reason := self._mismatch(read)) is not None:
+            elif (reason := self._mismatch(read.header)) is not None:
                 log.warning("kvkeep: frame for %s does not match this engine: %s",
                             block.key.storage_name, reason)
                 job.fail(block.block_id, Counter.LOAD_MISMATCH)
@@ -324,6 +342,24 @@ class Loader:
             else:
                 fetched.append(_Fetched(block, read))
         return fetched
+
+    def prepare(self) -> None:
+        """Once the caches are registered: build the staging pipeline now (its ring and
+        threads), not during the first restore."""
+        if self._path == "staged":
+            self._staged()
+
+    def _staged(self) -> RestorePipeline:
+        with self._lock:
+            if self._pipeline is None:
+                self._pipeline = RestorePipeline(self._ctx.caches, self._ctx.store,
+                                                 self._ctx.codec, self._staging)
+            return self._pipeline
+
+    def _read_lower(self, job: Any, layers: LayerRange, blocks: Sequence[Any]
+                    ) -> list[BlockRead | None]:
+        """The staged pipeline's reads of blocks the first tier did not lend."""
+        return self._read(job, layers, blocks)
 
     def _read(self, job: LoadJob, layers: LayerRange,
               blocks: Sequence[LoadBlock]) -> list[BlockRead | None]:
@@ -418,19 +454,27 @@ class Loader:
                     cache, torch.tensor(targets, device=cache.device), data.to(cache.device))
         return True
 
-    def _forged(self, read: BlockRead) -> ForgedBlock | None:
+    def _forged(self, header: FrameHeader) -> ForgedBlock | None:
         """With the tenant's MAC key: why a frame is not its writers' (None when it is)."""
         if self._ctx.mac_key is None:
             return None
         try:
-            verify_mac(read.header, self._ctx.mac_key)
+            verify_mac(header, self._ctx.mac_key)
         except ForgedBlock as exc:
             return exc
         return None
 
-    def _mismatch(self, read: BlockRead) -> str | None:
+    def _refusal(self, header: FrameHeader) -> tuple[Counter, str] | None:
+        """The staged pipeline's check of a frame's header: forged, or not this engine's."""
+        if (forged := self._forged(header)) is not None:
+            return Counter.LOAD_FORGED, str(forged)
+        if (reason := self._mismatch(header)) is not None:
+            return Counter.LOAD_MISMATCH, reason
+        return None
+
+    def _mismatch(self, header: FrameHeader) -> str | None:
         """Why a verified frame is not one this engine would have written, or None."""
-        header, spec = read.header, self._ctx.caches.layout
+        spec = self._ctx.caches.layout
         expect = (self._ctx.codec, self._ctx.caches.dtype, spec.layout_id, spec.block_shape,
                   spec.block_size, self._ctx.fingerprint.num_layers)
         found = (header.codec, header.dtype, header.layout_id, tuple(header.layer_shape),

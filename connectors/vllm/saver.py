@@ -26,6 +26,7 @@ import torch
 from connectors.vllm.caches import recorded_event
 from connectors.vllm.config import ConnectorConfig
 from connectors.vllm.metadata import BlockRun, SaveReport, SaveSpec
+from connectors.vllm.staging import SavePipeline
 from connectors.vllm.stats import Counter
 from connectors.vllm.worker_context import WorkerContext
 from kvstore.block import encode_block
@@ -83,6 +84,7 @@ class Saver:
         self._lock = threading.Lock()
         self._inflight = 0
         self._step: _Batch | None = None
+        self._pipeline: SavePipeline | None = None  # save_path "staged"; caches come later
 
     def plan(self, saves: Sequence[SaveSpec]) -> None:
         """Before the forward pass: which of the step's planned (not flushed) blocks to gather."""
@@ -138,6 +140,8 @@ class Saver:
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=True)
+        if self._pipeline is not None:
+            self._pipeline.close()
 
     # -- helpers --------------------------------------------------------------------------------
 
@@ -197,6 +201,9 @@ class Saver:
             self._encode_and_replicate(batch)
             return
         try:
+            if self._config.save_path == "staged":
+                self._staged_save(batch)
+                return
             for event in batch.ready:
                 event.synchronize()
             for j, item in enumerate(batch.items):
@@ -208,6 +215,26 @@ class Saver:
                 self._ctx.outbox.saves((item.report(ok=ok),))
         finally:
             self._release(len(batch.items))
+
+    def prepare(self) -> None:
+        """Once the caches are registered: build the staging pipeline (save_path "staged")."""
+        if self._config.save_path == "staged" and self._pipeline is None:
+            self._pipeline = SavePipeline(self._ctx.caches, self._ctx.store, self._ctx.codec)
+
+    def _staged_save(self, batch: _Batch) -> None:
+        """The staging pipeline (`connectors.vllm.staging.save`) frames and puts the batch."""
+        self.prepare()
+        assert self._pipeline is not None
+
+        def report(j: int, ok: bool) -> None:
+            self._ctx.counters.add(Counter.SAVED_BLOCKS if ok else Counter.SAVE_FAILED)
+            if ok:
+                self._ctx.telemetry.saved(time.monotonic() - batch.planned)
+            self._ctx.outbox.saves((batch.items[j].report(ok=ok),))
+
+        self._pipeline.save([item.key for item in batch.items],
+                            [layer for layer in batch.layers if layer is not None],
+                            batch.ready, report)
 
     def _put(self, item: SaveItem, layers: Iterable[torch.Tensor], computed_at: float) -> bool:
         try:

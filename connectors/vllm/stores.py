@@ -75,6 +75,6 @@ def tier_specs(spec: StoreSpec) -> list[TierSpec]:
     """The connector's `store` config as the tier factory's specs, fastest first."""
     specs: list[TierSpec] = []
     if spec.host_bytes > 0:
-        specs.append(HostSpec(spec.host_bytes))
+        specs.append(HostSpec(spec.host_bytes, pinned=spec.host_pinned))
     specs.extend(tier for tier in (spec.nvme, spec.remote, spec.redis) if tier is not None)
     return specs

@@ -67,12 +67,15 @@ class WorkerSide:
         context = WorkerContext(store, self._caches, fingerprint, codec, self._outbox, counters,
                                 config.mac_key, self.telemetry)
         self._loader = Loader(context, deadline_s=config.restore_deadline_s,
-                              first_layers=config.restore_first_layers)
+                              first_layers=config.restore_first_layers,
+                              path=config.restore_path)
         self._saver = Saver(context, config)
         self._manifests = ManifestWriter(store, counters)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._caches.register(kv_caches)
+        self._loader.prepare()
+        self._saver.prepare()
 
     def begin_step(self, meta: StepMetadata) -> None:
         """Before the forward pass: answer the scheduler's probes, queue its manifests, and

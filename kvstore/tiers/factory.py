@@ -48,11 +48,13 @@ class HbmSpec:
 
 @dataclass(frozen=True, slots=True)
 class HostSpec:
-    """Host RAM: `byte_budget` bytes of reused pages; `prefault` touches them all up front."""
+    """Host RAM: `byte_budget` bytes of reused pages; `prefault` touches them all up front,
+    `pinned` page-locks them (CUDA only: GPU copies of lent blocks are DMAs in place)."""
 
     byte_budget: int
     prefault: bool = False
     name: str = "host"
+    pinned: bool = False
 
     def __post_init__(self) -> None:
         _positive(self.byte_budget, "host byte budget")
@@ -150,7 +152,8 @@ def build_tier(spec: TierSpec) -> Tier:
     if isinstance(spec, HostSpec):
         from kvstore.tiers.host import HostTier
 
-        return HostTier(spec.byte_budget, name=spec.name, prefault=spec.prefault)
+        return HostTier(spec.byte_budget, name=spec.name, prefault=spec.prefault,
+                        pinned=spec.pinned)
     if isinstance(spec, HbmSpec):
         from kvstore.tiers.hbm import HbmTier
 

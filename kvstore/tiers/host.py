@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
+from kvstore.errors import ConfigError
 from kvstore.tiers.memory_tier import MemoryTier
 from kvstore.tiers.slabs import DEFAULT_ARENA_BYTES, DEFAULT_PAGE_BYTES
 
@@ -27,15 +28,22 @@ class HostTier(MemoryTier[_Arena]):
 
     `prefault=True` allocates and touches the whole budget at construction (a daemon that wants
     steady put latency from its first request); by default arenas come lazily as blocks arrive
-    and are reused from then on.
+    and are reused from then on. `pinned=True` (CUDA only, through torch) page-locks the arenas,
+    so a GPU copies lent blocks to and from them by DMA, in place (the connector's staged
+    restore); page-locked memory cannot be swapped, so it is a deliberate choice.
     """
 
     def __init__(self, byte_budget: int, *, name: str = "host",
                  page_bytes: int = DEFAULT_PAGE_BYTES, arena_bytes: int = DEFAULT_ARENA_BYTES,
-                 prefault: bool = False, manifest_budget: int | None = None) -> None:
+                 prefault: bool = False, manifest_budget: int | None = None,
+                 pinned: bool = False) -> None:
         # One memoryview per page, indexed by page id, so a copy does no arithmetic on arenas.
         self._page_views: list[memoryview] = []
         self._prefault = prefault
+        self._pinned: list[object] | None = None
+        if pinned:
+            self._pinned = []  # the page-locked torch tensors the arenas are views of
+            _check_pinnable()
         super().__init__(name, byte_budget, page_bytes=page_bytes, arena_bytes=arena_bytes,
                          manifest_budget=manifest_budget)
         if prefault:
@@ -49,11 +57,20 @@ class HostTier(MemoryTier[_Arena]):
         with self._lock:
             # Rebound, not cleared: a reader still copying keeps the list it started with.
             self._page_views = []
+            if self._pinned is not None:
+                self._pinned = []
 
     # -- storage hooks ------------------------------------------------------------------------
 
     def _new_arena(self, nbytes: int) -> _Arena:
-        arena = np.empty(nbytes, dtype=np.uint8)
+        if self._pinned is not None:
+            import torch
+
+            tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            self._pinned.append(tensor)
+            arena: _Arena = tensor.numpy()
+        else:
+            arena = np.empty(nbytes, dtype=np.uint8)
         if self._prefault:
             arena.fill(0)  # touch every page now rather than on the first put into it
         view = memoryview(arena.data)
@@ -88,3 +105,12 @@ class HostTier(MemoryTier[_Arena]):
         # join sizes the result once and copies each piece into it: one allocation, one copy.
         return b"".join(views[page][offset: offset + length]
                         for page, offset, length in self._page_runs(pages, start, stop))
+
+
+def _check_pinnable() -> None:
+    try:
+        import torch
+    except ImportError as exc:
+        raise ConfigError("a pinned host tier needs torch") from exc
+    if not torch.cuda.is_available():
+        raise ConfigError("a pinned host tier needs a CUDA device; torch sees none")

@@ -24,14 +24,13 @@ forward's stream waits for) once the stage's last batch is scattered.
 from __future__ import annotations
 
 import contextlib
-import threading
+import logging
 import time
 import warnings
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -39,6 +38,15 @@ import torch
 
 from connectors.vllm.caches import PagedCaches
 from connectors.vllm.staging.config import StagingConfig
+from connectors.vllm.staging.in_place import InPlaceWriter
+from connectors.vllm.staging.jobs import (
+    Located,
+    ReadLower,
+    Refusal,
+    RestoreBlock,
+    RestoreJob,
+    all_results,
+)
 from connectors.vllm.staging.kernels import scatter_rows
 from connectors.vllm.staging.ring import Cancelled, Slot, StagingRing, split
 from connectors.vllm.staging.streams import Event, lane_for
@@ -47,12 +55,11 @@ from connectors.vllm.stats import Counter
 from kvstore import frame
 from kvstore.codecs import get_codec
 from kvstore.errors import CorruptBlock
-from kvstore.frame import BlockRead, CodecId, FrameHeader, LayerRange
-from kvstore.keys import BlockKey
+from kvstore.frame import CodecId, LayerRange
 from kvstore.store import TieredStore
 from kvstore.tiers.capabilities import BorrowedBlock
 
-__all__ = ["RestoreBlock", "RestoreJob", "RestorePipeline", "ReadLower", "Mismatch"]
+__all__ = ["RestoreBlock", "RestoreJob", "RestorePipeline", "ReadLower", "Refusal"]
 
 # Page-locked pages are lent read-only; a device copy only reads them, but torch warns when it
 # wraps a read-only buffer. Silenced for this module's calls only.
@@ -61,68 +68,7 @@ warnings.filterwarnings("ignore", message=r"The given buffer is not writable",
 
 _Bytes = npt.NDArray[np.uint8]
 
-
-class RestoreBlock(Protocol):
-    @property
-    def block_id(self) -> int:
-        """The paged block it goes to."""
-        ...
-
-    @property
-    def key(self) -> BlockKey: ...
-
-
-class RestoreJob(Protocol):
-    """What the pipeline needs of a load (`connectors.vllm.loader.LoadJob` is one)."""
-
-    @property
-    def blocks(self) -> Sequence[RestoreBlock]: ...
-
-    @property
-    def failed(self) -> Mapping[int, Counter]: ...
-
-    @property
-    def lock(self) -> threading.Lock: ...
-
-    @property
-    def cancelled(self) -> bool: ...
-
-    @property
-    def deadline(self) -> float: ...
-
-    @property
-    def layer_done(self) -> Sequence[threading.Event]: ...
-
-    @property
-    def device_done(self) -> list[torch.cuda.Event | None]: ...
-
-    def fail(self, block_id: int, reason: Counter) -> None: ...
-
-    def still_on_time(self) -> bool:
-        """Under `lock`: False once cancelled or late (and then it is cancelled)."""
-        ...
-
-
-ReadLower = Callable[[RestoreJob, LayerRange, Sequence[RestoreBlock]], list[BlockRead | None]]
-"""Reads of blocks the first tier could not lend (the loader's threaded `get_many`)."""
-Mismatch = Callable[[FrameHeader], str | None]
-"""Why a frame is not one this engine would have written, or None."""
-
-
-@dataclass(eq=False, slots=True)
-class _Entry:
-    """One block of a batch and where its bytes are."""
-
-    block: RestoreBlock
-    header: FrameHeader
-    borrowed: BorrowedBlock | None = None
-    read: BlockRead | None = None
-    direct: bool = False
-    """Copied to the device from its own page-locked pages (no host copy)."""
-
-    def release(self) -> None:
-        if self.borrowed is not None:
-            self.borrowed.release()
+log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False, slots=True)
@@ -132,7 +78,7 @@ class _InFlight:
     layers: LayerRange
     last_of_stage: bool
     slot: Slot | None = None
-    entries: list[_Entry] = field(default_factory=list)
+    entries: list[Located] = field(default_factory=list)
     failures: list[tuple[int, Counter]] = field(default_factory=list)
     checks: list[Future[list[tuple[int, Counter]]]] = field(default_factory=list)
     copied: Event | None = None
@@ -156,6 +102,10 @@ class RestorePipeline:
         self._config = config or StagingConfig()
         device = caches.tensors[0].device
         self._cuda = device.type == "cuda"
+        # Host caches whose blocks hold a raw frame's layers verbatim (vLLM's CPU backend): a
+        # block's bytes go from where they lie straight into its paged block, with no slot.
+        verbatim = (not self._cuda and self._codec.codec_id is CodecId.RAW
+                    and all(blocks is not None for blocks in caches.host_blocks))
         self._segment = self._codec.encoded_size(caches.block_shape, caches.dtype)
         full = self._segment * caches.num_layers
         self.ring = StagingRing(slots=self._config.slots,
@@ -166,13 +116,15 @@ class RestorePipeline:
         self._pool = ThreadPoolExecutor(self._config.workers, thread_name_prefix="kvkeep-stage")
         self._fetcher = ThreadPoolExecutor(2, thread_name_prefix="kvkeep-stage-fetch")
         self.times = StageTimes()
+        self._in_place = (InPlaceWriter(caches, store, self._pool, self._config, self._segment,
+                                        self.times) if verbatim else None)
 
     def close(self) -> None:
         self._fetcher.shutdown(wait=True)
         self._pool.shutdown(wait=True)
 
     def load(self, job: RestoreJob, stages: Sequence[LayerRange], read_lower: ReadLower,
-             mismatch: Mismatch) -> None:
+             refusal: Refusal) -> None:
         """Restore `stages` of every block of `job`, in order; blocks that cannot be are failed
         on the job with their reason. Returns early (writing nothing more) once the job is
         cancelled or late."""
@@ -180,7 +132,7 @@ class RestorePipeline:
         units = self._units(job, stages)
         unit = next(units, None)
         fetched = None if unit is None else self._fetcher.submit(
-            self._fetch, job, unit[0], unit[1], read_lower, mismatch)
+            self._fetch, job, unit[0], unit[1], read_lower, refusal)
         try:
             while unit is not None and fetched is not None:
                 layers, _, last = unit
@@ -189,8 +141,11 @@ class RestorePipeline:
                 unit = next(units, None)
                 if unit is not None:
                     fetched = self._fetcher.submit(self._fetch, job, unit[0], unit[1],
-                                                   read_lower, mismatch)
-                if not self._stage(run, layers, entries, last):
+                                                   read_lower, refusal)
+                if self._in_place is not None:
+                    if not self._in_place.write(job, layers, entries, last):
+                        return
+                elif not self._stage(run, layers, entries, last):
                     return
                 while len(run.pending) > 1:
                     if not self._finish_oldest(run):
@@ -220,7 +175,7 @@ class RestorePipeline:
             for number, chunk in enumerate(chunks):
                 yield layers, chunk, number == len(chunks) - 1
 
-    def _stage(self, run: _Run, layers: LayerRange, entries: list[_Entry], last: bool) -> bool:
+    def _stage(self, run: _Run, layers: LayerRange, entries: list[Located], last: bool) -> bool:
         """Copy a batch into a slot and ship it; queue it to be finished. False once the job
         is cancelled or late."""
         job = run.job
@@ -248,11 +203,11 @@ class RestorePipeline:
         parts = split(len(batch.entries), self._config.workers)
         started = time.perf_counter()
         copies = [self._pool.submit(self._copy_rows, host_rows, batch, rows) for rows in parts]
-        for failures in _all_results(copies):  # all done before the slot could be given back
+        for failures in all_results(copies):  # all done before the slot could be given back
             batch.failures.extend(failures)
         self.times.add("host_copy", time.perf_counter() - started)
         with self._copy.activate():
-            if any(not entry.direct for entry in batch.entries):
+            if not slot.shared and any(not entry.direct for entry in batch.entries):
                 device.copy_(host, non_blocking=True)
             for row, entry in enumerate(batch.entries):
                 if entry.direct and entry.borrowed is not None:
@@ -279,7 +234,7 @@ class RestorePipeline:
         job = run.job
         started = time.perf_counter()
         failures = list(batch.failures)
-        for checked in _all_results(batch.checks):
+        for checked in all_results(batch.checks):
             failures.extend(checked)
         self.times.add("wait_checks", time.perf_counter() - started)
         bad = dict(failures)
@@ -376,13 +331,14 @@ class RestorePipeline:
                 if entry.read is not None:
                     entry.read.verify()  # a no-op for the store's reads: verified by their tier
                 elif entry.borrowed is not None and not trusted:
+                    checksum = frame.checksum_of(entry.header)  # BLAKE3 in a signed frame
                     if entry.direct:
                         frame.verify_pieces(entry.header, layers, entry.borrowed.pieces)
                     else:
                         for i, layer in enumerate(range(layers.start, layers.stop)):
                             data = destination[i * size: (i + 1) * size].data
                             want = entry.header.segments[layer].checksum
-                            if frame.segment_checksum(data) != want:
+                            if checksum(data) != want:
                                 raise CorruptBlock(f"segment {layer} checksum mismatch")
                 if not entry.direct and self._codec.codec_id is not CodecId.RAW:
                     for i in range(len(layers)):
@@ -397,13 +353,13 @@ class RestorePipeline:
     # -- fetching (fetch thread) ----------------------------------------------------------------
 
     def _fetch(self, job: RestoreJob, layers: LayerRange, blocks: Sequence[RestoreBlock],
-               read_lower: ReadLower, mismatch: Mismatch) -> list[_Entry]:
+               read_lower: ReadLower, refusal: Refusal) -> list[Located]:
         """Where each block's bytes are: lent by the first tier, else read from below."""
         if job.cancelled or not blocks:
             return []
         started = time.perf_counter()
         width = len(layers) * self._segment
-        entries: list[_Entry] = []
+        entries: list[Located] = []
         lower: list[RestoreBlock] = []
         try:
             for block in blocks:
@@ -411,27 +367,27 @@ class RestorePipeline:
                 if lent is None:
                     lower.append(block)
                     continue
-                reason = mismatch(lent.header)
-                if reason is not None or lent.size != width:
+                refused = refusal(lent.header)
+                if refused is not None or lent.size != width:
                     lent.release()
-                    if reason is None:  # compressed segments: read (and decompress) below
+                    if refused is None:  # compressed segments: read (and decompress) below
                         lower.append(block)
                     else:
-                        self._mismatched(job, block)
+                        self._refused(job, block, refused)
                     continue
                 direct = (self._config.direct_from_pinned and self._cuda
                           and self._codec.codec_id is CodecId.RAW and _pinned(lent))
-                entries.append(_Entry(block, lent.header, borrowed=lent, direct=direct))
+                entries.append(Located(block, lent.header, borrowed=lent, direct=direct))
             if lower:
                 reads = read_lower(job, layers, lower)
                 for block, read in zip(lower, reads, strict=True):
                     if read is None:
                         job.fail(block.block_id, Counter.LOAD_LATE if time.monotonic()
                                  >= job.deadline else Counter.LOAD_MISSING)
-                    elif mismatch(read.header) is not None:
-                        self._mismatched(job, block)
+                    elif (refused := refusal(read.header)) is not None:
+                        self._refused(job, block, refused)
                     else:
-                        entries.append(_Entry(block, read.header, read=read))
+                        entries.append(Located(block, read.header, read=read))
         except BaseException:
             for entry in entries:
                 entry.release()
@@ -439,8 +395,11 @@ class RestorePipeline:
         self.times.add("fetch", time.perf_counter() - started)
         return entries
 
-    def _mismatched(self, job: RestoreJob, block: RestoreBlock) -> None:
-        job.fail(block.block_id, Counter.LOAD_MISMATCH)
+    def _refused(self, job: RestoreJob, block: RestoreBlock,
+                 refused: tuple[Counter, str]) -> None:
+        reason, why = refused
+        log.warning("kvkeep: frame for %s refused: %s", block.key.storage_name, why)
+        job.fail(block.block_id, reason)
         self._store.delete([block.key])  # it can never be used under this key
 
 
@@ -450,17 +409,7 @@ def _pinned(block: BorrowedBlock) -> bool:
                                                         dtype=torch.uint8).is_pinned())
 
 
-def _all_results(futures: Sequence[Future[list[tuple[int, Counter]]]]
-                 ) -> list[list[tuple[int, Counter]]]:
-    """Every future's result once all are done; the first error after that."""
-    errors = [future.exception() for future in futures]
-    for error in errors:
-        if error is not None:
-            raise error
-    return [future.result() for future in futures]
-
-
-def _release_fetched(fetched: Future[list[_Entry]]) -> None:
+def _release_fetched(fetched: Future[list[Located]]) -> None:
     """A batch fetched for a load that ended first: give back what it borrowed."""
     if fetched.cancelled() or fetched.exception() is not None:
         return

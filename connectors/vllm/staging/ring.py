@@ -2,8 +2,9 @@
 
 A slot is one batch of blocks on its way between the store and the paged KV cache: `host`, a
 flat host buffer (page-locked on a GPU, so its copies are DMAs), and `device`, as many bytes
-on the caches' device (on the host, a second host buffer: the same code, real copies). A batch
-sees a slot as rows of one width (`rows`): a block's layer range, or a whole frame.
+on the caches' device. For host caches (vLLM's CPU backend) the two are one buffer, so the
+"link" copy costs nothing (`Slot.shared`). A batch sees a slot as rows of one width (`rows`):
+a block's layer range, or a whole frame.
 
 Nothing is allocated per block or per batch: a pipeline takes a slot (`acquire`),
 fills and ships it, and gives it back (`release`) with the event after which the slot's last
@@ -50,6 +51,11 @@ class Slot:
     def nbytes(self) -> int:
         return int(self.host.numel())
 
+    @property
+    def shared(self) -> bool:
+        """Whether host and device are one buffer (host caches): nothing to copy between."""
+        return self.host.data_ptr() == self.device.data_ptr()
+
     def capacity(self, width: int) -> int:
         """How many rows of `width` bytes fit."""
         return self.nbytes // width
@@ -67,12 +73,15 @@ class StagingRing:
                  pinned: bool) -> None:
         if slots < 1 or slot_bytes < 1:
             raise ValueError(f"a staging ring needs slots and bytes, got {slots}, {slot_bytes}")
-        self._slots = [Slot(i, host_buffer((slot_bytes,), pinned=pinned),
-                            torch.empty(slot_bytes, dtype=torch.uint8, device=device))
-                       for i in range(slots)]
+        on_host = device.type == "cpu"
+        self._slots = []
+        for i in range(slots):
+            host = host_buffer((slot_bytes,), pinned=pinned and not on_host)
+            self._slots.append(Slot(i, host, host if on_host else
+                                    torch.empty(slot_bytes, dtype=torch.uint8, device=device)))
         self._free = list(reversed(self._slots))
         self._cond = threading.Condition()
-        self.allocations = 2 * slots
+        self.allocations = slots if on_host else 2 * slots
         """Buffers allocated, all at construction: a test reads it to see none come later."""
         self.waits = 0
         """How many acquires found every slot out and waited (back-pressure)."""

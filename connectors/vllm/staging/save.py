@@ -117,7 +117,8 @@ class SavePipeline:
             with self._copy.activate():
                 encode_rows(self._codec, layers, slice(rows.start, rows.stop),
                             self._arrangement, device[:, self.layout.header_bytes:])
-                host.copy_(device, non_blocking=True)
+                if not slot.shared:
+                    host.copy_(device, non_blocking=True)
                 copied = self._copy.record()
         except KVKeepError:  # (CodecError: inf or NaN in the batch)
             self.ring.release(slot, self._copy.record())

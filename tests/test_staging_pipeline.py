@@ -1,0 +1,529 @@
+"""The staging pipelines (connectors/vllm/staging) on the host, with real threads, a real
+tiered store (host RAM over nvme) and synthetic paged tensors of every layout, through the
+connector's loader (`restore_path: "staged"`) and saver code.
+
+On the host a lane's events are complete when its calls return, so what these tests pin is
+the pipeline's logic, which is the same code on a GPU: batches through a ring of slots that is
+never grown, back-pressure and cancellation, a block that is missing, corrupt (a bit flipped
+in host RAM), forged or another engine's fails alone and is recomputed, nothing is written
+after a cancel, and caches that hold frames verbatim are written in place: straight from the
+host tier's pages, hashed once, with no slot and no store read in between.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import xxhash
+
+from connectors.vllm.caches import PagedCaches
+from connectors.vllm.layouts import LayoutSpec
+from connectors.vllm.loader import Loader
+from connectors.vllm.metadata import BlockRun, LoadSpec
+from connectors.vllm.outbox import WorkerOutbox
+from connectors.vllm.staging import RestorePipeline, SavePipeline, StagingConfig
+from connectors.vllm.staging.frames import FrameLayout
+from connectors.vllm.staging.ring import Cancelled, StagingRing, split
+from connectors.vllm.stats import Counter, Counters
+from connectors.vllm.worker_context import WorkerContext
+from kvstore import frame
+from kvstore.block import decode_layer, encode_block
+from kvstore.codecs import get_codec
+from kvstore.errors import CodecError, ConfigError
+from kvstore.frame import BlockRead, CodecId, Compression, DType, LayerRange, build_frame
+from kvstore.keys import BlockKey, ModelFingerprint, Namespace
+from kvstore.mac import MacKey
+from kvstore.store import StoreConfig, TieredStore
+from kvstore.tiers.base import Tier
+from kvstore.tiers.host import HostTier
+from kvstore.tiers.nvme import NvmeTier
+
+LAYERS, HEADS, HEAD_SIZE, BLOCK = 4, 2, 32, 8
+NUM_BLOCKS = 40
+PAGE = 1024  # small host pages: segments span pages, so lent blocks come in many pieces
+LAYOUTS = {"verbatim": ("cpu-amx/raw", "cpu-raw"), "transposed": ("cpu/tnhd", "cpu-kt"),
+           "flash": ("cuda/tnhd", "cuda")}
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[TieredStore]:
+    tiers: list[Tier] = [HostTier(32 << 20, page_bytes=PAGE, arena_bytes=1 << 20),
+             NvmeTier(tmp_path / "nvme", 64 << 20, durable=False, min_free_bytes=0)]
+    with TieredStore(tiers, config=StoreConfig(promote=False, get_deadline_s=10.0)) as tiered:
+        yield tiered
+
+
+def _caches(layout: str, dtype: torch.dtype, codec: str) -> tuple[PagedCaches, ModelFingerprint]:
+    layout_id, family = LAYOUTS[layout]
+    spec = LayoutSpec(layout_id, family, HEADS, HEAD_SIZE, BLOCK)  # type: ignore[arg-type]
+    fp = ModelFingerprint("m", "w", str(dtype).removeprefix("torch."), LAYERS, HEADS,
+                          HEAD_SIZE, BLOCK, layout_id, codec)
+    shape = ((2, NUM_BLOCKS, BLOCK, HEADS, HEAD_SIZE) if family == "cuda"
+             else (NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD_SIZE))
+    caches = PagedCaches(spec, LAYERS)
+    caches.bind([torch.zeros(shape, dtype=dtype) for _ in range(LAYERS)])
+    return caches, fp
+
+
+def _frame(caches: PagedCaches, key: BlockKey, codec: str, gen: torch.Generator,
+           layout_id: str | None = None, signer: MacKey | None = None) -> bytes:
+    layers = [torch.randn(caches.block_shape, generator=gen).to(caches.torch_dtype)
+              for _ in range(LAYERS)]
+    return encode_block(layers, codec=codec, key=key, token_count=BLOCK,
+                        layout_id=layout_id or caches.layout.layout_id, compression="none",
+                        arrangement=caches.layout.arrangement, signer=signer)
+
+
+def _expected(caches: PagedCaches, data: bytes, layer: int) -> torch.Tensor:
+    out = torch.empty(caches.block_shape, dtype=caches.torch_dtype)
+    return decode_layer(BlockRead.from_frame(data), layer, out=out)
+
+
+def _restored(caches: PagedCaches, layer: int, block_id: int) -> torch.Tensor:
+    return caches.bound[layer].gather(caches.tensors[layer], torch.tensor([block_id]))[0]
+
+
+def _flip_in_host_pages(store: TieredStore, key: BlockKey, data: bytes, layer: int) -> None:
+    """White box: a bit flips in RAM inside segment `layer`, behind the host tier's back."""
+    host = store.tiers[0]
+    assert isinstance(host, HostTier)
+    at = BlockRead.from_frame(data).header.segments[layer].offset + 7
+    entry = host._index[key.digest]
+    host._page_views[entry.pages[at // PAGE]][at % PAGE] ^= 0x10
+
+
+def _loader(store: TieredStore, caches: PagedCaches, fp: ModelFingerprint, codec: str,
+            config: StagingConfig, *, first_layers: int = 0, deadline_s: float = 10.0,
+            mac_key: MacKey | None = None) -> tuple[Loader, Counters, WorkerOutbox]:
+    counters, outbox = Counters(), WorkerOutbox()
+    context = WorkerContext(store, caches, fp, get_codec(codec).codec_id, outbox, counters,
+                            mac_key)
+    loader = Loader(context, deadline_s=deadline_s, first_layers=first_layers, path="staged",
+                    staging=config)
+    return loader, counters, outbox
+
+
+def _load(loader: Loader, targets: tuple[int, ...], hashes: list[bytes]) -> bool:
+    loader.start([LoadSpec(BlockRun("r", "t", 0, targets, tuple(hashes)))])
+    for layer in range(LAYERS):
+        loader.wait_for_layer(layer)
+    return loader.finish_step()
+
+
+def _supported(caches: PagedCaches, codec: str) -> bool:
+    try:
+        get_codec(codec).check_layout(caches.block_shape, caches.dtype,
+                                      caches.layout.arrangement)
+    except CodecError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("first_layers", [0, 1])
+@pytest.mark.parametrize("codec", ["raw", "int8-sym", "int8-kivi"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_staged_restore_writes_what_frames_hold(store: TieredStore, layout: str,
+                                                dtype: torch.dtype, codec: str,
+                                                first_layers: int) -> None:
+    caches, fp = _caches(layout, dtype, codec)
+    if not _supported(caches, codec):
+        pytest.skip(f"{codec} does not encode the {layout} layout")
+    gen = torch.Generator().manual_seed(5)
+    hashes = [bytes([i + 1]) * 32 for i in range(14)]
+    keys = [BlockKey.of(fp, Namespace("t"), h) for h in hashes]
+    frames = {key: _frame(caches, key, codec, gen) for key in keys}
+    frames[keys[9]] = _frame(caches, keys[9], codec, gen, layout_id="another/layout")
+    for i, key in enumerate(keys):
+        if i != 4:  # block 4 is missing
+            assert store.put(key, frames[key])
+    assert store.flush(10)
+    for i in (5, 6, 7):  # these only below the host tier: read (verified) by the nvme tier
+        store.tiers[0].delete([keys[i]])
+    store.tiers[1].delete([keys[1]])
+    _flip_in_host_pages(store, keys[1], frames[keys[1]], LAYERS - 1)  # the last stage sees it
+    segment = get_codec(codec).encoded_size(caches.block_shape, caches.dtype)
+    # Slots of 3 whole blocks, 2 of them: batches reuse slots, and wait for them.
+    config = StagingConfig(slots=2, slot_bytes=3 * LAYERS * segment, workers=3)
+    loader, counters, outbox = _loader(store, caches, fp, codec, config,
+                                       first_layers=first_layers)
+    targets = (3, 7, 8, 12, 13, 20, 1, 2, 4, 5, 6, 9, 10, 22)
+    try:
+        assert not _load(loader, targets, hashes)
+        pipeline = loader._pipeline
+        assert pipeline is not None
+        assert pipeline.ring.allocations == 2  # host caches: one buffer per slot, made once
+    finally:
+        loader.shutdown()
+    snapshot = counters.snapshot()
+    assert snapshot[Counter.LOAD_MISSING] == 1
+    assert snapshot[Counter.LOAD_CORRUPT] == 1
+    assert snapshot[Counter.LOAD_MISMATCH] == 1
+    assert snapshot[Counter.LOADED_BLOCKS] == 11
+    assert outbox.take_load_errors() == {targets[1], targets[4], targets[9]}
+    assert store.get(keys[1]) is None and store.get(keys[9]) is None  # deleted
+    for i, (key, block_id) in enumerate(zip(keys, targets, strict=True)):
+        if i in (1, 4, 9):
+            continue
+        for layer in range(LAYERS):
+            assert torch.equal(_restored(caches, layer, block_id),
+                               _expected(caches, frames[key], layer)), (i, layer)
+    untouched = sorted(set(range(NUM_BLOCKS)) - set(targets))
+    for layer in range(LAYERS):
+        assert not caches.bound[layer].gather(caches.tensors[layer],
+                                              torch.tensor(untouched)).any()
+
+
+def test_verbatim_host_caches_are_written_in_place(store: TieredStore,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's CPU cache with frames verbatim (raw): each block goes from the host tier's pages
+    into its paged block, hashed once where it lies; no slot, no store read (which would copy
+    it out first)."""
+    caches, fp = _caches("verbatim", torch.bfloat16, "raw")
+    gen = torch.Generator().manual_seed(8)
+    hashes = [bytes([i + 1]) * 32 for i in range(9)]
+    keys = [BlockKey.of(fp, Namespace("t"), h) for h in hashes]
+    frames = {key: _frame(caches, key, "raw", gen) for key in keys}
+    for key in keys:
+        assert store.put(key, frames[key])
+    assert store.flush(10)
+    store.tiers[0].delete([keys[8]])  # one from the nvme tier: a verified read, copied once
+    hashed: list[int] = []
+    real_checksum, real_stream = frame.segment_checksum, xxhash.xxh3_128
+
+    def counting(data: Any) -> bytes:
+        hashed.append(len(data))
+        return bytes(real_checksum(data))
+
+    class CountingStream:
+        def __init__(self) -> None:
+            self._hasher = real_stream()
+            hashed.append(0)
+
+        def update(self, data: Any) -> None:
+            hashed[-1] += len(data)
+            self._hasher.update(data)
+
+        def digest(self) -> bytes:
+            return bytes(self._hasher.digest())
+
+    def no_slots(*_: object) -> None:
+        raise AssertionError("a staging slot was taken")
+
+    reads: list[int] = []
+    real_get_many = store.get_many
+
+    def get_many(keys_: list[BlockKey], *args: Any, **kwargs: Any) -> Any:
+        reads.append(len(keys_))
+        return real_get_many(keys_, *args, **kwargs)
+
+    config = StagingConfig(slots=2, slot_bytes=1 << 16, workers=2)
+    loader, counters, _ = _loader(store, caches, fp, "raw", config)
+    targets = tuple(range(30, 39))
+    try:
+        monkeypatch.setattr(StagingRing, "try_acquire", no_slots)
+        monkeypatch.setattr(StagingRing, "acquire", no_slots)
+        monkeypatch.setattr(frame, "segment_checksum", counting)
+        monkeypatch.setattr(xxhash, "xxh3_128", CountingStream)
+        monkeypatch.setattr(store, "get_many", get_many)
+        assert _load(loader, targets, hashes)
+    finally:
+        loader.shutdown()
+    assert counters.snapshot()[Counter.LOADED_BLOCKS] == 9
+    assert reads == [1]  # only the block the host tier did not hold
+    segment = get_codec("raw").encoded_size(caches.block_shape, caches.dtype)
+    # every segment hashed exactly once: 8 lent blocks where they lie, 1 by the nvme tier
+    assert sum(hashed) == 9 * LAYERS * segment
+    for key, block_id in zip(keys, targets, strict=True):
+        for layer in range(LAYERS):
+            assert torch.equal(_restored(caches, layer, block_id),
+                               _expected(caches, frames[key], layer))
+
+
+def test_trusted_host_pages_are_not_hashed_again(store: TieredStore,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """`trust_host_pages`: a block verified when it entered the host tier is restored with
+    no hash at all (the trade: a bit flipped in RAM since then goes unseen)."""
+    caches, fp = _caches("flash", torch.float16, "raw")
+    gen = torch.Generator().manual_seed(9)
+    hashes = [bytes([i + 1]) * 32 for i in range(5)]
+    keys = [BlockKey.of(fp, Namespace("t"), h) for h in hashes]
+    frames = {key: _frame(caches, key, "raw", gen) for key in keys}
+    for key in keys:
+        assert store.put(key, frames[key])
+
+    def no_hash(_: object) -> bytes:
+        raise AssertionError("hashed")
+
+    loader, counters, _ = _loader(store, caches, fp, "raw",
+                                  StagingConfig(slots=2, slot_bytes=1 << 16,
+                                                trust_host_pages=True))
+    try:
+        monkeypatch.setattr(frame, "segment_checksum", no_hash)
+        assert _load(loader, (1, 2, 3, 4, 5), hashes)
+    finally:
+        loader.shutdown()
+    assert counters.snapshot()[Counter.LOADED_BLOCKS] == 5
+    for key, block_id in zip(keys, (1, 2, 3, 4, 5), strict=True):
+        assert torch.equal(_restored(caches, 2, block_id), _expected(caches, frames[key], 2))
+
+
+@pytest.mark.parametrize("layout", ["verbatim", "flash"])
+def test_signed_frames_need_the_tenant_key(store: TieredStore, layout: str) -> None:
+    """With a MAC key the staged path refuses frames signed by anyone else (forged) and
+    restores its own (BLAKE3 segment checksums, hashed where they lie)."""
+    caches, fp = _caches(layout, torch.bfloat16, "raw")
+    ours, theirs = MacKey(b"k" * 32), MacKey(b"x" * 32)
+    gen = torch.Generator().manual_seed(10)
+    hashes = [bytes([i + 1]) * 32 for i in range(4)]
+    keys = [BlockKey.of(fp, Namespace("t"), h) for h in hashes]
+    frames = {key: _frame(caches, key, "raw", gen, signer=theirs if i == 2 else ours)
+              for i, key in enumerate(keys)}
+    for key in keys:
+        assert store.put(key, frames[key])
+    loader, counters, outbox = _loader(store, caches, fp, "raw",
+                                       StagingConfig(slots=2, slot_bytes=1 << 16),
+                                       mac_key=ours)
+    try:
+        assert not _load(loader, (11, 12, 13, 14), hashes)
+    finally:
+        loader.shutdown()
+    assert counters.snapshot()[Counter.LOAD_FORGED] == 1
+    assert counters.snapshot()[Counter.LOADED_BLOCKS] == 3
+    assert outbox.take_load_errors() == {13}
+    assert not any(t.any() for t in (caches.bound[0].gather(caches.tensors[0],
+                                                            torch.tensor([13])),))
+    assert torch.equal(_restored(caches, 3, 14), _expected(caches, frames[keys[3]], 3))
+
+
+@pytest.mark.parametrize("layout", ["verbatim", "transposed"])
+def test_a_late_staged_restore_writes_nothing(store: TieredStore, layout: str,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    caches, fp = _caches(layout, torch.bfloat16, "raw")
+    gen = torch.Generator().manual_seed(4)
+    key = BlockKey.of(fp, Namespace("t"), b"\x07" * 32)
+    assert store.put(key, _frame(caches, key, "raw", gen))
+    release = threading.Event()
+    real_borrow = store.borrow
+
+    def slow_borrow(*args: Any, **kwargs: Any) -> Any:
+        release.wait(5)
+        return real_borrow(*args, **kwargs)
+
+    monkeypatch.setattr(store, "borrow", slow_borrow)
+    loader, counters, _ = _loader(store, caches, fp, "raw",
+                                  StagingConfig(slots=2, slot_bytes=1 << 16), deadline_s=0.2)
+    try:
+        loader.start([LoadSpec(BlockRun("r", "t", 0, (6,), (b"\x07" * 32,)))])
+        loader.wait_for_layer(0)  # times out at the deadline and cancels the job
+        release.set()
+        assert not loader.finish_step()
+        time.sleep(0.2)  # the loader thread, released, finds the job cancelled
+    finally:
+        loader.shutdown()
+    assert counters.snapshot()[Counter.LOAD_LATE] == 1
+    assert not any(t.any() for t in caches.tensors)
+
+
+# -- the save pipeline -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("codec", ["raw", "int8-sym", "int8-kivi"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_staged_save_frames_read_back(store: TieredStore, layout: str, codec: str) -> None:
+    """Frames sealed in place are ordinary frames: raw ones byte for byte what `encode_block`
+    writes, lossy ones decode within the codec's error; then a staged restore puts them
+    back into another engine's cache."""
+    caches, fp = _caches(layout, torch.bfloat16, codec)
+    if not _supported(caches, codec):
+        pytest.skip(f"{codec} does not encode the {layout} layout")
+    gen = torch.Generator().manual_seed(12)
+    for tensor in caches.tensors:
+        tensor.copy_(torch.randn(tensor.shape, generator=gen).to(tensor.dtype))
+    ids = torch.tensor([4, 9, 2, 17, 30, 31, 5])
+    hashes = [bytes([i + 1]) * 32 for i in range(len(ids))]
+    keys = [BlockKey.of(fp, Namespace("t"), h) for h in hashes]
+    codec_id = get_codec(codec).codec_id
+    segment = get_codec(codec).encoded_size(caches.block_shape, caches.dtype)
+    pipeline = SavePipeline(caches, store, codec_id,
+                            StagingConfig(slots=2, slot_bytes=2 * (LAYERS * segment + 400)))
+    layers = [caches.bound[i].gather(caches.tensors[i], ids) for i in range(LAYERS)]
+    reports: dict[int, bool] = {}
+    lock = threading.Lock()
+
+    def report(index: int, ok: bool) -> None:
+        with lock:
+            assert index not in reports
+            reports[index] = ok
+
+    try:
+        pipeline.save(keys, layers, [], report)
+        assert pipeline.ring.allocations == 2 and pipeline.ring.free == 2
+    finally:
+        pipeline.close()
+    assert reports == dict.fromkeys(range(len(ids)), True)
+    for j, key in enumerate(keys):
+        read = store.get(key)
+        assert read is not None and read.verified
+        written = encode_block([layer[j] for layer in layers], codec=codec, key=key,
+                               token_count=BLOCK, layout_id=caches.layout.layout_id,
+                               compression="none", arrangement=caches.layout.arrangement)
+        expected = BlockRead.from_frame(written).header
+        assert (read.header.codec, read.header.dtype, read.header.layout_id,
+                read.header.layer_shape, read.header.token_count) == (
+            expected.codec, expected.dtype, expected.layout_id, expected.layer_shape,
+            expected.token_count)
+        if codec == "raw":
+            assert read.to_frame() == written
+    target, _ = _caches(layout, torch.bfloat16, codec)
+    loader, _, _ = _loader(store, target, fp, codec, StagingConfig(slots=2, slot_bytes=1 << 16))
+    try:
+        assert _load(loader, tuple(int(i) for i in ids), hashes)
+    finally:
+        loader.shutdown()
+    for layer in range(LAYERS):
+        got = target.bound[layer].gather(target.tensors[layer], ids).float()
+        want = layers[layer].float()
+        if codec == "raw":
+            assert torch.equal(got, want)
+        else:
+            assert (got - want).abs().max().item() <= 2 * want.abs().max().item() / 255
+
+
+def test_a_batch_that_cannot_be_encoded_is_reported_unsaved(store: TieredStore) -> None:
+    caches, fp = _caches("flash", torch.bfloat16, "int8-kivi")
+    layers = [torch.randn((3, *caches.block_shape)).to(torch.bfloat16) for _ in range(LAYERS)]
+    layers[2][1].view(-1)[0] = float("inf")
+    keys = [BlockKey.of(fp, Namespace("t"), bytes([i + 1]) * 32) for i in range(3)]
+    pipeline = SavePipeline(caches, store, get_codec("int8-kivi").codec_id)
+    reports: dict[int, bool] = {}
+    try:
+        pipeline.save(keys, layers, [], reports.__setitem__)
+        assert pipeline.ring.free == pipeline.ring.capacity
+    finally:
+        pipeline.close()
+    assert reports == {0: False, 1: False, 2: False}
+    assert all(store.get(key) is None for key in keys)
+
+
+def test_sealed_frames_are_build_frames_bytes() -> None:
+    rng = np.random.default_rng(1)
+    shape, layers, size = (2, 8, 2, 16), 3, 1024
+    layout = FrameLayout(CodecId.RAW, DType.BFLOAT16, "cuda/tnhd", 8, shape, layers, size)
+    segments = [rng.integers(0, 255, size, dtype=np.uint8).tobytes() for _ in range(layers)]
+    row = np.zeros(layout.frame_bytes + 50, np.uint8)
+    for i, data in enumerate(segments):
+        start = layout.header_bytes + i * size
+        row[start: start + size] = np.frombuffer(data, np.uint8)
+    digest = bytes(range(16))
+    sealed = layout.seal(row, digest)
+    assert bytes(sealed) == build_frame([(s, Compression.NONE, size) for s in segments],
+                                        codec=CodecId.RAW, dtype=DType.BFLOAT16,
+                                        layout_id="cuda/tnhd", token_count=8,
+                                        layer_shape=shape, key_digest=digest)
+    assert layout.payload_span(LayerRange(1, 3)) == (size, 3 * size)
+
+
+# -- the ring ------------------------------------------------------------------------------------
+
+def test_ring_back_pressure_and_cancellation() -> None:
+    ring = StagingRing(slots=2, slot_bytes=4096, device=torch.device("cpu"), pinned=False)
+    first, second = ring.try_acquire(), ring.try_acquire()
+    assert first is not None and second is not None and first is not second
+    assert first.shared and ring.try_acquire() is None and ring.free == 0
+    got: list[int] = []
+    waiter = threading.Thread(target=lambda: got.append(ring.acquire(lambda: False).index))
+    waiter.start()
+    time.sleep(0.1)
+    assert not got and ring.waits == 1  # blocked while every slot is out
+    ring.release(second)
+    waiter.join(2)
+    assert got == [second.index]
+    with pytest.raises(Cancelled):
+        ring.acquire(lambda: True)
+    ring.release(first)
+    with pytest.raises(RuntimeError):
+        ring.release(first)
+    assert ring.allocations == 2  # nothing allocated after construction
+    host, device = first.rows(3, 1000)
+    assert host.shape == (3, 1000) and device.data_ptr() == host.data_ptr()
+    with pytest.raises(ValueError):
+        first.rows(5, 1000)
+
+
+def test_split_and_config_bounds() -> None:
+    assert split(10, 3) == [range(0, 4), range(4, 8), range(8, 10)]
+    assert split(2, 4) == [range(0, 1), range(1, 2)]
+    assert split(0, 4) == []
+    with pytest.raises(ConfigError):
+        StagingConfig(slots=1)
+    with pytest.raises(ConfigError):
+        StagingConfig(workers=0)
+
+
+def test_restore_pipeline_builds_without_vllm(store: TieredStore) -> None:
+    """benchmarks.gpu builds the pipelines on bound tensors alone (no vLLM)."""
+    caches, _ = _caches("flash", torch.bfloat16, "raw")
+    pipeline = RestorePipeline(caches, store, CodecId.RAW, StagingConfig(slot_bytes=1))
+    try:
+        # never below one block's whole frame payload
+        assert pipeline.ring.slot_bytes == LAYERS * 2 * BLOCK * HEADS * HEAD_SIZE * 2
+    finally:
+        pipeline.close()
+
+
+# -- the connector's config keys for the staged paths --------------------------------------------
+
+def test_staged_path_config_keys(tmp_path: Path) -> None:
+    from connectors.vllm.config import ConnectorConfig
+
+    base = {"store": {"host_bytes": 1 << 20}}
+    default = ConnectorConfig.from_extra(base)
+    assert (default.restore_path, default.save_path, default.store.host_pinned) == (
+        "auto", "auto", False)
+    config = ConnectorConfig.from_extra({"store": {"host_bytes": 1 << 20, "host_pinned": True},
+                                         "restore_path": "staged", "save_path": "staged"})
+    assert (config.restore_path, config.save_path, config.store.host_pinned) == (
+        "staged", "staged", True)
+    assert ConnectorConfig.from_extra({**base, "restore_path": "device_decode"}).restore_path \
+        == "device_decode"
+    key_file = tmp_path / "mac"
+    key_file.write_bytes(b"s" * 32)
+    for bad in ({**base, "restore_path": "fast"}, {**base, "save_path": "device"},
+                {**base, "save_path": "staged", "compression": "zstd"},
+                {**base, "save_path": "staged", "mac_key_file": str(key_file)},
+                {"store": {"host_bytes": 1 << 20, "host_pinned": "yes"}}):
+        with pytest.raises(ConfigError):
+            ConnectorConfig.from_extra(bad)
+
+
+@pytest.mark.parametrize("layout", ["transposed", "flash"])
+def test_device_decode_path_restores_what_frames_hold(store: TieredStore, layout: str) -> None:
+    """`restore_path: "device_decode"`: chunks staged on the cache's device (here the host, the
+    same code a GPU runs) and decoded there in one batch per layer."""
+    caches, fp = _caches(layout, torch.bfloat16, "int8-sym")
+    gen = torch.Generator().manual_seed(13)
+    hashes = [bytes([i + 1]) * 32 for i in range(6)]
+    keys = [BlockKey.of(fp, Namespace("t"), h) for h in hashes]
+    frames = {key: _frame(caches, key, "int8-sym", gen) for key in keys}
+    for key in keys:
+        assert store.put(key, frames[key])
+    counters, outbox = Counters(), WorkerOutbox()
+    loader = Loader(WorkerContext(store, caches, fp, get_codec("int8-sym").codec_id, outbox,
+                                  counters), deadline_s=10.0, path="device_decode")
+    targets = (2, 4, 6, 8, 10, 12)
+    try:
+        assert _load(loader, targets, hashes)
+    finally:
+        loader.shutdown()
+    assert counters.snapshot()[Counter.LOADED_BLOCKS] == 6
+    for key, block_id in zip(keys, targets, strict=True):
+        for layer in range(LAYERS):
+            assert torch.equal(_restored(caches, layer, block_id),
+                               _expected(caches, frames[key], layer))
