@@ -91,7 +91,7 @@ def test_every_fault_kind_once_meets_every_target(model_dir: Path, tmp_path: Pat
                and "from etcd" in f["detail"])
     assert cut["detect_s"] is not None and cut["recovered_s"] is not None   # lease ran out
     full = next(f for f in result["faults"] if f["kind"] == "fill_disk")
-    assert full["numbers"]["nvme_rejected_puts"] > 0 and full["numbers"]["disk_writes_after_free"]
+    assert full["numbers"]["refused_puts"] > 0 and full["numbers"]["disk_writes_after_free"]
     # Every corrupted block was met by a daemon's check, and none came back as valid KV.
     probe = result["corrupt_probe"]
     assert result["corrupt_blocks_detected"] > 0 and probe["served_corrupt"] == 0

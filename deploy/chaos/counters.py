@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 
 from deploy.observe import scrape_engine
 
-__all__ = ["CounterTally", "engine_counters", "daemon_counters", "Poller"]
+__all__ = ["CounterTally", "engine_counters", "daemon_counters", "daemon_refusals", "Poller"]
 
 
 class CounterTally:
@@ -92,6 +92,24 @@ def daemon_counters(address: str, token: str | None, timeout_s: float = 2.0
         values[f"{t.name}_rejected_puts"] = t.rejected_puts
         values[f"{t.name}_corrupt"] = t.corrupt
     return values
+
+
+def daemon_refusals(metrics_url: str, reason: str, timeout_s: float = 2.0) -> float | None:
+    """Puts a daemon refused with `reason` (its /metrics' kvkeep_daemon_put_refusals_total, all
+    fronts); None when it does not answer. A full disk is refused at admission, before any
+    tier sees the put, so the tiers' own counters do not show it."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        resp = httpx.get(f"{metrics_url}/metrics", timeout=timeout_s)
+        resp.raise_for_status()
+    except httpx.HTTPError:
+        return None
+    return sum(s.value for family in text_string_to_metric_families(resp.text)
+               if family.name == "kvkeep_daemon_put_refusals"
+               for s in family.samples
+               if s.name.endswith("_total") and s.labels.get("reason") == reason)
 
 
 _Read = Callable[[], Mapping[str, float] | None]

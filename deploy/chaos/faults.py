@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from deploy.chaos import storage
-from deploy.chaos.counters import Poller, daemon_counters
+from deploy.chaos.counters import Poller, daemon_counters, daemon_refusals
 from deploy.chaos.scenario import (
     AnyFault,
     CorruptBlocks,
@@ -367,6 +367,8 @@ def _fill_disk(f: FillDisk, record: FaultRecord, ctx: FaultContext) -> None:
     d = ctx.cluster.daemon(target)
     token = ctx.daemon_token()
     before = daemon_counters(d.address, token) or {}
+    metrics_url = f"http://{d.host}:{d.metrics_port}"
+    refused_before = daemon_refusals(metrics_url, "RESOURCE_EXHAUSTED") or 0.0
     _strike(record, ctx, target)
     written = storage.fill_disk(d.data_dir)
     serving = True
@@ -376,18 +378,22 @@ def _fill_disk(f: FillDisk, record: FaultRecord, ctx: FaultContext) -> None:
             serving = serving and daemon_serving(d.node_id, d.address)
             time.sleep(0.5)
         during = daemon_counters(d.address, token) or {}
+        refused_during = daemon_refusals(metrics_url, "RESOURCE_EXHAUSTED") or refused_before
     finally:
         storage.free_disk(d.data_dir)
     freed = time.monotonic()
     # Space is back: writes must reach the disk again without a restart.
     accepted = _disk_writes_again(d.address, token, during, timeout_s=30.0)
     record.recovered_s = time.monotonic() - freed if accepted else None
-    rejected = int(during.get("nvme_rejected_puts", 0) - before.get("nvme_rejected_puts", 0))
-    record.numbers.update(filler_bytes=written, nvme_rejected_puts=rejected,
+    # Refused at admission (RESOURCE_EXHAUSTED, the daemon's own statvfs check) or, for a put
+    # already admitted when the disk filled, by the nvme tier itself.
+    rejected = int(during.get("nvme_rejected_puts", 0) - before.get("nvme_rejected_puts", 0)
+                   + refused_during - refused_before)
+    record.numbers.update(filler_bytes=written, refused_puts=rejected,
                           served_health_throughout=serving,
                           disk_writes_after_free=accepted)
     record.detail = (f"filled its tmpfs ({written >> 20} MiB) for {f.duration:g}s: "
-                     f"{rejected} writes to its disk refused, health "
+                     f"{rejected} puts refused (disk full), health "
                      f"{'SERVING throughout' if serving else 'NOT serving at some point'}; "
                      + (f"its disk took writes again {record.recovered_s:.1f}s after it was "
                         "freed" if accepted else

@@ -365,10 +365,14 @@ class LocalCluster:
         return {str(w["id"]) for w in listed if isinstance(w, dict) and w.get("usable")}
 
     def wait_routers_see(self, worker_ids: set[str], timeout: float = 60.0) -> None:
+        """Every live router uses `worker_ids`. A router that is down (or killed meanwhile, as
+        chaos does) is not waited for: `restart_router` waits for it when it comes back."""
+        def sees_or_down(r: Router) -> bool:
+            return not r.process.alive or self._router_sees(r, worker_ids)
+
         for r in self.routers:
-            wait_until(partial(self._router_sees, r, worker_ids), timeout=timeout,
-                       what=f"router {r.replica_id} to see {sorted(worker_ids)}",
-                       process=r.process)
+            wait_until(partial(sees_or_down, r), timeout=timeout,
+                       what=f"router {r.replica_id} to see {sorted(worker_ids)}")
 
     # --- private ---------------------------------------------------------------------------
     def _router_sees(self, router: Router, worker_ids: set[str]) -> bool:
