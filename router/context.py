@@ -24,7 +24,7 @@ class DecisionContext:
     history: RoutingHistory | None = None
     blocks: KVBlockIndex | None = None
     _approx: dict[WorkerId, int] | None = field(default=None, repr=False)
-    _precise: dict[WorkerId, float] | None = field(default=None, repr=False)
+    _precise: dict[float | None, dict[WorkerId, float]] = field(default_factory=dict, repr=False)
 
     def approx_matches(self) -> dict[WorkerId, int]:
         """Leading prompt chunks each worker was routed before (routing history)."""
@@ -33,9 +33,12 @@ class DecisionContext:
             self._approx = self.history.match(keys) if self.history and keys else {}
         return self._approx
 
-    def precise_matches(self) -> dict[WorkerId, float]:
-        """Tier-weighted leading token blocks each worker holds (KV events)."""
-        if self._precise is None:
+    def precise_matches(self, storage_weight: float | None = None) -> dict[WorkerId, float]:
+        """Tier-weighted leading token blocks each worker holds (KV events); `storage_weight`
+        overrides the index's weight of blocks in storage (kvkeep's store included)."""
+        found = self._precise.get(storage_weight)
+        if found is None:
             keys = self.request.block_keys
-            self._precise = self.blocks.match(keys) if self.blocks and keys else {}
-        return self._precise
+            found = self.blocks.match(keys, storage_weight) if self.blocks and keys else {}
+            self._precise[storage_weight] = found
+        return found

@@ -39,6 +39,7 @@ from router.decision import Placement
 from router.errors import UpstreamError, UpstreamTooLarge
 from router.hooks import FAILED, Outcome
 from router.limits import Limits, read_capped
+from router.tokenize_client import PromptTokenizer
 from router.upstream import RETRYABLE_STATUS, UPSTREAM_ERRORS, upstream_body
 from router.workers import WorkerId
 
@@ -72,17 +73,21 @@ class Attempt:
 
 
 class Dispatcher:
-    __slots__ = ("core", "http", "limits", "max_attempts", "stream_timeout", "unary_timeout")
+    __slots__ = ("core", "http", "limits", "max_attempts", "stream_timeout", "tokenizer",
+                 "unary_timeout")
 
     def __init__(self, core: RouterCore, http: aiohttp.ClientSession, *, max_attempts: int,
                  stream_timeout: aiohttp.ClientTimeout,
-                 unary_timeout: aiohttp.ClientTimeout, limits: Limits | None = None) -> None:
+                 unary_timeout: aiohttp.ClientTimeout, limits: Limits | None = None,
+                 tokenizer: PromptTokenizer | None = None) -> None:
         self.core = core
         self.http = http
         self.limits = limits or core.limits
         self.max_attempts = max_attempts
         self.stream_timeout = stream_timeout
         self.unary_timeout = unary_timeout
+        self.tokenizer = tokenizer
+        """Gives text prompts their token ids for the precise prefix (None: text keys only)."""
 
     async def send(self, creq: ClientRequest, tried: set[WorkerId], *, stream: bool,
                    body_for: BodyFor | None = None) -> Attempt:
@@ -94,7 +99,9 @@ class Dispatcher:
         no worker answered. `tried` gains every worker that failed.
         """
         build = body_for or (lambda p: (creq.endpoint.value, upstream_body(creq, p)))
-        route = self.core.route(creq.features)
+        features = creq.features if self.tokenizer is None \
+            else await self.tokenizer.features(creq)
+        route = self.core.route(features)
         last = "no attempt"
         races = 0
         attempt_no = 0

@@ -9,7 +9,7 @@ runs. The presets, selected by `--policy`:
   restored from the store), new sessions kept off workers over the KV-utilisation, queue and
   GPU thresholds, and scored by precise prefix 3, approximate prefix 2, queue 2, KV utilisation
   2 and in-flight tokens 1.
-- Baselines: `round-robin`; `least-loaded` (queue and in-flight tokens); `session-only`
+- Baselines: `round-robin`; `random` (llm-d's blog's baseline); `least-loaded` (queue and in-flight tokens); `session-only`
   (sticky forever, new sessions round robin: the plain stickiness Dynamo's replay found worse
   than round robin); `llm-d` (prefix 3, queue 2, KV utilisation 2, no session rules).
 """
@@ -23,13 +23,20 @@ from dataclasses import dataclass, field, replace
 
 from kvstore.errors import ConfigError
 from router.filters import Filter, GpuFilter, KVThresholdFilter, QueueThresholdFilter
-from router.pickers import LeastUtilisedPicker, MaxScorePicker, Picker, RoundRobinPicker
+from router.pickers import (
+    LeastUtilisedPicker,
+    MaxScorePicker,
+    Picker,
+    RandomPicker,
+    RoundRobinPicker,
+)
 from router.scorers import SCORERS, Scorer
+from router.tokenize import TokenizeSpec
 
 __all__ = ["Thresholds", "Policy", "ScorerSpec", "PolicySpec", "POLICIES", "DEFAULT_WEIGHTS",
            "SOFT_FILTERS", "PICKERS", "policy_preset", "build_policy", "parse_weights"]
 
-POLICIES = ("kvkeep", "round-robin", "least-loaded", "session-only", "llm-d")
+POLICIES = ("kvkeep", "round-robin", "random", "least-loaded", "session-only", "llm-d")
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +108,7 @@ SOFT_FILTERS: Mapping[str, Callable[[Thresholds], Filter]] = {
 # Pickers by name; the random source breaks ties.
 PICKERS: Mapping[str, Callable[[random.Random], Picker]] = {
     "max-score": MaxScorePicker,
+    "random": RandomPicker,
     "round-robin": lambda rng: RoundRobinPicker(),
     "least-utilised": lambda rng: LeastUtilisedPicker(),
 }
@@ -132,6 +140,7 @@ class PolicySpec:
     sticky: bool
     migrate: bool
     thresholds: Thresholds = field(default_factory=Thresholds)
+    tokenize: TokenizeSpec = field(default_factory=TokenizeSpec)
 
     def __post_init__(self) -> None:
         for i, scorer in enumerate(self.scorers):
@@ -149,6 +158,12 @@ class PolicySpec:
     @property
     def weights(self) -> dict[str, float]:
         return {s.name: s.weight for s in self.scorers}
+
+    @property
+    def reads_token_blocks(self) -> bool:
+        """Whether a scorer matches the prompt's token blocks (so text prompts are worth
+        tokenizing: `tokenize`)."""
+        return any(s.weight > 0 and s.name in _TOKEN_SCORERS for s in self.scorers)
 
     def with_weights(self, weights: Mapping[str, float]) -> PolicySpec:
         """These weights over the spec's: a scorer named keeps its place and parameters, a new
@@ -168,6 +183,9 @@ class PolicySpec:
                       migrate=self.migrate, soft_filters=tuple(SOFT_FILTERS[f](th)
                                                               for f in self.filters),
                       thresholds=th)
+
+
+_TOKEN_SCORERS = frozenset({"precise-prefix", "best-prefix"})
 
 
 def _check_scorer(index: int, scorer: ScorerSpec) -> None:
@@ -198,6 +216,7 @@ _PRESETS: Mapping[str, PolicySpec] = {
         ("kv-threshold", "queue-threshold", "gpu"), "max-score", sticky=True, migrate=True),
     "round-robin": PolicySpec("round-robin", (), (), "round-robin", sticky=False,
                               migrate=False),
+    "random": PolicySpec("random", (), (), "random", sticky=False, migrate=False),
     "least-loaded": PolicySpec("least-loaded", (ScorerSpec("queue", 1.0),
                                                 ScorerSpec("inflight-tokens", 1.0)),
                                (), "max-score", sticky=False, migrate=False),

@@ -17,6 +17,7 @@ key: `deploy/router/policy.yaml`.
     thresholds: {kv_new_session: 0.85, queue_new_session: 32, gpu_max_temp_c: 85}
     workers: {allow: ["10.0.0.0/8:8000", "*.vllm.svc.cluster.local"]}
     limits: {max_sessions: 1000000, max_sessions_per_tenant: 10000}
+    tokenize: {mode: worker, timeout_s: 0.25}   # text prompts' ids from a worker's /tokenize
 
 Precedence: preset < file < flags (`--policy` changes the preset under the file,
 `--weights` and the threshold flags win over it). Bad input is a `ConfigError` naming the file
@@ -73,6 +74,13 @@ class _Workers(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     allow: list[str] | None = None
 
 
+class _Tokenize(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    mode: str | None = None
+    timeout_s: float | None = None
+    cache_tokens: int | None = None
+    retry_after_s: float | None = None
+
+
 class _File(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     policy: str | None = None
     sessions: _Sessions = _Sessions()
@@ -82,6 +90,7 @@ class _File(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     thresholds: _Thresholds | None = None
     workers: _Workers = _Workers()
     limits: _Limits | None = None
+    tokenize: _Tokenize | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +107,7 @@ class PolicyFile:
     thresholds: Mapping[str, int | float] = dataclasses.field(default_factory=dict)
     workers_allow: tuple[str, ...] | None = None
     limits: Mapping[str, int | float] = dataclasses.field(default_factory=dict)
+    tokenize: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def resolve(self, preset: str | None = None) -> PolicySpec:
         """The file over `preset` (default: the file's own `policy:`, else `kvkeep`)."""
@@ -107,6 +117,8 @@ class PolicyFile:
                 k: v for k, v in (("filters", self.filters), ("scorers", self.scorers),
                                   ("picker", self.picker), ("sticky", self.sticky),
                                   ("migrate", self.migrate)) if v is not None}
+            if self.tokenize:
+                changes["tokenize"] = replace(base.tokenize, **self.tokenize)
             return replace(base, thresholds=_thresholds(base.thresholds, self.thresholds),
                            **changes)
 
@@ -129,7 +141,8 @@ def load_policy_file(path: str | Path) -> PolicyFile:
     spec = PolicyFile(source, given.policy, None if given.filters is None
                       else tuple(given.filters), scorers, given.picker, given.sessions.sticky,
                       given.sessions.migrate, _given(given.thresholds),
-                      None if allow is None else tuple(allow), _given(given.limits))
+                      None if allow is None else tuple(allow), _given(given.limits),
+                      _given(given.tokenize))
     spec.resolve()  # every name and value checked now, not at the first request
     with _context(source):
         if allow is not None:
@@ -162,10 +175,10 @@ def resolve_limits(file: PolicyFile | None = None,
         raise ConfigError(f"limits.{exc}") from exc
 
 
-def _given(thresholds: msgspec.Struct | None) -> dict[str, int | float]:
-    if thresholds is None:
+def _given(section: msgspec.Struct | None) -> dict[str, Any]:
+    if section is None:
         return {}
-    values = msgspec.structs.asdict(thresholds)
+    values = msgspec.structs.asdict(section)
     return {name: value for name, value in values.items() if value is not None}
 
 

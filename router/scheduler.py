@@ -142,8 +142,8 @@ class Scheduler:
             if not kept:
                 return _LEAST_UTILISED.rank(candidates, ())
             candidates = kept
-        if not policy.scorers:
-            return policy.picker.rank(candidates, ())
+        if not policy.scorers:  # every weight 0: the picker sees equal scores
+            return policy.picker.rank(candidates, [0.0] * len(candidates))
         totals = [0.0] * len(candidates)
         for scorer, weight in policy.scorers:
             for i, s in enumerate(scorer.score(ctx, candidates)):

@@ -27,6 +27,7 @@ from router.state.base import StateBackend
 from router.state.etcd import EtcdBackend
 from router.state.memory import MemoryBackend
 from router.tasks import BackgroundTasks
+from router.tokenize_client import PromptTokenizer
 
 __all__ = ["RouterService"]
 
@@ -87,8 +88,14 @@ class RouterService:
         )
         # A stream may run for as long as it keeps producing; only silence breaks it. A unary
         # request is silent until its whole answer is ready, so it gets a total bound instead.
+        # Text prompts are tokenized by a worker when the policy matches token blocks.
+        policy = cfg.policy
+        tokenizer = PromptTokenizer(policy.tokenize, self.core.pool, self.http,
+                                    registry=self.core.metrics.registry, clock=self.core.clock) \
+            if policy.reads_token_blocks and policy.tokenize.enabled else None
         self._dispatcher = Dispatcher(
             self.core, self.http, max_attempts=cfg.max_attempts, limits=cfg.limits,
+            tokenizer=tokenizer,
             stream_timeout=aiohttp.ClientTimeout(
                 total=None, connect=cfg.connect_timeout_s, sock_read=cfg.stream_idle_timeout_s),
             unary_timeout=aiohttp.ClientTimeout(

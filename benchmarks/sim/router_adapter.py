@@ -51,6 +51,8 @@ class PolicySpec:
     name: str
     router_policy: str
     weights: Mapping[str, float] = field(default_factory=dict)
+    # a scorer's own parameters by scorer name, e.g. {"precise-prefix": {"storage_weight": 0.2}}
+    scorer_parameters: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
     thresholds: Mapping[str, float] = field(default_factory=dict)
     input: str = "text"
     store: bool = False
@@ -83,6 +85,11 @@ class PolicySpec:
     def build(self, seed: int = 0) -> Policy:
         """The router's preset with this policy's weights, thresholds and filters."""
         spec = policy_preset(self.router_policy).with_weights(self.weights)
+        if self.scorer_parameters:
+            spec = dataclasses.replace(spec, scorers=tuple(
+                dataclasses.replace(s, parameters=tuple(
+                    {**dict(s.parameters), **self.scorer_parameters.get(s.name, {})}.items()))
+                for s in spec.scorers))
         spec = dataclasses.replace(spec, thresholds=self.router_thresholds())
         if not self.soft_filters:
             spec = dataclasses.replace(spec, filters=())

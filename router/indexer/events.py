@@ -43,6 +43,7 @@ __all__ = ["KVBlockIndex", "MEDIUM_WEIGHTS", "SHARED"]
 MEDIUM_WEIGHTS: Mapping[str, float] = {"GPU": 1.0, "CPU": 0.8, "STORAGE": 0.5}
 _MEDIUM_BITS = {"GPU": 1, "CPU": 2, "STORAGE": 4, "KVKEEP_LOCAL": 4}
 _BIT_WEIGHTS = {bit: MEDIUM_WEIGHTS[m] for m, bit in _MEDIUM_BITS.items() if m in MEDIUM_WEIGHTS}
+_STORAGE_BIT = _MEDIUM_BITS["STORAGE"]
 SHARED_MEDIUM = "KVKEEP_SHARED"
 SHARED = WorkerId("*shared-store*")
 """The holder of blocks in a store every worker can read; `match` reports its chain under this
@@ -57,8 +58,12 @@ def _bits(medium: object) -> int:
     return _MEDIUM_BITS.get(str(medium).upper(), 4)
 
 
-def _weight(mask: int) -> float:
-    return max((w for bit, w in _BIT_WEIGHTS.items() if mask & bit), default=0.0)
+def _weight(mask: int, storage: float | None = None) -> float:
+    """The best tier `mask` names; `storage` replaces the storage tier's weight."""
+    if storage is None:
+        return max((w for bit, w in _BIT_WEIGHTS.items() if mask & bit), default=0.0)
+    return max((storage if bit == _STORAGE_BIT else w for bit, w in _BIT_WEIGHTS.items()
+                if mask & bit), default=0.0)
 
 
 @dataclass(slots=True)
@@ -99,25 +104,28 @@ class KVBlockIndex:
                  ) -> tuple[int, ...]:
         return token_block_keys(tokens, self.block_size, salt_root(cache_salt))
 
-    def match(self, keys: Sequence[int]) -> dict[WorkerId, float]:
+    def match(self, keys: Sequence[int], storage_weight: float | None = None
+              ) -> dict[WorkerId, float]:
         """Per worker, the tier-weighted count of leading `keys` it can use consecutively: its
         own blocks, or the shared store's where it lacks one. `SHARED` maps to what the shared
-        store alone gives, which is what every worker not named scores."""
+        store alone gives, which is what every worker not named scores. `storage_weight`
+        replaces `MEDIUM_WEIGHTS["STORAGE"]` (blocks on storage and in kvkeep's store)."""
         result: dict[WorkerId, float] = {}
         alive: dict[WorkerId, float] = {}
         shared = 0.0  # the shared store's chain so far (0 once it is broken)
         shared_alive = True
         for position, key in enumerate(keys):
             holders = self._holders.get(key) or {}
-            via_store = _weight(holders.get(SHARED, 0)) if shared_alive else 0.0
+            via_store = _weight(holders.get(SHARED, 0), storage_weight) if shared_alive \
+                else 0.0
             now: dict[WorkerId, float] = {}
             for w, mask in holders.items():
                 if w == SHARED:
                     continue
                 if w in alive:
-                    now[w] = alive[w] + max(_weight(mask), via_store)
+                    now[w] = alive[w] + max(_weight(mask, storage_weight), via_store)
                 elif position == 0 or (shared_alive and shared > 0):
-                    now[w] = shared + max(_weight(mask), via_store)  # joins via the store
+                    now[w] = shared + max(_weight(mask, storage_weight), via_store)  # via the store
             if via_store > 0:
                 for w, score in alive.items():
                     now.setdefault(w, score + via_store)

@@ -19,6 +19,10 @@ class MaxScorePicker:
 
     def rank(self, candidates: Sequence[WorkerState], scores: Sequence[float]
              ) -> list[WorkerState]:
+        if not scores:  # no scorer (every weight 0): all equally good, a random order
+            scores = [0.0] * len(candidates)
+        elif len(scores) != len(candidates):
+            raise ValueError(f"{len(scores)} scores for {len(candidates)} candidates")
         order = list(range(len(candidates)))
         self.rng.shuffle(order)
         # sort is stable: after the shuffle, equal scores come out in random order.

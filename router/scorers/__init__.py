@@ -6,13 +6,14 @@ from router.scorers.load import (
     InflightTokensScorer,
     KVUtilizationScorer,
     LoadAwareScorer,
+    QueueRatioScorer,
     QueueScorer,
 )
 from router.scorers.prefix import ApproxPrefixScorer, BestPrefixScorer, PrecisePrefixScorer
 
 __all__ = ["Scorer", "spread", "SessionAffinityScorer", "ApproxPrefixScorer",
-           "PrecisePrefixScorer", "BestPrefixScorer", "QueueScorer", "KVUtilizationScorer",
-           "InflightTokensScorer", "LoadAwareScorer", "SCORERS"]
+           "PrecisePrefixScorer", "BestPrefixScorer", "QueueScorer", "QueueRatioScorer",
+           "KVUtilizationScorer", "InflightTokensScorer", "LoadAwareScorer", "SCORERS"]
 
 # Names usable in `--weights name=w,...`.
 SCORERS: dict[str, type[Scorer]] = {
@@ -21,6 +22,7 @@ SCORERS: dict[str, type[Scorer]] = {
     "precise-prefix": PrecisePrefixScorer,
     "best-prefix": BestPrefixScorer,
     "queue": QueueScorer,
+    "queue-ratio": QueueRatioScorer,
     "kv-utilization": KVUtilizationScorer,
     "inflight-tokens": InflightTokensScorer,
     "load-aware": LoadAwareScorer,

@@ -9,7 +9,8 @@ from router.context import DecisionContext
 from router.scorers.base import spread
 from router.workers import WorkerState
 
-__all__ = ["QueueScorer", "KVUtilizationScorer", "InflightTokensScorer", "LoadAwareScorer"]
+__all__ = ["QueueScorer", "QueueRatioScorer", "KVUtilizationScorer", "InflightTokensScorer",
+           "LoadAwareScorer"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,6 +21,23 @@ class QueueScorer:
 
     def score(self, ctx: DecisionContext, candidates: Sequence[WorkerState]) -> list[float]:
         return spread([w.queue for w in candidates])
+
+
+@dataclass(frozen=True, slots=True)
+class QueueRatioScorer:
+    """1 - q / maxQ over outstanding requests: how much shorter a worker's queue is than the
+    longest, as a share of it. Unlike llm-d's min-max (`queue`), it keeps the scale: 2 vs 10
+    requests is 0.8 apart, 240 vs 256 only 0.06, where min-max makes both a full 1.0 and so
+    lets a one-request difference outweigh a cached prefix on saturated workers."""
+
+    name: str = "queue-ratio"
+
+    def score(self, ctx: DecisionContext, candidates: Sequence[WorkerState]) -> list[float]:
+        queues = [w.queue for w in candidates]
+        top = max(queues, default=0)
+        if top <= 0:
+            return [1.0] * len(candidates)
+        return [1.0 - q / top for q in queues]
 
 
 @dataclass(frozen=True, slots=True)

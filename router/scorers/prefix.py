@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from router.context import DecisionContext
-from router.indexer.events import SHARED
+from router.indexer.events import MEDIUM_WEIGHTS, SHARED
 from router.workers import WorkerState
 
 __all__ = ["ApproxPrefixScorer", "PrecisePrefixScorer", "BestPrefixScorer"]
@@ -33,13 +33,17 @@ class ApproxPrefixScorer:
 
 @dataclass(frozen=True, slots=True)
 class PrecisePrefixScorer:
+    """`storage_weight`: what a block a worker can restore from storage (kvkeep's store on its
+    node or shared) counts for, against 1.0 for a block in its own device cache."""
+
+    storage_weight: float = MEDIUM_WEIGHTS["STORAGE"]
     name: str = "precise-prefix"
 
     def score(self, ctx: DecisionContext, candidates: Sequence[WorkerState]) -> list[float]:
         total = len(ctx.request.block_keys)
         if total == 0:
             return [0.0] * len(candidates)
-        matches = ctx.precise_matches()
+        matches = ctx.precise_matches(self.storage_weight)
         if not matches:
             return [0.0] * len(candidates)
         anywhere = matches.get(SHARED, 0.0)  # blocks in a store every worker can restore from
@@ -51,9 +55,10 @@ class BestPrefixScorer:
     """The precise score where the KV-event index knows the prompt's blocks, else the
     approximate one: one prefix signal, as llm-d configures it, never counted twice."""
 
+    storage_weight: float = MEDIUM_WEIGHTS["STORAGE"]
     name: str = "best-prefix"
 
     def score(self, ctx: DecisionContext, candidates: Sequence[WorkerState]) -> list[float]:
-        if ctx.request.block_keys and ctx.precise_matches():
-            return PrecisePrefixScorer().score(ctx, candidates)
+        if ctx.request.block_keys and ctx.precise_matches(self.storage_weight):
+            return PrecisePrefixScorer(self.storage_weight).score(ctx, candidates)
         return ApproxPrefixScorer().score(ctx, candidates)
