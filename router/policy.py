@@ -6,12 +6,15 @@ A `PolicySpec` says what a policy is made of, by name (what a config file holds:
 runs. The presets, selected by `--policy`:
 
 - `kvkeep` (default): sticky sessions that migrate off an overloaded worker (their KV is
-  restored from the store), new sessions kept off workers over the KV-utilisation, queue and
-  GPU thresholds, and scored by precise prefix 3, approximate prefix 2, queue 2, KV utilisation
-  2 and in-flight tokens 1.
-- Baselines: `round-robin`; `random` (llm-d's blog's baseline); `least-loaded` (queue and in-flight tokens); `session-only`
-  (sticky forever, new sessions round robin: the plain stickiness Dynamo's replay found worse
-  than round robin); `llm-d` (prefix 3, queue 2, KV utilisation 2, no session rules).
+  restored from the store); every placement kept off workers over the GPU thresholds, session
+  placements also off workers over the KV-utilisation and queue thresholds; scored by best
+  prefix 3 (precise from KV events, text prompts tokenized through a worker's `/tokenize`;
+  a block the worker can restore from the store counts 0.5), queue ratio 2 and KV
+  utilisation 2.
+- Baselines: `round-robin`; `random` (llm-d's blog's baseline); `least-loaded` (queue and
+  in-flight tokens); `session-only` (sticky forever, new sessions round robin: the plain
+  stickiness Dynamo's replay found worse than round robin); `llm-d` (prefix 3, queue 2, KV
+  utilisation 2, no session rules).
 """
 
 from __future__ import annotations
@@ -22,7 +25,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 
 from kvstore.errors import ConfigError
-from router.filters import Filter, GpuFilter, KVThresholdFilter, QueueThresholdFilter
+from router.filters import (
+    BoundedLoadFilter,
+    Filter,
+    GpuFilter,
+    KVThresholdFilter,
+    QueueThresholdFilter,
+)
 from router.pickers import (
     LeastUtilisedPicker,
     MaxScorePicker,
@@ -58,17 +67,21 @@ class Thresholds:
       milliseconds earlier, before its first request even ran.
     - `gpu_max_temp_c` / `gpu_max_mem_frac`: a worker whose GPU (NVML, where reported) is this
       hot or this full starts no new session.
+    - `load_factor`: the `bounded-load` filter's bound, as a multiple of the mean outstanding
+      requests a worker may reach with the request (1.25, the value the bounded-load
+      consistent hashing paper and HAProxy's `hash-balance-factor` examples use).
     """
 
     kv_new_session: float = 0.85
     queue_new_session: int = 32
-    max_waiting: int = 64
+    max_waiting: int = 512
     migrate_waiting: int = 2
     migrate_imbalance: int = 4
     migrate_ratio: float = 1.5
     migrate_cooldown_s: float = 2.0
     gpu_max_temp_c: float = 85.0
     gpu_max_mem_frac: float = 0.97
+    load_factor: float = 1.25
 
     def __post_init__(self) -> None:
         if not 0.0 < self.kv_new_session <= 1.0:
@@ -84,6 +97,8 @@ class Thresholds:
             raise ConfigError(f"gpu_max_temp_c must be > 0, not {self.gpu_max_temp_c}")
         if not 0.0 < self.gpu_max_mem_frac <= 1.0:
             raise ConfigError(f"gpu_max_mem_frac must be in (0, 1], not {self.gpu_max_mem_frac}")
+        if self.load_factor < 1.0:
+            raise ConfigError(f"load_factor must be >= 1, not {self.load_factor}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +112,9 @@ class Policy:
     migrate: bool
     soft_filters: tuple[Filter, ...]
     thresholds: Thresholds = field(default_factory=Thresholds)
+    session_filters: tuple[Filter, ...] = ()
+    """Soft filters for placing a session (new, migrated, failed over) only, after
+    `soft_filters`, which every placement passes."""
 
 
 # Soft filters by name, each configured from the thresholds.
@@ -104,6 +122,7 @@ SOFT_FILTERS: Mapping[str, Callable[[Thresholds], Filter]] = {
     "kv-threshold": lambda th: KVThresholdFilter(th.kv_new_session),
     "queue-threshold": lambda th: QueueThresholdFilter(th.queue_new_session),
     "gpu": lambda th: GpuFilter(th.gpu_max_temp_c, th.gpu_max_mem_frac),
+    "bounded-load": lambda th: BoundedLoadFilter(th.load_factor),
 }
 # Pickers by name; the random source breaks ties.
 PICKERS: Mapping[str, Callable[[random.Random], Picker]] = {
@@ -128,9 +147,11 @@ class ScorerSpec:
 class PolicySpec:
     """What a policy is made of, by name; validated on construction (errors name the part).
 
-    `filters` are the soft filters new placements pass (`SOFT_FILTERS`); `picker` ranks the
-    scored candidates (`PICKERS`); `sticky` keeps a session on its worker, `migrate` lets it
-    leave an overloaded one.
+    `filters` are the soft filters every placement the scheduler ranks passes (stateless
+    requests, new sessions, moves), `session_filters` those only session placements pass
+    after them (`SOFT_FILTERS`); `picker` ranks the scored candidates (`PICKERS`); `sticky`
+    keeps a session on its worker, `migrate` lets it leave an overloaded one; `tokenize`
+    says how text prompts get token ids for the scorers that match token blocks.
     """
 
     name: str
@@ -141,14 +162,17 @@ class PolicySpec:
     migrate: bool
     thresholds: Thresholds = field(default_factory=Thresholds)
     tokenize: TokenizeSpec = field(default_factory=TokenizeSpec)
+    session_filters: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for i, scorer in enumerate(self.scorers):
             _check_scorer(i, scorer)
-        for i, name in enumerate(self.filters):
-            if name not in SOFT_FILTERS:
-                raise ConfigError(f"filters[{i}]: unknown filter {name!r}; choose from "
-                                  f"{', '.join(SOFT_FILTERS)}")
+        for section, names in (("filters", self.filters),
+                               ("session_filters", self.session_filters)):
+            for i, name in enumerate(names):
+                if name not in SOFT_FILTERS:
+                    raise ConfigError(f"{section}[{i}]: unknown filter {name!r}; choose from "
+                                      f"{', '.join(SOFT_FILTERS)}")
         if self.picker not in PICKERS:
             raise ConfigError(f"picker: unknown picker {self.picker!r}; choose from "
                               f"{', '.join(PICKERS)}")
@@ -180,9 +204,10 @@ class PolicySpec:
         scorers = tuple((SCORERS[s.name](**dict(s.parameters)), s.weight)
                         for s in self.scorers if s.weight > 0)
         return Policy(self.name, scorers, PICKERS[self.picker](rng), sticky=self.sticky,
-                      migrate=self.migrate, soft_filters=tuple(SOFT_FILTERS[f](th)
-                                                              for f in self.filters),
-                      thresholds=th)
+                      migrate=self.migrate,
+                      soft_filters=tuple(SOFT_FILTERS[f](th) for f in self.filters),
+                      thresholds=th,
+                      session_filters=tuple(SOFT_FILTERS[f](th) for f in self.session_filters))
 
 
 _TOKEN_SCORERS = frozenset({"precise-prefix", "best-prefix"})
@@ -209,11 +234,15 @@ def _check_scorer(index: int, scorer: ScorerSpec) -> None:
 
 
 _PRESETS: Mapping[str, PolicySpec] = {
+    # One prefix signal (precise from KV events, text prompts tokenized; approximate where
+    # the index knows nothing), the store's blocks at the storage weight, and a load score
+    # that keeps its scale: see the module docstring and benchmarks/sim/README.md.
     "kvkeep": PolicySpec(
         "kvkeep",
-        (ScorerSpec("precise-prefix", 3.0), ScorerSpec("prefix", 2.0), ScorerSpec("queue", 2.0),
-         ScorerSpec("kv-utilization", 2.0), ScorerSpec("inflight-tokens", 1.0)),
-        ("kv-threshold", "queue-threshold", "gpu"), "max-score", sticky=True, migrate=True),
+        (ScorerSpec("best-prefix", 3.0, (("storage_weight", 0.5),)), ScorerSpec("queue-ratio", 2.0),
+         ScorerSpec("kv-utilization", 2.0)),
+        ("gpu",), "max-score", sticky=True, migrate=True,
+        session_filters=("kv-threshold", "queue-threshold")),
     "round-robin": PolicySpec("round-robin", (), (), "round-robin", sticky=False,
                               migrate=False),
     "random": PolicySpec("random", (), (), "random", sticky=False, migrate=False),

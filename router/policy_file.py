@@ -9,7 +9,8 @@ key: `deploy/router/policy.yaml`.
 
     policy: kvkeep                 # the preset the rest adjusts
     sessions: {sticky: true, migrate: true}
-    filters: [kv-threshold, queue-threshold, gpu]
+    filters: [bounded-load, gpu]              # every placement
+    session_filters: [kv-threshold, queue-threshold]   # new sessions and moves, after those
     scorers:
       - {name: precise-prefix, weight: 3}
       - {name: load-aware, weight: 1, parameters: {cap: 128}}
@@ -85,6 +86,7 @@ class _File(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     policy: str | None = None
     sessions: _Sessions = _Sessions()
     filters: list[str] | None = None
+    session_filters: list[str] | None = None
     scorers: list[_Scorer] | None = None
     picker: str | None = None
     thresholds: _Thresholds | None = None
@@ -108,13 +110,16 @@ class PolicyFile:
     workers_allow: tuple[str, ...] | None = None
     limits: Mapping[str, int | float] = dataclasses.field(default_factory=dict)
     tokenize: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    session_filters: tuple[str, ...] | None = None
 
     def resolve(self, preset: str | None = None) -> PolicySpec:
         """The file over `preset` (default: the file's own `policy:`, else `kvkeep`)."""
         with _context(self.source):
             base = policy_preset(preset or self.preset or "kvkeep")
             changes: dict[str, Any] = {
-                k: v for k, v in (("filters", self.filters), ("scorers", self.scorers),
+                k: v for k, v in (("filters", self.filters),
+                                  ("session_filters", self.session_filters),
+                                  ("scorers", self.scorers),
                                   ("picker", self.picker), ("sticky", self.sticky),
                                   ("migrate", self.migrate)) if v is not None}
             if self.tokenize:
@@ -142,7 +147,8 @@ def load_policy_file(path: str | Path) -> PolicyFile:
                       else tuple(given.filters), scorers, given.picker, given.sessions.sticky,
                       given.sessions.migrate, _given(given.thresholds),
                       None if allow is None else tuple(allow), _given(given.limits),
-                      _given(given.tokenize))
+                      _given(given.tokenize),
+                      None if given.session_filters is None else tuple(given.session_filters))
     spec.resolve()  # every name and value checked now, not at the first request
     with _context(source):
         if allow is not None:

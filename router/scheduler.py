@@ -123,7 +123,7 @@ class Scheduler:
         if not open_:
             raise Saturated(f"all {len(candidates)} workers for {request.model!r} are saturated",
                             retry_after_s=1)
-        choice = self._rank(ctx, open_)[0].worker_id
+        choice = self._rank(ctx, open_, session=reason is not RouteReason.STATELESS)[0].worker_id
         if reason is None:
             if choice == bound:
                 reason = RouteReason.STICKY
@@ -133,15 +133,22 @@ class Scheduler:
                 previous = bound
         return Decision(choice, reason, previous)
 
-    def _rank(self, ctx: DecisionContext, candidates: list[WorkerState]) -> list[WorkerState]:
+    def _rank(self, ctx: DecisionContext, candidates: list[WorkerState], *, session: bool
+              ) -> list[WorkerState]:
         policy = self.policy
-        if policy.soft_filters:
+        filters = policy.soft_filters + policy.session_filters if session \
+            else policy.soft_filters
+        if filters:
             kept = candidates
-            for soft in policy.soft_filters:
+            for soft in filters:
                 kept = soft.apply(ctx, kept)
-            if not kept:
+            if not kept and session:
+                # A session placed on a hot worker stays there for its later turns: the
+                # least-utilised take it, whatever its prefix says.
                 return _LEAST_UTILISED.rank(candidates, ())
-            candidates = kept
+            # A stateless request that no worker passes is scored over all of them: ranking
+            # by utilisation alone would throw away the prefix it shares with others.
+            candidates = kept or candidates
         if not policy.scorers:  # every weight 0: the picker sees equal scores
             return policy.picker.rank(candidates, [0.0] * len(candidates))
         totals = [0.0] * len(candidates)

@@ -29,7 +29,7 @@ _ID_MAX = (1 << 32) - 1
 class TokenCache:
     """Digest -> token ids, least recently used first out once `capacity_tokens` is passed."""
 
-    capacity_tokens: int = 4_000_000
+    capacity_tokens: int = 16_000_000
     hits: int = 0
     misses: int = 0
     _entries: OrderedDict[bytes, array[int]] = field(default_factory=OrderedDict)

@@ -34,7 +34,7 @@ from router.hooks import Outcome
 from router.indexer import KVBlockIndex, RoutingHistory, SessionBlocks, text_prefix_keys
 from router.indexer.events import SHARED
 from router.indexer.keys import token_block_keys
-from router.pickers import LeastUtilisedPicker, MaxScorePicker, RoundRobinPicker
+from router.pickers import LeastUtilisedPicker, MaxScorePicker, RandomPicker, RoundRobinPicker
 from router.policy import Thresholds, build_policy, parse_weights
 from router.scheduler import Scheduler, overloaded
 from router.scorers import (
@@ -295,6 +295,28 @@ def test_max_score_picker_ranks_and_breaks_ties_randomly() -> None:
     assert firsts == {"a", "b"}
 
 
+def test_a_policy_without_scorers_ranks_at_random() -> None:
+    """All weights 0 leaves the max-score picker no scorer: it used to index an empty score
+    list (IndexError); every candidate is now as good, in random order."""
+    pool = pool_of(worker("a"), worker("b"), worker("c"))
+    zero = sched(pool, "llm-d")
+    zero.policy = build_policy("llm-d", weights={"best-prefix": 0, "queue": 0,
+                                                 "kv-utilization": 0}, rng=random.Random(3))
+    assert zero.policy.scorers == ()
+    picks = [zero.decide(RouteRequest("m")).worker for _ in range(60)]
+    assert set(picks) == {"a", "b", "c"}
+    with pytest.raises(ValueError):
+        MaxScorePicker(random.Random(0)).rank([worker("a"), worker("b")], [1.0])
+    # the `random` preset: the same, with its own picker, and repeatable from its seed
+    runs = []
+    for _ in range(2):
+        rand = sched(pool, "random")
+        runs.append([rand.decide(RouteRequest("m")).worker for _ in range(20)])
+    assert runs[0] == runs[1] and set(runs[0]) == {"a", "b", "c"}
+    assert ids(RandomPicker(random.Random(1)).rank([worker("a"), worker("b")], [])) in (
+        ["a", "b"], ["b", "a"])
+
+
 def test_round_robin_and_least_utilised() -> None:
     cands = [worker("b"), worker("a"), worker("c")]
     rr = RoundRobinPicker()
@@ -368,8 +390,14 @@ def test_new_sessions_avoid_kv_over_threshold_and_hot_workers() -> None:
 def test_saturated_is_429_and_no_worker_is_503() -> None:
     pool = pool_of(worker("a", waiting=64), worker("b", waiting=70))
     with pytest.raises(Saturated) as exc:
-        sched(pool).decide(RouteRequest("m"))
+        sched(pool, max_waiting=64).decide(RouteRequest("m"))
     assert exc.value.status == 429 and exc.value.headers()["Retry-After"] == "1"
+    # the default (512) queues there: vLLM's waiting count includes preempted sequences,
+    # hundreds on a saturated worker whose new requests still start in well under a second
+    assert sched(pool).decide(RouteRequest("m")).worker == "a"
+    pool = pool_of(worker("a", waiting=512), worker("b", waiting=600))
+    with pytest.raises(Saturated):
+        sched(pool).decide(RouteRequest("m"))
     with pytest.raises(NoHealthyWorker):
         sched(pool).decide(RouteRequest("other-model"))
     with pytest.raises(NoHealthyWorker):

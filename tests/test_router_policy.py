@@ -12,6 +12,7 @@ import pytest
 
 from kvstore.cli import build_parser
 from kvstore.errors import ConfigError
+from kvstore.keys import SessionId
 from router.commands import config_from_args
 from router.config import RouterConfig
 from router.decision import RouteRequest
@@ -41,7 +42,10 @@ def test_the_shipped_example_spells_out_the_default_policy() -> None:
     assert given.resolve() == policy_preset("kvkeep")
     # every threshold is in it, so it documents them all
     assert set(given.thresholds) == {f.name for f in dataclasses.fields(Thresholds)}
-    assert given.filters == ("kv-threshold", "queue-threshold", "gpu")
+    assert given.filters == ("gpu",)
+    assert given.session_filters == ("kv-threshold", "queue-threshold")
+    assert given.tokenize == {"mode": "worker", "timeout_s": 0.25, "cache_tokens": 16_000_000,
+                              "retry_after_s": 10.0}
     assert _config("--policy-config", str(EXAMPLE)).policy == _config().policy
     # and every limit, at its default; an empty allow-list is the loopback default
     assert set(given.limits) == {f.name for f in dataclasses.fields(Limits)}
@@ -49,8 +53,9 @@ def test_the_shipped_example_spells_out_the_default_policy() -> None:
         max_sessions_per_tenant=Limits().max_sessions)
     assert not _config("--policy-config", str(EXAMPLE)).workers_allow.configured
     built = given.resolve().build(random.Random(0))
-    assert [type(f) for f in built.soft_filters] == [KVThresholdFilter, QueueThresholdFilter,
-                                                    GpuFilter]
+    assert [type(f) for f in built.soft_filters] == [GpuFilter]
+    assert [type(f) for f in built.session_filters] == [KVThresholdFilter,
+                                                       QueueThresholdFilter]
 
 
 def test_a_partial_file_keeps_the_rest_and_its_limits_decide(tmp_path: Path) -> None:
@@ -64,13 +69,17 @@ def test_a_partial_file_keeps_the_rest_and_its_limits_decide(tmp_path: Path) -> 
     assert spec.thresholds == dataclasses.replace(base.thresholds, queue_new_session=4,
                                                   gpu_max_temp_c=70.0, gpu_max_mem_frac=0.5)
     pool = WorkerPool()
-    for wid, temp, mem, running in (("hot", 75.0, 0.1, 0), ("full", 40.0, 0.6, 0),
-                                    ("busy", 40.0, 0.1, 4), ("ok", 40.0, 0.1, 3)):
+    for wid, temp, mem, running, kv in (("hot", 75.0, 0.1, 0, 0.0), ("full", 40.0, 0.6, 0, 0.0),
+                                        ("busy", 40.0, 0.1, 4, 0.0), ("ok", 40.0, 0.1, 3, 0.5)):
         pool.upsert(WorkerInfo(WorkerId(wid), f"http://{wid}", ("m",), gpu_temp_c=temp,
-                               gpu_mem_frac=mem)).load = WorkerLoad(running, 0, 0.1, 0.0)
+                               gpu_mem_frac=mem)).load = WorkerLoad(running, 0, kv, 0.0)
     sched = Scheduler(pool, spec.build(random.Random(0)))
-    picks = {sched.decide(RouteRequest("m", session_id=None)).worker for _ in range(20)}
+    picks = {sched.decide(RouteRequest("m", session_id=SessionId(f"s{i}"))).worker
+             for i in range(20)}
     assert picks == {"ok"}  # the only one under all three of the file's limits
+    # the queue limit is a new-session rule: a stateless request passes only the GPU limits,
+    # and busy's free KV outscores ok's shorter queue
+    assert {sched.decide(RouteRequest("m")).worker for _ in range(20)} == {"busy"}
     default = Scheduler(pool, base.build(random.Random(0)))
     assert "hot" in {default.decide(RouteRequest("m")).worker for _ in range(40)}
 

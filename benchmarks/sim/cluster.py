@@ -119,7 +119,7 @@ class Simulation:
             if use_store else None
         self.router = SimRouter(spec, self.names, model=params.model.name,
                                 block_size=params.engine.block_size, now=self._clock,
-                                seed=seed)
+                                seed=seed, tokenize_s=params.router.tokenize_s)
         events = self.router.uses_kv_events
         self.replicas = [Replica(i, params.engine, params.timing, self, store=self.store,
                                  record_events=events,
@@ -176,7 +176,13 @@ class Simulation:
     def _arrive(self, spec: RequestSpec) -> None:
         record = Record(spec, self.now)
         self.records.append(record)
-        self._send(record, frozenset())
+        prompt = spec.prompt
+        wait = self.router.tokenize_wait(RouterInput(prompt.key, prompt.text, prompt.tokens,
+                                                     len(spec.output), spec.session))
+        if wait > 0.0:  # the router tokenizes the prompt first (a /tokenize round trip)
+            self.at(self.now + wait, self._send, record, frozenset())
+        else:
+            self._send(record, frozenset())
 
     def _send(self, record: Record, tried: frozenset[str]) -> None:
         spec = record.spec

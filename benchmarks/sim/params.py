@@ -62,6 +62,13 @@ class RouterView:
     kv_event_delay_s: float
     network_s: float
     lease_ttl_s: float
+    # the router's round trip to a worker's /tokenize for a prompt it has not cached:
+    # base + per-token seconds
+    tokenize_base_s: float
+    tokenize_per_token_s: float
+
+    def tokenize_s(self, tokens: int) -> float:
+        return self.tokenize_base_s + self.tokenize_per_token_s * tokens
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,6 +36,8 @@ from router.errors import RouterError
 from router.hooks import FAILED, Outcome
 from router.indexer.keys import TEXT_CHUNK_CHARS, text_prefix_keys
 from router.policy import Policy, Thresholds, policy_preset
+from router.policy import PolicySpec as RouterPolicySpec
+from router.tokenize_cache import TokenCache
 from router.workers import WorkerId, WorkerInfo
 
 __all__ = ["PolicySpec", "load_policies", "DEFAULT_POLICIES", "SimRouter", "Routed",
@@ -61,11 +63,17 @@ class PolicySpec:
     approx_max_chunks: int | None = None
     approx_lru_per_server: int | None = None
     group: str = "main"
+    # overrides of the policy's `tokenize` settings (router/tokenize.py), e.g. {mode = "off"}
+    tokenize: Mapping[str, Any] = field(default_factory=dict)
     store_events: bool = True  # the connector announces checkpointed blocks as KV events
     # False: the policy's soft filters removed (the proposed router change: when no worker
     # passes them, the scheduler ranks by least utilisation and ignores every score; the
     # thresholds cannot express "off", since KV usage reaches 1.0 at saturation)
     soft_filters: bool = True
+    # the policy's soft filters replaced (router filter names), for every placement and for
+    # session placements
+    filters: Sequence[str] | None = None
+    session_filters: Sequence[str] | None = None
 
     def __post_init__(self) -> None:
         if self.input not in ("text", "tokens"):
@@ -75,15 +83,16 @@ class PolicySpec:
     def router_thresholds(self) -> Thresholds:
         """The router's `Thresholds` with this policy's overrides (TOML numbers to the field
         types: counts stay integers)."""
-        defaults = Thresholds()
+        defaults = policy_preset(self.router_policy).thresholds
         values: dict[str, Any] = {}
         for name, value in self.thresholds.items():
             current = getattr(defaults, name)
             values[name] = int(value) if isinstance(current, int) else float(value)
-        return Thresholds(**values)
+        return dataclasses.replace(defaults, **values)
 
-    def build(self, seed: int = 0) -> Policy:
-        """The router's preset with this policy's weights, thresholds and filters."""
+    def router_spec(self) -> RouterPolicySpec:
+        """The router's `PolicySpec` of this policy: its preset with this policy's weights,
+        scorer parameters, thresholds, tokenize settings and filters."""
         spec = policy_preset(self.router_policy).with_weights(self.weights)
         if self.scorer_parameters:
             spec = dataclasses.replace(spec, scorers=tuple(
@@ -91,13 +100,31 @@ class PolicySpec:
                     {**dict(s.parameters), **self.scorer_parameters.get(s.name, {})}.items()))
                 for s in spec.scorers))
         spec = dataclasses.replace(spec, thresholds=self.router_thresholds())
+        if self.tokenize:
+            spec = dataclasses.replace(spec, tokenize=dataclasses.replace(spec.tokenize,
+                                                                          **self.tokenize))
+        if self.filters is not None:
+            spec = dataclasses.replace(spec, filters=tuple(self.filters))
+        if self.session_filters is not None:
+            spec = dataclasses.replace(spec, session_filters=tuple(self.session_filters))
         if not self.soft_filters:
-            spec = dataclasses.replace(spec, filters=())
-        return spec.build(random.Random(seed))
+            spec = dataclasses.replace(spec, filters=(), session_filters=())
+        return spec
+
+    def build(self, seed: int = 0) -> Policy:
+        """The router's policy, built (its checks: unknown names, bad thresholds)."""
+        return self.router_spec().build(random.Random(seed))
 
     @property
     def uses_kv_events(self) -> bool:
         return any(s.name in ("precise-prefix", "best-prefix") for s, _ in self.build().scorers)
+
+    @property
+    def router_tokenizes(self) -> bool:
+        """Text prompts the router tokenizes itself (a worker's /tokenize round trip), as the
+        router does when its policy matches token blocks and `tokenize.mode` is not off."""
+        spec = self.router_spec()
+        return self.input == "text" and spec.reads_token_blocks and spec.tokenize.enabled
 
     def with_weights(self, **weights: float) -> PolicySpec:
         return dataclasses.replace(self, weights={**self.weights, **weights})
@@ -143,10 +170,18 @@ class SimRouter:
     """One router replica running `spec` over `workers`, in simulated time `now`."""
 
     def __init__(self, spec: PolicySpec, workers: Sequence[str], *, model: str,
-                 block_size: int, now: Callable[[], float], seed: int = 0) -> None:
+                 block_size: int, now: Callable[[], float], seed: int = 0,
+                 tokenize_s: Callable[[int], float] = lambda tokens: 0.0) -> None:
         self.spec = spec
         self.model = model
         self.core = RouterCore(spec.build(seed), block_size=block_size, clock=now)
+        # The router tokenizing text prompts: its own cache (router/tokenize_cache.py), and a
+        # /tokenize round trip of `tokenize_s(tokens)` for a prompt it has not cached; a
+        # prompt asked for again while its round trip runs waits for the same one.
+        self.tokenizes = spec.router_tokenizes
+        self.tokenize_s = tokenize_s
+        self.token_cache = TokenCache(spec.router_spec().tokenize.cache_tokens)
+        self._tokenized_at: dict[bytes, float] = {}
         if spec.approx_lru_per_server is not None:
             self.core.history.capacity = spec.approx_lru_per_server * len(workers)
         for w in workers:
@@ -158,6 +193,26 @@ class SimRouter:
         """Nothing to release: the core holds no sockets or tasks."""
 
     # --- requests ---------------------------------------------------------------------------
+    def tokenize_wait(self, req: RouterInput) -> float:
+        """Seconds until the router can route `req`: the /tokenize round trip of a text
+        prompt it tokenizes and has not cached (0 for anything else)."""
+        if not self.tokenizes:
+            return 0.0
+        key = repr(req.key).encode()
+        now = self.core.clock()
+        ready = self._tokenized_at.get(key)
+        if ready is not None:
+            if ready > now:
+                return ready - now  # its round trip is under way
+            del self._tokenized_at[key]
+        if self.token_cache.get(key) is not None:
+            return 0.0
+        tokens = route_tokens(req)
+        self.token_cache.put(key, tokens)
+        wait = self.tokenize_s(len(tokens))
+        self._tokenized_at[key] = now + wait
+        return wait
+
     def place(self, req: RouterInput, tried: frozenset[str] = frozenset()) -> Routed:
         """What the HTTP front does per attempt: route, place (decide, bind, hooks)."""
         core = self.core
@@ -222,8 +277,9 @@ class SimRouter:
     # --- private -----------------------------------------------------------------------------
     def _count_soft_fallback(self, route: RouteRequest) -> None:
         """Diagnostics only (decides nothing): would the policy's own soft filters leave no
-        usable worker for this request, so that the scheduler ranks by least utilisation and
-        ignores every score? Counted as `soft_filter_fallback`."""
+        usable worker for this stateless request? Counted as `soft_filter_fallback`. (The
+        scheduler then scores all of them; until the filters were split into every-placement
+        and session-only ones it ranked by least utilisation and ignored every score.)"""
         core = self.core
         policy = core.policy
         if not policy.soft_filters or route.session_id is not None:
@@ -242,6 +298,9 @@ class SimRouter:
         if self.spec.input == "tokens":
             return RequestFeatures(self.model, session, prompt_tokens=route_tokens(req),
                                    max_tokens=req.max_tokens)
+        if self.tokenizes:  # what `PromptTokenizer.features` gives: the text and its ids
+            return RequestFeatures(self.model, session, prompt_tokens=route_tokens(req),
+                                   prompt_text=req.text, max_tokens=req.max_tokens)
         return RequestFeatures(self.model, session, prompt_text=req.text,
                                max_tokens=req.max_tokens)
 

@@ -2,7 +2,13 @@
 
 from router.filters.base import Filter
 from router.filters.health import ExcludeFilter, ModelFilter, UsableFilter
-from router.filters.load import GpuFilter, KVThresholdFilter, QueueThresholdFilter, SaturationFilter
+from router.filters.load import (
+    BoundedLoadFilter,
+    GpuFilter,
+    KVThresholdFilter,
+    QueueThresholdFilter,
+    SaturationFilter,
+)
 
 __all__ = ["Filter", "UsableFilter", "ModelFilter", "ExcludeFilter", "SaturationFilter",
-           "KVThresholdFilter", "GpuFilter", "QueueThresholdFilter"]
+           "KVThresholdFilter", "GpuFilter", "QueueThresholdFilter", "BoundedLoadFilter"]

@@ -4,13 +4,15 @@ sessions off hot workers (when nobody passes, the least-utilised workers take th
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from router.context import DecisionContext
 from router.workers import WorkerState
 
-__all__ = ["SaturationFilter", "KVThresholdFilter", "GpuFilter", "QueueThresholdFilter"]
+__all__ = ["SaturationFilter", "KVThresholdFilter", "GpuFilter", "QueueThresholdFilter",
+           "BoundedLoadFilter"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,3 +75,31 @@ class QueueThresholdFilter:
               ) -> list[WorkerState]:
         limit = self.max_queue
         return [w for w in candidates if w.queue < limit]
+
+
+@dataclass(frozen=True, slots=True)
+class BoundedLoadFilter:
+    """Consistent hashing with bounded loads (Mirrokni, Thorup and Zadimoghaddam, SODA 2018;
+    HAProxy's `hash-balance-factor`): a worker takes the request only if, with it, its
+    outstanding requests stay within `factor` times the mean, ceil(factor x (total + 1) / n).
+
+    Prefix locality is what makes a worker attractive, and with nothing to bound it a worker
+    holding popular prefixes keeps taking them however long its queue grows (a prefix score
+    outweighs any load score once the gap between holders and the rest exceeds the load
+    weights). The bound lets locality decide among workers near the mean and spills the rest
+    to the next-best worker, where kvkeep's store turns the prefix into a restore. When loads
+    are even, as on saturated workers, nobody is over it and locality decides alone. The
+    least-loaded worker always passes (it is at or below the mean), so the filter never
+    leaves nobody.
+    """
+
+    factor: float = 1.25
+    name: str = "bounded-load"
+
+    def apply(self, ctx: DecisionContext, candidates: Sequence[WorkerState]
+              ) -> list[WorkerState]:
+        if len(candidates) < 2:
+            return list(candidates)
+        queues = [w.queue for w in candidates]
+        cap = math.ceil(self.factor * (sum(queues) + 1) / len(candidates))
+        return [w for w, q in zip(candidates, queues, strict=True) if q + 1 <= cap]
