@@ -7,6 +7,7 @@ import asyncio
 import json
 import random
 import time
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -22,6 +23,7 @@ from router.core import RouterCore
 from router.decision import RequestFeatures, RouteReason, RouteRequest
 from router.errors import BadRequest, InvalidSessionId, NoHealthyWorker, Saturated
 from router.filters import (
+    BoundedLoadFilter,
     ExcludeFilter,
     GpuFilter,
     KVThresholdFilter,
@@ -35,7 +37,7 @@ from router.indexer import KVBlockIndex, RoutingHistory, SessionBlocks, text_pre
 from router.indexer.events import SHARED
 from router.indexer.keys import token_block_keys
 from router.pickers import LeastUtilisedPicker, MaxScorePicker, RandomPicker, RoundRobinPicker
-from router.policy import Thresholds, build_policy, parse_weights
+from router.policy import Thresholds, build_policy, parse_weights, policy_preset
 from router.scheduler import Scheduler, overloaded
 from router.scorers import (
     ApproxPrefixScorer,
@@ -44,6 +46,7 @@ from router.scorers import (
     KVUtilizationScorer,
     LoadAwareScorer,
     PrecisePrefixScorer,
+    QueueRatioScorer,
     QueueScorer,
     SessionAffinityScorer,
     spread,
@@ -112,6 +115,18 @@ def test_saturation_queue_and_gpu_filters() -> None:
     assert ids(GpuFilter().apply(ctx(), [hot, full, fine, unknown])) == ["ok", "u"]
 
 
+def test_bounded_load_filter_keeps_workers_within_the_factor_of_the_mean() -> None:
+    cands = [worker("a"), worker("b", running=5), worker("c", running=3), worker("d", running=1)]
+    # 9 outstanding + this one over 4 workers, x 1.25: at most 4 with it
+    assert ids(BoundedLoadFilter(1.25).apply(ctx(), cands)) == ["a", "c", "d"]
+    assert ids(BoundedLoadFilter(2.5).apply(ctx(), cands)) == ["a", "b", "c", "d"]
+    even = [worker("a", running=4), worker("b", running=4), worker("c", running=4)]
+    assert ids(BoundedLoadFilter(1.0).apply(ctx(), even)) == ["a", "b", "c"]
+    assert ids(BoundedLoadFilter(1.0).apply(ctx(), [worker("a", running=99)])) == ["a"]
+    with pytest.raises(ConfigError):
+        Thresholds(load_factor=0.9)
+
+
 # --- scorers -------------------------------------------------------------------------------
 def test_spread_is_llmd_min_max() -> None:
     assert spread([0, 5, 10]) == [1.0, 0.5, 0.0]
@@ -131,6 +146,13 @@ def test_load_scorers_in_unit_range() -> None:
                                                      0.5]
     b.load = WorkerLoad(0, 500, 0.0, 0.0)
     assert LoadAwareScorer().score(ctx(), [b]) == [0.0]
+    # queue-ratio keeps the scale min-max throws away: 1 - queue / longest queue
+    q = [worker("a", running=1), worker("b", running=4, waiting=6), worker("c", running=2)]
+    assert QueueRatioScorer().score(ctx(), q) == [pytest.approx(0.9), 0.0, pytest.approx(0.8)]
+    busy = [worker("a", running=240), worker("b", running=256)]
+    assert QueueRatioScorer().score(ctx(), busy) == [pytest.approx(1 / 16), 0.0]
+    assert QueueScorer().score(ctx(), busy) == [1.0, 0.0]  # min-max: a full 1.0 apart
+    assert QueueRatioScorer().score(ctx(), [worker("a"), worker("b")]) == [1.0, 1.0]
 
 
 def test_optimistic_accounting_moves_the_queue_score() -> None:
@@ -250,6 +272,11 @@ def test_kv_index_counts_a_shared_store_for_every_worker() -> None:
     assert index.match(keys)["c"] == pytest.approx(0.5 + 1.0 + 4 * 0.5)
     index.apply(W("c"), {"type": "AllBlocksCleared"})
     assert index.match(keys)["c"] == pytest.approx(6 * 0.5)
+    # storage_weight: what a restorable block is worth against a device hit, per scorer
+    assert PrecisePrefixScorer(storage_weight=0.25).score(
+        ctx(RouteRequest("m", block_keys=keys), blocks=index), cands) == \
+        [pytest.approx(3 / 8), pytest.approx(2.5 / 8), pytest.approx(1.5 / 8)]
+    assert index.match(keys, storage_weight=0.25)[SHARED] == pytest.approx(6 * 0.25)
     index.apply(W("a"), {"type": "AllBlocksCleared"})
     assert "a" not in index.match(keys)  # a had only device blocks: it scores as anyone
     # An unknown medium is never a free hit.
@@ -385,6 +412,29 @@ def test_new_sessions_avoid_kv_over_threshold_and_hot_workers() -> None:
     pool.update_load(W("a"), WorkerLoad(1, 0, 0.2, 0.0))
     pool.update_load(W("b"), WorkerLoad(1, 0, 0.2, 0.0))
     assert s.decide(RouteRequest("m", None, prefix_keys=keys)).worker == "a"
+
+
+def test_stateless_requests_keep_the_prefix_when_soft_filters_leave_nobody() -> None:
+    """The KV and queue thresholds are session rules in the default policy; a stateless
+    request is scored over every worker, and one that a policy's soft filters leave no worker
+    for is scored over all of them, not handed to the least utilised."""
+    keys = text_prefix_keys("p" * 640)
+    pool = pool_of(worker("a", running=2, kv=0.90), worker("b", running=3, kv=0.50))
+    s = sched(pool)
+    assert s.history is not None
+    s.history.record(keys, W("a"))
+    assert s.decide(RouteRequest("m", None, prefix_keys=keys)).worker == "a"
+    assert s.decide(RouteRequest("m", S, prefix_keys=keys)).worker == "b"  # a session: KV rule
+    # every worker over the thresholds, a stateless policy's filters included
+    pool.update_load(W("a"), WorkerLoad(40, 0, 0.99, 0.0))
+    pool.update_load(W("b"), WorkerLoad(36, 0, 0.95, 0.0))
+    strict = Scheduler(pool, replace(policy_preset("kvkeep"),
+                                     filters=("kv-threshold", "queue-threshold", "gpu"),
+                                     session_filters=()).build(random.Random(0)),
+                       history=s.history, blocks=KVBlockIndex())
+    for scheduler in (s, strict):
+        assert scheduler.decide(RouteRequest("m", None, prefix_keys=keys)).worker == "a"
+        assert scheduler.decide(RouteRequest("m", S, prefix_keys=keys)).worker == "b"
 
 
 def test_saturated_is_429_and_no_worker_is_503() -> None:
