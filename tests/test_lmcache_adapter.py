@@ -14,6 +14,7 @@ import contextlib
 import json
 import select
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +116,14 @@ def load(adapter: KVKeepL2Adapter, keys: list[ObjectKey], objs: list[Any]) -> li
     bitmap = adapter.query_load_result(task)
     assert bitmap is not None
     return [bitmap.test(i) for i in range(len(keys))]
+
+
+# Its own fixture, not conftest's: LMCache's venv runs this module with --noconftest
+# (benchmarks/lmcache_tests.sh), as tests/conftest.py imports what that venv does not have.
+@pytest.fixture(scope="module")
+def daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[DaemonProcess]]:
+    with running_daemons(tmp_path_factory.mktemp("lmcache-adapter"), 2) as ds:
+        yield ds
 
 
 def test_lmcache_builds_the_plugin_with_its_config_class(daemons: list[DaemonProcess]) -> None:
