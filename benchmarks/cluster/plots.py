@@ -53,7 +53,7 @@ def _bars(policies: dict[str, dict[str, Any]], path: Path) -> Path:
             if col == 0:
                 ax.set_ylabel(label)
     fig.suptitle("kvkeep real small cluster: the tools' own figures per policy "
-                 "(loaded shared machine: indicative)", fontsize=9)
+                 "(a 2-core CPU machine: indicative)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
