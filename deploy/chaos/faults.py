@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from deploy.chaos import storage
@@ -234,12 +235,8 @@ def _kill_worker(f: KillWorker, record: FaultRecord, ctx: FaultContext) -> None:
                      f"{live} tokens to go); routers dropped it after "
                      + (f"{record.detect_s:.2f}s" if record.detect_s is not None else "NEVER"))
     record.numbers["live_stream_tokens_left"] = live
-    if f.restart_after is not None:
-        time.sleep(f.restart_after)
-        back = time.monotonic()
-        ctx.cluster.restart_worker(target)
-        record.recovered_s = time.monotonic() - back
-        record.detail += f"; restarted, serving again after {record.recovered_s:.0f}s"
+    _restart_later(f.restart_after, record, partial(ctx.cluster.restart_worker, target),
+                   "restarted, serving again after {:.0f}s")
 
 
 def _wait_busy(ctx: FaultContext, chunks: int, timeout_s: float
@@ -274,12 +271,8 @@ def _kill_daemon(f: KillDaemon, record: FaultRecord, ctx: FaultContext) -> None:
     _strike(record, ctx, target)
     ctx.cluster.kill_daemon(target)
     record.detail = f"SIGKILL {note}"
-    if f.restart_after is not None:
-        time.sleep(f.restart_after)
-        back = time.monotonic()
-        ctx.cluster.restart_daemon(target)
-        record.recovered_s = time.monotonic() - back
-        record.detail += f"; restarted on its disk, serving after {record.recovered_s:.1f}s"
+    _restart_later(f.restart_after, record, partial(ctx.cluster.restart_daemon, target),
+                   "restarted on its disk, serving after {:.1f}s")
 
 
 def _wait_puts(address: str, token: str | None, timeout_s: float) -> int:
@@ -300,12 +293,21 @@ def _kill_router(f: KillRouter, record: FaultRecord, ctx: FaultContext) -> None:
     _strike(record, ctx, target)
     ctx.cluster.kill_router(target)
     record.detail = f"SIGKILL ({ctx.streams.count()} streams live)"
-    if f.restart_after is not None:
-        time.sleep(f.restart_after)
-        back = time.monotonic()
-        ctx.cluster.restart_router(target)
-        record.recovered_s = time.monotonic() - back
-        record.detail += f"; restarted, serving after {record.recovered_s:.1f}s"
+    _restart_later(f.restart_after, record, partial(ctx.cluster.restart_router, target),
+                   "restarted, serving after {:.1f}s")
+
+
+def _restart_later(after_s: float | None, record: FaultRecord, restart: Callable[[], None],
+                   said: str) -> None:
+    """A killed part's restart `after_s` later (never when None), timed into `record`;
+    `said` formats the seconds it took into the record's detail."""
+    if after_s is None:
+        return
+    time.sleep(after_s)
+    back = time.monotonic()
+    restart()
+    record.recovered_s = time.monotonic() - back
+    record.detail += "; " + said.format(record.recovered_s)
 
 
 def _pause_etcd(f: PauseEtcd, record: FaultRecord, ctx: FaultContext) -> None:

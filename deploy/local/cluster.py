@@ -23,7 +23,6 @@ data, daemon disks, the model unless one was given) is removed at the end unless
 from __future__ import annotations
 
 import os
-import secrets
 import shutil
 import signal
 import sys
@@ -38,11 +37,12 @@ from typing import TYPE_CHECKING, Any
 
 from deploy.local.disks import mount_tmpfs, unmount
 from deploy.local.engines import EngineSettings, vllm_argv, vllm_env
+from deploy.local.members import Daemon, Router, Worker
 from deploy.local.netns import Fabric
 from deploy.local.probes import daemon_serving, http_json, http_ok, port_open, wait_until
 from deploy.local.processes import ManagedProcess, free_port
 from deploy.local.tls import LocalPki
-from deploy.pki import registration_keypair, write_private
+from deploy.local.tokens import LocalTokens
 from kvstore.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -102,55 +102,6 @@ class ClusterSpec:
 
 
 @dataclass
-class Daemon:
-    node_id: str
-    port: int
-    process: ManagedProcess
-    data_dir: Path = Path()
-    host: str = "127.0.0.1"
-    metrics_port: int = 0
-    """Where its Prometheus `/metrics` is served (`--metrics-listen`)."""
-
-    @property
-    def address(self) -> str:
-        return f"{self.host}:{self.port}"
-
-
-@dataclass
-class Worker:
-    """A vLLM server and the agent that registers it: what a node of the cluster is."""
-
-    worker_id: str
-    port: int
-    events_port: int
-    server: ManagedProcess
-    agent: ManagedProcess
-    host: str = "127.0.0.1"
-    """127.0.0.1, or its namespace's address when isolated."""
-    metrics_port: int = 0
-    """The agent's relay of vLLM's /metrics (`kvkeep worker --metrics-listen`)."""
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    @property
-    def alive(self) -> bool:
-        return self.server.alive
-
-
-@dataclass
-class Router:
-    replica_id: str
-    port: int
-    process: ManagedProcess
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-
-@dataclass
 class LocalCluster:
     spec: ClusterSpec = field(default_factory=ClusterSpec)
     base_dir: Path = field(init=False, default=Path())
@@ -161,8 +112,8 @@ class LocalCluster:
     routers: list[Router] = field(init=False, default_factory=list)
     engine: EngineSettings | None = field(init=False, default=None)
     fabric: Fabric | None = field(init=False, default=None)
-    peer_token: str | None = field(init=False, default=None)
-    """An all-tenant token of the daemons (None: they check none)."""
+    tokens: LocalTokens | None = field(init=False, default=None)
+    """The isolated workers' bearer tokens and registration key (None: daemons check none)."""
     pki: LocalPki | None = field(init=False, default=None)
     """The TLS option's certificates and keys (None without `spec.tls`)."""
     _owns_dir: bool = field(init=False, default=False)
@@ -190,7 +141,8 @@ class LocalCluster:
             say(f"TLS on: a throwaway CA and certificates in {self.base_dir / 'pki'}")
         if self.spec.isolated_workers:
             self.fabric = Fabric.create()
-            self._make_tokens()
+            self.tokens = LocalTokens.create(
+                self.base_dir, (self.spec.engine or EngineSettings(Path())).tenant)
             say(f"network namespaces on {self.fabric.subnet} for "
                 f"{', '.join(self.spec.isolated_workers)}; daemons check bearer tokens")
         self.engine = self._engine_settings(say)
@@ -256,6 +208,11 @@ class LocalCluster:
     def daemon_tls(self) -> ClientTLS | None:
         """What a client needs to talk to the daemons directly (None without TLS)."""
         return None if self.pki is None else self.pki.daemon_client_tls()
+
+    @property
+    def peer_token(self) -> str | None:
+        """An all-tenant token of the daemons (None: they check none)."""
+        return None if self.tokens is None else self.tokens.peer_token
 
     def _etcd_flags(self) -> list[str]:
         """`--etcd URL` and, with TLS, the client certificate flags."""
@@ -394,7 +351,7 @@ class LocalCluster:
 
             model_dir = build_tiny_llama(self.base_dir / "tiny-llama").path
             say(f"built a tiny random-weight Llama in {model_dir}")
-        token = self.base_dir / "tenant-token" if self.peer_token else None
+        token = None if self.tokens is None else self.tokens.tenant_token_file
         if self.spec.engine is None:
             return EngineSettings(model_dir=model_dir, store_token_file=token)
         return replace(self.spec.engine, model_dir=model_dir, store_token_file=token)
@@ -443,46 +400,26 @@ class LocalCluster:
             mount_tmpfs(data, parse_size(self.spec.daemon_disk_tmpfs))
         # With isolated workers the daemons listen where those reach them, behind tokens.
         host = self.fabric.daemons_address if self.fabric is not None else "127.0.0.1"
-        auth = ["--token-file", str(self.base_dir / "daemon-tokens")] if self.peer_token else []
         process = self._kvkeep(f"store-{node_id}", [
             "store", "serve", "--listen", f"{host}:{port}", "--data-dir", str(data),
             "--mem-budget", self.spec.daemon_mem_budget,
             "--disk-budget", self.spec.daemon_disk_budget, "--node-id", node_id,
             *self._etcd_flags(), "--lease-ttl", "3", "--workers", "2",
             "--replicas", str(self.engine.remote_replicas),
-            "--metrics-listen", f"{host}:{metrics_port}", *auth,
-            *self._daemon_trust_flags()], _MALLOC_ENV)
+            "--metrics-listen", f"{host}:{metrics_port}", *self._daemon_trust_flags()],
+            _MALLOC_ENV)
         self.daemons.append(Daemon(node_id, port, process.start(), data, host, metrics_port))
-
-    def _make_tokens(self) -> None:
-        """A tenant token for the workers' connectors and an all-tenant one for the daemons'
-        re-replication and this cluster's own probes."""
-        assert self.engine is None  # the engine settings get the tenant's token file
-        tenant, self.peer_token = secrets.token_hex(16), secrets.token_hex(16)
-        (self.base_dir / "tenant-token").write_text(tenant + "\n")
-        (self.base_dir / "daemon-tokens").write_text(
-            f"{tenant} {(self.spec.engine or EngineSettings(Path())).tenant}\n"
-            f"{self.peer_token} *\n")
-        # Clients believe a non-loopback daemon only once it proves it is one: the daemons sign
-        # their registrations and the connectors get the public key (kvstore/tiers/daemon_trust).
-        private, public = registration_keypair()
-        write_private(self.base_dir / "registration.key", private)
-        (self.base_dir / "registration.pub").write_bytes(public)
 
     def _daemon_trust_flags(self) -> list[str]:
         if self.pki is not None:
             return self.pki.daemon_flags()
-        if self.peer_token is not None:
-            return ["--registration-key", str(self.base_dir / "registration.key")]
-        return []
+        return [] if self.tokens is None else self.tokens.daemon_flags()
 
     def _connector_remote(self) -> dict[str, Any] | None:
         """More `store.remote` keys: TLS and identity settings, or the registrations' key."""
         if self.pki is not None:
             return self.pki.connector_remote()
-        if self.peer_token is not None:
-            return {"registration_public_key": str(self.base_dir / "registration.pub")}
-        return None
+        return None if self.tokens is None else self.tokens.connector_remote()
 
     def _add_worker(self, worker_id: str) -> None:
         assert self.engine is not None
@@ -502,7 +439,8 @@ class LocalCluster:
                                 REPO_ROOT)
         agent = self._kvkeep(f"agent-{worker_id}", [
             "worker", "--etcd", etcd_url,
-            *([] if self.pki is None else self.pki.etcd_client_flags()), "--url", f"http://{host}:{port}",
+            *([] if self.pki is None else self.pki.etcd_client_flags()),
+            "--url", f"http://{host}:{port}",
             "--id", worker_id, "--kv-events", f"tcp://{host}:{events}",
             "--ttl", str(self.spec.lease_ttl_s), "--metrics-listen", f"{host}:{metrics}"],
             wrap=wrap)
