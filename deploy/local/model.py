@@ -6,10 +6,18 @@ directory (config, safetensors weights, tokenizer, chat template). The weights c
 fixed seed, so every worker that builds or loads it computes the same greedy tokens and the
 same KV: what failover without recompute, and the demo's text comparison, rely on.
 
-The tokenizer is a BPE over a Metaspace pre-tokenizer trained on the licence texts Debian ships
-(a built-in paragraph elsewhere; `deploy/local/corpus.py`). Its vocabulary holds no raw bytes,
-so every token decodes to valid text and decoding is plain concatenation: a stream resumed after
-any token reads the same.
+The tokenizer is a byte-level BPE (GPT-2's byte-to-character map) trained on the licence texts
+Debian ships (a built-in paragraph elsewhere; `deploy/local/corpus.py`), over an alphabet of
+every printable ASCII character plus tab, newline and carriage return. Two properties follow:
+- every token is ASCII text, so decoding is plain concatenation (no token holds part of a UTF-8
+  character): a stream resumed after any token reads the same;
+- structured outputs work: xgrammar (vLLM's guided decoding) reads a byte-level vocabulary
+  byte for byte, and every character JSON or a regex can ask for has a token. The tokenizer
+  before (format 1: a Metaspace BPE whose alphabet was only the corpus's characters) had no
+  `{` or `}` at all, so xgrammar allowed no token for the first character of a json_schema
+  request and vLLM failed it ("grammar rejected tokens [0]"); and xgrammar reads a Metaspace
+  vocabulary as raw strings, so no token was a space to it and a regex with a space could
+  never be met.
 
 The test suite builds its engines' model with this same function (tests/models.py).
 
@@ -55,6 +63,18 @@ TRAINED_SHAPES: dict[str, dict[str, int]] = {
 _CACHE_ENV = "KVKEEP_MODEL_CACHE"
 _SPECIAL = ["<unk>", "<s>", "</s>", "<pad>"]
 _ROLE_TOKENS = ["<|system|>", "<|user|>", "<|assistant|>"]
+# Tab, newline, carriage return and the printable ASCII range: the tokenizer's base alphabet.
+_ASCII_BYTES = frozenset([9, 10, 13, *range(32, 127)])
+
+
+def _byte_of(char: str) -> int:
+    """The byte GPT-2's byte-level map shows as `char` (the inverse of its bytes_to_unicode)."""
+    code = ord(char)
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    if code in printable:
+        return code
+    others = [b for b in range(256) if b not in printable]
+    return others[code - 256]
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,13 +104,21 @@ def _build_tokenizer(out: Path, vocab_size: int) -> int:
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")
-    tok.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always")
+    # No prefix space: the text a client sends is the text encoded, and xgrammar (which reads
+    # the decoder to pick its vocabulary type) sees a plain byte-level vocabulary.
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    # The alphabet is fixed, not left to the corpus: the licences hold no `{`, `}`, `~`, ...,
+    # which JSON and regex outputs need. Non-ASCII bytes stay out (a prompt's non-ASCII text
+    # encodes to <unk>), so no token is part of a multi-byte character.
+    byte_chars = pre_tokenizers.ByteLevel.alphabet()
+    ascii_alphabet = [c for c in byte_chars if _byte_of(c) in _ASCII_BYTES]
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         special_tokens=_SPECIAL + _ROLE_TOKENS,
         min_frequency=2,
         show_progress=False,
+        initial_alphabet=sorted(ascii_alphabet),  # the corpus (ASCII) adds only form feeds
     )
     tok.train_from_iterator(tokenizer_texts(), trainer=trainer)
     fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
@@ -145,7 +173,7 @@ def build_tiny_llama(
     args: dict[str, object] = {
         "layers": layers, "hidden": hidden, "heads": heads, "kv_heads": kv_heads,
         "intermediate": intermediate, "vocab_size": vocab_size, "max_positions": max_positions,
-        "init_std": init_std, "seed": seed, "format": 1,
+        "init_std": init_std, "seed": seed, "format": 2,  # 2: the byte-level tokenizer
     }
     if head_dim is not None and head_dim != hidden // heads:
         args["head_dim"] = head_dim  # only when it differs: older stamps stay valid
