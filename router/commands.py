@@ -26,6 +26,7 @@ from typing import Any
 from kvstore.errors import ConfigError
 from kvstore.etcd import EtcdSpec
 from kvstore.etcd.flags import add_etcd_arguments, etcd_spec_from_args
+from kvstore.mac import MacKey
 from router.allowlist import WorkerAllowList
 from router.config import RouterConfig, parse_static_worker
 from router.continuation import config as continuation_config
@@ -82,6 +83,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     serve.add_argument("--api-key", action="append", default=[],
                        help="an accepted bearer key of the tenant `default` (repeatable; also "
                             "KVKEEP_API_KEYS, comma-separated)")
+    serve.add_argument("--cache-salt-key-file", default=None, metavar="FILE",
+                       help="secret the tenants' cache salts are keyed by (hex or raw bytes, "
+                            "at least 32; the same file on every replica); default: each "
+                            "tenant's own API key digests, so a tenant's salt (and its cache) "
+                            "changes with its keys")
     serve.add_argument("--allow-workers", action="append", default=[], metavar="ENTRIES",
                        help="worker addresses registrations may name: addresses, CIDRs, host "
                             "names or *.suffixes, each with an optional :PORT[-PORT] "
@@ -94,6 +100,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     serve.add_argument("--max-body-bytes", type=int, default=8 << 20)
     serve.add_argument("--session-ttl", type=float, default=3600.0, metavar="SECONDS")
     serve.add_argument("--stream-idle-timeout", type=float, default=30.0, metavar="SECONDS")
+    serve.add_argument("--first-byte-timeout", type=float, default=300.0, metavar="SECONDS",
+                       help="how long a stream waits for its worker's first bytes (queueing, "
+                            "long prefills) before it starts again elsewhere")
     serve.add_argument("--block-size", type=int, default=32, help="workers' KV block size")
     serve.add_argument("--static-ttl", type=float, default=3.0, metavar="SECONDS")
     serve.add_argument("--replica-id", default=socket.gethostname())
@@ -157,6 +166,11 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     keys = ApiKeys.load(args.api_keys) if args.api_keys else None
     if loose:
         keys = ApiKeys.of_keys(loose) if keys is None else keys.merged(ApiKeys.of_keys(loose))
+    if args.cache_salt_key_file:
+        if keys is None:
+            raise ConfigError("--cache-salt-key-file needs API keys (without them there is "
+                              "one tenant and no salt is set)")
+        keys = keys.with_salt_key(MacKey.from_file(args.cache_salt_key_file).secret)
     flags = {"kv_new_session": args.kv_threshold, "max_waiting": args.max_waiting,
              "migrate_waiting": args.migrate_waiting, "migrate_imbalance": args.migrate_imbalance,
              "migrate_ratio": args.migrate_ratio, "migrate_cooldown_s": args.migrate_cooldown}
@@ -173,28 +187,31 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         etcd_prefix=args.etcd_prefix,
         policy=policy, api_keys=keys, max_body_bytes=args.max_body_bytes,
         session_ttl_s=args.session_ttl, stream_idle_timeout_s=args.stream_idle_timeout,
+        first_byte_timeout_s=args.first_byte_timeout,
         block_size=args.block_size,
         static_workers=tuple(parse_static_worker(w, i) for i, w in enumerate(args.worker)),
         static_ttl_s=args.static_ttl, replica_id=args.replica_id,
         workers_allow=WorkerAllowList.parse(allow), limits=limits,
         continuation=continuation_config.from_args(args),
-        extproc_listen=_extproc_listen(args.extproc_listen),
+        extproc_listen=_extproc_listen(args.extproc_listen, keys),
         extproc_fallbacks=args.extproc_fallbacks,
     )
 
 
-def _extproc_listen(value: str | None) -> str | None:
+def _extproc_listen(value: str | None, keys: ApiKeys | None) -> str | None:
     if value is None:
         return None
     host, sep, port = value.rpartition(":")
     if not sep or not port.isdigit():
         raise ConfigError(f"--extproc-listen must be HOST:PORT, not {value!r}")
     try:
-        import router.extproc.server  # noqa: F401  (the optional protos are there)
+        from router.extproc.server import check_listen  # the optional protos are there
     except ImportError as exc:
         raise ConfigError(f"--extproc-listen needs the gateway extra "
                           f"(pip install 'kvkeep[gateway]'): {exc}") from exc
-    return f"{host or '0.0.0.0'}:{port}"
+    address = f"{host or '0.0.0.0'}:{port}"
+    check_listen(address, keys)
+    return address
 
 
 async def serve_router(config: RouterConfig) -> None:

@@ -188,7 +188,7 @@ class Proxy:
             raise PayloadTooLarge(f"request body exceeds {limit} bytes")
         raw = await request.read()
         creq = admit(parse_request(endpoint, raw, request.headers.get(SESSION_HEADER)),
-                     request[_TENANT], salted=bool(self.service.config.api_keys))
+                     request[_TENANT], keys=self.service.config.api_keys)
         if creq.model not in self.service.core.models():
             raise ModelNotFound(f"The model `{creq.model}` does not exist.", param="model")
         if asks_continuation(creq, request.headers.get(CONTINUE_HEADER)):

@@ -12,22 +12,34 @@ same time whichever characters of a guess were right. Keys given without a tenan
 `KVKEEP_API_KEYS`) belong to the tenant `default`.
 
 A tenant owns the sessions its requests create, and its requests carry its own vLLM
-`cache_salt` (`cache_salt_for`): vLLM mixes the salt into every block hash of the prompt, so
-tenants never share prefix-cache entries, and the kvkeep connector puts the salt in the store
-namespace, so they never share stored blocks either. Without keys there is one tenant,
+`cache_salt` (`ApiKeys.cache_salt`): vLLM mixes the salt into every block hash of the prompt,
+so tenants never share prefix-cache entries, and the kvkeep connector puts the salt in the
+store namespace, so they never share stored blocks either. Without keys there is one tenant,
 `default`, and no salt is set.
+
+A salt is an HMAC of the tenant name under a secret no tenant holds, so no tenant can compute
+another's and set it on a path that passes salts through (trust-review H5: a public function of
+the name let tenant A send B's salt and read B's cache hits). The secret is the salt key file
+(`--cache-salt-key-file`, kvstore/mac.py's format) when one is given: the same file on every
+replica gives the same salts. Without one, a tenant's salt is keyed by the digests of its own
+API keys: the same on every replica that loads the same key file, and across restarts (a
+per-process random secret would give every restart and every replica other salts, so stored
+blocks, namespaced by the salt, would never be found again), but a tenant whose keys change
+gets a new salt and so a cold cache. Only a holder of one of the tenant's keys (the tenant
+itself) could compute that salt.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from kvstore.errors import ConfigError, InvalidKey
 from kvstore.keys import validate_name
 
-__all__ = ["DEFAULT_TENANT", "OPERATOR", "ApiKeys", "cache_salt_for"]
+__all__ = ["DEFAULT_TENANT", "OPERATOR", "ApiKeys", "bearer_tenant"]
 
 DEFAULT_TENANT = "default"
 """The tenant of every request when the router has no keys, and of keys given without one."""
@@ -39,21 +51,20 @@ def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
 
 
-def cache_salt_for(tenant: str) -> str:
-    """The vLLM `cache_salt` the router sets on a tenant's requests: the same on every
-    replica, distinct per tenant, and a valid kvkeep name (the connector's namespace)."""
-    return "kvkeep-" + hashlib.blake2b(tenant.encode(), digest_size=16,
-                                       person=b"kvkeep-tenant").hexdigest()
+_SALT_PERSON = b"kvkeep-salt/v2\x00"
 
 
 class ApiKeys:
-    """Key digest -> tenant."""
+    """Key digest -> tenant, and each tenant's cache salt."""
 
-    __slots__ = ("_by_digest", "source")
+    __slots__ = ("_by_digest", "_salt_key", "_salts", "source")
 
-    def __init__(self, entries: Mapping[str, str], source: str = "api keys") -> None:
+    def __init__(self, entries: Mapping[str, str], source: str = "api keys", *,
+                 salt_key: bytes | None = None) -> None:
         self.source = source
         self._by_digest: dict[bytes, str] = {}
+        self._salt_key = salt_key
+        self._salts: dict[str, str] = {}
         for i, (key, tenant) in enumerate(entries.items()):
             if len(key) < _MIN_KEY_CHARS or any(c.isspace() for c in key):
                 raise ConfigError(f"{source}: key #{i + 1} is shorter than {_MIN_KEY_CHARS} "
@@ -93,9 +104,33 @@ class ApiKeys:
         return cls(dict.fromkeys(keys, tenant), "--api-key")
 
     def merged(self, other: ApiKeys) -> ApiKeys:
-        merged = ApiKeys({}, f"{self.source} + {other.source}")
+        merged = ApiKeys({}, f"{self.source} + {other.source}",
+                         salt_key=self._salt_key or other._salt_key)
         merged._by_digest = {**self._by_digest, **other._by_digest}
         return merged
+
+    def with_salt_key(self, secret: bytes) -> ApiKeys:
+        """These keys, their salts keyed by `secret` (the salt key file's)."""
+        keyed = ApiKeys({}, self.source, salt_key=secret)
+        keyed._by_digest = dict(self._by_digest)
+        return keyed
+
+    def cache_salt(self, tenant: str) -> str:
+        """The vLLM `cache_salt` the router sets on `tenant`'s requests: distinct per tenant,
+        not computable without the secret (see the module docstring), the same on every
+        replica with the same key files, and a valid kvkeep name (the connector's
+        namespace)."""
+        salt = self._salts.get(tenant)
+        if salt is None:
+            secret = self._salt_key
+            if secret is None:
+                # The tenant's own key digests: what only the tenant (and this file) knows.
+                own = sorted(d for d, t in self._by_digest.items() if t == tenant)
+                secret = hashlib.sha256(_SALT_PERSON + b"".join(own)).digest()
+            salt = "kvkeep-" + hmac.new(secret, _SALT_PERSON + tenant.encode(),
+                                        hashlib.sha256).hexdigest()[:32]
+            self._salts[tenant] = salt
+        return salt
 
     def __len__(self) -> int:
         return len(self._by_digest)

@@ -37,7 +37,7 @@ from router.kv_params import client_kv_params
 from router.limits import Limits
 from router.policy import Thresholds, build_policy, policy_preset
 from router.state import EtcdBackend
-from router.tenants import ApiKeys, cache_salt_for
+from router.tenants import ApiKeys
 from router.workers import WorkerId, WorkerInfo
 from tests.router_harness import FakeWorker, LoopThread, RouterHandle, loop_thread, wait_until
 from tests.services import EtcdServer, free_port
@@ -45,6 +45,12 @@ from tests.services import EtcdServer, free_port
 MODEL = "fake"
 KEYS = {"alice": "alice-key-0123456789", "bob": "bob-key-0123456789ab",
         "ops": "operator-key-0123456789"}
+# The router's tenants as ApiKeys: the salts a router loading the key file computes.
+TENANT_KEYS = ApiKeys({KEYS["alice"]: "alice", KEYS["bob"]: "bob", KEYS["ops"]: "*"})
+
+
+def cache_salt_for(tenant: str) -> str:
+    return TENANT_KEYS.cache_salt("*" if tenant == "ops" else tenant)
 
 
 def _auth(who: str) -> dict[str, str]:
@@ -260,7 +266,7 @@ def test_api_key_file() -> None:
         ApiKeys({"short": "alice"})
     with pytest.raises(ConfigError):
         ApiKeys({"k" * 16: "../etc"})
-    assert cache_salt_for("alice") == cache_salt_for("alice") != cache_salt_for("bob")
+    assert keys.cache_salt("alice") == keys.cache_salt("alice") != keys.cache_salt("*")
 
 
 def test_serve_refuses_a_network_listen_without_api_keys(tmp_path: Path) -> None:

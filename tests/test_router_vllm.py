@@ -22,7 +22,7 @@ import httpx
 import openai
 import pytest
 
-from router.tenants import cache_salt_for
+from router.tenants import ApiKeys
 from tests.deploy_cli import spawn_cli
 from tests.models import TinyModel
 from tests.router_harness import wait_until
@@ -245,7 +245,8 @@ def test_tenants_never_share_vllms_prefix_cache(cluster: Cluster) -> None:
 
     wait_until(lambda: _quiet(lambda: http.get("/health").json()["workers"]["usable"]) == 2,
                timeout=30)
-    salt_of_alice = cache_salt_for("alice")
+    # The salt the router keys for alice (from her key's digest, as the router computes it).
+    salt_of_alice = ApiKeys({k: t for t, k in TENANT_KEYS.items()}).cache_salt("alice")
     colocated = 0
     for attempt in range(10):
         # 5 full blocks and 2 tokens (vLLM recomputes a fully cached prompt's last block)

@@ -5,8 +5,17 @@ parses them (model, session id from `X-Session-Id` or the body, prompt), placed 
 (session stickiness and migration bound by compare-and-swap, prefix and load scored, the pick
 charged) and given ranked fallbacks: the next picks with the ones before excluded (decided,
 neither bound nor charged). Their body gains the connector's `kv_transfer_params` (session id,
-epoch, restore hint), as the proxy sends it. Anything else (`/v1/models`, ...) goes to the
-least loaded usable worker.
+epoch, restore hint), as the proxy sends it, after the proxy's admission (the tenant's own
+`cache_salt`, the client's `kv_transfer_params` filtered). `GET /v1/models` goes to the least
+loaded usable worker, without a body.
+
+The paths a worker may be sent are the HTTP front's (`ROUTES`): any other is an immediate 404
+(405 for a known path with another method), never forwarded. vLLM serves more on the same port
+(`/v1/responses` and `/inference/v1/generate` take `cache_salt` and raw `kv_transfer_params`,
+`/metrics` counts prefix-cache hits, `/scale_elastic_ep` is an admin call): forwarding them
+would let a tenant set another tenant's salt or reach the workers' admin surface
+(trust-review H5). Every request is authenticated on its headers (`authorize`), whatever the
+body mode, before anything else.
 
 A data plane's subset hint (`x-gateway-destination-endpoint-subset`) restricts every pick to
 the listed endpoints; an empty or ineligible subset is a 503.
@@ -22,18 +31,37 @@ from router.admission import admit
 from router.api import SESSION_HEADER, ClientRequest, Endpoint, parse_request
 from router.core import RouterCore
 from router.decision import Placement, RouteRequest
-from router.errors import ModelNotFound, NoHealthyWorker, RouterError, Unauthorized
+from router.errors import (
+    MethodNotAllowed,
+    ModelNotFound,
+    NoHealthyWorker,
+    NotFound,
+    RouterError,
+    Unauthorized,
+)
 from router.extproc.endpoints import EndpointBook
 from router.hooks import FAILED
 from router.tenants import ApiKeys, bearer_tenant
 from router.upstream import kv_transfer_params
 from router.workers import WorkerId, WorkerState
 
-__all__ = ["Pick", "EndpointPicker"]
+__all__ = ["Pick", "EndpointPicker", "ROUTES", "Authorized"]
 
 _DUMPS = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
-_GENERATION = {Endpoint.COMPLETIONS.value: Endpoint.COMPLETIONS,
-               Endpoint.CHAT.value: Endpoint.CHAT}
+ROUTES: dict[str, tuple[str, Endpoint | None]] = {
+    Endpoint.COMPLETIONS.value: ("POST", Endpoint.COMPLETIONS),
+    Endpoint.CHAT.value: ("POST", Endpoint.CHAT),
+    "/v1/models": ("GET", None),
+}
+"""Path -> (method, generation endpoint or None): what a worker may be sent through Envoy."""
+
+
+@dataclass(frozen=True, slots=True)
+class Authorized:
+    """A request that may go on: its tenant and what it asks for."""
+
+    tenant: str
+    endpoint: Endpoint | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,19 +83,32 @@ class EndpointPicker:
         self.fallbacks = fallbacks
         self.book = EndpointBook()
 
-    async def pick(self, method: str, path: str, headers: dict[str, str], body: bytes,
-                   subset: Sequence[str] | None) -> Pick:
-        """Raises a `RouterError` (its status goes back as an immediate response)."""
-        # Envoy passes the client's headers: the same API keys and tenants as the HTTP front.
+    def authorize(self, method: str, path: str, headers: dict[str, str]) -> Authorized:
+        """The tenant of a request's headers and its route, or a `RouterError`: 401 without a
+        good key, 404 for a path outside `ROUTES`, 405 for another method on one of them.
+        Envoy passes the client's headers: the same API keys and tenants as the HTTP front."""
         tenant = bearer_tenant(self.api_keys, _header(headers, "authorization"))
         if tenant is None:
             raise Unauthorized("invalid or missing API key")
+        route = path.split("?", 1)[0]
+        allowed = ROUTES.get(route)
+        if allowed is None:
+            raise NotFound(f"no route {route[:200]}")
+        if method != allowed[0]:
+            raise MethodNotAllowed(f"{method[:16]} not allowed here")
+        return Authorized(tenant, allowed[1])
+
+    async def pick(self, method: str, path: str, headers: dict[str, str], body: bytes,
+                   subset: Sequence[str] | None) -> Pick:
+        """Raises a `RouterError` (its status goes back as an immediate response)."""
+        asked = self.authorize(method, path, headers)
         allowed = await self._allowed(subset)
-        endpoint = _GENERATION.get(path.split("?", 1)[0])
-        if method != "POST" or endpoint is None:
-            return Pick(await self._least_loaded(allowed), None, None, None)
-        creq = admit(parse_request(endpoint, body, _header(headers, SESSION_HEADER)), tenant,
-                     salted=bool(self.api_keys))
+        endpoint = asked.endpoint
+        if endpoint is None:
+            # A body on GET /v1/models is nobody's business: the worker gets none.
+            return Pick(await self._least_loaded(allowed), None, None, b"")
+        creq = admit(parse_request(endpoint, body, _header(headers, SESSION_HEADER)),
+                     asked.tenant, keys=self.api_keys)
         if creq.model not in self.core.models():
             raise ModelNotFound(f"The model `{creq.model}` does not exist.", param="model")
         exclude = frozenset(w for w in self._ids() if w not in allowed)

@@ -5,6 +5,12 @@ core, plus the standard health service under the names the protocol gives (`live
 Started by `kvkeep router serve --extproc-listen HOST:PORT` beside the HTTP front, on the same
 core: the same sessions (etcd, compare-and-swap), prefix indexes and load. Needs the
 `gateway` extra (`xds-protos`).
+
+The listener itself authenticates nobody (Envoy is its client; the requests' API keys are
+checked per request). Whoever reaches it can claim which endpoint served or that a worker
+answered 200, so without API keys it binds loopback only, as the HTTP front does: a
+non-loopback address without keys is refused (trust-review H5). Across hosts, put it on a
+network only the gateway reaches (deploy/gateway/networkpolicy.yaml).
 """
 
 from __future__ import annotations
@@ -17,13 +23,15 @@ import grpc  # type: ignore[import-untyped, unused-ignore]
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
+from kvstore.errors import ConfigError
+from kvstore.net.addresses import is_loopback
 from proto.gen import health_pb2
 from router.core import RouterCore
 from router.extproc.picker import EndpointPicker
 from router.extproc.stream import RequestStream
 from router.tenants import ApiKeys
 
-__all__ = ["ExtProcServer", "EXTPROC_SERVICE", "HEALTH_NAMES"]
+__all__ = ["ExtProcServer", "EXTPROC_SERVICE", "HEALTH_NAMES", "check_listen"]
 
 log = logging.getLogger(__name__)
 
@@ -44,11 +52,21 @@ class _Processor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             yield response
 
 
+def check_listen(address: str, api_keys: ApiKeys | None) -> None:
+    """ConfigError for a non-loopback ext_proc `address` (HOST:PORT) without API keys."""
+    host = address.rpartition(":")[0].strip("[]")
+    if not api_keys and not is_loopback(host):
+        raise ConfigError(
+            f"refusing to serve ext_proc on {address}: without --api-keys the endpoint picker "
+            "listens on loopback only (give an API key file to serve a network)")
+
+
 class ExtProcServer:
     """Listens on `address` (HOST:PORT) until `stop`."""
 
     def __init__(self, core: RouterCore, address: str, *, fallbacks: int = 2,
                  max_body_bytes: int = 8 << 20, api_keys: ApiKeys | None = None) -> None:
+        check_listen(address, api_keys)
         self.address = address
         self.picker = EndpointPicker(core, fallbacks=fallbacks, api_keys=api_keys)
         self._processor = _Processor(self.picker, max_body_bytes)

@@ -1,16 +1,22 @@
 """One HTTP request's ext_proc stream: the phases Envoy sends and what the picker answers.
 
-Request phase. With a `BUFFERED` body the request headers are answered at once and the pick
-rides on the body's answer (`STREAMED` and `BUFFERED_PARTIAL` choose the upstream before the
-body arrives, so they are refused with a 500 that says so). In
+Request phase. The request headers are authenticated and their path checked first, whatever
+the body mode (`EndpointPicker.authorize`: 401, 404, 405). With a `BUFFERED` body the request
+headers are then answered at once and the pick rides on the body's answer. Every other mode but
+full duplex (`STREAMED` and `BUFFERED_PARTIAL` choose the upstream before the body arrives;
+`NONE`, `GRPC`, or no `protocol_config` at all, leave the body unseen, so neither its salt nor
+its `kv_transfer_params` could be rewritten) is refused with a 500 that says so: a request
+that has a body is never passed on unpicked and unrewritten (trust-review H5). In
 `FULL_DUPLEX_STREAMED` (what the protocol requires an EPP to support) Envoy does not wait:
 the body's chunks are gathered, and after the last one the headers answer (with the pick)
 and the whole new body are sent. A request without a body is picked on its headers.
 
 The pick is sent both ways the protocol asks: the `x-gateway-destination-endpoint` header
 (`ip:port[,ip:port...]`, ranked fallbacks after the first) and the same value in the
-`envoy.lb` dynamic metadata. A client's own destination header is overwritten. Errors are
-immediate responses in the OpenAI error shape (400, 404, 429 with Retry-After, 503).
+`envoy.lb` dynamic metadata. A client's own destination header is overwritten, and every
+other `x-gateway-destination-endpoint*` header it sent and its `authorization` (the tenant's
+API key, which no worker needs) are removed. Errors are immediate responses in the OpenAI
+error shape (400, 401, 404, 429 with Retry-After, 503).
 
 Response phase. The response headers are answered with the router's `x-kvkeep-*` headers;
 body chunks (full duplex) are passed back unchanged. The endpoint that served (the
@@ -48,8 +54,11 @@ LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 _Mode = processing_mode_pb2.ProcessingMode
 _FULL_DUPLEX = _Mode.FULL_DUPLEX_STREAMED
-_CANNOT_PICK = frozenset({_Mode.STREAMED, _Mode.BUFFERED_PARTIAL, _Mode.GRPC})
+_CAN_PICK = frozenset({_Mode.BUFFERED, _FULL_DUPLEX})
+"""Body modes in which the pick (and the rewritten body) can follow the whole body."""
 _MODE_NAMES = {v: k for k, v in _Mode.BodySendMode.items()}
+_STRIPPED = "authorization"
+"""The client's header no worker is sent (a tenant's key is the router's business only)."""
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 _MAX_BODY = 8 << 20
 _DUMPS = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
@@ -122,11 +131,17 @@ class RequestStream:
     # --- request ----------------------------------------------------------------------------
     async def _request_headers(self, msg: ep.HttpHeaders) -> list[ep.ProcessingResponse]:
         self.headers = {h.key.lower(): _value(h) for h in msg.headers.headers}
-        if self.body_mode in _CANNOT_PICK and not msg.end_of_stream:
-            # The upstream is chosen once the headers are answered, before the body: a pick
-            # could only ignore the body (model, session field, prompt). Refused, loudly.
-            raise RouterError(f"ext_proc request_body_mode {_MODE_NAMES[self.body_mode]} "
-                              "cannot carry a pick; use FULL_DUPLEX_STREAMED or BUFFERED")
+        # Before anything else, whatever the body mode: a request without a good key, or for a
+        # path no worker may be sent, ends here.
+        self.picker.authorize(self.headers.get(":method", "GET"), self.headers.get(":path", "/"),
+                              self.headers)
+        if self.body_mode not in _CAN_PICK and not msg.end_of_stream:
+            # The upstream is chosen once the headers are answered, before the body (or the
+            # body is never shown to the picker): a pick could only ignore the body (model,
+            # session field, prompt) and pass its salt and kv_transfer_params on. Refused.
+            mode = _MODE_NAMES.get(self.body_mode, "unknown (no protocol_config)")
+            raise RouterError(f"ext_proc request_body_mode {mode} cannot carry a pick; use "
+                              "FULL_DUPLEX_STREAMED or BUFFERED")
         if msg.end_of_stream:
             await self._decide()
             return [self._headers_answer()]
@@ -164,10 +179,16 @@ class RequestStream:
     def _common(self, body_length: int | None = None) -> ep.CommonResponse:
         assert self.pick is not None
         mutation = ep.HeaderMutation(set_headers=[_set(DESTINATION, ",".join(
-            self.pick.endpoints))])
+            self.pick.endpoints))], remove_headers=self._stripped())
         if body_length is not None and self.pick.body is not None:
             mutation.set_headers.append(_set("content-length", str(body_length)))
         return ep.CommonResponse(header_mutation=mutation, clear_route_cache=True)
+
+    def _stripped(self) -> list[str]:
+        """The client's headers to remove: its key, and any destination header of its own
+        but the one the pick overwrites (an override host source Envoy might read)."""
+        return [name for name in self.headers
+                if name == _STRIPPED or (name.startswith(DESTINATION) and name != DESTINATION)]
 
     def _headers_answer(self, body_length: int | None = None) -> ep.ProcessingResponse:
         return ep.ProcessingResponse(
