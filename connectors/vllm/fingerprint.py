@@ -7,8 +7,9 @@ config and of files on disk.
 What makes stored KV valid, and where each part comes from:
 
 - the weights: `weights_revision` from the extra config when given (an operator's promise),
-  else a content digest of the weight files (xxh3-128, streamed; they were just loaded, so they
-  are in the page cache), else for `load_format="dummy"` the fixed dummy initializer;
+  else for `load_format="dummy"` the fixed dummy initializer, else a digest of every byte of
+  every weight file (`connectors.vllm.weights`: the SHA-256 a Hugging Face cache blob is named
+  by, or a full hash computed once and cached by size, times and inode; never a sample);
 - the architecture (`hf_config` minus paths and tool versions): rope scaling, norms, head
   layout change KV without changing a weight file;
 - the block-hash algorithm, dtype, KV heads per rank, head size, block size, layout, codec.
@@ -16,17 +17,16 @@ What makes stored KV valid, and where each part comes from:
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
-import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any
 
 import xxhash
 
 from connectors.vllm.config import ConnectorConfig
 from connectors.vllm.layouts import LayoutSpec, cpu_layout, cuda_layout
+from connectors.vllm.weights import weights_digest
 from kvstore.errors import ConfigError
 from kvstore.keys import ModelFingerprint
 
@@ -36,14 +36,6 @@ if TYPE_CHECKING:
 __all__ = ["derive_layout", "derive_fingerprint", "weights_digest", "config_digest"]
 
 logger = logging.getLogger(__name__)
-
-_WEIGHT_SUFFIXES: Final = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-# Above this, weights are sampled (size, header, first and last MiB of each file) rather than
-# read in full, and a warning says to pin `weights_revision` instead.
-_FULL_HASH_LIMIT: Final = 8 << 30
-_SAMPLE: Final = 1 << 20
-_CHUNK: Final = 8 << 20
-
 
 def derive_layout(vllm_config: VllmConfig) -> LayoutSpec:
     """The layout this engine's workers use, decided from the config alone."""
@@ -110,39 +102,6 @@ def config_digest(hf_config: dict[str, Any]) -> str:
     clean = {k: v for k, v in hf_config.items() if not k.startswith("_") and k not in drop}
     body = json.dumps(clean, sort_keys=True, default=str, separators=(",", ":"))
     return xxhash.xxh3_128_hexdigest(body.encode())
-
-
-def weights_digest(model_dir: Path) -> str:
-    files = sorted(p for p in model_dir.iterdir()
-                   if p.is_file() and p.name.endswith(_WEIGHT_SUFFIXES))
-    if not files:
-        raise ConfigError(f"no weight files in {model_dir}; set weights_revision in "
-                          f"kv_connector_extra_config")
-    stats = tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files)
-    return _digest_files(stats)
-
-
-@functools.lru_cache(maxsize=8)
-def _digest_files(stats: tuple[tuple[str, int, int], ...]) -> str:
-    # Cached per process: the scheduler and the worker of one engine share a process.
-    total = sum(size for _, size, _ in stats)
-    full = total <= _FULL_HASH_LIMIT
-    if not full:
-        logger.warning("kvkeep: %.1f GiB of weights; digesting a sample of each file. Set "
-                       "weights_revision to pin the fingerprint to a release instead.",
-                       total / (1 << 30))
-    h = xxhash.xxh3_128()
-    for path, size, _ in stats:
-        h.update(f"{os.path.basename(path)}:{size};".encode())
-        with open(path, "rb") as f:
-            if full:
-                while chunk := f.read(_CHUNK):
-                    h.update(chunk)
-            else:
-                h.update(f.read(_SAMPLE))
-                f.seek(max(0, size - _SAMPLE))
-                h.update(f.read(_SAMPLE))
-    return ("xxh3:" if full else "xxh3-sampled:") + h.hexdigest()
 
 
 def _model_dir(model: str, revision: str | None) -> Path:
