@@ -165,11 +165,14 @@ class FakeRequest:
 
 
 class FakeStore:
+    answers_in_process = True  # asked inline (tests/test_connector_lookups.py: the other way)
+
     def __init__(self, present: int = 0) -> None:
         self.present = present
         self.manifests: list[Any] = []
 
-    def lookup(self, keys: list[Any], *, deadline: float | None = None) -> int:
+    def lookup(self, keys: list[Any], *, deadline: float | None = None,
+               in_process_only: bool = False) -> int:
         return min(self.present, len(keys))
 
     def put_manifest(self, manifest: Any) -> None:

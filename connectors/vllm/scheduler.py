@@ -2,11 +2,14 @@
 
 Per request it keeps where its blocks live and which of them are known saved. Each step it
 
-- answers `get_num_new_matched_tokens` with one batched store lookup of the request's block
-  hashes beyond vLLM's local prefix cache (bounded by the restore deadline). When the store
-  lives only in the worker's process (vLLM's multiprocess executor), the lookup is a `Probe`
-  in the next step's metadata: vLLM is told to ask again (None), and the worker's answer comes
-  back with that step's output;
+- answers `get_num_new_matched_tokens` for the request's block hashes beyond vLLM's local
+  prefix cache without ever waiting on I/O inside vLLM's `schedule()`: tiers that answer from
+  memory (host, nvme index) are asked inline; when the store also has tiers across the network
+  (remote daemons, Redis) and the in-memory ones do not hold the whole run, the lookup goes to
+  `BackgroundLookups` (one thread, batched across the step's requests) and vLLM is told to ask
+  again next step (None), up to the restore deadline. When the store lives only in the
+  worker's process (vLLM's multiprocess executor), the lookup is a `Probe` in the next step's
+  metadata, answered with that step's output, the same way;
 - turns the tokens vLLM agreed to load into a `LoadSpec` (block ids + hashes);
 - plans saves of blocks that the step completes: during prefill all of them, during decode once
   at least `checkpoint_interval` tokens of completed blocks are unsaved;
@@ -31,6 +34,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from connectors.vllm.config import ConnectorConfig
+from connectors.vllm.lookups import BackgroundLookups
 from connectors.vllm.manifests import (
     ManifestRelay,
     ManifestSink,
@@ -91,6 +95,10 @@ class SchedulerSide:
         self._finished_last_step: list[str] = []
         self._probes: list[Probe] = []
         self._relay: ManifestRelay | None = None
+        # A store whose tiers all answer from memory is asked inline (a dictionary read);
+        # one with tiers across the network gets its lookups off vLLM's scheduler loop.
+        self._background = (BackgroundLookups(store)
+                            if store is not None and not store.answers_in_process else None)
         self._manifests: ManifestSink
         if store is None:
             self._manifests = self._relay = ManifestRelay()
@@ -244,13 +252,16 @@ class SchedulerSide:
     def has_pending_work(self) -> bool:
         """Probes or manifests waiting for a step to carry them to the worker (keeps vLLM's
         engine loop stepping when nothing else runs)."""
-        return bool(self._probes) or self._manifests.pending
+        return (bool(self._probes) or self._manifests.pending
+                or (self._background is not None and self._background.pending))
 
     def drain_manifests(self, timeout: float = 10.0) -> None:
         """Wait until every manifest handed to the writer so far is written (tests, shutdown)."""
         self._manifests.drain(timeout)
 
     def shutdown(self) -> None:
+        if self._background is not None:
+            self._background.close()
         self._manifests.shutdown()
 
     # -- helpers -------------------------------------------------------------------------------
@@ -285,6 +296,8 @@ class SchedulerSide:
         if self._store is None:
             return self._probe(tracked, first, count, now)
         keys = [BlockKey.of(self._fp, tracked.namespace, bytes(h)) for h in hashes]
+        if self._background is not None:
+            return self._lookup_behind(self._background, tracked, first, keys, now)
         deadline = now + self._deadline_s(tracked)
         self._counters.add(Counter.LOOKUPS)
         try:
@@ -300,6 +313,46 @@ class SchedulerSide:
             hit = 0
         self._record_lookup(tracked, LookupAnswer(first, count, hit, now))
         return hit
+
+    def _lookup_behind(self, lookups: BackgroundLookups, tracked: TrackedRequest, first: int,
+                       keys: list[BlockKey], now: float) -> int | None:
+        """The lookup of a store with network tiers: the in-memory tiers inline; the rest on
+        the lookup thread, while vLLM asks again each step (None) up to the deadline."""
+        assert self._store is not None
+        count = len(keys)
+        probe = tracked.probe
+        if probe is not None and probe.asks(first, count):
+            finished = lookups.take(tracked.request_id)
+            if finished is not None:
+                tracked.probe = None
+                if finished.failed:
+                    self._counters.add(Counter.LOOKUP_ERRORS)
+                hit = max(finished.hit, probe.inline_hit)
+                self._record_lookup(tracked, LookupAnswer(first, count, hit, now))
+                return hit
+            if now - probe.sent_at < self._deadline_s(tracked):
+                return None
+            # The network tiers did not answer in time (a slow or dead daemon): restore what
+            # the in-memory tiers hold, compute the rest.
+            self._counters.add(Counter.LOOKUP_DEADLINE)
+            lookups.forget(tracked.request_id)
+            tracked.probe = None
+            self._record_lookup(tracked, LookupAnswer(first, count, probe.inline_hit, now))
+            return probe.inline_hit
+        self._counters.add(Counter.LOOKUPS)
+        try:
+            inline = self._store.lookup(keys, in_process_only=True)
+        except KVKeepError:
+            log.warning("kvkeep: lookup failed; computing instead", exc_info=True)
+            self._counters.add(Counter.LOOKUP_ERRORS)
+            self._record_lookup(tracked, LookupAnswer(first, count, 0, now))
+            return 0
+        if inline == count:
+            self._record_lookup(tracked, LookupAnswer(first, count, inline, now))
+            return inline
+        tracked.probe = PendingProbe(first, count, now, inline)
+        lookups.submit(tracked.request_id, first, keys, now + self._deadline_s(tracked))
+        return None
 
     def _record_lookup(self, tracked: TrackedRequest, answer: LookupAnswer) -> None:
         self._counters.add(Counter.LOOKUP_HIT_BLOCKS, answer.hit)
@@ -380,6 +433,8 @@ class SchedulerSide:
             tracked = self._reqs.get(req_id)
             if tracked is not None and tracked.finished and tracked.flush == "none":
                 del self._reqs[req_id]
+                if self._background is not None:
+                    self._background.forget(req_id)
         self._finished_last_step = [r for r, t in self._reqs.items() if t.finished]
 
     def take_events(self) -> list[Any]:

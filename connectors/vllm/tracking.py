@@ -33,11 +33,14 @@ class LookupAnswer:
 
 @dataclass(frozen=True, slots=True)
 class PendingProbe:
-    """A lookup of [first, first + count) sent to the worker half at `sent_at`, unanswered."""
+    """A lookup of [first, first + count) sent at `sent_at` (to the worker half, or to the
+    background lookup thread), unanswered; `inline_hit`: the prefix the in-memory tiers were
+    found to hold when it was sent (what a late answer falls back to)."""
 
     first: int
     count: int
     sent_at: float
+    inline_hit: int = 0
 
     def asks(self, first: int, count: int) -> bool:
         return (self.first, self.count) == (first, count)

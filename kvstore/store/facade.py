@@ -60,6 +60,7 @@ from kvstore.store.write_behind import WriteBehind
 from kvstore.tiers.base import Buffer, Tier, TierStats
 from kvstore.tiers.capabilities import (
     BorrowedBlock,
+    IndexedInProcess,
     PageReservation,
     SupportsBorrow,
     SupportsReserve,
@@ -111,6 +112,12 @@ class TieredStore:
     @property
     def pending_writes(self) -> int:
         return self._writes.pending
+
+    @property
+    def answers_in_process(self) -> bool:
+        """Every tier's `contains` is an in-process index read (`IndexedInProcess`): a lookup
+        never waits on I/O or the network."""
+        return all(_in_process(tier) for tier in self.tiers)
 
     # -- blocks -------------------------------------------------------------------------------
 
@@ -295,12 +302,24 @@ class TieredStore:
         self._writes.copy_down(key, header, None, computed_at=started)
         return True
 
-    def lookup(self, keys: Sequence[BlockKey], *, deadline: float | None = None) -> int:
-        """How many of `keys`, from the first on, are held by some tier (prefix length)."""
+    def lookup(self, keys: Sequence[BlockKey], *, deadline: float | None = None,
+               in_process_only: bool = False) -> int:
+        """How many of `keys`, from the first on, are held by some tier (prefix length).
+        `in_process_only`: ask only the tiers that answer from memory (`IndexedInProcess`)."""
+        found = self.holds(keys, deadline=deadline, in_process_only=in_process_only)
+        return next((i for i, hit in enumerate(found) if not hit), len(found))
+
+    def holds(self, keys: Sequence[BlockKey], *, deadline: float | None = None,
+              in_process_only: bool = False) -> list[bool]:
+        """Which of `keys` some tier holds: one batched `contains` per tier, each asked only
+        for what the tiers above it lacked; a failing tier, or one reached past `deadline`,
+        counts as holding nothing."""
         self._check_open()
         deadline = self.deadline(deadline)
         found = [False] * len(keys)
         for index, tier in enumerate(self.tiers):
+            if in_process_only and not _in_process(tier):
+                continue
             ask = [i for i, hit in enumerate(found) if not hit]
             if not ask:
                 break
@@ -321,7 +340,7 @@ class TieredStore:
             for i, hit in zip(ask, flags, strict=True):
                 if hit:
                     found[i] = True
-        return next((i for i, hit in enumerate(found) if not hit), len(found))
+        return found
 
     def delete(self, keys: Sequence[BlockKey]) -> int:
         """Remove blocks from every tier (and cancel their queued writes); how many were held.
@@ -445,3 +464,7 @@ class TieredStore:
 
 def _generation(manifest: SessionManifest | None) -> int:
     return -1 if manifest is None else manifest.generation
+
+
+def _in_process(tier: Tier) -> bool:
+    return isinstance(tier, IndexedInProcess) and tier.indexed_in_process

@@ -7,7 +7,9 @@ so it never needs to know a concrete tier class:
 - `SupportsBorrow`: lend a block's bytes in place, pinned, to send from (`BorrowedBlock`);
 - `SupportsReserve`: set pages aside to receive a frame into (`PageReservation`);
 - `SupportsReplicas`: keep each block on several nodes and say how many acknowledged it (the
-  remote tier's daemons), for puts that must be durable before they return.
+  remote tier's daemons), for puts that must be durable before they return;
+- `IndexedInProcess`: `contains` is a read of an index in this process's memory (no I/O, no
+  network), so vLLM's scheduler loop may ask it inline (the memory and nvme tiers).
 
 The memory tiers (`kvstore.tiers.memory_tier`) implement borrow and reserve over host pages.
 """
@@ -22,7 +24,7 @@ from kvstore.frame import FrameBytes, FrameHeader, LayerRange
 from kvstore.keys import BlockKey
 
 __all__ = ["SupportsPutMany", "SupportsBorrow", "SupportsReserve", "SupportsReplicas",
-           "BorrowedBlock", "PageReservation"]
+           "IndexedInProcess", "BorrowedBlock", "PageReservation"]
 
 
 class BorrowedBlock:
@@ -121,3 +123,13 @@ class SupportsReplicas(Protocol):
                          deadline: float) -> list[bool]: ...
 
     def count_copies(self, keys: Sequence[BlockKey], *, deadline: float) -> list[int]: ...
+
+
+@runtime_checkable
+class IndexedInProcess(Protocol):
+    """A tier whose `contains` reads an index held in this process (a dictionary lookup under
+    a lock, never I/O): what a caller that must not block, such as vLLM's scheduler loop, may
+    ask inline. Tiers whose `contains` crosses a socket (remote daemons, Redis) lack it."""
+
+    @property
+    def indexed_in_process(self) -> bool: ...

@@ -87,6 +87,10 @@ class MemoryTier(ABC, Generic[A]):
     def name(self) -> str:
         return self._name
 
+    @property
+    def indexed_in_process(self) -> bool:
+        return True  # `contains` reads `_index` (see IndexedInProcess)
+
     def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
         with self._lock:
             self._check_open()

@@ -160,6 +160,10 @@ class NvmeTier:
         with self._lock:
             self._removal_listeners.append(listener)
 
+    @property
+    def indexed_in_process(self) -> bool:
+        return True  # `contains` reads the in-memory index, never the disk (IndexedInProcess)
+
     def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
         with self._lock:
             self._check_open()
