@@ -144,14 +144,16 @@ def test_a_relisting_without_a_member_keeps_it_for_the_grace(etcd_server: EtcdSe
         client = etcd_client(etcd_server.url, timeout=5)
         watcher = MembershipWatcher(etcd_server.url, delete_grace_s=grace)
         try:
+            lease = await client.lease(60)  # lease-less registrations are not believed
             for info in (a, b):
-                await client.put(f"{DEFAULT_PREFIX}{info.node_id}".encode(), info.encode())
+                await client.put(f"{DEFAULT_PREFIX}{info.node_id}".encode(), info.encode(),
+                                 lease=lease)
             await watcher._relist(client)
             assert set(watcher.members()) == {"a", "b"}
             await client.delete(f"{DEFAULT_PREFIX}b".encode())
             await watcher._relist(client)
             assert set(watcher.members()) == {"a", "b"}  # in its grace
-            await client.put(f"{DEFAULT_PREFIX}b".encode(), b.encode())
+            await client.put(f"{DEFAULT_PREFIX}b".encode(), b.encode(), lease=lease)
             await watcher._relist(client)  # back in time
             await asyncio.sleep(grace + 0.3)
             assert set(watcher.members()) == {"a", "b"}
@@ -161,7 +163,7 @@ def test_a_relisting_without_a_member_keeps_it_for_the_grace(etcd_server: EtcdSe
             assert set(watcher.members()) == {"a"}  # stayed away: gone
             # An untrusted value in its place is no departure to wait for.
             await client.put(f"{DEFAULT_PREFIX}a".encode(),
-                             DaemonInfo("a", "10.9.9.9:1", 1.0).encode())
+                             DaemonInfo("a", "10.9.9.9:1", 1.0).encode(), lease=lease)
             await watcher._relist(client)
             assert watcher.members() == {}
         finally:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from kvstore.cluster.records import json_object, number, opt_text, text
 from kvstore.errors import ConfigError, KVKeepError
 from kvstore.keys import validate_name
 
@@ -42,10 +43,13 @@ class DaemonInfo:
 
     @classmethod
     def decode(cls, raw: bytes) -> DaemonInfo:
-        """Parse a registration value; raises ConfigError when it is not one of ours."""
+        """Parse a registration value; raises ConfigError when it is not one of ours, whatever
+        `raw` holds (deep nesting, wrong field types, binary: kvstore/cluster/records.py)."""
+        what = "daemon registration"
         try:
-            obj = json.loads(raw)
-            return cls(str(obj["node_id"]), str(obj["address"]), float(obj.get("started_at", 0)),
-                       str(obj.get("data_address") or ""))
-        except (ValueError, KeyError, TypeError, KVKeepError) as exc:
+            obj = json_object(raw, what)
+            return cls(text(obj, "node_id", what), text(obj, "address", what),
+                       number(obj, "started_at", what, default=0.0),
+                       opt_text(obj, "data_address", what) or "")
+        except KVKeepError as exc:
             raise ConfigError(f"malformed daemon registration: {exc}") from exc

@@ -25,6 +25,13 @@ A client with neither believes only registrations whose addresses are all loopba
 trust the daemon itself gives loopback: without a token file it serves only there).
 Everything else is ignored and counted by reason. Registrations from a static list (the
 config's `daemons`) are the operator's own and are not checked here.
+
+Two rules hold whatever the proof (the watcher applies them, kvstore/tiers/discovery.py): a
+registration counts only while attached to a lease (a lease-less one was written by hand and
+would outlive any daemon), and one address is one daemon (`identities`): under TLS-only trust
+the handshake proves a daemon holds a CA key, not which node id it is, so without this rule one
+etcd writer could register aliases of one daemon under many ids and clients would place two
+replicas of a block on it (L1).
 """
 
 from __future__ import annotations
@@ -41,10 +48,11 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from kvstore.errors import ConfigError, UntrustedRegistration
-from kvstore.net.addresses import is_loopback
+from kvstore.net.addresses import ip_literal, is_loopback
 from kvstore.tiers.daemon_info import DaemonInfo
 
-__all__ = ["DaemonTrust", "RegistrationSigner", "load_verify_keys", "signed_message"]
+__all__ = ["DaemonTrust", "RegistrationSigner", "identities", "load_verify_keys",
+           "signed_message"]
 
 _CONTEXT = b"kvkeep-daemon-registration-v1"
 _PEM_END = b"-----END PUBLIC KEY-----"
@@ -53,6 +61,20 @@ _PEM_END = b"-----END PUBLIC KEY-----"
 def _is_loopback(address: str) -> bool:
     """Whether a registered HOST:PORT is on this machine's loopback."""
     return is_loopback(address.rpartition(":")[0])
+
+
+def identities(info: DaemonInfo) -> tuple[str, ...]:
+    """The endpoint a registration claims (its gRPC address), spelled one way (an IP literal
+    canonical, a name lower-case, localhost as 127.0.0.1), so that two spellings of one
+    endpoint are one claim. Only the gRPC address: under TLS, the case aliases exploit, blocks
+    travel over gRPC only, and a signed registration covers its data-plane address anyway.
+    Names are not resolved: two DNS names of one host stay two claims."""
+    host, _, port = info.address.rpartition(":")
+    literal = ip_literal(host)
+    name = host.strip("[]").lower().rstrip(".")
+    canonical = (str(literal) if literal is not None
+                 else "127.0.0.1" if name == "localhost" else name)
+    return (f"{canonical}:{int(port)}",)
 
 
 def signed_message(key: bytes, lease: int, info: DaemonInfo) -> bytes:

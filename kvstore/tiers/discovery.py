@@ -13,7 +13,10 @@ remote tier); the daemon runs a `MembershipWatcher` directly in its own loop.
 A registration is a claim: each one passes the watcher's `DaemonTrust` (signed, or dialled
 over mTLS, or loopback; kvstore/tiers/daemon_trust.py) before it becomes a member. What fails
 is ignored, logged once and counted by reason (`rejected`); a trusted daemon whose key is
-overwritten by an untrusted value leaves the membership until it registers again.
+overwritten by an untrusted value leaves the membership until it registers again. Whatever the
+proof, a registration must be attached to a lease ("no-lease" otherwise), and one address is
+one daemon ("duplicate": the older registration wins; kvstore/tiers/daemon_trust.py says why).
+No value, however malformed, can stop the watch (kvstore/cluster/watcher.py).
 
 A daemon whose key vanishes (a delete, or a re-listing without it) leaves only if its key has
 not come back within `delete_grace_s`. When etcd stalls (paused, a slow disk, an election) past
@@ -33,14 +36,16 @@ import contextlib
 import logging
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
-from kvstore.errors import UntrustedRegistration
-from kvstore.etcd import EtcdSpec, etcd_client, etcd_spec
+from kvstore.cluster.clients import FreshClients
+from kvstore.cluster.records import EtcdRecord
+from kvstore.cluster.watcher import PrefixWatcher
+from kvstore.etcd import EtcdSpec
 from kvstore.tiers.daemon_info import DaemonInfo
-from kvstore.tiers.daemon_trust import DaemonTrust
+from kvstore.tiers.daemon_trust import DaemonTrust, identities
 
 __all__ = [
     "DEFAULT_PREFIX",
@@ -57,9 +62,6 @@ __all__ = [
 
 DEFAULT_PREFIX = "/kvkeep/stores/"
 _log = logging.getLogger(__name__)
-
-_END = object()  # the watch stream ended
-_REMEMBERED_REJECTIONS = 1024  # (key, revision) pairs already counted and logged
 
 DELETE_GRACE_S = 2.0
 """How long a vanished registration may take to come back before its daemon leaves: longer than
@@ -102,28 +104,39 @@ def parse_etcd_endpoints(url: str) -> list[tuple[str, int]]:
 
 
 class MembershipWatcher:
-    """Keeps `members` equal to the daemons registered under `prefix` (asyncio, one loop)."""
+    """Keeps `members` equal to the daemons registered under `prefix` (asyncio, one loop): a
+    `PrefixWatcher` (kvstore/cluster/watcher.py) whose decoder is the trust check, with leases
+    required, one daemon per address and the delete grace."""
 
     def __init__(self, etcd: EtcdSpec | str, prefix: str = DEFAULT_PREFIX, *,
                  trust: DaemonTrust | None = None, resync_interval: float = 5.0,
                  request_timeout: float = 2.0,
-                 delete_grace_s: float = DELETE_GRACE_S) -> None:
-        self._etcd = etcd_spec(etcd)
-        self._grace = delete_grace_s
-        # Members whose key vanished, until their grace ends (touched on the loop only).
-        self._leaving: dict[str, asyncio.TimerHandle] = {}
+                 delete_grace_s: float = DELETE_GRACE_S,
+                 on_reject: Callable[[str], None] | None = None) -> None:
         self._trust = trust if trust is not None else DaemonTrust()
-        self.rejected: Counter[str] = Counter()
-        """Registrations ignored, by reason (each key and revision counted once)."""
-        self._counted: OrderedDict[tuple[bytes, int], None] = OrderedDict()
         self._prefix = prefix.encode()
-        self._resync = resync_interval
-        self._timeout = request_timeout
         self._members: dict[str, DaemonInfo] = {}
         self._listeners: list[Listener] = []
         self._lock = threading.Lock()  # members are read from other threads
-        self.synced = asyncio.Event()
+        self._watcher: PrefixWatcher[DaemonInfo] = PrefixWatcher(
+            FreshClients(etcd, request_timeout), self._prefix, self._decode, self,
+            what="daemon registration", require_lease=True, grace_s=delete_grace_s,
+            resync_s=resync_interval, exclusive=identities, timeout=request_timeout,
+            on_reject=on_reject)
+
+    @property
+    def rejected(self) -> Counter[str]:
+        """Registrations ignored, by reason (each key and revision counted once)."""
+        return self._watcher.rejected
+
+    @property
+    def synced(self) -> asyncio.Event:
         """Set once the first listing succeeded."""
+        return self._watcher.synced
+
+    @property
+    def trust(self) -> DaemonTrust:
+        return self._trust
 
     def members(self) -> dict[str, DaemonInfo]:
         with self._lock:
@@ -135,139 +148,27 @@ class MembershipWatcher:
 
     async def run(self) -> None:
         """List and watch forever (cancel to stop); errors only cause a reconnect."""
-        try:
-            await self._run()
-        finally:
-            for timer in self._leaving.values():
-                timer.cancel()
-            self._leaving.clear()
-
-    async def _run(self) -> None:
-        attempt = 0
-        while True:
-            client = etcd_client(self._etcd, attempt, timeout=self._timeout)
-            try:
-                await self._list_and_watch(client)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # aetcd raises its own tree and raw grpc errors alike
-                _log.info("etcd membership watch on %s broke (%s); re-listing", client.target,
-                          exc)
-            finally:
-                with contextlib.suppress(Exception):
-                    async with asyncio.timeout(self._timeout):
-                        await client.close()
-            attempt += 1
-            await asyncio.sleep(min(0.1 * attempt, 1.0))
-
-    async def _list_and_watch(self, client: Any) -> None:
-        revision = await self._relist(client)
-        watch = await client.watch_prefix(self._prefix, start_revision=revision + 1)
-        # A pump task moves events into a queue, so that waiting for the next event can time
-        # out (to re-list) without cancelling, and so closing, aetcd's event iterator.
-        events: asyncio.Queue[Any] = asyncio.Queue()
-
-        async def pump() -> None:
-            try:
-                async for event in watch:
-                    events.put_nowait(event)
-                events.put_nowait(_END)
-            except Exception as exc:  # the watch broke: hand the error to the reader
-                events.put_nowait(exc)
-
-        pumper = asyncio.create_task(pump())
-        try:
-            while True:
-                try:
-                    # asyncio.timeout, not wait_for (which can swallow a cancellation on 3.11).
-                    async with asyncio.timeout(self._resync):
-                        event = await events.get()
-                except TimeoutError:
-                    revision = await self._relist(client)
-                    continue
-                if event is _END:
-                    return
-                if isinstance(event, Exception):
-                    raise event
-                if event.kv.mod_revision <= revision:
-                    continue  # already in the listing
-                revision = event.kv.mod_revision
-                node_id = event.kv.key[len(self._prefix):].decode(errors="replace")
-                if event.kind != "PUT":
-                    if not self._defer_departure(node_id):
-                        self._update(_remover(node_id))
-                elif (info := self._admit(event.kv)) is not None:
-                    self._cancel_departure(info.node_id)
-                    self._update(_setter(info))
-                else:  # an untrusted value replacing a member's registration: gone at once
-                    self._cancel_departure(node_id)
-                    self._update(_remover(node_id))
-        finally:
-            pumper.cancel()
-            with contextlib.suppress(Exception):
-                async with asyncio.timeout(self._timeout):
-                    await watch.cancel()
+        await self._watcher.run()
 
     async def _relist(self, client: Any) -> int:
-        listing = await client.get_prefix(self._prefix)
-        members: dict[str, DaemonInfo] = {}
-        listed: set[str] = set()  # node ids with a key, trusted or not
-        for kv in listing:
-            listed.add(bytes(kv.key)[len(self._prefix):].decode(errors="replace"))
-            info = self._admit(kv)
-            if info is not None:
-                members[info.node_id] = info
-                self._cancel_departure(info.node_id)
-        for node_id, info in self.members().items():
-            if node_id not in listed and self._defer_departure(node_id):
-                members[node_id] = info  # absent from this listing: leaves after the grace
-        self._update(_replacer(members))
-        self.synced.set()
-        return int(listing.header.revision)
+        """One listing now (tests drive the grace with it)."""
+        return await self._watcher._relist(client)
 
-    @property
-    def trust(self) -> DaemonTrust:
-        return self._trust
+    def _decode(self, record: EtcdRecord) -> DaemonInfo:
+        return self._trust.admit(self._prefix, record.key, record.value, record.lease)
 
-    def _admit(self, kv: Any) -> DaemonInfo | None:
-        """The daemon `kv` registers, if it proves to be one; else None (counted, logged)."""
-        try:
-            return self._trust.admit(self._prefix, bytes(kv.key), bytes(kv.value),
-                                     int(kv.lease))
-        except UntrustedRegistration as exc:
-            mark = (bytes(kv.key), int(kv.mod_revision))
-            with self._lock:
-                if mark in self._counted:  # seen before (a re-list): no second count
-                    return None
-                self._counted[mark] = None
-                if len(self._counted) > _REMEMBERED_REJECTIONS:
-                    self._counted.popitem(last=False)
-                self.rejected[exc.reason] += 1
-            _log.warning("ignoring registration %r: %s", mark[0], exc)
-            return None
+    # --- the watcher's sink ----------------------------------------------------------------
+    def reset(self, items: Mapping[str, DaemonInfo]) -> None:
+        def replace(members: dict[str, DaemonInfo]) -> None:
+            members.clear()
+            members.update(items)
+        self._update(replace)
 
-    def _defer_departure(self, node_id: str) -> bool:
-        """Start (or keep running) the grace of a member whose key vanished; False when it is
-        no member or there is no grace (then it goes now). On the loop."""
-        if self._grace <= 0:
-            return False
-        with self._lock:
-            if node_id not in self._members:
-                return False
-        if node_id not in self._leaving:
-            self._leaving[node_id] = asyncio.get_running_loop().call_later(
-                self._grace, self._depart, node_id)
-        return True
+    def put(self, name: str, item: DaemonInfo) -> None:
+        self._update(lambda members: members.__setitem__(name, item))
 
-    def _cancel_departure(self, node_id: str) -> None:
-        """Its key is back (or replaced): no departure pending any more."""
-        if (timer := self._leaving.pop(node_id, None)) is not None:
-            timer.cancel()
-
-    def _depart(self, node_id: str) -> None:
-        """The grace ran out without the key coming back."""
-        self._leaving.pop(node_id, None)
-        self._update(_remover(node_id))
+    def delete(self, name: str, revision: int) -> None:
+        self._update(lambda members: members.pop(name, None))
 
     def _update(self, change: Callable[[dict[str, DaemonInfo]], object]) -> None:
         with self._lock:
@@ -281,25 +182,6 @@ class MembershipWatcher:
                 listener(snapshot)
             except Exception:  # a listener's bug must not stop discovery
                 _log.exception("membership listener failed")
-
-
-def _setter(info: DaemonInfo) -> Callable[[dict[str, DaemonInfo]], None]:
-    def change(members: dict[str, DaemonInfo]) -> None:
-        members[info.node_id] = info
-    return change
-
-
-def _remover(node_id: str) -> Callable[[dict[str, DaemonInfo]], None]:
-    def change(members: dict[str, DaemonInfo]) -> None:
-        members.pop(node_id, None)
-    return change
-
-
-def _replacer(new: dict[str, DaemonInfo]) -> Callable[[dict[str, DaemonInfo]], None]:
-    def change(members: dict[str, DaemonInfo]) -> None:
-        members.clear()
-        members.update(new)
-    return change
 
 
 class EtcdDiscovery:
