@@ -21,6 +21,7 @@ import logging
 import os
 import signal
 import socket
+from dataclasses import replace
 from typing import Any
 
 from kvstore.errors import ConfigError
@@ -96,7 +97,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     serve.add_argument("--max-sessions", type=int, default=None,
                        help="session bindings in all (default 1000000)")
     serve.add_argument("--max-sessions-per-tenant", type=int, default=None,
-                       help="session bindings per API-key tenant (default: --max-sessions)")
+                       help="session bindings per API-key tenant (default: a tenth of "
+                            "--max-sessions; without API keys, --max-sessions)")
     serve.add_argument("--max-body-bytes", type=int, default=8 << 20)
     serve.add_argument("--session-ttl", type=float, default=3600.0, metavar="SECONDS")
     serve.add_argument("--stream-idle-timeout", type=float, default=30.0, metavar="SECONDS")
@@ -181,6 +183,9 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     limit_flags = {"max_sessions": args.max_sessions,
                    "max_sessions_per_tenant": args.max_sessions_per_tenant}
     limits = resolve_limits(file, {k: v for k, v in limit_flags.items() if v is not None})
+    if keys is None and limits.max_sessions_per_tenant is None:
+        # Without API keys every session is the one tenant's: its cap is the total.
+        limits = replace(limits, max_sessions_per_tenant=limits.max_sessions)
     allow = args.allow_workers or (file.workers_allow if file is not None else None) or ()
     return RouterConfig(
         host=host or "0.0.0.0", port=int(port), etcd_url=etcd_spec_from_args(args),

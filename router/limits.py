@@ -6,7 +6,10 @@ KV events, or a hostile worker, costs the router at most what these say:
 
 - sessions: `max_sessions` bindings in all and `max_sessions_per_tenant` per API-key tenant
   (counted over the bindings every replica shares, plus this replica's not yet accepted ones);
-  a new session past either is a 429 that says which limit it hit;
+  a new session past either is a 429 that says which limit it hit. Unset, a tenant may hold a
+  tenth of `max_sessions` (`TENANT_SHARE`), so one tenant opening sessions until the total is
+  reached cannot lock every other tenant out of new ones (trust-review M10); a router without
+  API keys has one tenant, whose cap is the total (`kvkeep router serve` sets that);
 - the prefix indexes: `kv_blocks_per_worker` entries per worker from its KV events (about
   300 B each), `shared_kv_blocks` for a shared store's blocks, `history_keys` prefix keys of
   routing history, `session_block_keys` token-block keys of sessions' last turns in all;
@@ -35,17 +38,21 @@ import aiohttp
 from kvstore.errors import ConfigError
 from router.errors import UpstreamTooLarge
 
-__all__ = ["Limits", "TokenBucket", "read_capped", "METRICS_MAX_BYTES", "MODELS_MAX_BYTES"]
+__all__ = ["Limits", "TokenBucket", "read_capped", "METRICS_MAX_BYTES", "MODELS_MAX_BYTES",
+           "TENANT_SHARE"]
 
 METRICS_MAX_BYTES = 4 << 20
 """A worker's `/metrics` page (vLLM's is some tens of KiB)."""
 MODELS_MAX_BYTES = 1 << 20
 """A worker's `/v1/models` answer."""
+TENANT_SHARE = 10
+"""Without `max_sessions_per_tenant`, a tenant may hold `max_sessions // TENANT_SHARE`."""
 
 
 @dataclass(frozen=True, slots=True)
 class Limits:
-    """See the module docstring. `max_sessions_per_tenant` None: `max_sessions`."""
+    """See the module docstring. `max_sessions_per_tenant` None: a tenth of `max_sessions`
+    (at least 1)."""
 
     max_sessions: int = 1_000_000
     max_sessions_per_tenant: int | None = None
@@ -72,8 +79,9 @@ class Limits:
 
     @property
     def sessions_per_tenant(self) -> int:
-        return self.max_sessions if self.max_sessions_per_tenant is None \
-            else min(self.max_sessions_per_tenant, self.max_sessions)
+        if self.max_sessions_per_tenant is None:
+            return max(1, self.max_sessions // TENANT_SHARE)
+        return min(self.max_sessions_per_tenant, self.max_sessions)
 
 
 @dataclass(slots=True)

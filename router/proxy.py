@@ -22,7 +22,11 @@ With API keys (`router/tenants.py`) every `/v1/` and `/kvkeep/` request needs a 
 names its tenant: the request is admitted for that tenant (`router/admission.py`: its cache
 salt, the `kv_transfer_params` a client may set), it may use only its own sessions (another
 tenant's is a 404, on generation as on `/kvkeep/sessions/{id}`), and `/kvkeep/workers`
-(worker addresses and load) is an operator's (`*` key) only.
+(worker addresses and load) is an operator's (`*` key) only. So are `/metrics` (its counters
+tell one tenant about another's traffic: the tokenize cache's hits were an exact-prompt oracle,
+trust-review M11) and `/health`'s detail (sessions, workers, indexes): without an operator's
+key `/health` answers `{"status": "ok"}` alone, which is all a liveness or readiness probe
+needs.
 """
 
 from __future__ import annotations
@@ -125,16 +129,21 @@ class Proxy:
     async def _auth(self, request: web.Request, handler: _Handler) -> web.StreamResponse:
         keys = self.service.config.api_keys
         tenant = DEFAULT_TENANT
-        if keys and request.path.startswith(("/v1/", "/kvkeep/")):
+        if keys and (request.path.startswith(("/v1/", "/kvkeep/")) or request.path == "/metrics"):
             found = bearer_tenant(keys, request.headers.get("Authorization"))
             if found is None:
                 raise Unauthorized("invalid or missing API key")
             tenant = found
+        elif keys and request.path == "/health":
+            # Open to probes, in detail for operators only: "" is nobody's tenant.
+            tenant = bearer_tenant(keys, request.headers.get("Authorization")) or ""
         request[_TENANT] = tenant
         return await handler(request)
 
     # --- simple endpoints ------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
+        if self.service.config.api_keys and request[_TENANT] != OPERATOR:
+            return web.json_response({"status": "ok"})
         status = self.service.core.status()
         return web.json_response({
             "status": "ok", "state": self.service.backend.name,
@@ -144,6 +153,8 @@ class Proxy:
             "kv_events_applied": status.kv_events_applied})
 
     async def metrics(self, request: web.Request) -> web.Response:
+        if self.service.config.api_keys and request[_TENANT] != OPERATOR:
+            raise Forbidden("the router's metrics are for operator keys")
         return web.Response(body=self.service.metrics.render(),
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
 

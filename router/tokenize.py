@@ -88,7 +88,9 @@ class TokenizeSpec:
 @dataclass(frozen=True, slots=True)
 class TokenizeInput:
     """What to send to `/tokenize` for one request, and the cache key of its answer (a digest
-    of that body: equal keys, equal ids)."""
+    of that body and of the request's tenant and cache salt: equal keys, equal ids, and one
+    tenant never hits another's entry, so neither a hit counter nor the time a cached prompt
+    saves tells a tenant what another sent, trust-review M11)."""
 
     key: bytes
     body: dict[str, Any]
@@ -125,7 +127,13 @@ def tokenize_input(creq: ClientRequest) -> TokenizeInput | None:
     except (TypeError, ValueError):
         return None
     tag = b"c" if creq.endpoint is Endpoint.COMPLETIONS else b"m"
-    return TokenizeInput(tag + xxhash.xxh3_128_digest(encoded), request)
+    # Who asks is part of the key (not of the body sent): the tenant, and the salt (without
+    # API keys one tenant, whose clients may still keep caches apart with salts of their own).
+    owner = _DUMPS([creq.tenant, creq.cache_salt]).encode("utf-8", "surrogatepass")
+    digest = xxhash.xxh3_128(owner)
+    digest.update(b"\x00")
+    digest.update(encoded)
+    return TokenizeInput(tag + digest.digest(), request)
 
 
 def _text_only(message: object) -> bool:

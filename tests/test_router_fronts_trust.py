@@ -88,6 +88,13 @@ class BareEnvoy(Envoy):
         self._first = False
 
 
+def _envoy(env: Env, mode: str) -> Envoy:
+    """An Envoy stream in body mode `mode` (its name), or one without protocol_config."""
+    if mode == "unknown":
+        return BareEnvoy(env)
+    return Envoy(env, body_mode=Mode.BodySendMode.Value(mode))
+
+
 def _first_answer(envoy: Envoy, path: str, *, method: str = "POST", eos: bool = False,
                   **extra: str) -> Any:
     envoy.send(request_headers=headers(path, method=method, eos=eos, **extra))
@@ -124,8 +131,7 @@ def test_ext_proc_authenticates_on_the_headers_whatever_the_body_mode(env: Env,
     request_body_mode NONE with headers that do not end the stream got an empty
     HeadersResponse, no 401, and the client's own destination header was honoured)."""
     for auth in ({}, {"authorization": "Bearer wrong-key-0123456789"}):
-        envoy = BareEnvoy(env) if mode == "unknown" else Envoy(env,
-                                                               body_mode=Mode.BodySendMode.Value(mode))
+        envoy = _envoy(env, mode)
         answer = _first_answer(envoy, "/v1/chat/completions",
                                **{"x-gateway-destination-endpoint": "127.0.0.1:1"}, **auth)
         assert answer.immediate_response.status.code == 401, (mode, auth)
@@ -136,14 +142,14 @@ def test_ext_proc_authenticates_on_the_headers_whatever_the_body_mode(env: Env,
 def test_body_modes_that_hide_the_body_cannot_pick(env: Env, mode: str) -> None:
     """H5.3: a request with a body in a mode where the picker never sees (or cannot rewrite)
     it is refused, not passed on with the client's salt and kv_transfer_params."""
-    envoy = BareEnvoy(env) if mode == "unknown" else Envoy(env, body_mode=Mode.BodySendMode.Value(mode))
+    envoy = _envoy(env, mode)
     answer = _first_answer(envoy, "/v1/chat/completions", **_auth("alice"))
     immediate = answer.immediate_response
     assert immediate.status.code == 500
     assert "cannot carry a pick" in json.loads(immediate.body)["error"]["message"]
     envoy.cancel()
     # Without a body there is nothing to rewrite: picked on the headers, as before.
-    envoy = BareEnvoy(env) if mode == "unknown" else Envoy(env, body_mode=Mode.BodySendMode.Value(mode))
+    envoy = _envoy(env, mode)
     answer = _first_answer(envoy, "/v1/models", method="GET", eos=True, **_auth("alice"))
     assert "x-gateway-destination-endpoint" in set_headers(answer.request_headers.response)
     envoy.cancel()
@@ -268,3 +274,94 @@ def test_the_http_front_sets_the_keyed_salt(env: Env) -> None:
     sent = [w.requests[-1] for w, n in zip(env.workers.values(), worker_requests, strict=True)
             if len(w.requests) > n]
     assert [s["cache_salt"] for s in sent] == [TENANTS.cache_salt("alice")]
+
+
+# --- M11: no cross-tenant exact-prompt oracle --------------------------------------------------
+def test_one_tenants_tokenized_prompt_is_no_hit_for_another() -> None:
+    """M11: bob sends P; alice sending P again is a tokenize-cache miss (the counter does not
+    move, and the worker is asked again), while bob's own repeat is a hit."""
+    import asyncio
+
+    from router.admission import admit
+    from router.api import Endpoint, parse_request
+    from tests.test_router_tokenize import StandIn, _with_stand_ins
+
+    def request(tenant: str, prompt: str) -> Any:
+        raw = json.dumps({"model": "m", "prompt": prompt}).encode()
+        return admit(parse_request(Endpoint.COMPLETIONS, raw, None), tenant, keys=TENANTS)
+
+    async def go() -> None:
+        stand_in = StandIn()
+        tok, http, _ = await _with_stand_ins(stand_in)
+        cached = tok.outcomes.labels("cached")
+        try:
+            secret = "a templated question about my diagnosis"
+            assert (await tok.features(request("bob", secret))).prompt_tokens is not None
+            assert cached._value.get() == 0 and len(stand_in.calls) == 1
+            assert (await tok.features(request("alice", secret))).prompt_tokens is not None
+            assert cached._value.get() == 0 and len(stand_in.calls) == 2  # no hit for her
+            await tok.features(request("bob", secret))
+            assert cached._value.get() == 1 and len(stand_in.calls) == 2  # his own entry
+        finally:
+            await http.close()
+            assert stand_in.runner is not None
+            await stand_in.runner.cleanup()
+
+    asyncio.run(go())
+
+
+def test_metrics_and_health_detail_are_an_operators(env: Env) -> None:
+    """M11: with API keys `/metrics` needs an operator's key (401 without a key, 403 with a
+    tenant's), and `/health` tells anyone else only that the router is up."""
+    url = env.router.url
+    auth = {who: {"Authorization": f"Bearer {key}"} for who, key in KEYS.items()}
+    assert httpx.get(f"{url}/metrics", timeout=10).status_code == 401
+    assert httpx.get(f"{url}/metrics", headers=auth["alice"], timeout=10).status_code == 403
+    metrics = httpx.get(f"{url}/metrics", headers=auth["ops"], timeout=10)
+    assert metrics.status_code == 200 and "kvkeep_router_requests_total" in metrics.text
+    for headers_ in ({}, auth["alice"], {"Authorization": "Bearer wrong-key-0123456789"}):
+        bare = httpx.get(f"{url}/health", headers=headers_, timeout=10)
+        assert bare.status_code == 200 and bare.json() == {"status": "ok"}
+    detail = httpx.get(f"{url}/health", headers=auth["ops"], timeout=10).json()
+    assert detail["status"] == "ok" and detail["workers"]["usable"] == 2
+
+
+# --- M10: one tenant cannot take every session -------------------------------------------------
+def test_one_tenant_cannot_use_up_every_new_session(tmp_path: Path) -> None:
+    """M10 (the review's probe): with `--max-sessions 50` and API keys, tenant A opening 50
+    sessions is stopped at its own share, and B's first new session is served; without keys
+    the one tenant may use the whole total."""
+    import random
+
+    from kvstore.keys import SessionId
+    from router.core import RouterCore
+    from router.decision import RequestFeatures
+    from router.errors import TooManySessions
+    from router.hooks import Outcome
+    from router.policy import build_policy
+    from router.workers import WorkerInfo
+
+    keyed = _config("--max-sessions", "50", "--api-keys", str(_key_file(tmp_path))).limits
+    assert keyed.sessions_per_tenant == 5
+    assert _config("--max-sessions", "50").limits.sessions_per_tenant == 50
+    assert _config("--max-sessions", "50", "--max-sessions-per-tenant", "20",
+                   "--api-keys", str(_key_file(tmp_path))).limits.sessions_per_tenant == 20
+    core = RouterCore(build_policy("kvkeep", rng=random.Random(0)), block_size=4,
+                      limits=keyed)
+    for i in range(3):
+        core.add_worker(WorkerInfo(WorkerId(f"w{i}"), f"sim://w{i}", ("m",)))
+
+    def open_session(tenant: str, sid: str) -> None:
+        p = core.place_now(core.route(RequestFeatures("m", SessionId(sid), tenant=tenant)))
+        core.finish(p, Outcome(ok=True))
+
+    opened = 0
+    for i in range(50):
+        try:
+            open_session("alice", f"a{i}")
+            opened += 1
+        except TooManySessions as exc:
+            assert "max_sessions_per_tenant 5" in exc.message
+    assert opened == 5
+    open_session("bob", "b0")  # not a 429
+    assert core.sessions.owned_by("bob") == 1

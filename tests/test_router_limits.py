@@ -159,17 +159,24 @@ def test_sessions_are_capped_per_tenant_and_in_total(env: Env) -> None:
     assert env.metric("kvkeep_router_sessions_refused_total", {"limit": "total"}) >= 1
 
 
-def test_an_endless_answer_body_fails_the_worker_not_the_router(env: Env) -> None:
-    """A worker streaming a never-ending unary body is cut off at `max_response_bytes`, counted,
-    and the request goes to the other worker."""
+def test_an_endless_answer_body_is_cut_off_and_refused(env: Env) -> None:
+    """A worker streaming a never-ending unary body is cut off at `max_response_bytes` and
+    counted. A 2xx answer over the cap is what the client sized (`n`, `max_tokens`,
+    `logprobs`: trust review H1), so it is the client's 413, not tried again elsewhere, and the
+    worker is not marked: its next answer is served."""
     r0 = env.post("alice", "endless")
-    home = env.a if r0.headers["X-KVKeep-Worker"] == "a" else env.b
+    name = r0.headers["X-KVKeep-Worker"]
+    home = env.a if name == "a" else env.b
     home.endless_body = True
     before = env.metric("kvkeep_router_upstream_oversize_total", {"what": "body"})
     r = env.post("alice", "endless", max_tokens=4)
-    assert r.status_code == 200 and r.headers["X-KVKeep-Failover"] == "1"
-    assert r.json()["choices"][0]["text"] == text_of(fake_generate(fake_tokenize("p"), 4))
+    assert r.status_code == 413 and r.json()["error"]["type"] == "invalid_request_error"
     assert env.metric("kvkeep_router_upstream_oversize_total", {"what": "body"}) == before + 1
+    assert all(env.service.core.usable(w) for w in env.service.core.workers())
+    home.endless_body = False
+    r = env.post("alice", "endless", max_tokens=4)
+    assert r.status_code == 200 and r.headers["X-KVKeep-Worker"] == name
+    assert r.json()["choices"][0]["text"] == text_of(fake_generate(fake_tokenize("p"), 4))
 
 
 def test_an_endless_sse_line_breaks_the_stream_and_it_resumes(env: Env) -> None:
@@ -244,7 +251,7 @@ def test_sessions_are_capped_in_the_core_too() -> None:
 
 def test_a_pending_session_is_bound_on_accept_and_a_lost_race_follows_the_winner() -> None:
     core = RouterCore(build_policy("kvkeep", rng=random.Random(0)), bind_on_accept=True,
-                      limits=Limits(max_sessions=2))
+                      limits=Limits(max_sessions=2, max_sessions_per_tenant=2))
     for i in range(3):
         core.add_worker(WorkerInfo(WorkerId(f"w{i}"), f"sim://w{i}", ("m",)))
     sid = SessionId("raced")

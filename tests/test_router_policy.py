@@ -50,7 +50,7 @@ def test_the_shipped_example_spells_out_the_default_policy() -> None:
     # and every limit, at its default; an empty allow-list is the loopback default
     assert set(given.limits) == {f.name for f in dataclasses.fields(Limits)}
     assert _config("--policy-config", str(EXAMPLE)).limits == Limits(
-        max_sessions_per_tenant=Limits().max_sessions)
+        max_sessions_per_tenant=Limits().sessions_per_tenant)
     assert not _config("--policy-config", str(EXAMPLE)).workers_allow.configured
     built = given.resolve().build(random.Random(0))
     assert [type(f) for f in built.soft_filters] == [GpuFilter]

@@ -232,7 +232,8 @@ def test_tenants_never_share_vllms_prefix_cache(cluster: Cluster) -> None:
     salt, steers her next request to that worker), never to bob, even when bob's request lands
     on alice's worker and names her salt itself."""
     keys = cluster.logs / "api-keys"
-    keys.write_text("".join(f"{k} {t}\n" for t, k in TENANT_KEYS.items()))
+    keys.write_text("".join(f"{k} {t}\n" for t, k in TENANT_KEYS.items())
+                    + "operator-key-0123456789 *\n")  # /health's detail is an operator's
     port = free_port()
     cluster.router_ports["T"] = port
     cluster.routers["T"] = spawn_cli(["router", "serve", "--listen", f"127.0.0.1:{port}",
@@ -243,8 +244,9 @@ def test_tenants_never_share_vllms_prefix_cache(cluster: Cluster) -> None:
     def auth(who: str) -> dict[str, str]:
         return {"Authorization": f"Bearer {TENANT_KEYS[who]}"}
 
-    wait_until(lambda: _quiet(lambda: http.get("/health").json()["workers"]["usable"]) == 2,
-               timeout=30)
+    ops = {"Authorization": "Bearer operator-key-0123456789"}
+    wait_until(lambda: _quiet(lambda: http.get("/health", headers=ops).json()["workers"][
+        "usable"]) == 2, timeout=30)
     # The salt the router keys for alice (from her key's digest, as the router computes it).
     salt_of_alice = ApiKeys({k: t for t, k in TENANT_KEYS.items()}).cache_salt("alice")
     colocated = 0
