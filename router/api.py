@@ -18,10 +18,13 @@ from router.decision import RequestFeatures
 from router.errors import BadRequest, InvalidSessionId
 from router.tenants import DEFAULT_TENANT
 
-__all__ = ["Endpoint", "ClientRequest", "parse_request", "SESSION_HEADER", "SESSION_FIELD"]
+__all__ = ["Endpoint", "ClientRequest", "parse_request", "max_new_tokens", "SESSION_HEADER",
+           "SESSION_FIELD", "COMPLETIONS_DEFAULT_MAX_TOKENS"]
 
 SESSION_HEADER = "X-Session-Id"
 SESSION_FIELD = "session_id"
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+"""vLLM's `max_tokens` for a completions request that gives none (or null)."""
 # Fields that make a resumed continuation differ from the original stream, or that the
 # completions endpoint a resumption uses cannot carry. (Structured output would restart its
 # grammar at the resent tokens; tools need the chat template's parsing of the whole answer.)
@@ -49,6 +52,7 @@ class ClientRequest:
     prompt_text: str
     prompt_tokens: tuple[int, ...] | None
     max_tokens: int | None
+    """New tokens each choice may have, as the worker reads the request (`max_new_tokens`)."""
     resumable: bool
     logprobs: int | None = None
     """Top log-probabilities asked per token (0: the sampled token's only); None: none asked.
@@ -59,12 +63,16 @@ class ClientRequest:
     strip_stops: bool = False
     """The router asked workers to keep stop strings in the text and drops them itself
     (`router/admission.py`)."""
+    n: int = 1
+    """Choices asked per prompt (each bounded by `max_tokens` on its own)."""
 
     @property
     def features(self) -> RequestFeatures:
         """What routing needs of this request."""
+        # Load counts every choice's tokens: n choices cost the worker n times the decode.
+        new = None if self.max_tokens is None else self.max_tokens * self.n
         return RequestFeatures(self.model, self.session_id, self.prompt_tokens, self.prompt_text,
-                               self.max_tokens, tenant=self.tenant, cache_salt=self.cache_salt)
+                               new, tenant=self.tenant, cache_salt=self.cache_salt)
 
     @property
     def estimated_tokens(self) -> int:
@@ -99,13 +107,7 @@ def parse_request(endpoint: Endpoint, raw: bytes, header_session: str | None) ->
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise BadRequest("`n` must be a positive integer", param="n")
 
-    max_field = "max_tokens"
-    max_tokens = body.get("max_tokens")
-    if endpoint is Endpoint.CHAT and max_tokens is None:
-        max_field, max_tokens = "max_completion_tokens", body.get("max_completion_tokens")
-    if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)
-                                   or max_tokens < 0):
-        raise BadRequest(f"`{max_field}` must be a non-negative integer", param=max_field)
+    max_tokens = max_new_tokens(endpoint, body)
 
     if endpoint is Endpoint.CHAT:
         prompt_text, prompt_tokens = _chat_prompt(body.get("messages")), None
@@ -120,7 +122,35 @@ def parse_request(endpoint: Endpoint, raw: bytes, header_session: str | None) ->
     resumable = (stream and n == 1 and single_prompt and not body.get("best_of")
                  and logprobs_ok and not any(body.get(k) for k in _NOT_RESUMABLE))
     return ClientRequest(endpoint, body, model, stream, session_id, wants_ids, include_usage,
-                         prompt_text, prompt_tokens, max_tokens, resumable, logprobs)
+                         prompt_text, prompt_tokens, max_tokens, resumable, logprobs, n=n)
+
+
+def max_new_tokens(endpoint: Endpoint, body: dict[str, Any]) -> int | None:
+    """The most tokens the worker may generate for each choice, read as vLLM 0.32 reads the
+    request (None: as many as the model's context leaves).
+
+    Chat takes `max_completion_tokens` over `max_tokens` (vLLM's chat serving code; OpenAI
+    deprecated `max_tokens` for chat); completions know only `max_tokens`, and vLLM gives a
+    missing or null one its default of 16. The bound is per choice: `n` choices (and each
+    prompt of a batch) may each generate this many. `min_tokens`, `ignore_eos` and
+    `stop_token_ids` never raise it (vLLM refuses `min_tokens` over it; a stop token counts
+    within it). Reading this differently from the worker would make an honest worker look
+    as if it overran the stream (trust review H1).
+    """
+    fields = ("max_completion_tokens", "max_tokens") if endpoint is Endpoint.CHAT \
+        else ("max_tokens",)
+    found: int | None = None
+    for name in fields:
+        value = body.get(name)
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise BadRequest(f"`{name}` must be a non-negative integer", param=name)
+        if found is None:
+            found = value
+    if found is None and endpoint is Endpoint.COMPLETIONS:
+        return COMPLETIONS_DEFAULT_MAX_TOKENS
+    return found
 
 
 def _logprobs(endpoint: Endpoint, body: dict[str, Any]) -> tuple[int | None, bool]:

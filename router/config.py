@@ -48,8 +48,11 @@ class RouterConfig:
     - `etcd_url` None: in-process state, one replica only; a URL or an `EtcdSpec` (TLS,
       client certificate, user auth: kvstore/etcd/spec.py) otherwise.
     - `session_ttl_s`: a binding unused this long is forgotten.
-    - `stream_idle_timeout_s`: a worker silent this long mid-stream counts as broken (hung, not
-      dead: a SIGSTOPped worker keeps its socket open).
+    - `stream_idle_timeout_s`: a worker silent this long mid-stream, once its first bytes came,
+      counts as broken (hung, not dead: a SIGSTOPped worker keeps its socket open).
+    - `first_byte_timeout_s`: how long a stream may wait for its worker's first bytes (queued
+      behind others, or prefilling a long prompt); passing it is a soft failure of the worker
+      (trust review M8), and the stream starts again elsewhere.
     - `request_timeout_s`: the whole of a non-streaming request (silent until it is done).
     - `max_resumes`: how many times one stream may move before the client gets an error event.
     - `block_size`: tokens per KV block on the workers, for precise prefix keys.
@@ -73,6 +76,7 @@ class RouterConfig:
     scrape_interval_s: float = 0.5
     connect_timeout_s: float = 2.0
     stream_idle_timeout_s: float = 30.0
+    first_byte_timeout_s: float = 300.0
     request_timeout_s: float = 600.0
     max_attempts: int = 3
     max_resumes: int = 2
@@ -98,6 +102,8 @@ class RouterConfig:
             raise ConfigError("max body must be at least 1 KiB")
         if self.block_size < 1:
             raise ConfigError("block size must be positive")
+        if self.first_byte_timeout_s <= 0 or self.stream_idle_timeout_s <= 0:
+            raise ConfigError("stream timeouts must be positive")
         if self.etcd_url is not None and self.static_workers:
             raise ConfigError("--worker is for the in-process state; with etcd, run "
                               "`kvkeep worker` beside each vLLM server")

@@ -19,8 +19,17 @@ another replica bound the session meanwhile, a stream (nothing relayed yet) is c
 to the winner's worker instead, so replicas never split a session; a finished unary answer is
 kept, and the session's next turn goes to the winner.
 
-What a worker sends back is bounded (`router/limits.py`): a non-streaming answer or error
-body over `max_response_bytes` is that worker's failure (tried elsewhere), never read whole.
+What a worker sends back is bounded (`router/limits.py`), and what the client sized is the
+client's (trust review H1): a 2xx answer over `max_response_bytes` is the client's 413 (its
+`n`, `max_tokens` and `logprobs` made it that large; another worker would make it as large),
+the worker left usable; an error body over it is the worker's failure, never read whole.
+
+What is the worker's fault, and how much: a connection it refused or dropped, and a redirect,
+fail it hard (suspect at once); a 5xx, or no answer before the deadline (for a stream the
+time-to-first-byte deadline, which allows for queueing and long prefills: trust review M8),
+soft (counted; suspect after repeated ones). A redirect is never followed (trust review H3:
+aiohttp would follow it, turning the POST into a GET of any URL the worker names, and hand
+that body to the client), and never relayed.
 """
 
 from __future__ import annotations
@@ -36,7 +45,7 @@ import aiohttp
 from router.api import ClientRequest
 from router.core import RouterCore
 from router.decision import Placement
-from router.errors import UpstreamError, UpstreamTooLarge
+from router.errors import PayloadTooLarge, UpstreamError, UpstreamTooLarge
 from router.hooks import FAILED, Outcome
 from router.limits import Limits, read_capped
 from router.tokenize_client import PromptTokenizer
@@ -66,6 +75,8 @@ class Attempt:
     data: bytes = b""
     content_type: str = ""
     finished: bool = False
+    first_byte_by: float | None = None
+    """The loop time by which a stream's first bytes are due (None: no deadline)."""
 
     @property
     def worker(self) -> WorkerId:
@@ -73,19 +84,26 @@ class Attempt:
 
 
 class Dispatcher:
-    __slots__ = ("core", "http", "limits", "max_attempts", "stream_timeout", "tokenizer",
-                 "unary_timeout")
+    __slots__ = ("core", "first_byte_timeout_s", "http", "idle_timeout_s", "limits",
+                 "max_attempts", "stream_timeout", "tokenizer", "unary_timeout")
 
     def __init__(self, core: RouterCore, http: aiohttp.ClientSession, *, max_attempts: int,
                  stream_timeout: aiohttp.ClientTimeout,
                  unary_timeout: aiohttp.ClientTimeout, limits: Limits | None = None,
-                 tokenizer: PromptTokenizer | None = None) -> None:
+                 tokenizer: PromptTokenizer | None = None,
+                 first_byte_timeout_s: float | None = None,
+                 idle_timeout_s: float | None = None) -> None:
+        """`stream_timeout` bounds connecting (its reads are the two deadlines below);
+        `first_byte_timeout_s`: a stream's headers and first bytes, from sending it;
+        `idle_timeout_s`: a stream's silences after that (`streaming/relay.py`)."""
         self.core = core
         self.http = http
         self.limits = limits or core.limits
         self.max_attempts = max_attempts
         self.stream_timeout = stream_timeout
         self.unary_timeout = unary_timeout
+        self.first_byte_timeout_s = first_byte_timeout_s
+        self.idle_timeout_s = idle_timeout_s
         self.tokenizer = tokenizer
         """Gives text prompts their token ids for the precise prefix (None: text keys only)."""
 
@@ -114,28 +132,53 @@ class Dispatcher:
                 self.finish(attempt)
                 continue
             path, body = build(attempt.placement)
+            if stream and self.first_byte_timeout_s is not None:
+                attempt.first_byte_by = asyncio.get_running_loop().time() \
+                    + self.first_byte_timeout_s
             try:
-                resp = await self.http.post(
-                    worker.info.url + path, data=_DUMPS(body).encode(), headers=_JSON,
-                    timeout=self.stream_timeout if stream else self.unary_timeout)
-                attempt.status, attempt.content_type = resp.status, resp.content_type
-                if stream and resp.status == 200:
-                    attempt.resp = resp
-                else:
-                    try:
-                        attempt.data = await read_capped(resp, self.limits.max_response_bytes,
-                                                         f"the answer of {attempt.worker}")
-                    finally:
-                        resp.release()
-            except (*UPSTREAM_ERRORS, UpstreamTooLarge) as exc:
-                if isinstance(exc, UpstreamTooLarge):
-                    self.core.metrics.upstream_oversize.labels("body").inc()
+                async with asyncio.timeout_at(attempt.first_byte_by):
+                    resp = await self.http.post(
+                        worker.info.url + path, data=_DUMPS(body).encode(), headers=_JSON,
+                        timeout=self.stream_timeout if stream else self.unary_timeout,
+                        allow_redirects=False)
+                    attempt.status, attempt.content_type = resp.status, resp.content_type
+                    if 300 <= resp.status < 400:
+                        resp.close()  # its body and Location are the worker's: neither used
+                    elif stream and resp.status == 200:
+                        attempt.resp = resp
+                    else:
+                        try:
+                            attempt.data = await read_capped(
+                                resp, self.limits.max_response_bytes,
+                                f"the answer of {attempt.worker}")
+                        finally:
+                            resp.release()
+            except UpstreamTooLarge as exc:
+                self.core.metrics.upstream_oversize.labels("body").inc()
+                if 200 <= attempt.status < 300:
+                    self.close(attempt)
+                    raise PayloadTooLarge(
+                        f"the answer is larger than this router relays ({exc}); ask for less "
+                        "(fewer choices `n`, a lower `max_tokens`, fewer `top_logprobs`)"
+                    ) from exc
                 last = f"{attempt.worker}: {type(exc).__name__}: {exc}"
                 self.failed(attempt, tried, hard=True)
+                continue
+            except UPSTREAM_ERRORS as exc:
+                # No answer in time: busy (queued, prefilling, a long generation), not known
+                # dead; a refused, dropped or never accepted connection is.
+                busy = isinstance(exc, TimeoutError) \
+                    and not isinstance(exc, aiohttp.ConnectionTimeoutError)
+                last = f"{attempt.worker}: {type(exc).__name__}: {exc}"
+                self.failed(attempt, tried, hard=not busy)
                 continue
             except BaseException:  # cancelled (the client left): not the worker's failure
                 self.close(attempt)
                 raise
+            if 300 <= attempt.status < 400:
+                last = f"{attempt.worker}: HTTP {attempt.status} (a redirect: never followed)"
+                self.failed(attempt, tried, hard=True)
+                continue
             if attempt.status in RETRYABLE_STATUS:
                 last = f"{attempt.worker}: HTTP {attempt.status}"
                 if attempt_no < self.max_attempts:

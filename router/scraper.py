@@ -74,8 +74,8 @@ class Scraper:
     async def _scrape(self, state: WorkerState) -> None:
         url = f"{state.info.url}/metrics"
         try:
-            async with self.http.get(url, timeout=aiohttp.ClientTimeout(total=self.timeout_s)
-                                     ) as resp:
+            async with self.http.get(url, timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+                                     allow_redirects=False) as resp:
                 if resp.status != 200:
                     raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
                 raw = await read_capped(resp, METRICS_MAX_BYTES, f"{url}")

@@ -15,6 +15,7 @@ from typing import Any
 
 import aiohttp
 
+from kvstore.cluster.supervisor import supervise
 from router.agent import AgentConfig, WorkerAgent
 from router.config import RouterConfig
 from router.continuation import Continuations, ConversationRecords, StoreRecords
@@ -86,8 +87,11 @@ class RouterService:
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60),
             auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar(),
         )
-        # A stream may run for as long as it keeps producing; only silence breaks it. A unary
-        # request is silent until its whole answer is ready, so it gets a total bound instead.
+        # A stream may run for as long as it keeps producing; only silence breaks it: before
+        # its first bytes the long time-to-first-byte deadline (queueing, long prefills), then
+        # the idle timeout (both kept by the dispatcher and the relay, so aiohttp's own read
+        # timeout is off for streams). A unary request is silent until its whole answer is
+        # ready, so it gets a total bound instead.
         # Text prompts are tokenized by a worker when the policy matches token blocks.
         policy = cfg.policy
         tokenizer = PromptTokenizer(policy.tokenize, self.core.pool, self.http,
@@ -96,8 +100,10 @@ class RouterService:
         self._dispatcher = Dispatcher(
             self.core, self.http, max_attempts=cfg.max_attempts, limits=cfg.limits,
             tokenizer=tokenizer,
+            first_byte_timeout_s=cfg.first_byte_timeout_s,
+            idle_timeout_s=cfg.stream_idle_timeout_s,
             stream_timeout=aiohttp.ClientTimeout(
-                total=None, connect=cfg.connect_timeout_s, sock_read=cfg.stream_idle_timeout_s),
+                total=None, connect=cfg.connect_timeout_s, sock_read=None),
             unary_timeout=aiohttp.ClientTimeout(
                 total=cfg.request_timeout_s, connect=cfg.connect_timeout_s))
         records = self._records
@@ -110,8 +116,16 @@ class RouterService:
             self.core.blocks, cfg.limits,
             on_drop=lambda reason, n: dropped.labels(reason).inc(n))
         self.core.registry.feeds = self.subscriber
-        self._spawn(self.backend.follow_workers(self.core.registry), "follow-workers")
-        self._spawn(self.backend.follow_bindings(self.core.sessions), "follow-bindings")
+        # Supervised (kvstore/cluster/supervisor.py): a watch that died would freeze
+        # membership or bindings for good.
+        if isinstance(self.backend, EtcdBackend):
+            self.backend.export_metrics(self.metrics.registry)
+        self._spawn(supervise("follow-workers",
+                              lambda: self.backend.follow_workers(self.core.registry)),
+                    "follow-workers")
+        self._spawn(supervise("follow-bindings",
+                              lambda: self.backend.follow_bindings(self.core.sessions)),
+                    "follow-bindings")
         self._spawn(Scraper(self.core.pool, self.http, cfg.scrape_interval_s,
                             clock=self.core.clock).run(), "scraper")
         if cfg.extproc_listen is not None:

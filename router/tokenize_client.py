@@ -89,7 +89,8 @@ class PromptTokenizer:
         started = time.perf_counter()
         try:
             async with asyncio.timeout(self.spec.timeout_s):
-                async with self.http.post(worker.info.url + "/tokenize", json=given.body) as resp:
+                async with self.http.post(worker.info.url + "/tokenize", json=given.body,
+                                          allow_redirects=False) as resp:
                     data = await resp.json(content_type=None) if resp.status == 200 else None
                     status = resp.status
         except TimeoutError:

@@ -79,7 +79,8 @@ class TurnRenderer:
 
     async def _tokenize(self, url: str, body: dict[str, Any]) -> list[int]:
         try:
-            async with self._http.post(url + "/tokenize", json=body, timeout=_TIMEOUT) as resp:
+            async with self._http.post(url + "/tokenize", json=body, timeout=_TIMEOUT,
+                                       allow_redirects=False) as resp:
                 data = await resp.read()
                 status = resp.status
         except UPSTREAM_ERRORS as exc:

@@ -30,7 +30,8 @@ from router.decision import Placement
 from router.dispatch import Attempt, Dispatcher
 from router.errors import RouterError
 from router.hooks import Outcome
-from router.streaming.relay import EventTooLarge, StreamBroken, note, pump, sse
+from router.streaming.relay import EventTooLarge, FirstByteTimeout, StreamBroken, note, pump, sse
+from router.streaming.replay import Replay, ReplayMismatch, replay_refusal, replays
 from router.streaming.state import StreamOverrun, StreamState
 from router.upstream import kv_transfer_params, upstream_body
 from router.workers import WorkerId
@@ -55,9 +56,7 @@ def resume_body(state: StreamState, kv_params: dict[str, Any] | None) -> dict[st
     body: dict[str, Any] = {k: req.body[k] for k in SAMPLING_FIELDS if k in req.body}
     body.update(model=req.model, prompt=state.prompt_ids + state.generated, stream=True,
                 return_token_ids=True)
-    remaining = state.remaining_max_tokens()
-    if remaining is not None:
-        body["max_tokens"] = remaining
+    body["max_tokens"] = state.remaining_max_tokens()
     min_tokens = req.body.get("min_tokens")
     if isinstance(min_tokens, int) and min_tokens > 0:
         body["min_tokens"] = max(0, min_tokens - len(state.generated))
@@ -90,37 +89,63 @@ async def relay_stream(dispatcher: Dispatcher, creq: ClientRequest, attempt: Att
     metrics = dispatcher.core.metrics
     limits = dispatcher.limits
     state = StreamState(creq, token_cap=limits.max_stream_tokens)
+    # Structured outputs and tool calls resume by replaying the request (`replay.py`).
+    replay = Replay() if replays(creq) else None
     resumed_on: list[str] = []
     failed: str | None = None
+    failed_type, failed_code = "upstream_error", 502
     end: list[bytes] = []  # the stream's last bytes, sent with its end in one write
     try:
         while True:
             assert attempt.resp is not None
             try:
-                end.append(await pump(attempt.resp, out, state, limits.max_event_bytes))
+                end.append(await pump(attempt.resp, out, state, limits.max_event_bytes,
+                                      first_byte_by=attempt.first_byte_by,
+                                      idle_s=dispatcher.idle_timeout_s, replay=replay))
+                break
+            except ReplayMismatch as exc:
+                # Not the replaying worker's fault (decoding was not deterministic after all):
+                # it is closed, not marked. The client has only what agreed with the replay.
+                log.warning("replay of a stream on %s differs: %s", attempt.worker, exc)
+                dispatcher.close(attempt)
+                failed = f"worker failed mid-stream and the answer could not be resumed: {exc}"
+                metrics.resumptions.labels("failed").inc()
                 break
             except StreamOverrun as exc:
                 log.warning("stream from %s overran: %s", attempt.worker, exc)
                 metrics.upstream_oversize.labels("tokens").inc()
-                dispatcher.failed(attempt, tried, hard=True)
-                failed = f"worker failed mid-stream: {exc}"
+                if exc.bounded:
+                    # Past the limit the request itself set, read as vLLM reads it: the
+                    # worker's doing, but counted soft: a misreading of the request here must
+                    # never bench an honest worker (trust review H1).
+                    dispatcher.failed(attempt, tried, hard=False)
+                    failed = f"worker failed mid-stream: {exc}"
+                else:  # the client set no limit and the answer passed the router's cap
+                    dispatcher.close(attempt)
+                    failed = f"{exc}; set `max_tokens` to bound the answer"
+                    failed_type, failed_code = "invalid_request_error", 413
                 break
             except StreamBroken as exc:
                 log.warning("stream from %s broke after %d tokens: %s",
                             attempt.worker, len(state.generated), exc)
                 if isinstance(exc, EventTooLarge):
                     metrics.upstream_oversize.labels("event").inc()
+                # Silent before its first bytes: busy (queued, prefilling), not known dead.
+                hard = not isinstance(exc, FirstByteTimeout)
                 if state.finish_reason is not None:  # only the end was lost: finish it here
                     dispatcher.finish(attempt, _delivered(state))
-                    dispatcher.failed(attempt, tried, hard=True)
+                    dispatcher.failed(attempt, tried, hard=hard)
                     break
-                dispatcher.failed(attempt, tried, hard=True)
-                why = state.resumable_now()
-                if not creq.resumable or len(resumed_on) >= max_resumes or why is not None:
+                dispatcher.failed(attempt, tried, hard=hard)
+                why = state.resumable_now() if replay is None else replay_refusal(creq)
+                if not (creq.resumable or replay is not None) or len(resumed_on) >= max_resumes \
+                        or why is not None:
                     failed = f"worker failed mid-stream: {exc}" + (f" ({why})" if why else "")
                     metrics.resumptions.labels("refused").inc()
                     break
-                nxt = await _continue(dispatcher, creq, state, tried, broken=attempt.worker)
+                nxt = await (_continue(dispatcher, creq, state, tried, broken=attempt.worker)
+                             if replay is None else
+                             _replay(dispatcher, creq, replay, tried, broken=attempt.worker))
                 if nxt is None:
                     failed = f"worker failed mid-stream and no other could resume: {exc}"
                     metrics.resumptions.labels("failed").inc()
@@ -129,17 +154,21 @@ async def relay_stream(dispatcher: Dispatcher, creq: ClientRequest, attempt: Att
                 resumed_on.append(attempt.worker)
                 metrics.resumptions.labels("resumed").inc()
                 await out.write(note({"resumed_on": attempt.worker,
-                                      "after_tokens": len(state.generated)}))
+                                      "after_tokens": state.completion_tokens,
+                                      **({"replay": True} if replay is not None else {})}))
         if failed is not None:
-            end.append(sse({"error": {"message": failed, "type": "upstream_error",
-                                      "param": None, "code": 502}}))
+            end.append(sse({"error": {"message": failed, "type": failed_type,
+                                      "param": None, "code": failed_code}}))
         else:
             if creq.include_usage and not state.usage_sent and state.chunk_id is not None:
                 end.append(sse(state.usage_chunk()))
             extra = await on_end(state) if on_end is not None else {}
             end.append(note({"worker": attempt.worker, "route": attempt.placement.label,
                              "resumed_on": resumed_on, "failover": bool(tried),
-                             "completion_tokens": len(state.generated), **extra}))
+                             "completion_tokens": state.completion_tokens,
+                             "choice_tokens": [state.choice_tokens.get(i, 0) for i in
+                                               range(max(state.choice_tokens, default=-1) + 1)],
+                             **extra}))
             dispatcher.finish(attempt, _delivered(state))
         end.append(b"data: [DONE]\n\n")
         # One write (and one wake-up of the client) for the summary, [DONE] and the
@@ -175,3 +204,26 @@ async def _continue(dispatcher: Dispatcher, creq: ClientRequest, state: StreamSt
         state.restarted = True
     return attempt
 
+
+
+async def _replay(dispatcher: Dispatcher, creq: ClientRequest, replay: Replay,
+                  tried: set[WorkerId], *, broken: WorkerId) -> Attempt | None:
+    """Send the client's request again to another worker, whose stream `replay` cuts to what
+    the client has not been sent (`replay.py`); None when no worker can take it."""
+    def body_for(placement: Placement) -> tuple[str, dict[str, Any]]:
+        body = upstream_body(creq, placement)
+        hint = kv_transfer_params(creq, placement, resumed_from=broken)
+        if hint is not None:  # the session's KV is where `broken` left it: restore it
+            body["kv_transfer_params"] = {**body.get("kv_transfer_params", {}), **hint}
+        return creq.endpoint.value, body
+
+    try:
+        attempt = await dispatcher.send(creq, tried, stream=True, body_for=body_for)
+    except RouterError as exc:
+        log.warning("no worker can replay a stream of %s: %s", broken, exc)
+        return None
+    if attempt.resp is None:
+        dispatcher.finish(attempt)
+        return None
+    replay.begin(attempt.worker)
+    return attempt

@@ -8,10 +8,17 @@ elsewhere); a client failure propagates (stop, free the worker).
 One SSE event is at most `max_event_bytes` (`router/limits.py`): a worker that sends a longer
 line (or an endless one) has broken its stream (`EventTooLarge`), and the router's buffer for
 the incomplete line never grows past that.
+
+Two deadlines bound a worker's silence (trust review M8): until its first bytes, the
+time-to-first-byte deadline (long: the request may wait in the worker's queue and a long prompt
+prefills before the first token), then the idle timeout between reads. Passing the first is
+`FirstByteTimeout`, a busy worker rather than a dead one (a soft failure); passing the second
+a worker that stopped mid-answer.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable
 from typing import Any
@@ -20,10 +27,11 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
+from router.streaming.replay import Replay
 from router.streaming.state import StreamState
 from router.upstream import UPSTREAM_ERRORS
 
-__all__ = ["StreamBroken", "EventTooLarge", "pump", "sse", "note"]
+__all__ = ["StreamBroken", "EventTooLarge", "FirstByteTimeout", "pump", "sse", "note"]
 
 _STD_ENCODE = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
 _Codec = tuple[Callable[[bytes], Any], Callable[[Any], bytes]]
@@ -66,6 +74,11 @@ class EventTooLarge(StreamBroken):
     """One SSE event of the worker's is over the router's limit."""
 
 
+class FirstByteTimeout(StreamBroken):
+    """The worker sent nothing of its answer before the time-to-first-byte deadline: queued
+    or prefilling, not known to be dead (a soft failure of the worker)."""
+
+
 def sse(obj: Any) -> bytes:
     """One SSE data event."""
     return b"data: " + _encode(obj, _CODECS[0][1]) + b"\n\n"
@@ -78,7 +91,8 @@ def note(obj: Any) -> bytes:
 
 
 async def pump(resp: aiohttp.ClientResponse, out: web.StreamResponse, state: StreamState,
-               max_event_bytes: int = 16 << 20) -> bytes:
+               max_event_bytes: int = 16 << 20, *, first_byte_by: float | None = None,
+               idle_s: float | None = None, replay: Replay | None = None) -> bytes:
     """Relay `resp` to `out` until the worker's `[DONE]`; raise `StreamBroken` if the worker's
     side fails first. The `[DONE]` itself is not relayed: the proxy ends the stream after its
     own summary. Returns the client's bytes for the events that came in the same read as the
@@ -89,14 +103,31 @@ async def pump(resp: aiohttp.ClientResponse, out: web.StreamResponse, state: Str
     Nothing is held back: every complete event read is written before the next read (the
     text of a stream with stop strings excepted: `stops.py`). A stop string the router found
     itself ends the relay as the `[DONE]` would (`state.ended`).
+
+    `first_byte_by`: the loop time by which the worker's first bytes must arrive (None: no
+    bound); `idle_s`: the longest silence after them (None: no bound). `replay`: the record
+    of a stream that resumes by replay (`replay.py`), which sees every chunk first.
     """
     content = resp.content
     pending = b""
+    loop = asyncio.get_running_loop()
+    first = True
     while True:
+        by = first_byte_by if first else (None if idle_s is None else loop.time() + idle_s)
         try:
-            data = await content.readany()
+            if by is None:
+                data = await content.readany()
+            else:
+                async with asyncio.timeout_at(by):
+                    data = await content.readany()
+        except TimeoutError as exc:
+            if first:
+                raise FirstByteTimeout("no answer from the worker before the first-byte "
+                                       "deadline") from exc
+            raise StreamBroken(f"the worker was silent for {idle_s} s mid-stream") from exc
         except UPSTREAM_ERRORS as exc:
             raise StreamBroken(f"{type(exc).__name__}: {exc}") from exc
+        first = False
         if not data:
             break
         if pending:
@@ -108,7 +139,7 @@ async def pump(resp: aiohttp.ClientResponse, out: web.StreamResponse, state: Str
             for line in lines:
                 if len(line) > max_event_bytes:
                     raise EventTooLarge(f"an SSE event over {max_event_bytes} bytes")
-                if _relay_line(line.rstrip(b"\r"), state, batch) or state.ended:
+                if _relay_line(line.rstrip(b"\r"), state, batch, replay) or state.ended:
                     return b"".join(batch)
             if len(pending) > max_event_bytes:
                 raise EventTooLarge(f"an SSE event over {max_event_bytes} bytes")
@@ -123,7 +154,8 @@ async def pump(resp: aiohttp.ClientResponse, out: web.StreamResponse, state: Str
     return b""
 
 
-def _relay_line(line: bytes, state: StreamState, batch: list[bytes]) -> bool:
+def _relay_line(line: bytes, state: StreamState, batch: list[bytes],
+                replay: Replay | None = None) -> bool:
     """Append the client's bytes for one SSE line to `batch`; True at the worker's [DONE]."""
     if not line.startswith(b"data:"):
         return False  # blank separators (re-added on write), comments, event names
@@ -139,6 +171,10 @@ def _relay_line(line: bytes, state: StreamState, batch: list[bytes]) -> bool:
     if isinstance(obj, dict) and "error" in obj and "choices" not in obj:
         # vLLM reports an engine failure mid-stream as an error event: a broken stream.
         raise StreamBroken(f"worker error event: {str(obj['error'])[:200]}")
+    if replay is not None and isinstance(obj, dict):
+        obj = replay.observe(obj)  # recorded, or on a replay cut to what the client lacks
+        if obj is None:
+            return False
     chunk = state.absorb(obj) if isinstance(obj, dict) else obj
     if chunk is not None:
         batch.append(b"data: " + _encode(chunk, encode) + b"\n\n")

@@ -14,8 +14,10 @@ A stream with stop strings has its text held back and its stop strings found by 
 (`stops.StopText`, see `router/streaming/stops.py`). What a stream may be resumed from is
 tracked too: a continuation needs the prompt's token ids and the ids of every token whose text
 reached the client; without them (a worker that ignores `return_token_ids`) it would replay
-the start of the answer, so it is refused instead (`resumable_now`). And a worker that sends
-more token ids than asked (or than `token_cap`) has overrun the stream (`StreamOverrun`).
+the start of the answer, so it is refused instead (`resumable_now`). Token ids are counted per
+choice index: a choice with more than the request's per-choice limit (read as vLLM reads it,
+`router.api.max_new_tokens`), or than `token_cap` when it sets none, has overrun the stream
+(`StreamOverrun`).
 """
 
 from __future__ import annotations
@@ -32,8 +34,17 @@ DEFAULT_TOKEN_CAP = 1 << 20
 
 
 class StreamOverrun(Exception):
-    """A worker sent more token ids than the stream may carry: it ends with an error, never
-    resumed (what it would resume from is what the worker got wrong)."""
+    """One choice of the stream carried more token ids than it may: the stream ends with an
+    error, never resumed (what it would resume from is what the worker got wrong).
+
+    `bounded`: the request's own limit was passed (a worker that generates past what it was
+    asked; vLLM never does when the limit is read as it reads it, `max_new_tokens`). False:
+    the request set no limit and the router's own cap (`token_cap`) was passed, an answer the
+    client sized: never the worker's failure."""
+
+    def __init__(self, message: str, *, bounded: bool) -> None:
+        super().__init__(message)
+        self.bounded = bounded
 
 
 @dataclass(slots=True)
@@ -43,6 +54,9 @@ class StreamState:
     request: ClientRequest
     prompt_ids: list[int] | None = None
     generated: list[int] = field(default_factory=list)
+    """The token ids of choice 0 (the one a stream resumes: only n = 1 streams do)."""
+    choice_tokens: dict[int, int] = field(default_factory=dict)
+    """Token ids received per choice index, each bounded by the request's per-choice limit."""
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     done: bool = False
@@ -58,7 +72,7 @@ class StreamState:
     offset_base: int = 0
     """`text_chars` when the current continuation started: its text offsets count from 0."""
     token_cap: int = DEFAULT_TOKEN_CAP
-    """Token ids a stream may carry when its request does not bound them (`max_tokens`)."""
+    """Token ids a choice may carry when its request does not bound them (`max_tokens`)."""
     content_sent: bool = False
     """Whether any generated text or token has reached the client."""
     untracked: bool = False
@@ -96,9 +110,17 @@ class StreamState:
         self.resumed = True
         self.offset_base = self.text_chars
 
-    def remaining_max_tokens(self) -> int | None:
+    def remaining_max_tokens(self) -> int:
+        """What a continuation may still generate. Without a limit in the request, the
+        router's cap: vLLM clamps it to what the model's context leaves, as it clamped the
+        original (a continuation without one would get completions' default of 16)."""
         limit = self.request.max_tokens
-        return None if limit is None else max(0, limit - len(self.generated))
+        return max(0, (self.token_cap if limit is None else limit) - len(self.generated))
+
+    @property
+    def completion_tokens(self) -> int:
+        """Token ids received over all choices."""
+        return sum(self.choice_tokens.values())
 
     def absorb(self, obj: dict[str, Any]) -> dict[str, Any] | None:
         """Record one worker chunk and return what the client should get (None: nothing)."""
@@ -121,7 +143,7 @@ class StreamState:
                 prompt = p if p is not None else prompt
             ids = choice.get("token_ids") if keep else choice.pop("token_ids", None)
             if ids:
-                self._extend(ids)
+                self._extend(choice.get("index", 0), ids)
             elif text:
                 self.untracked = True
             if self.stops is not None and choice.get("index", 0) == 0:
@@ -141,13 +163,19 @@ class StreamState:
         self.content_sent = self.content_sent or content
         return obj
 
-    def _extend(self, ids: list[int]) -> None:
-        self.generated.extend(ids)
+    def _extend(self, index: object, ids: list[int]) -> None:
+        key = index if isinstance(index, int) and not isinstance(index, bool) else 0
+        if key == 0:
+            self.generated.extend(ids)
+        count = self.choice_tokens.get(key, 0) + len(ids)
+        self.choice_tokens[key] = count
+        bounded = self.request.max_tokens is not None
         limit = self.request.max_tokens if self.request.max_tokens is not None \
             else self.token_cap
-        if len(self.generated) > limit:
-            raise StreamOverrun(f"the worker sent {len(self.generated)} tokens, more than "
-                                f"the {limit} the stream may carry")
+        if count > limit:
+            what = "the request's limit of" if bounded else "the router's cap of"
+            raise StreamOverrun(f"choice {key} of the answer has {count} tokens, over {what} "
+                                f"{limit} per choice", bounded=bounded)
 
     def _hold(self, choice: dict[str, Any], text: str, tokens: int) -> str:
         """Apply the router's stop-string handling to one choice; returns its new text."""
@@ -165,8 +193,9 @@ class StreamState:
 
     def usage(self) -> dict[str, int]:
         prompt = len(self.prompt_ids or ())
-        return {"prompt_tokens": prompt, "completion_tokens": len(self.generated),
-                "total_tokens": prompt + len(self.generated)}
+        completion = self.completion_tokens
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion}
 
     def usage_chunk(self) -> dict[str, Any]:
         self.usage_sent = True
@@ -188,7 +217,7 @@ class StreamState:
             return None
         choice = choices[0]
         ids = choice.get("token_ids") or []
-        self._extend(ids)
+        self._extend(0, ids)
         text = choice.get("text") or ""
         raw_chars = len(text)
         if self.stops is not None:
