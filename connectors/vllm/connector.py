@@ -63,6 +63,20 @@ __all__ = ["KVKeepConnector"]
 log = logging.getLogger(__name__)
 
 
+class _NoSleepMode:
+    """False however vLLM reads it: `c.supports_sleep_mode`, `c.supports_sleep_mode()`,
+    `type(c).supports_sleep_mode()`."""
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __call__(self, *args: object, **kwargs: object) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return "False"
+
+
 class KVKeepConnector(KVConnectorBase_V1):
     """Checkpoints KV blocks to a kvkeep store and restores them, verified, layer by layer."""
 
@@ -176,6 +190,13 @@ class KVKeepConnector(KVConnectorBase_V1):
         # Restores wait per layer and saves gather per layer: both must run between graph
         # pieces, or a replayed graph would attend to blocks that are still loading.
         return True
+
+    # vLLM 0.33 added sleep-mode hooks (`supports_sleep_mode`, `unregister_kv_caches`,
+    # `restore_kv_caches`) whose defaults claim support. This connector has none: a save or a
+    # restore in flight across a sleep would copy whatever the remapped memory then holds. So
+    # it says no, on every vLLM that asks. vLLM 0.33's exact signature was not available where
+    # this was written, so the answer is falsy both read as an attribute and called.
+    supports_sleep_mode = _NoSleepMode()
 
     @property
     def requires_kv_delivery(self) -> bool:
