@@ -11,6 +11,11 @@ and temperature are read beside the GPU, not across the network.
 
 `kvkeep worker` runs one against etcd; `kvkeep router serve --worker URL` without etcd runs one
 per static worker inside the router, against the in-process backend.
+
+Against etcd the lease is the control plane's lease keeper (kvstore/cluster/lease.py): each
+keepalive also reads the agent's own key back, and a value someone else wrote there (another
+URL, another lease, none) is replaced by the agent's at once. Waits between tries follow the
+one retry policy (kvstore/cluster/retry.py), capped at TTL/3.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from dataclasses import dataclass, replace
 
 import aiohttp
 
+from kvstore.cluster.retry import LOOP_RETRY, Backoff
 from router.errors import StateUnavailable, UpstreamTooLarge
 from router.gpu import read_gpu
 from router.limits import MODELS_MAX_BYTES, read_capped
@@ -63,18 +69,20 @@ class WorkerAgent:
 
     async def run(self) -> None:
         """Register while healthy, deregister while not; forever (until cancelled)."""
+        backoff = self._backoff()
         try:
             while True:
                 info = await self._wait_healthy()
                 try:
                     self._lease = await self._backend.register_worker(info, self._config.ttl_s)
                     self.registered.set()
+                    backoff.reset()
                     log.info("registered %s (%s) with a %.1fs lease", info.worker_id, info.url,
                              self._config.ttl_s)
                     await self._hold(self._lease, info)
                 except StateUnavailable as exc:
                     log.warning("state backend unavailable (%s); re-registering", exc)
-                    await asyncio.sleep(self._config.ttl_s / 3)
+                    await backoff.wait()
                 finally:
                     self.registered.clear()
         finally:
@@ -115,14 +123,16 @@ class WorkerAgent:
                 await lease.update(fresh)
                 info = fresh
 
+    def _backoff(self) -> Backoff:
+        return Backoff(LOOP_RETRY.capped(self._config.ttl_s / 3))
+
     async def _wait_healthy(self) -> WorkerInfo:
-        delay = 0.1
+        backoff = self._backoff()
         while True:
             info = await self._info() if await self._healthy() else None
             if info is not None:
                 return info
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, self._config.ttl_s / 3)
+            await backoff.wait()
 
     async def _healthy(self) -> bool:
         try:

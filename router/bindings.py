@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from kvstore.errors import ConfigError
+from kvstore.cluster.records import json_object, number, opt_text, text
+from kvstore.errors import ConfigError, UntrustedRegistration
 from kvstore.keys import SessionId
 from router.tenants import DEFAULT_TENANT
 from router.workers import WorkerId
 
-__all__ = ["Binding", "VersionedBinding"]
+__all__ = ["Binding", "MalformedBinding", "VersionedBinding"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,15 +39,38 @@ class Binding:
         ).encode()
 
     @classmethod
-    def from_json(cls, raw: bytes) -> Binding:
+    def from_json(cls, raw: bytes, session_id: str | None = None) -> Binding:
+        """Parse a stored binding; raises ConfigError whatever `raw` holds (deep nesting,
+        wrong field types, binary). `session_id`: the id the etcd key names; a value naming
+        another session is refused (it would overwrite that session's binding in every
+        replica's table)."""
+        what = "session binding"
         try:
-            d = json.loads(raw)
-            return cls(SessionId(str(d["s"])), WorkerId(str(d["w"])), str(d["m"]), int(d["e"]),
-                       None if d.get("r") is None else WorkerId(str(d["r"])),
-                       str(d.get("why", "")), float(d.get("t", 0.0)),
-                       str(d.get("o", DEFAULT_TENANT)))
-        except (ValueError, KeyError, TypeError) as exc:
-            raise ConfigError(f"malformed session binding {raw[:200]!r}") from exc
+            d = json_object(raw, what)
+            sid = text(d, "s", what)
+            if session_id is not None and sid != session_id:
+                raise UntrustedRegistration(
+                    "wrong-key", f"the binding under {session_id!r} names session {sid!r}")
+            epoch = number(d, "e", what)
+            if epoch != int(epoch):
+                raise UntrustedRegistration("malformed", f"{what}: epoch {epoch} is no integer")
+            restore = opt_text(d, "r", what)
+            return cls(SessionId(sid), WorkerId(text(d, "w", what)), text(d, "m", what),
+                       int(epoch), None if restore is None else WorkerId(restore),
+                       text(d, "why", what, default=""), number(d, "t", what, default=0.0),
+                       text(d, "o", what, default=DEFAULT_TENANT))
+        except UntrustedRegistration as exc:
+            raise MalformedBinding(exc.reason, f"{what} {raw[:100]!r}: {exc}") from None
+        except Exception as exc:  # anything else a value can make a parser raise
+            raise MalformedBinding("malformed", f"{what} {raw[:100]!r}: {exc}") from None
+
+
+class MalformedBinding(ConfigError):
+    """A stored binding that is not one (`reason`: the word it is counted under)."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
 
 
 @dataclass(frozen=True, slots=True)

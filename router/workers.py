@@ -20,11 +20,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import NewType
 
-from kvstore.errors import ConfigError
+from kvstore.cluster.records import flag, json_object, opt_number, opt_text, text, texts
+from kvstore.errors import ConfigError, UntrustedRegistration
 
-__all__ = ["WorkerId", "WorkerInfo", "WorkerLoad", "WorkerState", "WorkerPool"]
+__all__ = ["WorkerId", "WorkerInfo", "MalformedWorker", "WorkerLoad", "WorkerState",
+           "WorkerPool"]
 
 WorkerId = NewType("WorkerId", str)
+_MAX_ID_CHARS = 128
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,24 +61,51 @@ class WorkerInfo:
         ).encode()
 
     @classmethod
-    def from_json(cls, raw: bytes) -> WorkerInfo:
+    def from_json(cls, raw: bytes, worker_id: str | None = None) -> WorkerInfo:
+        """Parse a registration; raises ConfigError whatever `raw` holds (deep nesting, wrong
+        field types, binary: every field's type is checked here, not where it is used).
+
+        `worker_id`: the id the etcd key names, the only one a record may claim; a value
+        naming another id is refused (a copy under another key would otherwise re-point the
+        real worker, and deleting the copy would not undo it).
+        """
+        what = "worker record"
         try:
-            data = json.loads(raw)
+            data = json_object(raw, what)
+            claimed = text(data, "id", what)
+            if worker_id is not None and claimed != worker_id:
+                raise UntrustedRegistration(
+                    "wrong-key", f"the record under {worker_id!r} claims the id {claimed!r}")
+            _check_worker_id(claimed)
             return cls(
-                worker_id=WorkerId(str(data["id"])),
-                url=str(data["url"]).rstrip("/"),
-                models=tuple(str(m) for m in data.get("models", ())),
-                kv_events=data.get("kv_events"),
-                draining=bool(data.get("draining", False)),
-                gpu_mem_frac=_opt_float(data.get("gpu_mem_frac")),
-                gpu_temp_c=_opt_float(data.get("gpu_temp_c")),
+                worker_id=WorkerId(claimed),
+                url=text(data, "url", what).rstrip("/"),
+                models=texts(data, "models", what),
+                kv_events=opt_text(data, "kv_events", what),
+                draining=flag(data, "draining", what),
+                gpu_mem_frac=opt_number(data, "gpu_mem_frac", what),
+                gpu_temp_c=opt_number(data, "gpu_temp_c", what),
             )
-        except (ValueError, KeyError, TypeError) as exc:
-            raise ConfigError(f"malformed worker record: {raw[:200]!r}") from exc
+        except UntrustedRegistration as exc:
+            raise MalformedWorker(exc.reason, f"{what} {raw[:100]!r}: {exc}") from None
+        except Exception as exc:  # anything else a value can make a parser raise
+            raise MalformedWorker("malformed", f"{what} {raw[:100]!r}: {exc}") from None
 
 
-def _opt_float(value: object) -> float | None:
-    return None if value is None else float(value)  # type: ignore[arg-type]
+class MalformedWorker(ConfigError):
+    """A worker record that is not one (`reason`: the word it is counted under)."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+
+
+def _check_worker_id(worker_id: str) -> None:
+    """Ids become metric labels, log fields and etcd keys: short and printable only."""
+    if not 0 < len(worker_id) <= _MAX_ID_CHARS or not worker_id.isprintable() or any(
+            c.isspace() or c == "/" for c in worker_id):
+        raise UntrustedRegistration("malformed", f"worker id {worker_id[:80]!r} is not a "
+                                    f"printable name of at most {_MAX_ID_CHARS} characters")
 
 
 @dataclass(frozen=True, slots=True)

@@ -198,9 +198,10 @@ def test_a_rogue_etcd_record_is_not_a_worker(etcd_server: EtcdServer) -> None:
         task = asyncio.create_task(backend.follow_workers(core.registry))
         client = aetcd.Client(host="127.0.0.1", port=etcd_server.port)
         try:
+            lease = await client.lease(60)  # lease-less records are refused anyway (H2)
             for wid, url in (("evil", "http://203.0.113.9:80"), ("ok", "http://127.0.0.1:9")):
                 await client.put(f"/rogue/workers/{wid}".encode(), json.dumps(
-                    {"id": wid, "url": url, "models": ["m"]}).encode())
+                    {"id": wid, "url": url, "models": ["m"]}).encode(), lease=lease)
             for _ in range(200):
                 if core.pool.get(WorkerId("ok")) is not None:
                     break

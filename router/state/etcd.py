@@ -14,7 +14,15 @@ a bucket costs one grant per quarter TTL. A binding in use is re-written into th
 by `SessionTable.touch`.
 
 aetcd has no background keepalive: whoever holds a lease refreshes it (`EtcdLease.keepalive`,
-every TTL/3 from the worker agent).
+every TTL/3 from the worker agent), and the refresh also reads the key back and writes it again
+if anyone changed it (kvstore/cluster/lease.py).
+
+Both watches are the control plane's `PrefixWatcher` (kvstore/cluster/watcher.py): a record is
+believed only while attached to a lease, only under the key its id names (a copy of `w1` under
+`workers/zzz` is refused, so deleting it cannot matter and a restart cannot resurrect it), and
+every field is type-checked; a record that fails is skipped and counted (`rejected`, and
+`kvkeep_router_etcd_records_ignored_total` once `export_metrics` is called), never fatal to
+the watch.
 """
 
 from __future__ import annotations
@@ -23,62 +31,77 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import aetcd  # type: ignore[import-untyped]
 import aetcd.rpc  # type: ignore[import-untyped]
+from prometheus_client import CollectorRegistry
+from prometheus_client import Counter as PromCounter
 
-from kvstore.errors import ConfigError
+from kvstore.cluster.lease import LeaseKeeper
+from kvstore.cluster.records import EtcdRecord
+from kvstore.cluster.watcher import PrefixWatcher
+from kvstore.errors import UntrustedRegistration
 from kvstore.etcd import EtcdSpec, etcd_client, etcd_spec
 from kvstore.keys import SessionId
-from router.bindings import Binding, VersionedBinding
+from router.bindings import Binding, MalformedBinding, VersionedBinding
 from router.errors import StateUnavailable
 from router.state.base import BindingSink, WorkerLease, WorkerSink
-from router.workers import WorkerId, WorkerInfo
+from router.workers import MalformedWorker, WorkerId, WorkerInfo
 
 __all__ = ["EtcdBackend", "EtcdLease"]
 
 log = logging.getLogger(__name__)
 
-_BACKOFF_S = (0.1, 0.2, 0.5, 1.0, 2.0)
 # Errors that mean "etcd is unreachable or the call failed", translated to StateUnavailable.
 _ETCD_ERRORS = (aetcd.ClientError, aetcd.rpc.AioRpcError, OSError, asyncio.TimeoutError)
 
 
-@dataclass(slots=True)
 class EtcdLease:
-    backend: EtcdBackend
-    key: bytes
-    info: WorkerInfo
-    ttl: float
-    lease_id: int
+    """A worker's registration: the control plane's lease keeper (kvstore/cluster/lease.py)
+    on the backend's client. Each keepalive also reads the key back and rewrites it when
+    someone else changed or deleted it under the live lease."""
+
+    __slots__ = ("_keeper", "backend", "info")
+
+    def __init__(self, backend: EtcdBackend, keeper: LeaseKeeper, info: WorkerInfo) -> None:
+        self.backend = backend
+        self._keeper = keeper
+        self.info = info
 
     @property
     def ttl_s(self) -> float:
-        return self.ttl
+        return self._keeper.ttl_s
+
+    @property
+    def lease_id(self) -> int:
+        return self._keeper.lease_id or 0
+
+    @property
+    def rewrites(self) -> int:
+        """Times the key was found tampered with (or gone) under the live lease, and rewritten."""
+        return self._keeper.rewrites
 
     async def keepalive(self) -> bool:
-        client = await self.backend.client()
         try:
-            reply = await client.refresh_lease(self.lease_id)
+            return await self._keeper.refresh(await self.backend.client())
         except _ETCD_ERRORS as exc:
             raise StateUnavailable(f"lease keepalive failed: {exc}") from exc
-        return reply is not None and int(reply.TTL) > 0
 
     async def update(self, info: WorkerInfo) -> None:
-        client = await self.backend.client()
         self.info = info
+        value = info.to_json()
         try:
-            await client.put(self.key, info.to_json(), lease=self.lease_id)
+            await self._keeper.replace(await self.backend.client(), lambda _lease: value)
         except _ETCD_ERRORS as exc:
             raise StateUnavailable(f"worker update failed: {exc}") from exc
 
     async def revoke(self) -> None:
-        client = await self.backend.client()
         try:
-            await client.revoke_lease(self.lease_id)
+            await self._keeper.revoke(await self.backend.client())
         except _ETCD_ERRORS as exc:
             raise StateUnavailable(f"lease revoke failed: {exc}") from exc
 
@@ -99,6 +122,11 @@ class EtcdBackend:
     # (requests answered 503, sessions rebound). A worker that is really gone leaves this much
     # later than its lease: a small price next to its TTL.
     worker_delete_grace_s: float = 1.0
+    rejected: Counter[tuple[str, str]] = field(default_factory=Counter)
+    """Records skipped, by (prefix: workers or sessions, reason): malformed (deep nesting,
+    wrong field types, binary), no-lease (written by hand), wrong-key (a value claiming
+    another key's id), sink-error."""
+    _rejected_metric: Any = None
     _client: Any = None
     _dials: int = 0
     _bucket_leases: dict[int, int] = field(default_factory=dict)
@@ -150,61 +178,62 @@ class EtcdBackend:
             except _ETCD_ERRORS:
                 log.debug("etcd close failed", exc_info=True)
 
+    def export_metrics(self, registry: CollectorRegistry) -> None:
+        """Count skipped records in `registry` too (the router's own), as
+        `kvkeep_router_etcd_records_ignored_total{prefix, reason}`."""
+        self._rejected_metric = PromCounter(
+            "kvkeep_router_etcd_records_ignored",
+            "etcd records ignored by the router's watches, by prefix (workers, sessions) and "
+            "reason (malformed, no-lease, wrong-key, sink-error)",
+            ["prefix", "reason"], registry=registry)
+        for (kind, reason), n in self.rejected.items():
+            self._rejected_metric.labels(kind, reason).inc(n)
+
+    def _count(self, kind: str, reason: str) -> None:
+        self.rejected[kind, reason] += 1
+        if self._rejected_metric is not None:
+            self._rejected_metric.labels(kind, reason).inc()
+
     # --- workers ---------------------------------------------------------------------------
     async def register_worker(self, info: WorkerInfo, ttl_s: float) -> WorkerLease:
         client = await self.client()
-        key = self.workers_prefix + info.worker_id.encode()
+        value = info.to_json()
+        keeper = LeaseKeeper(self.workers_prefix + info.worker_id.encode(), lambda _: value,
+                             ttl_s, timeout=self.timeout_s, what="worker registration")
         try:
-            lease = await client.lease(max(1, math.ceil(ttl_s)))
-            await client.put(key, info.to_json(), lease=lease.id)
+            await keeper.register(client)
         except _ETCD_ERRORS as exc:
             raise StateUnavailable(f"worker registration failed: {exc}") from exc
-        return EtcdLease(self, key, info, ttl_s, int(lease.id))
+        return EtcdLease(self, keeper, info)
 
     async def list_workers(self) -> list[WorkerInfo]:
+        """The registered workers that pass the watch's checks (the others are skipped)."""
         client = await self.client()
         try:
             result = await client.get_prefix(self.workers_prefix)
         except _ETCD_ERRORS as exc:
             raise StateUnavailable(f"listing workers failed: {exc}") from exc
-        return [WorkerInfo.from_json(kv.value) for kv in result]
+        infos = []
+        for kv in result:
+            try:
+                record = EtcdRecord.of(self.workers_prefix, kv)
+                info = _decode_worker(record)
+                if not record.lease:
+                    raise UntrustedRegistration("no-lease", record.name)
+            except Exception as exc:  # one bad record is skipped, never fatal
+                self._count("workers", getattr(exc, "reason", "malformed"))
+                continue
+            infos.append(info)
+        return infos
 
     async def follow_workers(self, sink: WorkerSink) -> None:
-        prefix = self.workers_prefix
-
-        loop = asyncio.get_running_loop()
-        leaving: dict[WorkerId, asyncio.TimerHandle] = {}
-
-        def reset(kvs: list[Any]) -> None:
-            infos = [info for kv in kvs if (info := _worker(kv.value)) is not None]
-            for info in infos:
-                if (timer := leaving.pop(info.worker_id, None)) is not None:
-                    timer.cancel()
-            sink.reset_workers(infos)
-
-        def gone(worker: WorkerId) -> None:
-            leaving.pop(worker, None)
-            sink.delete_worker(worker)
-
-        def put(kv: Any) -> None:
-            info = _worker(kv.value)
-            if info is not None:
-                if (timer := leaving.pop(info.worker_id, None)) is not None:
-                    timer.cancel()  # re-registered in time: it never left
-                sink.put_worker(info)
-
-        def delete(kv: Any) -> None:
-            worker = WorkerId(kv.key[len(prefix):].decode())
-            if self.worker_delete_grace_s <= 0:
-                sink.delete_worker(worker)
-            elif worker not in leaving:
-                leaving[worker] = loop.call_later(self.worker_delete_grace_s, gone, worker)
-
-        try:
-            await self._follow(prefix, reset, put, delete)
-        finally:
-            for timer in leaving.values():
-                timer.cancel()
+        """Registrations count only while attached to a lease and only under the key their
+        id names (`WorkerInfo.from_json`); a vanished one leaves after the grace."""
+        await PrefixWatcher(
+            _BackendClients(self), self.workers_prefix, _decode_worker, _WorkerSinkAdapter(sink),
+            what="worker registration", require_lease=True,
+            grace_s=self.worker_delete_grace_s, timeout=self.timeout_s,
+            on_reject=lambda reason: self._count("workers", reason)).run()
 
     # --- bindings --------------------------------------------------------------------------
     async def get_binding(self, session_id: SessionId) -> VersionedBinding | None:
@@ -215,7 +244,7 @@ class EtcdBackend:
             raise StateUnavailable(f"reading session failed: {exc}") from exc
         if kv is None:
             return None
-        return VersionedBinding(Binding.from_json(kv.value), int(kv.mod_revision))
+        return self._stored_binding(kv.value, session_id, int(kv.mod_revision))
 
     async def cas_binding(self, binding: Binding, expected_revision: int | None, ttl_s: float
                           ) -> tuple[bool, VersionedBinding | None]:
@@ -239,22 +268,26 @@ class EtcdBackend:
         if not found:
             return False, None
         value, meta = found[0]
-        return False, VersionedBinding(Binding.from_json(value), int(meta.mod_revision))
+        return False, self._stored_binding(value, binding.session_id, int(meta.mod_revision))
 
     async def follow_bindings(self, sink: BindingSink) -> None:
-        def reset(kvs: list[Any]) -> None:
-            sink.reset([vb for kv in kvs if (vb := _binding(kv)) is not None])
+        """Bindings count only under the key their session names and only with a lease (the
+        routers write every one under a bucket lease)."""
+        await PrefixWatcher(
+            _BackendClients(self), self.sessions_prefix, _decode_binding,
+            _BindingSinkAdapter(sink), what="session binding", require_lease=True,
+            timeout=self.timeout_s,
+            on_reject=lambda reason: self._count("sessions", reason)).run()
 
-        def put(kv: Any) -> None:
-            vb = _binding(kv)
-            if vb is not None:
-                sink.put(vb)
-
-        def delete(kv: Any) -> None:
-            sid = SessionId(kv.key[len(self.sessions_prefix):].decode())
-            sink.delete(sid, int(kv.mod_revision))
-
-        await self._follow(self.sessions_prefix, reset, put, delete)
+    def _stored_binding(self, raw: bytes, session_id: SessionId, revision: int
+                        ) -> VersionedBinding | None:
+        """A binding read back directly; a malformed one is as good as none (counted)."""
+        try:
+            return VersionedBinding(Binding.from_json(raw, session_id), revision)
+        except MalformedBinding as exc:
+            self._count("sessions", exc.reason)
+            log.warning("ignoring the stored binding of %r: %s", session_id[:100], exc)
+            return None
 
     # --- private ---------------------------------------------------------------------------
     async def _session_lease(self, ttl_s: float) -> int:
@@ -275,50 +308,64 @@ class EtcdBackend:
                 self._bucket_leases = {bucket: lease_id}
         return lease_id
 
-    async def _follow(self, prefix: bytes, reset: Callable[[list[Any]], None],
-                      put: Callable[[Any], None], delete: Callable[[Any], None]) -> None:
-        """List, then watch from the listing's revision; on any failure, back off and redo.
 
-        Re-listing after a reconnect (rather than resuming the watch) also covers a compacted
-        revision and events missed while etcd was away.
-        """
-        failures = 0
-        while True:
-            try:
-                client = await self.client()
-                listing = await client.get_prefix(prefix)
-                reset(list(listing))
-                revision = int(listing.header.revision)
-                watch = await client.watch_prefix(prefix, start_revision=revision + 1)
-                failures = 0
-                async for event in watch:
-                    if event.kind == "DELETE":
-                        delete(event.kv)
-                    else:
-                        put(event.kv)
-                raise StateUnavailable("etcd watch ended")
-            except (*_ETCD_ERRORS, StateUnavailable) as exc:
-                delay = _BACKOFF_S[min(failures, len(_BACKOFF_S) - 1)]
-                failures += 1
-                log.warning("etcd watch on %s failed (%s); retrying in %.1fs",
-                            prefix.decode(), exc, delay)
-                if failures > 1:  # twice in a row: this endpoint may be the trouble
-                    await self._next_endpoint()
-                await asyncio.sleep(delay)
+class _BackendClients:
+    """The watcher's client is the backend's own; after two failures in a row, the next
+    endpoint's."""
+
+    def __init__(self, backend: EtcdBackend) -> None:
+        self._backend = backend
+
+    async def acquire(self) -> Any:
+        return await self._backend.client()
+
+    async def release(self, client: Any, *, failures: int) -> None:
+        if failures > 1:  # twice in a row: this endpoint may be the trouble
+            await self._backend._next_endpoint()
 
 
-def _worker(raw: bytes) -> WorkerInfo | None:
+def _decode_worker(record: EtcdRecord) -> WorkerInfo:
     try:
-        return WorkerInfo.from_json(raw)
-    except ConfigError:
-        log.warning("skipping malformed worker record %r", raw[:100])
-        return None
+        return WorkerInfo.from_json(record.value, record.name)
+    except MalformedWorker as exc:
+        raise UntrustedRegistration(exc.reason, str(exc)) from None
 
 
-def _binding(kv: Any) -> VersionedBinding | None:
+def _decode_binding(record: EtcdRecord) -> VersionedBinding:
     try:
-        return VersionedBinding(Binding.from_json(kv.value), int(kv.mod_revision))
-    except ConfigError:
-        log.warning("skipping malformed binding %r", kv.key[:100])
-        return None
+        return VersionedBinding(Binding.from_json(record.value, record.name),
+                                record.mod_revision)
+    except MalformedBinding as exc:
+        raise UntrustedRegistration(exc.reason, str(exc)) from None
 
+
+class _WorkerSinkAdapter:
+    __slots__ = ("_sink",)
+
+    def __init__(self, sink: WorkerSink) -> None:
+        self._sink = sink
+
+    def reset(self, items: Mapping[str, WorkerInfo]) -> None:
+        self._sink.reset_workers(list(items.values()))
+
+    def put(self, name: str, item: WorkerInfo) -> None:
+        self._sink.put_worker(item)
+
+    def delete(self, name: str, revision: int) -> None:
+        self._sink.delete_worker(WorkerId(name))
+
+
+class _BindingSinkAdapter:
+    __slots__ = ("_sink",)
+
+    def __init__(self, sink: BindingSink) -> None:
+        self._sink = sink
+
+    def reset(self, items: Mapping[str, VersionedBinding]) -> None:
+        self._sink.reset(items.values())
+
+    def put(self, name: str, item: VersionedBinding) -> None:
+        self._sink.put(item)
+
+    def delete(self, name: str, revision: int) -> None:
+        self._sink.delete(SessionId(name), revision)
