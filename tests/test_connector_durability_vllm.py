@@ -2,7 +2,7 @@
 ends, and the next turn on another worker.
 
 Two kvstore daemons (R=2). Each worker under test (a real `vllm serve`, multiprocess) reaches
-them over a slow link (`tests.slow_link`: its bytes arrive seconds late), so a block's copy
+them over a slow link (`deploy.chaos.slow_link`: its bytes arrive seconds late), so a block's copy
 to the daemons lags its computation by at least that: the window in which a dying node takes
 its KV along. The client reads the whole response, the worker's process group is SIGKILLed at
 once and its link cut (bytes it had not got out are lost with it); a fresh engine elsewhere
@@ -31,6 +31,7 @@ from typing import Any
 import httpx
 import pytest
 
+from deploy.chaos.slow_link import SlowLink, slow_links
 from kvstore.metrics import COPY_LAG_BUCKETS
 from tests.connector_harness import (
     BLOCK_SIZE,
@@ -44,7 +45,6 @@ from tests.connector_harness import (
 from tests.daemon_process import DaemonProcess, running_daemons
 from tests.metrics_scrape import Scrape, wait_for_sample
 from tests.models import TinyModel
-from tests.slow_link import SlowLink, slow_links
 from tests.test_store_replicated import copies_on
 from tests.vllm_server import VllmServer, start_vllm, vllm_env
 

@@ -1,5 +1,6 @@
-"""A slow network path for tests: a loopback TCP proxy that delivers what its client sends
-`delay_s` late (replies come back at once), and that can be cut like the link of a dead node.
+"""A slow network path (tests, benchmarks): a loopback TCP proxy that delivers what its client
+sends `delay_s` late (replies come back at once), and that can be cut like the link of a dead
+node.
 
 A worker whose daemons sit behind one sees every call to them take `delay_s` longer, so the
 write-behind of a block lags its computation by a known margin; `sever()` drops the bytes still

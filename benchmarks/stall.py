@@ -1,0 +1,241 @@
+"""Does the store stall vLLM's scheduler? The scheduler half's step time with a slow remote daemon.
+
+    python -m benchmarks.stall --quick --json OUT.json
+
+vLLM asks the connector's scheduler half (`get_num_new_matched_tokens`) about every waiting
+request inside `schedule()`, every step. This drives a real `SchedulerSide` the way vLLM does:
+each step a wave of new requests arrives (32 blocks each, their KV in a real kvstore daemon),
+and every waiting request is asked once per step until it has an answer. The daemon sits behind
+a loopback link that delivers each call 50 ms late (`deploy.chaos.slow_link`), as a daemon on
+a loaded or distant node would. Three stores, same blocks:
+
+- `memory`: the blocks in a host tier only: the floor (one dictionary read per block);
+- `background`: host tier (empty) + the slow daemon, lookups as the connector does them now
+  (network tiers on the lookup thread, vLLM told to ask again);
+- `inline`: the same store with the lookup done inside the step, as the connector did before
+  (what a 50 ms daemon costs every step that has a new request).
+
+Reported per store: the step time p50/p99 (ms), the steps until each request had its answer,
+and the answer itself (the blocks found, which must be the same for all three). Ratios are to
+the `memory` floor measured in the same run. Issue 18's target: step p99 <= 2 ms with the slow
+store.
+
+Only the scheduler half runs here (no engine, no model): the engine-level stall figures (ITL
+of non-restoring requests beside a slow or dead daemon) are not measured yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from benchmarks.cli import run_benchmark
+from benchmarks.processes import bench_daemon
+from benchmarks.progress import progress
+from connectors.vllm.config import ConnectorConfig
+from connectors.vllm.scheduler import SchedulerSide
+from connectors.vllm.stats import Counters
+from deploy.chaos.slow_link import SlowLink
+from kvstore.frame import CodecId, Compression, DType, build_frame
+from kvstore.keys import BlockKey, ModelFingerprint, Namespace
+from kvstore.store import TieredStore
+from kvstore.tiers.base import Tier
+from kvstore.tiers.factory import RemoteSpec, build_tiers
+from kvstore.tiers.host import HostTier
+
+__all__ = ["main"]
+
+BLOCK_SIZE = 16
+BLOCKS_PER_REQUEST = 32
+DELAY_S = 0.050
+FP = ModelFingerprint("bench/stall", "w", "bfloat16", 2, 2, 32, BLOCK_SIZE, "cpu/tnhd", "raw")
+NS = Namespace("default")
+
+
+@dataclass
+class _Arrival:
+    """What the scheduler half reads of a vLLM `Request`."""
+
+    request_id: str
+    block_hashes: list[bytes]
+    kv_transfer_params: dict[str, Any] | None = None
+    cache_salt: str | None = None
+    skip_reading_prefix_cache: bool = False
+    answered_at_step: int | None = None
+    tokens: int | None = None
+    all_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.block_hashes) * BLOCK_SIZE + 1
+
+
+def _arrivals(waves: int, per_wave: int) -> list[list[_Arrival]]:
+    return [[_Arrival(f"w{w}r{r}", [bytes([w, r, b % 256, b // 256]) * 8
+                                    for b in range(BLOCKS_PER_REQUEST)])
+             for r in range(per_wave)] for w in range(waves)]
+
+
+def _frames(waves: list[list[_Arrival]]) -> list[tuple[BlockKey, bytes]]:
+    segment = bytes(4096)  # the bytes do not matter here: only whether the daemon holds them
+    out = []
+    for wave in waves:
+        for arrival in wave:
+            # Every second request's KV is held for its first half only: a partial hit.
+            held = BLOCKS_PER_REQUEST if int(arrival.request_id.split("r")[1]) % 2 == 0 \
+                else BLOCKS_PER_REQUEST // 2
+            for h in arrival.block_hashes[:held]:
+                key = BlockKey.of(FP, NS, h)
+                out.append((key, build_frame(
+                    [(segment, Compression.NONE, len(segment))] * 2, codec=CodecId.RAW,
+                    dtype=DType.BFLOAT16, layout_id="cpu/tnhd", token_count=BLOCK_SIZE,
+                    layer_shape=(2, len(segment) // 4), key_digest=key.digest)))
+    return out
+
+
+def _drive(side: SchedulerSide, waves: list[list[_Arrival]]) -> dict[str, Any]:
+    """Steps of vLLM's loop: a wave arrives every step; every waiting request is asked."""
+    waiting: list[_Arrival] = []
+    steps_ms: list[float] = []
+    step = 0
+    while step < len(waves) or waiting:
+        if step < len(waves):
+            waiting.extend(waves[step])
+        started = time.perf_counter()
+        still = []
+        for arrival in waiting:
+            tokens, _ = side.get_num_new_matched_tokens(arrival, 0)  # type: ignore[arg-type]
+            if tokens is None:
+                still.append(arrival)
+            else:
+                arrival.tokens, arrival.answered_at_step = tokens, step
+        steps_ms.append((time.perf_counter() - started) * 1e3)
+        waiting = still
+        step += 1
+        time.sleep(0.002)  # the forward pass a real step spends between schedules
+    answered = [a for wave in waves for a in wave]
+    wait_steps = [a.answered_at_step - int(a.request_id[1:].split("r")[0])  # type: ignore[operator]
+                  for a in answered]
+    return {"steps": len(steps_ms),
+            "step_ms_p50": round(statistics.median(steps_ms), 3),
+            "step_ms_p99": round(_p99(steps_ms), 3),
+            "step_ms_max": round(max(steps_ms), 3),
+            "steps_to_answer_max": max(wait_steps),
+            "blocks_found": sum((a.tokens or 0) // BLOCK_SIZE for a in answered)}
+
+
+def _serve_link(upstream: str, delay_s: float, conn: Connection) -> None:
+    link = SlowLink(upstream, delay_s)
+    conn.send(link.address)
+    threading.Event().wait()  # until terminated
+
+
+def _slow_link_process(upstream: str, delay_s: float) -> tuple[mp.Process, str]:
+    # Forked before this process opens any gRPC channel (gRPC does not survive a fork).
+    parent, child = mp.Pipe()
+    proc = mp.get_context("fork").Process(target=_serve_link, args=(upstream, delay_s, child),
+                                           daemon=True)
+    proc.start()
+    if not parent.poll(30):
+        proc.terminate()
+        raise RuntimeError("the slow link did not start")
+    return proc, str(parent.recv())
+
+
+def _p99(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
+
+
+def _side(store: TieredStore, *, inline: bool) -> SchedulerSide:
+    config = ConnectorConfig.from_extra({"store": {"host_bytes": 1},
+                                         "restore_deadline_ms": 2000})
+    side = SchedulerSide(config=config, fingerprint=FP, store=store, block_size=BLOCK_SIZE,
+                         num_layers=2, counters=Counters())
+    if inline and side._background is not None:
+        # The connector before issue 18: the whole lookup inside the step.
+        side._background.close()
+        side._background = None
+    return side
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    waves_n, per_wave = (20, 8) if args.quick else (60, 16)
+    results: dict[str, Any] = {"delay_ms": DELAY_S * 1e3, "waves": waves_n,
+                               "requests_per_wave": per_wave,
+                               "blocks_per_request": BLOCKS_PER_REQUEST}
+    with tempfile.TemporaryDirectory() as tmp, \
+            bench_daemon(Path(tmp) / "d", mem_budget="512MiB", disk_budget="1GiB") as (addr, _):
+        # The link runs in a process of its own: its pump threads must not take this
+        # process's GIL from the scheduler being measured (a real daemon is elsewhere too).
+        link, link_address = _slow_link_process(addr, DELAY_S)
+        frames = _frames(_arrivals(waves_n, per_wave))
+        direct = TieredStore(build_tiers([RemoteSpec(daemons=(("d1", addr),), replicas=1)]))
+        try:
+            for key, frame in frames:
+                assert direct.put(key, frame)
+            assert direct.flush(60)
+        finally:
+            direct.close()
+        progress(f"{len(frames)} blocks stored in the daemon")
+        try:
+            for name in ("memory", "background", "inline"):
+                tiers: list[Tier] = [HostTier(256 << 20, page_bytes=16 << 10)]
+                if name == "memory":
+                    for key, frame in frames:
+                        tiers[0].put(key, frame)
+                else:
+                    tiers += build_tiers([RemoteSpec(daemons=(("d1", link_address),),
+                                                     replicas=1, timeout_s=2.0)])
+                store = TieredStore(tiers)
+                side = _side(store, inline=name == "inline")
+                try:
+                    results[name] = _drive(side, _arrivals(waves_n, per_wave))
+                finally:
+                    side.shutdown()
+                    store.close()
+                progress(f"{name}: {results[name]}")
+        finally:
+            link.terminate()
+            link.join(10)
+    floor = results["memory"]["step_ms_p99"]
+    results["scheduler_step_p99_ms_slow_store"] = results["background"]["step_ms_p99"]
+    results["scheduler_step_p99_ms_inline_slow_store"] = results["inline"]["step_ms_p99"]
+    results["step_p99_ratio_background_to_memory"] = round(
+        results["background"]["step_ms_p99"] / floor, 2)
+    results["step_p99_ratio_inline_to_memory"] = round(results["inline"]["step_ms_p99"] / floor, 2)
+    results["same_answers"] = len({results[n]["blocks_found"]
+                                   for n in ("memory", "background", "inline")}) == 1
+    results["target_step_p99_ms"] = 2.0
+    results["meets_target"] = results["scheduler_step_p99_ms_slow_store"] <= 2.0
+    return results
+
+
+def render(results: dict[str, Any]) -> str:
+    lines = [f"scheduler step time, {results['requests_per_wave']} new requests a step, "
+             f"daemon {results['delay_ms']:.0f} ms away"]
+    for name in ("memory", "background", "inline"):
+        r = results[name]
+        lines.append(f"  {name:10s} p50 {r['step_ms_p50']:8.3f} ms  p99 {r['step_ms_p99']:8.3f} ms"
+                     f"  answered within {r['steps_to_answer_max']} steps, "
+                     f"{r['blocks_found']} blocks found")
+    lines.append(f"  same answers: {results['same_answers']}; target p99 <= 2 ms: "
+                 f"{results['meets_target']}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_benchmark("stall", measure, render, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
