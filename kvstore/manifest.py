@@ -30,22 +30,25 @@ class SessionManifest:
     updated_at: float = field(default_factory=time.time)
     token_ids: tuple[int, ...] = ()
     """Optional: the session's token ids so far, so a new worker can recompute what is missing."""
+    mac: bytes = b""
+    """Optional: a writer's keyed MAC over the manifest (the router's conversation records,
+    router/continuation/records.py); the store keeps it as it is and vouches for nothing."""
 
     def encode(self) -> bytes:
-        body = json.dumps(
-            {
-                "v": 1,
-                "fingerprint": self.key.fingerprint.hex(),
-                "namespace": self.key.namespace.label,
-                "session_id": self.key.session_id,
-                "block_hashes": [h.hex() for h in self.block_hashes],
-                "token_count": self.token_count,
-                "generation": self.generation,
-                "updated_at": self.updated_at,
-                "token_ids": list(self.token_ids),
-            },
-            separators=(",", ":"),
-        ).encode()
+        fields: dict[str, object] = {
+            "v": 1,
+            "fingerprint": self.key.fingerprint.hex(),
+            "namespace": self.key.namespace.label,
+            "session_id": self.key.session_id,
+            "block_hashes": [h.hex() for h in self.block_hashes],
+            "token_count": self.token_count,
+            "generation": self.generation,
+            "updated_at": self.updated_at,
+            "token_ids": list(self.token_ids),
+        }
+        if self.mac:  # absent when empty: unsigned manifests encode as they always have
+            fields["mac"] = self.mac.hex()
+        body = json.dumps(fields, separators=(",", ":")).encode()
         return xxhash.xxh3_64_digest(body) + body
 
     @classmethod
@@ -70,6 +73,7 @@ class SessionManifest:
                 generation=int(obj["generation"]),
                 updated_at=float(obj["updated_at"]),
                 token_ids=tuple(int(t) for t in obj.get("token_ids", ())),
+                mac=bytes.fromhex(obj.get("mac", "")),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise CorruptBlock(f"malformed manifest: {exc}") from exc

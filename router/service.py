@@ -108,7 +108,8 @@ class RouterService:
                 total=cfg.request_timeout_s, connect=cfg.connect_timeout_s))
         records = self._records
         if records is None and cfg.continuation is not None:
-            records = StoreRecords(cfg.continuation.remote_spec(), cfg.continuation.tenant)
+            records = StoreRecords(cfg.continuation.remote_spec(), cfg.continuation.tenant,
+                                   key=cfg.continuation.record_key)
         if records is not None:
             self.continuations = Continuations(records, self.core, self.http)
         dropped = self.metrics.kv_events_dropped

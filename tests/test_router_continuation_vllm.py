@@ -27,6 +27,7 @@ from deploy.local.engines import EngineSettings, kv_transfer_config
 from kvstore.keys import SessionId
 from kvstore.tiers.factory import RemoteSpec
 from router.continuation import StoreRecords
+from router.continuation.records import RecordKey
 from tests.daemon_process import DaemonProcess, start_daemon
 from tests.deploy_cli import spawn_cli
 from tests.models import TinyModel
@@ -45,6 +46,7 @@ TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% 
 CONNECTOR_TOKEN = "connector-token-0123456789"
 ROUTER_TOKEN = "router-token-0123456789ab"
 PEER_TOKEN = "peer-token-0123456789abcd"
+RECORD_KEY = bytes(range(1, 33))  # the records key every router replica shares
 CONTINUE = {"X-KVKeep-Continue": "1"}
 
 
@@ -88,6 +90,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, tiny: TinyModel
     connector_token, router_token = base / "connector.token", base / "router.token"
     connector_token.write_text(CONNECTOR_TOKEN + "\n")
     router_token.write_text(ROUTER_TOKEN + "\n")
+    record_key = base / "records.key"  # both replicas sign and check records with it
+    record_key.write_text(RECORD_KEY.hex() + "\n")
     with start_etcd(base) as etcd, contextlib.ExitStack() as stack:
         daemons = [start_daemon(base, f"d{i}", etcd_url=etcd.url, token_file=tokens)
                    for i in range(2)]
@@ -108,7 +112,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, tiny: TinyModel
             routers[name] = spawn_cli(
                 ["router", "serve", "--listen", f"127.0.0.1:{port}", "--etcd", etcd.url,
                  "--replica-id", name, "--continuation", "--store-token-file",
-                 str(router_token), "--store-tenant", "conversations"],
+                 str(router_token), "--store-tenant", "conversations",
+                 "--store-record-key-file", str(record_key)],
                 logs / f"router-{name}.log")
         for wid, server in workers.items():
             server.wait_healthy()
@@ -276,7 +281,7 @@ def test_a_missing_history_is_a_409(cluster: Cluster) -> None:
     # The record is lost from the store (a test client holding the router's token deletes it).
     records = StoreRecords(RemoteSpec(etcd=cluster.etcd.url,
                                       token_file=str(cluster.router_token_file)),
-                           "conversations")
+                           "conversations", key=RecordKey(RECORD_KEY))
 
     async def forget() -> None:
         assert await records.get("tiny", SessionId("gone-1")) is not None

@@ -4,38 +4,62 @@
     --store-etcd URL                    where the daemons register (default: --etcd)
     --store-daemon ID=HOST:PORT         or list them (repeatable)
     --store-token-file FILE             bearer token of the daemons (first line)
-    --store-tenant NAME                 the store tenant the records live under (default)
+    --store-tenant NAME                 the store tenant the records live under
+                                        (conversations; never the connectors' `default`)
+    --store-record-key-file FILE        the key records are signed with (the same file on
+                                        every replica; default: one of this process only)
     --store-replicas N                  daemons each record is written to (2)
     --store-tls-ca F [--store-tls-cert F --store-tls-key F] [--store-tls-server-name N]
     --store-registration-pubkey F       how the daemons prove their identity (a token goes
                                         only to daemons that do: kvstore/tiers/daemon_trust.py)
 
 Without --store-etcd the records use the router's own etcd, with its TLS and credentials.
+
+The store tenant must be the records' own (trust-review H7): `default` is the connectors'
+tenant (deploy/k8s/workers.yaml), so with it every worker pod's token could read and rewrite
+every conversation, and `*` is no tenant. Both are refused; give the router a token that
+grants its own tenant only.
 """
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvstore.errors import ConfigError, InvalidKey
 from kvstore.etcd import EtcdSpec
 from kvstore.etcd.flags import etcd_spec_from_args
 from kvstore.keys import validate_name
+from kvstore.mac import MacKey
 from kvstore.tiers.factory import RemoteSpec
+from router.continuation.records import RecordKey
 
-__all__ = ["ContinuationConfig", "add_arguments", "from_args"]
+__all__ = ["ContinuationConfig", "add_arguments", "from_args", "STORE_TENANT",
+           "SHARED_TENANTS"]
+
+STORE_TENANT = "conversations"
+"""The records' store tenant unless told."""
+SHARED_TENANTS = frozenset({"default", "*"})
+"""Store tenants the records may not use: the connectors' default, and the peers' wildcard."""
 
 
 @dataclass(frozen=True, slots=True)
 class ContinuationConfig:
     """Where conversation records live: the daemons (a remote tier's spec: through etcd or
-    listed, the token that grants `tenant`, TLS, how many daemons hold each record)."""
+    listed, the token that grants `tenant`, TLS, how many daemons hold each record), and the
+    key they are signed with (None: one of this process only)."""
 
     remote: RemoteSpec
-    tenant: str = "default"
+    tenant: str = STORE_TENANT
+    record_key: RecordKey | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
+        if self.tenant in SHARED_TENANTS:
+            raise ConfigError(
+                f"--store-tenant {self.tenant!r}: conversation records need a store tenant of "
+                "their own (`default` is the connectors', so every worker pod could read and "
+                f"rewrite every conversation); use e.g. {STORE_TENANT!r} with a token that "
+                "grants it")
         try:
             validate_name(self.tenant, "store tenant")
         except InvalidKey as exc:
@@ -56,8 +80,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="a kvstore daemon, instead of discovery through etcd (repeatable)")
     group.add_argument("--store-token-file", default=None, metavar="FILE",
                        help="file whose first line is the daemons' bearer token")
-    group.add_argument("--store-tenant", default="default",
-                       help="store tenant of the records (the token must grant it)")
+    group.add_argument("--store-tenant", default=STORE_TENANT,
+                       help="store tenant of the records, their own (not `default`, the "
+                            "connectors'; the token must grant it; default %(default)s)")
+    group.add_argument("--store-record-key-file", default=None, metavar="FILE",
+                       help="secret the records are signed with (hex or raw bytes, at least "
+                            "32; the same file on every replica); default: a key of this "
+                            "process only (a continuation reaching another replica, or a "
+                            "restarted one, is a 409)")
     group.add_argument("--store-replicas", type=int, default=2)
     group.add_argument("--store-timeout", type=float, default=1.0, metavar="SECONDS")
     group.add_argument("--store-tls-ca", default=None, metavar="FILE",
@@ -73,7 +103,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def from_args(args: argparse.Namespace) -> ContinuationConfig | None:
     if not args.continuation:
-        if args.store_etcd or args.store_daemon or args.store_token_file:
+        if args.store_etcd or args.store_daemon or args.store_token_file \
+                or args.store_record_key_file:
             raise ConfigError("--store-* flags need --continuation")
         return None
     daemons = []
@@ -95,4 +126,6 @@ def from_args(args: argparse.Namespace) -> ContinuationConfig | None:
                         tls_cert=args.store_tls_cert, tls_key=args.store_tls_key,
                         tls_server_name=args.store_tls_server_name,
                         registration_public_key=args.store_registration_pubkey)
-    return ContinuationConfig(remote, tenant=args.store_tenant)
+    key = None if args.store_record_key_file is None else RecordKey(
+        MacKey.from_file(args.store_record_key_file).secret)
+    return ContinuationConfig(remote, tenant=args.store_tenant, record_key=key)

@@ -14,24 +14,91 @@ from), writes it only when a full block is checkpointed (the end of an answer is
 writes it after the answer reached the client (a turn sent at once would find the previous
 one). The router knows the exact ids at the end of every turn and writes them before the
 client sees that end, so the next turn, on any replica, finds them.
+
+Who may write them (trust-review H7). The daemons believe any holder of the records' store
+token, and every daemon (they hold `*`), so a record is believed only under the router's own
+key (`RecordKey`, `--store-record-key-file`): an HMAC-SHA256 over the store key, the record's
+scope (model and API tenant), the session id, the generation and the token ids, kept in the
+manifest's `mac`. A record without a valid MAC (forged, or moved to another session or tenant)
+is `ForgedBlock`: never used, the continuation is a 409 `history_unavailable`. The key must be
+the same on every replica (a file); without one each process draws its own, and then a
+continuation that reaches another replica, or this one after a restart, is a 409 (the client
+resends the whole conversation), never a record the router cannot vouch for. The records live
+under a store tenant of their own (`config.py` refuses the connectors' `default`). The MAC
+vouches for who wrote a record, not that it is the latest: a store token holder can still
+replay an older record of the same session, or delete one; `Continuations` refuses a record
+older than the last this replica wrote or read, and a turn that cannot be recorded leaves a
+newer, empty record (a tombstone) rather than only a delete that an unreachable daemon misses.
+The token ids are not encrypted: a store token holder can still read them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
+import json
+import logging
+import os
 import time
 from collections.abc import Sequence
 from typing import Protocol
 
+from kvstore.errors import ForgedBlock
 from kvstore.keys import ModelFingerprint, Namespace, SessionId, SessionKey
+from kvstore.mac import MacKey
 from kvstore.manifest import SessionManifest
 from kvstore.store import TieredStore
 from kvstore.store.aio import AsyncTieredStore
 from kvstore.tiers.factory import RemoteSpec
 from router.tenants import DEFAULT_TENANT
 
-__all__ = ["Conversation", "ConversationRecords", "StoreRecords", "MemoryRecords",
-           "conversation_fingerprint", "record_scope"]
+__all__ = ["Conversation", "ConversationRecords", "StoreRecords", "MemoryRecords", "RecordKey",
+           "conversation_fingerprint", "generation_after", "record_scope"]
+
+log = logging.getLogger(__name__)
+
+_MAC_PERSON = b"kvkeep-conversation-record/v1\x00"
+_DUMPS = json.JSONEncoder(separators=(",", ":"), ensure_ascii=True).encode
+
+
+class RecordKey:
+    """The router's secret that conversation records are signed with (kvstore/mac.py's key
+    file format: hex or raw bytes, at least 32)."""
+
+    __slots__ = ("_secret", "generated")
+
+    def __init__(self, secret: bytes, *, generated: bool = False) -> None:
+        self._secret = MacKey(secret).secret  # the same length checks as the frames' keys
+        self.generated = generated
+
+    @classmethod
+    def generate(cls) -> RecordKey:
+        """A key of this process alone (no key file): records it writes are believed by it
+        only, until it restarts."""
+        return cls(os.urandom(32), generated=True)
+
+    def __repr__(self) -> str:
+        return f"RecordKey(generated={self.generated})"
+
+    def tag(self, key: SessionKey, scope: str, generation: int, tokens: Sequence[int]) -> bytes:
+        """The MAC binding a record to its store key, scope (model and API tenant), session,
+        generation and token ids."""
+        mac = hmac.new(self._secret, _MAC_PERSON, hashlib.sha256)
+        mac.update(_DUMPS([key.fingerprint.hex(), key.namespace.label, key.session_id, scope,
+                           generation]).encode())
+        mac.update(b"\x00")
+        mac.update(_DUMPS(list(tokens)).encode())
+        return mac.digest()
+
+    def check(self, manifest: SessionManifest, scope: str) -> None:
+        """ForgedBlock unless `manifest` carries this key's MAC for `scope`."""
+        if not manifest.mac:
+            raise ForgedBlock("the conversation record is not signed")
+        expected = self.tag(manifest.key, scope, manifest.generation, manifest.token_ids)
+        if not hmac.compare_digest(manifest.mac, expected):
+            raise ForgedBlock("the conversation record's MAC does not verify under the "
+                              "router's record key (forged, moved, or another key's)")
 
 
 def record_scope(model: str, tenant: str) -> str:
@@ -72,33 +139,45 @@ class ConversationRecords(Protocol):
     async def close(self) -> None: ...
 
 
-def _generation(after: int) -> int:
+def generation_after(after: int) -> int:
+    """A record's generation: above `after` and the wall clock (µs)."""
     return max(after + 1, time.time_ns() // 1000)
 
 
 class StoreRecords:
     """Records in kvstore daemons (a remote tier: found through etcd or listed, R replicas),
-    under the router's store tenant."""
+    under the router's store tenant, signed with `key` (None: a key of this process only,
+    see the module docstring). `get` raises ForgedBlock for a record `key` did not sign."""
 
-    def __init__(self, spec: RemoteSpec, tenant: str) -> None:
+    def __init__(self, spec: RemoteSpec, tenant: str, *, key: RecordKey | None = None) -> None:
         self._namespace = Namespace(tenant)
         self._store = AsyncTieredStore(TieredStore.from_specs([spec]))
+        if key is None:
+            log.warning("conversation records: no --store-record-key-file, so this process "
+                        "signs them with a key of its own: a continuation that reaches another "
+                        "replica, or this one after a restart, is a 409 (give every replica "
+                        "the same key file)")
+            key = RecordKey.generate()
+        self._mac = key
 
     def _key(self, model: str, session: SessionId) -> SessionKey:
         return SessionKey.of(conversation_fingerprint(model), self._namespace, session)
 
     async def get(self, model: str, session: SessionId) -> Conversation | None:
         manifest = await self._store.get_manifest(self._key(model, session))
-        return None if manifest is None else Conversation(manifest.token_ids,
-                                                          manifest.generation)
+        if manifest is None:
+            return None
+        self._mac.check(manifest, model)
+        return Conversation(manifest.token_ids, manifest.generation)
 
     async def put(self, model: str, session: SessionId, tokens: Sequence[int],
                   after: int = 0) -> int:
-        generation = _generation(after)
+        generation = generation_after(after)
         ids = tuple(tokens)
+        key = self._key(model, session)
         await self._store.put_manifest(SessionManifest(
-            key=self._key(model, session), block_hashes=(), token_count=len(ids),
-            generation=generation, token_ids=ids))
+            key=key, block_hashes=(), token_count=len(ids), generation=generation,
+            token_ids=ids, mac=self._mac.tag(key, model, generation, ids)))
         return generation
 
     async def delete(self, model: str, session: SessionId) -> None:
@@ -120,7 +199,7 @@ class MemoryRecords:
 
     async def put(self, model: str, session: SessionId, tokens: Sequence[int],
                   after: int = 0) -> int:
-        generation = _generation(after)
+        generation = generation_after(after)
         self._records[(model, session)] = Conversation(tuple(tokens), generation)
         return generation
 

@@ -12,8 +12,15 @@ answers, parses tools and streams as chat); a completions one with the ids as it
 Every session turn that ends whole is recorded before its end reaches the client (a unary
 reply's body, a stream's last bytes), so a continuation sent the moment the answer ends, to
 any replica, finds it. A turn that cannot be recorded (no token ids, `n` > 1, the store
-failing) deletes the record instead: the next continuation then gets a 409 rather than a
+failing) leaves an empty record in its place (a tombstone, newer than the turn before; a
+delete when even that cannot be written): the next continuation then gets a 409 rather than a
 conversation that misses the turn.
+
+A record is used only when it verifies under the router's record key (`records.py`: a forged
+or moved record is a 409) and is not older than the last generation this replica wrote or read
+for the session (a daemon that missed the last write, or a replayed old record, is a 409, not a
+conversation that silently lacks a turn; trust-review H7). Another replica's knowledge is not
+shared: a replica that has not seen the session takes the newest record the store gives.
 """
 
 from __future__ import annotations
@@ -27,10 +34,10 @@ from typing import Any
 import aiohttp
 from prometheus_client import Counter
 
-from kvstore.errors import KVKeepError
+from kvstore.errors import ForgedBlock, KVKeepError
 from kvstore.keys import SessionId
 from router.api import ClientRequest, Endpoint
-from router.continuation.records import ConversationRecords, record_scope
+from router.continuation.records import ConversationRecords, generation_after, record_scope
 from router.continuation.render import TokenizeFailed, TurnRenderer, token_ids
 from router.core import RouterCore
 from router.errors import BadRequest, HistoryUnavailable, UpstreamError
@@ -98,9 +105,10 @@ class Continuations:
         self.records = records
         self.core = core
         self.renderer = TurnRenderer(http)
-        # The last generation seen per session, so a continuation's record outranks the one
-        # it was rebuilt from even if this host's clock is behind the writer's.
-        self._generations: OrderedDict[SessionId, int] = OrderedDict()
+        # The last generation seen per (scope, session), so a continuation's record outranks
+        # the one it was rebuilt from even if this host's clock is behind the writer's, and an
+        # older record than one seen is known to be stale.
+        self._generations: OrderedDict[tuple[str, SessionId], int] = OrderedDict()
         registry = core.metrics.registry
         self.rebuilds = Counter("kvkeep_router_continuations",
                                 "Stateful continuations, by outcome", ["outcome"],
@@ -121,8 +129,15 @@ class Continuations:
             raise BadRequest("a continuation needs a session id (X-Session-Id or session_id)",
                              param="session_id")
         new_turn = self._new_turn(creq)
+        scope = record_scope(creq.model, creq.tenant)
         try:
-            record = await self.records.get(record_scope(creq.model, creq.tenant), sid)
+            record = await self.records.get(scope, sid)
+        except ForgedBlock as exc:
+            self.rebuilds.labels("forged").inc()
+            log.warning("conversation record of %s refused: %s", sid, exc)
+            raise HistoryUnavailable(
+                f"the stored history of session {sid!r} is not one this router wrote (it "
+                "fails its integrity check); resend the whole conversation") from exc
         except KVKeepError as exc:
             self.rebuilds.labels("store_error").inc()
             raise HistoryUnavailable(
@@ -133,7 +148,13 @@ class Continuations:
             raise HistoryUnavailable(
                 f"no history of session {sid!r} for model {creq.model!r} is stored (never "
                 "recorded, expired or lost); resend the whole conversation")
-        self._remember(sid, record.generation)
+        known = self._generations.get((scope, sid), 0)
+        if record.generation < known:
+            self.rebuilds.labels("stale").inc()
+            raise HistoryUnavailable(
+                f"the stored history of session {sid!r} is older than its last recorded turn "
+                "(a store that missed a write); resend the whole conversation")
+        self._remember(scope, sid, record.generation)
         suffix = await self._render(creq, sid, new_turn)
         prompt = (*record.tokens, *suffix)
         body = dict(creq.body)
@@ -191,31 +212,42 @@ class Continuations:
         if sid is None:
             return None
         n = creq.body.get("n")
+        scope = record_scope(creq.model, creq.tenant)
         if prompt is None or output is None or (isinstance(n, int) and n > 1):
-            await self._forget(record_scope(creq.model, creq.tenant), sid, "unrecordable")
+            await self._forget(scope, sid, "unrecordable")
             return None
         tokens = conversation_tokens(prompt, output, end)
         try:
-            generation = await self.records.put(record_scope(creq.model, creq.tenant), sid, tokens,
-                                                after=self._generations.get(sid, 0))
+            generation = await self.records.put(scope, sid, tokens,
+                                                after=self._generations.get((scope, sid), 0))
         except KVKeepError as exc:
             log.warning("conversation of %s not recorded: %s", sid, exc)
-            await self._forget(record_scope(creq.model, creq.tenant), sid, "failed")
+            await self._forget(scope, sid, "failed")
             return None
-        self._remember(sid, generation)
+        self._remember(scope, sid, generation)
         self.writes.labels("written").inc()
         return len(tokens)
 
     async def _forget(self, scope: str, sid: SessionId, outcome: str) -> None:
+        """Leave no record of the session older than now usable: an empty one (a tombstone:
+        it outranks, and is repaired over, any copy a daemon kept), else a delete; and never
+        accept an older one here again."""
         self.writes.labels(outcome).inc()
-        self._generations.pop(sid, None)
+        after = self._generations.get((scope, sid), 0)
         try:
-            await self.records.delete(scope, sid)
+            generation = await self.records.put(scope, sid, (), after=after)
         except KVKeepError as exc:
-            log.warning("stale conversation of %s not deleted: %s", sid, exc)
+            generation = generation_after(after)
+            log.warning("conversation of %s: no tombstone written (%s); deleting", sid, exc)
+            try:
+                await self.records.delete(scope, sid)
+            except KVKeepError as exc2:
+                log.warning("stale conversation of %s not deleted: %s", sid, exc2)
+        self._remember(scope, sid, generation)
 
-    def _remember(self, sid: SessionId, generation: int) -> None:
-        self._generations[sid] = generation
-        self._generations.move_to_end(sid)
+    def _remember(self, scope: str, sid: SessionId, generation: int) -> None:
+        key = (scope, sid)
+        self._generations[key] = max(generation, self._generations.get(key, 0))
+        self._generations.move_to_end(key)
         if len(self._generations) > _MAX_GENERATIONS:
             self._generations.popitem(last=False)

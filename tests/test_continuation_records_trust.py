@@ -1,0 +1,272 @@
+"""Conversation records protected (issue 16 item 6, trust-review H7), with real kvstore
+daemons: a record the router did not sign (written straight to the daemons by a store-token
+holder), signed with another key or moved from another session, or older than the router's
+last write for the session, is never used: the continuation is a 409 `history_unavailable`
+and the worker sees no forged history. A turn that cannot be recorded leaves a tombstone that
+outranks a daemon's stale copy. The config refuses the connectors' store tenant. The router
+is a real replica over a fake vLLM worker (token-id completions need no tokenizer)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from aiohttp import web
+
+from kvstore.cli import build_parser
+from kvstore.errors import ConfigError, ForgedBlock
+from kvstore.keys import Namespace, SessionId, SessionKey
+from kvstore.manifest import SessionManifest
+from kvstore.tiers.factory import RemoteSpec
+from router.commands import config_from_args
+from router.config import RouterConfig, StaticWorker
+from router.continuation import StoreRecords
+from router.continuation.config import ContinuationConfig
+from router.continuation.records import RecordKey, conversation_fingerprint, record_scope
+from router.proxy import build_app
+from router.service import RouterService
+from router.workers import WorkerId
+from tests.daemon_process import DaemonProcess, start_daemon
+from tests.router_harness import FakeWorker, LoopThread, fake_generate, wait_until
+from tests.services import free_port
+
+STORE_TENANT = "conversations"
+SECRET = bytes(range(32))
+TIMEOUT = 5.0
+
+
+@dataclass
+class Env:
+    lt: LoopThread
+    worker: FakeWorker
+    daemons: list[DaemonProcess]
+    url: str
+    metrics: Any
+
+    def key(self, sid: str) -> SessionKey:
+        return SessionKey.of(conversation_fingerprint(record_scope("fake", "default")),
+                             Namespace(STORE_TENANT), SessionId(sid))
+
+    def stored(self, sid: str) -> list[SessionManifest | None]:
+        return [d.client().get_manifest(self.key(sid), timeout=TIMEOUT) for d in self.daemons]
+
+    def put_everywhere(self, manifest: SessionManifest) -> None:
+        for d in self.daemons:
+            client = d.client()
+            client.delete_manifest(manifest.key, timeout=TIMEOUT)
+            client.put_manifest(manifest, timeout=TIMEOUT)
+
+    def outcome(self, name: str, outcome: str) -> float:
+        return self.metrics.get_sample_value(name, {"outcome": outcome}) or 0.0
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    base = tmp_path_factory.mktemp("records")
+    daemons = [start_daemon(base, f"d{i}") for i in range(2)]
+    lt = LoopThread()
+    worker = FakeWorker()
+    lt.run(worker.start())
+    records = StoreRecords(RemoteSpec(daemons=tuple((d.node_id, d.address) for d in daemons),
+                                      replicas=2, timeout_s=TIMEOUT, name="conversations"),
+                           STORE_TENANT, key=RecordKey(SECRET))
+    config = RouterConfig(port=free_port(), static_workers=(
+        StaticWorker(WorkerId("w1"), worker.url),))
+    service = RouterService(config, records=records)
+    runner = web.AppRunner(build_app(service), access_log=None)
+
+    async def start() -> None:
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", config.port).start()
+
+    lt.run(start())
+    url = f"http://127.0.0.1:{config.port}"
+    wait_until(lambda: any(w["usable"] for w in httpx.get(f"{url}/kvkeep/workers").json()),
+               timeout=10)
+    try:
+        yield Env(lt, worker, daemons, url, service.metrics.registry)
+    finally:
+        lt.run(runner.cleanup())
+        lt.run(worker.stop())
+        lt.close()
+        for d in daemons:
+            for c in d.clients:
+                c.close()
+            d.kill()
+
+
+def _complete(env: Env, sid: str, prompt: list[int], *, cont: bool = False,
+              **extra: Any) -> httpx.Response:
+    body = {"model": "fake", "prompt": prompt, "max_tokens": 3, **extra}
+    headers = {"X-Session-Id": sid, **({"X-KVKeep-Continue": "1"} if cont else {})}
+    return httpx.post(f"{env.url}/v1/completions", json=body, headers=headers, timeout=30)
+
+
+def _refused(r: httpx.Response, words: str) -> None:
+    assert r.status_code == 409, r.text
+    error = r.json()["error"]
+    assert error["type"] == "history_unavailable" and words in error["message"]
+
+
+def test_a_record_is_signed_and_continues(env: Env) -> None:
+    assert _complete(env, "h7-ok", [5, 6, 7]).status_code == 200
+    history = (5, 6, 7, *fake_generate([5, 6, 7], 3))
+    for manifest in env.stored("h7-ok"):  # on both daemons, with the router's MAC
+        assert manifest is not None and manifest.token_ids == history and manifest.mac
+    assert _complete(env, "h7-ok", [8], cont=True).status_code == 200
+    assert env.worker.requests[-1]["prompt"] == [*history, 8]
+
+
+@pytest.mark.parametrize("forgery", ["unsigned", "another key", "moved"])
+def test_a_forged_record_is_refused_with_a_409(env: Env, forgery: str) -> None:
+    """The review's probe (a): a store-token holder writes `generation=2**62` with injected
+    history straight to both daemons; the next continuation is refused, never built on it."""
+    sid = f"h7-forged-{forgery.replace(' ', '-')}"
+    assert _complete(env, sid, [5, 6, 7]).status_code == 200
+    injected = (66, 66, 66, 66)
+    key, generation = env.key(sid), 2 ** 62
+    mac = b""
+    if forgery == "another key":
+        mac = RecordKey(bytes(32)).tag(key, record_scope("fake", "default"), generation,
+                                       injected)
+    elif forgery == "moved":  # a genuine record of another session, copied over this one
+        assert _complete(env, f"{sid}-donor", [66, 66]).status_code == 200
+        donor = env.stored(f"{sid}-donor")[0]
+        assert donor is not None
+        injected, generation, mac = donor.token_ids, donor.generation + 1, donor.mac
+    before = env.outcome("kvkeep_router_continuations_total", "forged")
+    env.put_everywhere(SessionManifest(key, (), len(injected), generation=generation,
+                                       token_ids=injected, mac=mac))
+    requests = len(env.worker.requests)
+    _refused(_complete(env, sid, [8], cont=True), "integrity")
+    assert len(env.worker.requests) == requests  # no worker saw the injected history
+    assert env.outcome("kvkeep_router_continuations_total", "forged") == before + 1
+
+
+def test_a_record_older_than_the_last_write_is_refused(env: Env) -> None:
+    """The review's probe (b), replayed: turn 2 was recorded, but the daemons give back turn
+    1's record (genuine, signed: a daemon that missed the write, or a replay). The router
+    knows it wrote a newer one: 409, not a prompt that silently lacks turn 2."""
+    sid = "h7-stale"
+    assert _complete(env, sid, [5, 6, 7]).status_code == 200
+    turn1 = env.stored(sid)[0]
+    assert turn1 is not None
+    history = [*turn1.token_ids, 9]
+    assert _complete(env, sid, history).status_code == 200  # turn 2, whole history
+    turn2 = env.stored(sid)[0]
+    assert turn2 is not None and turn2.generation > turn1.generation
+    env.put_everywhere(turn1)
+    _refused(_complete(env, sid, [8], cont=True), "older")
+    assert env.outcome("kvkeep_router_continuations_total", "stale") >= 1
+    # Once the store holds the newest again, the session continues.
+    env.put_everywhere(turn2)
+    assert _complete(env, sid, [8], cont=True).status_code == 200
+
+
+def test_an_unrecordable_turn_leaves_a_tombstone_over_stale_copies(env: Env) -> None:
+    """A turn with `n: 2` cannot be recorded: the record becomes an empty, newer, signed one
+    (not only a delete a daemon can miss), so a daemon holding the old copy does not win,
+    on this replica or any other (a fresh reader sees the tombstone too)."""
+    sid = "h7-tombstone"
+    assert _complete(env, sid, [5, 6, 7]).status_code == 200
+    old = env.stored(sid)[0]
+    assert old is not None and old.token_ids
+    assert _complete(env, sid, [*old.token_ids, 4], n=2).status_code == 200
+    tombs = env.stored(sid)
+    assert all(t is not None and t.token_ids == () and t.generation > old.generation
+               for t in tombs)
+    # d1 missed the tombstone: it still holds the old record.
+    client = env.daemons[1].client()
+    client.delete_manifest(old.key, timeout=TIMEOUT)
+    client.put_manifest(old, timeout=TIMEOUT)
+    _refused(_complete(env, sid, [8], cont=True), "no history")
+
+    async def fresh_reader() -> Any:
+        reader = StoreRecords(RemoteSpec(daemons=tuple((d.node_id, d.address)
+                                                       for d in env.daemons),
+                                         replicas=2, timeout_s=TIMEOUT),
+                              STORE_TENANT, key=RecordKey(SECRET))
+        try:
+            return await reader.get(record_scope("fake", "default"), SessionId(sid))
+        finally:
+            await reader.close()
+
+    seen = asyncio.run(fresh_reader())
+    assert seen is not None and seen.tokens == ()
+
+
+def test_a_reader_without_the_key_refuses_every_record(env: Env) -> None:
+    """Records signed under the shared key are refused by a process with a key of its own
+    (no --store-record-key-file): a 409, never trust without the key."""
+    assert _complete(env, "h7-keyless", [1, 2]).status_code == 200
+
+    async def keyless() -> None:
+        reader = StoreRecords(RemoteSpec(daemons=tuple((d.node_id, d.address)
+                                                       for d in env.daemons),
+                                         replicas=2, timeout_s=TIMEOUT), STORE_TENANT)
+        try:
+            with pytest.raises(ForgedBlock):
+                await reader.get(record_scope("fake", "default"), SessionId("h7-keyless"))
+        finally:
+            await reader.close()
+
+    asyncio.run(keyless())
+
+
+def _config(*flags: str) -> RouterConfig:
+    return config_from_args(build_parser().parse_args(["router", "serve", *flags]))
+
+
+def test_the_records_need_a_store_tenant_of_their_own(tmp_path: Path) -> None:
+    base = ("--continuation", "--store-daemon", "d0=127.0.0.1:7400")
+    for shared in ("default", "*"):
+        with pytest.raises(ConfigError, match="store tenant of their own"):
+            _config(*base, "--store-tenant", shared)
+    with pytest.raises(ConfigError, match="store tenant of their own"):
+        ContinuationConfig(RemoteSpec(daemons=(("d0", "127.0.0.1:1"),)), tenant="default")
+    config = _config(*base)
+    assert config.continuation is not None
+    assert config.continuation.tenant == "conversations"  # the default is their own
+    assert config.continuation.record_key is None
+    key_file = tmp_path / "records.key"
+    key_file.write_text(SECRET.hex() + "\n")
+    keyed = _config(*base, "--store-record-key-file", str(key_file)).continuation
+    assert keyed is not None and keyed.record_key is not None
+    scope, sid = record_scope("m", "alice"), SessionKey.of(
+        conversation_fingerprint("m"), Namespace(STORE_TENANT), SessionId("s"))
+    assert keyed.record_key.tag(sid, scope, 1, (1, 2)) == \
+        RecordKey(SECRET).tag(sid, scope, 1, (1, 2))  # the file's key, as every replica's
+    short = tmp_path / "short.key"
+    short.write_text("nope")
+    with pytest.raises(ConfigError):
+        _config(*base, "--store-record-key-file", str(short))
+    with pytest.raises(ConfigError, match="need --continuation"):
+        _config("--store-record-key-file", str(key_file))
+
+
+def test_the_mac_binds_tenant_session_generation_and_tokens() -> None:
+    key = RecordKey(SECRET)
+    sk = SessionKey.of(conversation_fingerprint("m"), Namespace(STORE_TENANT), SessionId("s"))
+    other = SessionKey.of(conversation_fingerprint("m"), Namespace(STORE_TENANT),
+                          SessionId("t"))
+    base = key.tag(sk, record_scope("m", "alice"), 5, (1, 2, 3))
+    assert base != key.tag(sk, record_scope("m", "bob"), 5, (1, 2, 3))
+    assert base != key.tag(other, record_scope("m", "alice"), 5, (1, 2, 3))
+    assert base != key.tag(sk, record_scope("m", "alice"), 6, (1, 2, 3))
+    assert base != key.tag(sk, record_scope("m", "alice"), 5, (1, 2, 4))
+    assert base != key.tag(sk, record_scope("m", "alice"), 5, (12, 3))
+    manifest = SessionManifest(sk, (), 3, generation=5, token_ids=(1, 2, 3), mac=base)
+    decoded = SessionManifest.decode(manifest.encode(), sk)
+    assert decoded.mac == base
+    key.check(decoded, record_scope("m", "alice"))
+    with pytest.raises(ForgedBlock):
+        key.check(decoded, record_scope("m", "bob"))
+    unsigned = SessionManifest(sk, (), 0, generation=1)
+    assert b'"mac"' not in unsigned.encode()  # unsigned manifests encode as before
+    assert json.loads(unsigned.encode()[8:])["v"] == 1
