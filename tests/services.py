@@ -16,9 +16,10 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-__all__ = ["free_port", "EtcdServer", "RedisServer", "start_etcd", "start_redis", "stop_process",
-           "wait_for_port"]
+__all__ = ["free_port", "EtcdServer", "RedisCluster", "RedisClusterNode", "RedisServer",
+           "start_etcd", "start_redis", "start_redis_cluster", "stop_process", "wait_for_port"]
 
 
 def free_port() -> int:
@@ -131,3 +132,163 @@ def start_redis(tmp: Path, maxmemory: str = "0") -> Iterator[RedisServer]:
         yield RedisServer(proc, port)
     finally:
         stop_process(proc)
+
+
+@dataclass
+class RedisClusterNode:
+    proc: subprocess.Popen[bytes]
+    port: int
+    bus_port: int
+    node_dir: Path
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+
+@dataclass
+class RedisCluster:
+    """A real Redis Cluster on loopback: `nodes[:masters]` were created masters, the rest their
+    replicas (`redis-cli --cluster create --cluster-replicas`); roles change after a failover,
+    so ask `masters()` rather than trusting the order."""
+
+    nodes: list[RedisClusterNode]
+    node_timeout_ms: int
+
+    @property
+    def seeds(self) -> tuple[str, ...]:
+        return tuple(node.address for node in self.nodes)
+
+    def client(self, node: RedisClusterNode) -> Any:
+        """A plain (non-cluster) redis-py client of one node: sees MOVED/ASK as errors."""
+        import redis
+
+        return redis.Redis(host="127.0.0.1", port=node.port, socket_timeout=5.0)
+
+    def masters(self) -> list[RedisClusterNode]:
+        """The live nodes that are masters now, by their own INFO."""
+        found = []
+        for node in self.nodes:
+            if node.proc.poll() is not None:
+                continue
+            with contextlib.closing(self.client(node)) as r:
+                if r.info("replication").get("role") == "master":
+                    found.append(node)
+        return found
+
+    def node_of_slot(self, slot: int, asking: RedisClusterNode | None = None
+                     ) -> RedisClusterNode:
+        """The master serving `slot`, by CLUSTER SLOTS of `asking` (default: a live node)."""
+        live = asking or next(n for n in self.nodes if n.proc.poll() is None)
+        with contextlib.closing(self.client(live)) as r:
+            # Each entry: [first slot, last slot, [master host, port, id, ...], replicas...]
+            for lo, hi, master, *_ in r.execute_command("CLUSTER SLOTS"):
+                if lo <= slot <= hi:
+                    return next(n for n in self.nodes if n.port == int(master[1]))
+        raise LookupError(f"no master serves slot {slot}")
+
+    def node_id(self, node: RedisClusterNode) -> str:
+        with contextlib.closing(self.client(node)) as r:
+            return str(r.execute_command("CLUSTER MYID").decode())
+
+    def kill(self, node: RedisClusterNode) -> None:
+        """SIGKILL, like a lost machine: no goodbye on the cluster bus."""
+        stop_process(node.proc, signal.SIGKILL)
+
+    def wait_ok(self, timeout: float = 30.0, replicas_in_sync: bool = True) -> None:
+        """Until every live node says cluster_state:ok and agrees on the slot owners, and (by
+        default) every live replica's link to its master is up."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if self._healthy(replicas_in_sync):
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the redis cluster did not settle within {timeout}s")
+            time.sleep(0.05)
+
+    def _healthy(self, replicas_in_sync: bool) -> bool:
+        import redis
+
+        epochs = set()
+        replicas, acknowledged = 0, 0
+        try:
+            for node in self.nodes:
+                if node.proc.poll() is not None:
+                    continue
+                with contextlib.closing(self.client(node)) as r:
+                    info = r.cluster("info")
+                    if info.get("cluster_state") != "ok":
+                        return False
+                    epochs.add(str(info.get("cluster_current_epoch")))
+                    repl = r.info("replication")
+                    if not replicas_in_sync:
+                        continue
+                    if repl.get("role") == "slave":
+                        if repl.get("master_link_status") != "up":
+                            return False
+                        replicas += 1
+                    else:
+                        acknowledged += self._live_replicas(repl)
+        except redis.RedisError:
+            return False
+        # Both ends agree: each running replica is linked, and listed online by its master.
+        return len(epochs) == 1 and acknowledged == replicas
+
+    def _live_replicas(self, repl: dict[str, Any]) -> int:
+        """The online replicas a master's replication INFO lists that are still running (a
+        killed one stays listed until the master notices)."""
+        live = {n.port for n in self.nodes if n.proc.poll() is None}
+        return sum(1 for k, v in repl.items() if k.startswith("slave") and isinstance(v, dict)
+                   and v.get("state") == "online" and int(v.get("port", 0)) in live)
+
+
+def _spawn_cluster_node(binary: str, node_dir: Path, port: int, bus_port: int,
+                        node_timeout_ms: int, maxmemory: str) -> subprocess.Popen[bytes]:
+    node_dir.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen(
+        [binary, "--bind", "127.0.0.1", "--port", str(port), "--cluster-enabled", "yes",
+         # The bus port is given, not port+10000: a free port above 55535 has no +10000.
+         "--cluster-port", str(bus_port), "--cluster-config-file", str(node_dir / "nodes.conf"),
+         "--cluster-node-timeout", str(node_timeout_ms), "--dir", str(node_dir),
+         "--save", "", "--appendonly", "no", "--maxmemory", maxmemory,
+         "--maxmemory-policy", "noeviction", "--proto-max-bulk-len", "1gb",
+         # Replicas sync at once (the default waits 5 s for more replicas to share a transfer).
+         "--repl-diskless-sync-delay", "0", "--logfile", str(node_dir / "redis.log")],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+@contextlib.contextmanager
+def start_redis_cluster(tmp: Path, masters: int = 3, replicas: int = 1,
+                        node_timeout_ms: int = 2000, maxmemory: str = "0"
+                        ) -> Iterator[RedisCluster]:
+    """`masters` masters with `replicas` replicas each, formed by `redis-cli --cluster create`,
+    returned once every node reports the cluster ok and every replica is in sync; all stopped
+    by pid on exit. `node_timeout_ms` bounds how long a killed master goes unnoticed."""
+    binary, cli = shutil.which("redis-server"), shutil.which("redis-cli")
+    if binary is None or cli is None:
+        raise RuntimeError("redis-server / redis-cli not installed: run `make setup`")
+    nodes: list[RedisClusterNode] = []
+    try:
+        for _ in range(masters * (1 + replicas)):
+            port, bus_port = free_port(), free_port()
+            node_dir = tmp / f"redis-cluster-{port}"
+            proc = _spawn_cluster_node(binary, node_dir, port, bus_port, node_timeout_ms,
+                                       maxmemory)
+            nodes.append(RedisClusterNode(proc, port, bus_port, node_dir))
+        for node in nodes:
+            wait_for_port(node.port, proc=node.proc)
+        subprocess.run([cli, "--cluster", "create", *(n.address for n in nodes),
+                        "--cluster-replicas", str(replicas), "--cluster-yes"],
+                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                       timeout=60)
+        cluster = RedisCluster(nodes, node_timeout_ms)
+        cluster.wait_ok()
+        yield cluster
+    finally:
+        # All signalled first, then waited on: one by one, six shutdowns take ~2 s.
+        for node in nodes:
+            if node.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    node.proc.terminate()
+        for node in nodes:
+            stop_process(node.proc)

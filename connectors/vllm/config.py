@@ -95,7 +95,7 @@ _IDENTITY_KEYS: Final = ("tls_ca", "tls_cert", "tls_key", "tls_server_name",
                          "registration_public_key")
 _REMOTE_KEYS: Final = frozenset({"etcd", "prefix", "replicas", "daemons", "timeout_ms",
                                  "token_file", *_ETCD_KEYS, *_IDENTITY_KEYS})
-_REDIS_KEYS: Final = frozenset({"url", "prefix", "ttl_seconds", "timeout_ms"})
+_REDIS_KEYS: Final = frozenset({"url", "nodes", "prefix", "ttl_seconds", "timeout_ms"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -341,10 +341,15 @@ def _redis(raw: object) -> RedisSpec:
     if not isinstance(raw, Mapping):
         raise ConfigError("store.redis must be an object")
     _reject_unknown("store.redis", raw, _REDIS_KEYS)
-    if "url" not in raw:
-        raise ConfigError("store.redis needs a 'url'")
+    if ("url" in raw) == ("nodes" in raw):
+        raise ConfigError("store.redis needs a 'url' (one server) or 'nodes' (a Redis "
+                          "Cluster's seed host:port list), not both")
+    nodes = raw.get("nodes", ())
+    if not isinstance(nodes, list | tuple) or ("nodes" in raw and not nodes):
+        raise ConfigError("store.redis.nodes must be a non-empty list of host:port")
     ttl = raw.get("ttl_seconds")
-    return RedisSpec(url=_nonempty_str(raw["url"], "store.redis.url"),
+    return RedisSpec(url=_nonempty_str(raw["url"], "store.redis.url") if "url" in raw else "",
+                     nodes=tuple(_nonempty_str(n, "store.redis.nodes[]") for n in nodes),
                      prefix=_nonempty_str(raw.get("prefix", "kvkeep"), "store.redis.prefix"),
                      ttl_s=None if ttl is None else _positive_int(ttl, "store.redis.ttl_seconds"),
                      timeout_s=_positive_ms(raw, "timeout_ms", 5000))

@@ -13,6 +13,7 @@ built raises (and the tiers built before it are closed).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -123,18 +124,27 @@ class RemoteSpec:
 
 @dataclass(frozen=True, slots=True)
 class RedisSpec:
-    """A Redis server the user already runs (`url`, e.g. redis://host:6379/0), keys under
+    """A Redis server the user already runs (`url`, e.g. redis://host:6379/0), or a Redis
+    Cluster (`nodes`: seed "host:port"s, any of its nodes; exactly one of the two), keys under
     `prefix`; `ttl_s` expires blocks that long after their last write (None: Redis' own
     maxmemory policy decides)."""
 
-    url: str
+    url: str = ""
     prefix: str = "kvkeep"
     ttl_s: int | None = None
     timeout_s: float = 5.0
     name: str = "redis"
+    nodes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if not self.url.startswith(("redis://", "rediss://", "unix://")):
+        if bool(self.url) == bool(self.nodes):
+            raise ConfigError("a redis tier needs exactly one of 'url' (one server) and "
+                              "'nodes' (a cluster's seed nodes)")
+        for node in self.nodes:
+            host, sep, port = node.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ConfigError(f"a redis cluster node is host:port, not {node!r}")
+        if self.url and not self.url.startswith(("redis://", "rediss://", "unix://")):
             raise ConfigError(f"a redis url starts with redis://, rediss:// or unix://, "
                               f"not {self.url!r}")
         if not self.prefix:
@@ -168,8 +178,11 @@ def build_tier(spec: TierSpec) -> Tier:
     if isinstance(spec, RedisSpec):
         from kvstore.tiers.redis import RedisConfig, RedisTier
 
-        return RedisTier(RedisConfig(url=spec.url, prefix=spec.prefix, ttl_seconds=spec.ttl_s,
-                                     socket_timeout=spec.timeout_s, name=spec.name))
+        config = RedisConfig(prefix=spec.prefix, ttl_seconds=spec.ttl_s,
+                             socket_timeout=spec.timeout_s, name=spec.name, nodes=spec.nodes)
+        if spec.url:
+            config = dataclasses.replace(config, url=spec.url)
+        return RedisTier(config)
     raise ConfigError(f"not a tier spec: {spec!r}")
 
 

@@ -1,11 +1,31 @@
-"""The `redis` tier: blocks in a Redis the user already runs, behind the Tier protocol.
+"""The `redis` tier: blocks in a Redis (or a Redis Cluster) the user already runs, behind the
+Tier protocol.
 
 Keys (all under `prefix`)::
 
-    <prefix>:b:<key digest hex>             the frame itself (blocks up to `chunk_bytes`), or a
-                                            chunk index record (larger blocks)
-    <prefix>:b:<key digest hex>:<ver>:<i>   chunk i of a large block, version <ver>
-    <prefix>:m:<session digest hex>         a hash {gen, data}: one session manifest
+    <prefix>:b:{<key digest hex>}             the frame itself (blocks up to `chunk_bytes`), or
+                                              a chunk index record (larger blocks)
+    <prefix>:b:{<key digest hex>}:<ver>:<i>   chunk i of a large block, version <ver>
+    <prefix>:m:{<session digest hex>}         a hash {gen, data}: one session manifest
+
+The braces are Redis Cluster hash tags: a cluster places a key by the part inside them only, so
+a block's index and all its chunks share one slot (one master), which is what lets a block be
+written in one MULTI/EXEC and its chunks be read with one MGET on a cluster; a manifest is one
+key, and its tag keeps it on one slot under any future split into more keys. A single server
+ignores the braces, so one layout serves both.
+
+`RedisConfig.nodes` (seed "host:port"s) makes the tier a cluster client (redis-py's
+`RedisCluster`, hiredis-parsed like the single client): it learns the slot map from any seed,
+follows MOVED and ASK redirections (a resharding in progress) and re-learns the map after a
+failover. What a cluster adds to the failure cases, and what each becomes here:
+
+- a master lost before its replica is promoted: its slots' reads and writes fail fast
+  (TierUnavailable, which the store turns into a miss: the KV is recomputed); after promotion
+  the replica answers, missing at most the writes it had not received yet (a MULTI/EXEC
+  replicates whole, so never half a block);
+- a slot being migrated: reads follow ASK (or TRYAGAIN, briefly, for a block whose keys are on
+  both sides: a miss), a put into it may be refused (False) until the migration ends;
+- a full master (maxmemory + noeviction): its puts are refused, its reads keep working.
 
 Large blocks are split into `chunk_bytes` values: Redis and redis-py slow down sharply on single
 values of many MiB (~1 GB/s at 16 MiB here against ~4 GB/s at 4 MiB). A block is written in one
@@ -28,10 +48,13 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import redis
 import redis.exceptions as rx
+from redis.backoff import NoBackoff
+from redis.cluster import ClusterNode, RedisCluster
+from redis.retry import Retry
 
 from kvstore.errors import (
     CorruptBlock,
@@ -75,7 +98,20 @@ class RedisConfig:
     """Expire blocks this long after their last write (None: rely on Redis' maxmemory policy)."""
     socket_timeout: float = 5.0
     max_connections: int = 32
+    """Connections in the pool (per node, on a cluster)."""
     name: str = "redis"
+    nodes: tuple[str, ...] = ()
+    """Redis Cluster seed nodes as "host:port" (any reachable one finds the rest); non-empty
+    makes this a cluster client, and `url` is not used."""
+    cluster_retries: int = 2
+    """Times a cluster call is retried after a connection error or a redirection, each after
+    re-learning the slot map. redis-py's default, 10 with no pause between them, turns a lost
+    master into 10 connect timeouts per read (the store's restore deadline is spent on one
+    block); 2 is enough to follow a failover or a moved slot."""
+
+    @property
+    def cluster(self) -> bool:
+        return bool(self.nodes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,15 +130,63 @@ class RedisTier:
         self._config = config or RedisConfig()
         if self._config.chunk_bytes < _PROBE_BYTES:
             raise TierError(f"chunk_bytes must be at least {_PROBE_BYTES}")
-        pool = redis.BlockingConnectionPool.from_url(
-            self._config.url, max_connections=self._config.max_connections,
-            socket_timeout=self._config.socket_timeout,
-            socket_connect_timeout=self._config.socket_timeout)
-        self._redis: redis.Redis = client or redis.Redis(connection_pool=pool)
-        self._put_manifest_script = self._redis.register_script(_PUT_MANIFEST)
         self._lock = threading.Lock()
+        # Typed as the single client: RedisCluster implements the same commands (routing each
+        # by its key's slot), and only those are used here.
+        self._conn: redis.Redis | None = client
+        self._script: Any = None if client is None else client.register_script(_PUT_MANIFEST)
+        self._next_connect = 0.0
+        if client is None:
+            with contextlib.suppress(TierUnavailable):
+                self._connected()
         self._counts = {"hits": 0, "misses": 0, "puts": 0, "rejected": 0, "corrupt": 0,
                         "errors": 0, "bytes": 0}
+
+    @property
+    def _redis(self) -> redis.Redis:
+        return self._connected()
+
+    def _connected(self) -> redis.Redis:
+        """The client; a cluster one is made on first use. A cluster client learns the slot
+        map when it is made, so with no seed answering (the cluster down when vLLM starts)
+        there is no client yet: the tier is unavailable (reads miss, puts fail) and tries
+        again at most once a second, instead of failing the engine's start."""
+        conn = self._conn
+        if conn is not None:
+            return conn
+        with self._lock:
+            if self._conn is None:
+                now = time.monotonic()
+                if now < self._next_connect:
+                    raise TierUnavailable("redis cluster: no seed node answered (retrying)")
+                self._next_connect = now + 1.0
+                conn = self._connect(self._config)
+                self._script = conn.register_script(_PUT_MANIFEST)
+                self._conn = conn
+            return self._conn
+
+    @staticmethod
+    def _connect(config: RedisConfig) -> redis.Redis:
+        if not config.cluster:
+            pool = redis.BlockingConnectionPool.from_url(
+                config.url, max_connections=config.max_connections,
+                socket_timeout=config.socket_timeout,
+                socket_connect_timeout=config.socket_timeout)
+            return redis.Redis(connection_pool=pool)
+        try:
+            cluster = RedisCluster(
+                startup_nodes=[ClusterNode(*_host_port(node))  # type: ignore[no-untyped-call]
+                               for node in config.nodes],
+                retry=Retry(NoBackoff(), config.cluster_retries),
+                socket_timeout=config.socket_timeout,
+                socket_connect_timeout=config.socket_timeout,
+                # Blocking per-node pools, like the single client: a burst of worker threads
+                # waits for a connection instead of failing with MaxConnectionsError.
+                connection_pool_class=redis.BlockingConnectionPool,
+                max_connections=config.max_connections)
+        except (rx.RedisError, rx.RedisClusterException) as exc:
+            raise TierUnavailable(f"no redis cluster seed answered: {exc}") from exc
+        return cast(redis.Redis, cluster)
 
     @property
     def name(self) -> str:
@@ -118,7 +202,7 @@ class RedisTier:
             for key in keys:
                 pipe.exists(self._block(key))
             return [bool(n) for n in pipe.execute()]
-        except rx.RedisError as exc:
+        except _REDIS_ERRORS as exc:
             raise self._translate("contains", exc) from exc
 
     def get(self, key: BlockKey, layers: LayerRange | None = None, *,
@@ -130,7 +214,7 @@ class RedisTier:
                 read = self._get_whole(key, name, out)
             else:
                 read = self._get_range(key, name, layers, out)
-        except rx.RedisError as exc:
+        except _REDIS_ERRORS as exc:
             raise self._translate("get", exc) from exc
         self._count("hits" if read is not None else "misses")
         return read
@@ -158,16 +242,23 @@ class RedisTier:
         except rx.OutOfMemoryError:
             self._count("rejected")
             return False
+        except (rx.AskError, rx.TryAgainError):
+            # The block's slot is being migrated and redis-py retries a cluster transaction on
+            # the source only: not admitted now (a later save of the block lands on the new
+            # owner). MovedError is an AskError.
+            self._count("rejected")
+            return False
         except rx.ResponseError as exc:
             if "OOM" in str(exc):
                 self._count("rejected")
                 return False
             self._count("errors")
             raise TierError(f"redis put failed: {exc}") from exc
-        except (rx.ConnectionError, rx.TimeoutError) as exc:
+        except (rx.ConnectionError, rx.TimeoutError, rx.ClusterDownError,
+                rx.SlotNotCoveredError) as exc:
             self._count("errors")
             raise TierUnavailable(f"redis unreachable: {exc}") from exc
-        except rx.RedisError as exc:
+        except _REDIS_ERRORS as exc:
             self._count("errors")
             raise TierError(f"redis put failed: {exc}") from exc
         self._count("puts")
@@ -197,22 +288,23 @@ class RedisTier:
             if doomed:
                 self._redis.delete(*doomed)
             return present
-        except rx.RedisError as exc:
+        except _REDIS_ERRORS as exc:
             raise self._translate("delete", exc) from exc
 
     # -- manifests ----------------------------------------------------------------------------
 
     def put_manifest(self, manifest: SessionManifest) -> None:
         try:
-            self._put_manifest_script(keys=[self._manifest(manifest.key)],
+            self._connected()  # a cluster client (and its script) is made on first use
+            self._script(keys=[self._manifest(manifest.key)],
                                       args=[manifest.generation, manifest.encode()])
-        except rx.RedisError as exc:
+        except _REDIS_ERRORS as exc:
             raise self._translate("put_manifest", exc) from exc
 
     def get_manifest(self, key: SessionKey) -> SessionManifest | None:
         try:
             data = _opt_bytes(self._redis.hget(self._manifest(key), "data"))
-        except rx.RedisError as exc:
+        except _REDIS_ERRORS as exc:
             raise self._translate("get_manifest", exc) from exc
         if data is None:
             return None
@@ -221,7 +313,7 @@ class RedisTier:
     def delete_manifest(self, key: SessionKey) -> bool:
         try:
             return bool(self._redis.delete(self._manifest(key)))
-        except rx.RedisError as exc:
+        except _REDIS_ERRORS as exc:
             raise self._translate("delete_manifest", exc) from exc
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -234,8 +326,12 @@ class RedisTier:
                          errors=c["errors"])
 
     def close(self) -> None:
-        self._redis.close()
-        self._redis.connection_pool.disconnect()
+        conn = self._conn
+        if conn is None:
+            return
+        conn.close()
+        if not self._config.cluster:  # RedisCluster.close() closes its node pools itself
+            conn.connection_pool.disconnect()
 
     # -- private ------------------------------------------------------------------------------
 
@@ -307,25 +403,39 @@ class RedisTier:
             self.delete([key])
 
     def _block(self, key: BlockKey) -> str:
-        return f"{self._config.prefix}:b:{key.storage_name}"
+        return f"{self._config.prefix}:b:{{{key.storage_name}}}"
 
     @staticmethod
     def _chunk(name: str, version: bytes, i: int) -> str:
         return f"{name}:{version.hex()}:{i}"
 
     def _manifest(self, key: SessionKey) -> str:
-        return f"{self._config.prefix}:m:{key.storage_name}"
+        return f"{self._config.prefix}:m:{{{key.storage_name}}}"
 
     def _count(self, what: str, n: int = 1) -> None:
         with self._lock:
             self._counts[what] += n
 
-    def _translate(self, op: str, exc: rx.RedisError) -> TierError:
-        """A redis-py error as the kvkeep error a caller acts on (and counted)."""
+    def _translate(self, op: str, exc: rx.RedisError | rx.RedisClusterException) -> TierError:
+        """A redis-py error as the kvkeep error a caller acts on (and counted). A cluster's
+        CLUSTERDOWN (a master lost, no replica promoted yet) and a slot nobody serves are the
+        server being unavailable, like a refused connection."""
         self._count("errors")
-        if isinstance(exc, rx.ConnectionError | rx.TimeoutError):
+        if isinstance(exc, rx.ConnectionError | rx.TimeoutError | rx.ClusterDownError
+                      | rx.SlotNotCoveredError):
             return TierUnavailable(f"redis {op}: {exc}")
         return TierError(f"redis {op}: {exc}")
+
+
+# RedisClusterException (slot-map and cross-slot problems) is not a RedisError.
+_REDIS_ERRORS = (rx.RedisError, rx.RedisClusterException)
+
+
+def _host_port(node: str) -> tuple[str, int]:
+    host, sep, port = node.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise TierError(f"a redis cluster node is host:port, not {node!r}")
+    return host.strip("[]"), int(port)
 
 
 def _check_deadline(deadline: float | None) -> None:
