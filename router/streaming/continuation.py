@@ -1,6 +1,12 @@
-"""A stream's life after its first byte: relayed to its end, and continued on another worker
-when the one producing it breaks (connection lost, engine error event, or silence past the
-idle timeout).
+"""A stream's life after its headers: relayed to its end, and continued on another worker
+when the one producing it breaks (connection lost, engine error event, silence past the idle
+timeout, or no first bytes before the time-to-first-byte deadline: the last a soft failure of
+the worker, which may only be busy).
+
+What the client sized is never the worker's failure (trust review H1): a choice past the
+request's own per-choice limit (read as vLLM reads it) ends the stream with an error event and
+counts softly against the worker; one past the router's cap when the request set no limit ends
+it with a 413 error event and counts nothing.
 
 The continuation is a `/v1/completions` request with prompt = the prompt's token ids + the
 tokens already delivered and `max_tokens` = what is left. Greedy decoding makes it
