@@ -39,12 +39,14 @@ from kvstore.errors import ConfigError
 from router.errors import UpstreamTooLarge
 
 __all__ = ["Limits", "TokenBucket", "read_capped", "METRICS_MAX_BYTES", "MODELS_MAX_BYTES",
-           "TENANT_SHARE"]
+           "TENANT_SHARE", "TOKENIZE_MAX_BYTES"]
 
 METRICS_MAX_BYTES = 4 << 20
 """A worker's `/metrics` page (vLLM's is some tens of KiB)."""
 MODELS_MAX_BYTES = 1 << 20
 """A worker's `/v1/models` answer."""
+TOKENIZE_MAX_BYTES = 16 << 20
+"""A worker's `/tokenize` answer (some 2M token ids: more than any context)."""
 TENANT_SHARE = 10
 """Without `max_sessions_per_tenant`, a tenant may hold `max_sessions // TENANT_SHARE`."""
 

@@ -14,6 +14,7 @@ timeout, error, no_worker) and `kvkeep_router_tokenize_seconds` (round trips).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -24,6 +25,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from router.api import ClientRequest
 from router.decision import RequestFeatures
+from router.errors import UpstreamTooLarge
+from router.limits import TOKENIZE_MAX_BYTES, read_capped
 from router.tokenize import TokenizeInput, TokenizeSpec, tokenize_input
 from router.tokenize_cache import TokenCache
 from router.workers import WorkerId, WorkerPool, WorkerState
@@ -91,13 +94,16 @@ class PromptTokenizer:
             async with asyncio.timeout(self.spec.timeout_s):
                 async with self.http.post(worker.info.url + "/tokenize", json=given.body,
                                           allow_redirects=False) as resp:
-                    data = await resp.json(content_type=None) if resp.status == 200 else None
+                    # Capped: a hostile worker's endless answer costs a bounded read.
+                    data = json.loads(await read_capped(
+                        resp, TOKENIZE_MAX_BYTES, "/tokenize answer")) \
+                        if resp.status == 200 else None
                     status = resp.status
         except TimeoutError:
             self._rest(worker.worker_id, "timed out")
             self.outcomes.labels("timeout").inc()
             return None
-        except (aiohttp.ClientError, OSError, ValueError) as exc:
+        except (aiohttp.ClientError, OSError, ValueError, UpstreamTooLarge) as exc:
             self._rest(worker.worker_id, f"{type(exc).__name__}: {exc}")
             self.outcomes.labels("error").inc()
             return None

@@ -8,7 +8,11 @@ rendering a probe conversation twice: ending open right after an assistant messa
 first rendering is a token prefix of the second, the rest is the new turn exactly as a
 full-history request would render it, seam included; the conversation's ids (which end with
 the last answer's content tokens) plus that rest is the prompt. The open rendering does not
-depend on the new turn and is cached per model and template arguments. A template for which
+depend on the new turn and is cached per model and template arguments (a digest of them: the
+arguments are the client's, `tools` may be large), least recently used first out past
+`OPEN_CACHE_ENTRIES`, so clients varying them cost the router a bounded cache (trust-review
+L4). A worker's `/tokenize` answer is read up to `TOKENIZE_MAX_BYTES`; a longer one is that
+worker's failure (another is asked). A template for which
 the prefix property fails (one that renders earlier turns differently once a later one
 follows, say) cannot be continued this way: `ContinuationUnsupported`, never a guess.
 
@@ -18,16 +22,22 @@ is appended as is).
 
 from __future__ import annotations
 
+import hashlib
 import json
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
 import aiohttp
 
-from router.errors import BadRequest, ContinuationUnsupported
+from router.errors import BadRequest, ContinuationUnsupported, UpstreamTooLarge
+from router.limits import TOKENIZE_MAX_BYTES, read_capped
 from router.upstream import UPSTREAM_ERRORS
 
-__all__ = ["PROBE", "TurnRenderer", "TokenizeFailed"]
+__all__ = ["PROBE", "TurnRenderer", "TokenizeFailed", "OPEN_CACHE_ENTRIES"]
+
+OPEN_CACHE_ENTRIES = 1024
+"""Open renderings kept (model x template arguments), least recently used first out."""
 
 PROBE: tuple[dict[str, str], ...] = (
     {"role": "user", "content": "kvkeep probe question"},
@@ -47,21 +57,31 @@ class TokenizeFailed(Exception):
 class TurnRenderer:
     """Asks workers' `/tokenize`; caches the probe's open rendering per model."""
 
-    def __init__(self, http: aiohttp.ClientSession) -> None:
+    def __init__(self, http: aiohttp.ClientSession, *,
+                 max_open: int = OPEN_CACHE_ENTRIES) -> None:
         self._http = http
-        self._open: dict[str, tuple[int, ...]] = {}
+        self._max_open = max_open
+        self._open: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._open)
 
     async def chat_suffix(self, url: str, model: str, body: dict[str, Any]) -> list[int]:
         """The tokens of the new turn (`body["messages"]`), as the template renders them
         after an assistant answer's content, up to and including the generation prompt."""
         extra = {k: body[k] for k in _TEMPLATE_FIELDS if body.get(k) is not None}
-        cache_key = model + json.dumps(extra, sort_keys=True, default=str)
+        cache_key = hashlib.sha256(json.dumps([model, extra], sort_keys=True, default=str)
+                                   .encode("utf-8", "surrogatepass")).digest()
         opened = self._open.get(cache_key)
         if opened is None:
             opened = tuple(await self._tokenize(url, {
                 "model": model, "messages": list(PROBE), "add_generation_prompt": False,
                 "continue_final_message": True, **extra}))
             self._open[cache_key] = opened
+            while len(self._open) > self._max_open:
+                self._open.popitem(last=False)
+        else:
+            self._open.move_to_end(cache_key)
         continues = bool(body.get("continue_final_message"))
         full = await self._tokenize(url, {
             "model": model, "messages": [*PROBE, *body["messages"]],
@@ -81,8 +101,10 @@ class TurnRenderer:
         try:
             async with self._http.post(url + "/tokenize", json=body, timeout=_TIMEOUT,
                                        allow_redirects=False) as resp:
-                data = await resp.read()
+                data = await read_capped(resp, TOKENIZE_MAX_BYTES, f"{url}/tokenize answer")
                 status = resp.status
+        except UpstreamTooLarge as exc:
+            raise TokenizeFailed(str(exc)) from exc
         except UPSTREAM_ERRORS as exc:
             raise TokenizeFailed(f"{url}: {type(exc).__name__}: {exc}") from exc
         if status >= 500:
