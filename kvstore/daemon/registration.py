@@ -10,7 +10,7 @@ stale address. On a clean stop the lease is revoked, so clients see the daemon l
 instead of after a TTL.
 
 With a `RegistrationSigner` the value is signed over the key, the lease and every field
-(kvstore/tiers/daemon_trust.py): the keeper grants the lease first, then puts the signed value.
+(kvstore/cluster/daemon_trust.py): the keeper grants the lease first, then puts the signed value.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ import asyncio
 import logging
 
 from kvstore.cluster.clients import StickyClients
+from kvstore.cluster.daemon_trust import RegistrationSigner
+from kvstore.cluster.discovery import DEFAULT_PREFIX, DaemonInfo
 from kvstore.cluster.lease import LeaseKeeper
 from kvstore.etcd import EtcdSpec
-from kvstore.tiers.daemon_trust import RegistrationSigner
-from kvstore.tiers.discovery import DEFAULT_PREFIX, DaemonInfo
 
 __all__ = ["Registrar"]
 

@@ -1,4 +1,5 @@
-"""Retry with backoff, and a circuit breaker per remote daemon.
+"""A circuit breaker per remote daemon; retries follow the control plane's one `RetryPolicy`
+(kvstore/cluster/retry.py, re-exported here for the remote tier's callers).
 
 Both are plain objects handed to the remote tier, so a deployment (or a test) chooses its own
 policy instead of editing constants. Neither sleeps past the caller's deadline.
@@ -6,54 +7,13 @@ policy instead of editing constants. Neither sleeps past the caller's deadline.
 
 from __future__ import annotations
 
-import random
 import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
 
+from kvstore.cluster.retry import NO_RETRY, RetryPolicy
 from kvstore.errors import ConfigError
 
 __all__ = ["RetryPolicy", "NO_RETRY", "CircuitBreaker", "BreakerState"]
-
-
-@dataclass(frozen=True, slots=True)
-class RetryPolicy:
-    """How often and how patiently to retry a transient failure (UNAVAILABLE, a reset stream).
-
-    `attempts` counts the first try; delays grow by `multiplier` from `base_delay` up to
-    `max_delay`, each scaled by a random factor in [1 - jitter, 1] so that many clients that
-    failed together do not retry together.
-    """
-
-    attempts: int = 3
-    base_delay: float = 0.02
-    max_delay: float = 1.0
-    multiplier: float = 2.0
-    jitter: float = 0.5
-
-    def __post_init__(self) -> None:
-        if self.attempts < 1 or self.base_delay < 0 or self.max_delay < self.base_delay:
-            raise ConfigError(f"inconsistent retry policy {self}")
-        if not 0.0 <= self.jitter <= 1.0 or self.multiplier < 1.0:
-            raise ConfigError(f"inconsistent retry policy {self}")
-
-    def delays(self) -> Iterator[float]:
-        """The sleeps between attempts: `attempts - 1` of them."""
-        delay = self.base_delay
-        for _ in range(self.attempts - 1):
-            yield delay * (1.0 - self.jitter * random.random())
-            delay = min(delay * self.multiplier, self.max_delay)
-
-    def sleep_within(self, delay: float, deadline: float | None) -> bool:
-        """Sleep `delay` unless that would pass `deadline`; False means: give up now."""
-        if deadline is not None and time.monotonic() + delay >= deadline:
-            return False
-        time.sleep(delay)
-        return True
-
-
-NO_RETRY = RetryPolicy(attempts=1)
 
 
 class BreakerState:
