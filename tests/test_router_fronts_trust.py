@@ -365,3 +365,32 @@ def test_one_tenant_cannot_use_up_every_new_session(tmp_path: Path) -> None:
     assert opened == 5
     open_session("bob", "b0")  # not a 429
     assert core.sessions.owned_by("bob") == 1
+
+
+def test_a_served_endpoint_that_was_never_offered_fails_no_worker(env: Env) -> None:
+    """H5: whoever sends the stream cannot take a worker out of rotation by claiming that
+    an address outside the pick's ranked list served (only a listed fallback means the first
+    pick failed)."""
+    from google.protobuf import struct_pb2
+
+    assert env.router.service is not None
+    core = env.router.service.core
+    failed = core.metrics.upstream_failures
+    envoy = Envoy(env)
+    envoy.send(request_headers=headers("/v1/chat/completions", **_auth("alice")))
+    envoy.recv()
+    envoy.send(request_body=ep.HttpBody(body=json.dumps(CHAT).encode(), end_of_stream=True))
+    answer = envoy.recv()
+    first = set_headers(answer.request_body.response)["x-gateway-destination-endpoint"]
+    worker = next(w for w, fw in env.workers.items()
+                  if first.split(",")[0] == f"127.0.0.1:{fw.port}")
+    before = failed.labels(worker)._value.get()
+    served = struct_pb2.Struct()
+    served.update({"upstream.address": "10.9.9.9:1"})
+    envoy.send(response_headers=headers("", eos=True, **{":status": "200"}),
+               attributes={"envoy.filters.http.ext_proc": served})
+    reply = set_headers(envoy.recv().response_headers.response)
+    assert reply["x-kvkeep-worker"] == worker  # not "10.9.9.9:1", not a fallback
+    assert failed.labels(worker)._value.get() == before
+    assert all(core.usable(s) for s in core.workers())
+    envoy.close()

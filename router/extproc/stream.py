@@ -254,6 +254,12 @@ class RequestStream:
         if served is None or pick is None or pick.placement is None \
                 or served == pick.endpoints[0]:
             return None
+        if served not in pick.endpoints:
+            # Envoy dials only the endpoints it was given: any other claim is not a fallback
+            # and marks no worker failed (trust-review H5: a stream's sender could otherwise
+            # take any worker out of rotation by naming another address).
+            log.warning("ext_proc: served endpoint %r was not offered; ignored", served[:100])
+            return None
         # Envoy fell back: the first pick failed to connect or answer.
         first = pick.placement.worker
         log.info("ext_proc: %s served instead of %s", served, first)
