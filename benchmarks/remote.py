@@ -21,6 +21,10 @@ EXISTS). Writes::
      "tcp_over_grpc": {"get": {"1MiB": f, ...}, "put": {...}},   # median of per-round ratios
      "grpc_cpu_over_tcp": {"get": {...}, "put": {...}},   # CPU per GB, likewise
      "remote_grpc_only": {"get_gbps": {...}, "put_gbps": {...}},
+     "redis_cluster": {"kvkeep_get_gbps": {...}, "kvkeep_put_gbps": {...},
+                       "redis_get_gbps": {...}, "redis_set_gbps": {...},
+                       "get_over_redis": {...}, "put_over_redis": {...},
+                       "kvkeep_lookup_1000_p99_ms": f, "redis_exists_1000_p99_ms": f, ...},
      "settings": {...}}
 
 GB/s are 10^9 bytes of frame per second, sequential calls from one client thread, median over
@@ -33,6 +37,13 @@ both alike); `tcp_over_grpc` is the median over rounds of each round's TCP / gRP
 the CPU seconds per GB it cost this process and the daemon together (`*_cpu_s_per_gb`,
 `grpc_cpu_over_tcp`): on a machine shared with other work, wall-clock rates mostly measure the
 neighbours, while the CPU a transport burns per byte is its own.
+
+`redis_cluster` is the Redis Cluster row: a real cluster of 3 masters and 3 replicas on loopback
+(formed as the tests form it, tests/services.py), the redis tier over it (`RedisTier` with seed
+nodes: redis-py's `RedisCluster` + hiredis, frames of more than 4 MiB in 4 MiB chunks on one
+slot) against redis-py's own `RedisCluster` GET/SET of plain values of the same size on the
+same cluster, interleaved round by round (AB, then BA), medians; its `*_over_redis` are the
+median of per-round ratios. The kvkeep daemons' figures for the same sizes are `remote` above.
 
 gRPC is measured tuned: the glibc allocator settings the daemon uses apply to this client
 process too, messages of 4 MiB with 16 MiB flow-control windows, the zero-copy codec of the
@@ -77,6 +88,7 @@ from kvstore.frame import CodecId, Compression, DType, build_frame
 from kvstore.keys import BlockKey, ModelFingerprint, Namespace
 from kvstore.net.daemon_client import DaemonClient, DaemonStat
 from kvstore.net.grpc_options import channel_options
+from kvstore.tiers.base import Tier
 from kvstore.tiers.remote import RemoteConfig, RemoteTier
 
 __all__ = ["main", "run"]
@@ -278,16 +290,117 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _put(tier: RemoteTier, frames: list[tuple[BlockKey, bytes]]) -> None:
+def _put(tier: Tier, frames: list[tuple[BlockKey, bytes]]) -> None:
     for key, frame in frames:
         if not tier.put(key, frame):
             raise RuntimeError("the daemon did not admit a block")
 
 
-def _get(tier: RemoteTier, keys: list[BlockKey], out: bytearray) -> None:
+def _get(tier: Tier, keys: list[BlockKey], out: bytearray) -> None:
     for key in keys:
         if tier.get(key, out=out) is None:
             raise RuntimeError("a stored block was not found")
+
+
+def _measure_cluster(tmp: Path, total: int, repeats: int) -> dict[str, Any]:
+    """The redis tier over a real Redis Cluster against redis-py's RedisCluster on the same
+    cluster: get/put per size, then a 1,000-key lookup, alternating which goes first."""
+    import redis
+    from redis.cluster import ClusterNode
+
+    from kvstore.tiers.redis import RedisConfig, RedisTier
+    from tests.services import start_redis_cluster
+
+    rates = _Rates()
+    ratios: dict[str, list[float]] = {}
+    with start_redis_cluster(tmp / "redis-cluster") as cluster:
+        tier = RedisTier(RedisConfig(nodes=cluster.seeds, prefix="bench", socket_timeout=30.0))
+        client = redis.RedisCluster(startup_nodes=[
+            ClusterNode("127.0.0.1", n.port) for n in cluster.nodes],  # type: ignore[no-untyped-call]
+            socket_timeout=30.0)
+        try:
+            for label, size in SIZES.items():
+                count = max(total // size, 4)
+                progress(f"{label} blocks: kvkeep over Redis Cluster and redis-py, {repeats} "
+                         "rounds")
+                value = os.urandom(size)
+                frame_bytes = len(_frame(_key(label, 0), size))
+                out = bytearray(b"\1" * frame_bytes)
+                for r in range(repeats + 1):
+                    record = r > 0
+                    names = [f"bench:{{{label}-{r}-{i}}}" for i in range(count)]
+                    keys = [_key(f"cluster-{label}-{r}", i) for i in range(count)]
+                    frames = [(k, _frame(k, size)) for k in keys]
+
+                    redis_side = [
+                        (f"redis_set/{label}", size, partial(_cluster_set, client, names, value)),
+                        (f"redis_get/{label}", size, partial(_cluster_get, client, names))]
+                    kvkeep_side = [
+                        (f"kvkeep_put/{label}", frame_bytes, partial(_put, tier, frames)),
+                        (f"kvkeep_get/{label}", frame_bytes, partial(_get, tier, keys, out))]
+                    sides = (redis_side, kvkeep_side) if r % 2 else (kvkeep_side, redis_side)
+                    for name, nbytes, work in (*sides[0], *sides[1]):
+                        rates.time(name, nbytes * count, work, record)
+                    client.delete(*names)
+                    tier.delete(keys)
+                    if record:
+                        for op, base in (("get", "get"), ("put", "set")):
+                            ratios.setdefault(f"{op}/{label}", []).append(
+                                rates.samples[f"kvkeep_{op}/{label}"][-1]
+                                / rates.samples[f"redis_{base}/{label}"][-1])
+            progress("a lookup of 1,000 keys on the cluster: kvkeep contains vs 1,000 EXISTS")
+            keys = [_key("cluster-lookup", i) for i in range(1000)]
+            for k in keys:
+                tier.put(k, _frame(k, 4096))
+            names = [f"bench:lookup:{i}" for i in range(1000)]
+            client.mset_nonatomic({name: b"x" for name in names})
+            ours: list[float] = []
+            theirs: list[float] = []
+            for _ in range(100 if repeats < 9 else 300):
+                started = time.perf_counter()
+                if not all(tier.contains(keys)):
+                    raise RuntimeError("lookup missed stored keys")
+                ours.append((time.perf_counter() - started) * 1e3)
+                started = time.perf_counter()
+                pipe = client.pipeline(transaction=False)  # type: ignore[no-untyped-call]
+                for name in names:
+                    pipe.exists(name)
+                if not all(pipe.execute()):
+                    raise RuntimeError("redis lost lookup keys")
+                theirs.append((time.perf_counter() - started) * 1e3)
+        finally:
+            tier.close()
+            client.close()
+    return {
+        "kvkeep_get_gbps": {s: rates.median(f"kvkeep_get/{s}") for s in SIZES},
+        "kvkeep_put_gbps": {s: rates.median(f"kvkeep_put/{s}") for s in SIZES},
+        "redis_get_gbps": {s: rates.median(f"redis_get/{s}") for s in SIZES},
+        "redis_set_gbps": {s: rates.median(f"redis_set/{s}") for s in SIZES},
+        "get_over_redis": {s: statistics.median(ratios[f"get/{s}"]) for s in SIZES},
+        "put_over_redis": {s: statistics.median(ratios[f"put/{s}"]) for s in SIZES},
+        "kvkeep_lookup_1000_p99_ms": statistics.quantiles(ours[10:], n=100)[98],
+        "kvkeep_lookup_1000_p50_ms": statistics.median(ours[10:]),
+        "redis_exists_1000_p99_ms": statistics.quantiles(theirs[10:], n=100)[98],
+        "cluster": "3 masters + 3 replicas (redis-server cluster mode, loopback, no "
+                   "persistence), one client thread",
+        "kvkeep_client": "RedisTier(nodes=seeds): redis-py RedisCluster + hiredis, "
+                         "puts in one MULTI/EXEC per block, gets into a caller buffer",
+        "redis_client": "redis-py RedisCluster + hiredis, plain GET/SET of the same size",
+        "rounds": {f"{side}_{op}": {s: rates.samples[f"{side}_{op}/{s}"] for s in SIZES}
+                   for side, op in (("kvkeep", "get"), ("kvkeep", "put"), ("redis", "get"),
+                                    ("redis", "set"))},
+    }
+
+
+def _cluster_set(client: Any, names: list[str], value: bytes) -> None:
+    for name in names:
+        client.set(name, value)
+
+
+def _cluster_get(client: Any, names: list[str]) -> None:
+    for name in names:
+        if client.get(name) is None:
+            raise RuntimeError("redis cluster lost a value")
 
 
 def run(quick: bool) -> dict[str, object]:
@@ -298,6 +411,8 @@ def run(quick: bool) -> dict[str, object]:
         daemon = bench_daemon(tmp / "daemon", mem_budget="3GiB", disk_budget="8GiB")
         with _redis_server(tmp) as port, daemon as (address, pid):
             rates, tcp, latency, transport = _measure(port, address, pid, total, repeats)
+        progress("starting a Redis Cluster (3 masters, 3 replicas)")
+        cluster = _measure_cluster(tmp, total, repeats)
     kinds = {kind: {op: {s: rates.median(f"{kind}_{op}/{s}") for s in SIZES}
                     for op in ("get", "put")} for kind in ("tcp", "grpc")}
     deployed = kinds[transport]
@@ -325,6 +440,7 @@ def run(quick: bool) -> dict[str, object]:
             t / g for t, g in zip(rates.samples[f"tcp_{op}/{s}"], rates.samples[f"grpc_{op}/{s}"],
                                   strict=True)) for s in SIZES} for op in ("get", "put")},
         "remote_grpc_only": {"get_gbps": kinds["grpc"]["get"], "put_gbps": kinds["grpc"]["put"]},
+        "redis_cluster": cluster,
         "settings": {
             "malloc_env": {k: os.environ.get(k) for k in MALLOC_ENV},
             "malloc_env_applied_to": ["this process (redis-py client, remote tier client)",
@@ -350,11 +466,19 @@ def plots(result: dict[str, Any]) -> list[RatioPanel]:
                 for op in ("get", "put") for s in SIZES}
     transports = {f"{op} {s}": result["tcp_over_grpc"][op][s]
                   for op in ("get", "put") for s in SIZES}
-    return [RatioPanel(f"remote tier ({remote['transport']}) over redis-py + hiredis",
-                       vs_redis, baseline="redis-py"),
-            RatioPanel("remote tier over raw loopback TCP", loopback, baseline="loopback TCP"),
-            RatioPanel("TCP data plane over gRPC (median of per-round ratios)", transports,
-                       baseline="gRPC")]
+    panels = [RatioPanel(f"remote tier ({remote['transport']}) over redis-py + hiredis",
+                         vs_redis, baseline="redis-py"),
+              RatioPanel("remote tier over raw loopback TCP", loopback,
+                         baseline="loopback TCP"),
+              RatioPanel("TCP data plane over gRPC (median of per-round ratios)", transports,
+                         baseline="gRPC")]
+    cluster = result.get("redis_cluster")
+    if cluster is not None:  # results from before the Redis Cluster row have none
+        on_cluster = {f"get {s}": cluster["get_over_redis"][s] for s in SIZES}
+        on_cluster |= {f"put {s}": cluster["put_over_redis"][s] for s in SIZES}
+        panels.append(RatioPanel("redis tier over Redis Cluster, over redis-py RedisCluster "
+                                 "(same cluster)", on_cluster, baseline="redis-py"))
+    return panels
 
 
 def _print_table(result: dict[str, object]) -> None:
@@ -389,6 +513,23 @@ def _print_table(result: dict[str, object]) -> None:
     print("CPU s per GB (this process + the daemon), gRPC / TCP, median of rounds: "
           + ", ".join(f"{label} get {cpu['get'][label]:.2f} put {cpu['put'][label]:.2f}"
                       for label in SIZES))
+    cluster = result["redis_cluster"]
+    assert isinstance(cluster, dict)
+    print("Redis Cluster (3 masters + 3 replicas), GB/s, medians; ratio: median of per-round "
+          "kvkeep/redis-py; daemons: the remote tier above:")
+    print(f"{'size':>6} {'kvkeep get':>11} {'redis get':>10} {'ratio':>6} {'daemons':>8} "
+          f"{'kvkeep put':>11} {'redis set':>10} {'ratio':>6} {'daemons':>8}")
+    for label in SIZES:
+        print(f"{label:>6} {cluster['kvkeep_get_gbps'][label]:11.2f} "
+              f"{cluster['redis_get_gbps'][label]:10.2f} "
+              f"{cluster['get_over_redis'][label]:6.2f} {remote['get_gbps'][label]:8.2f} "
+              f"{cluster['kvkeep_put_gbps'][label]:11.2f} "
+              f"{cluster['redis_set_gbps'][label]:10.2f} "
+              f"{cluster['put_over_redis'][label]:6.2f} {remote['put_gbps'][label]:8.2f}")
+    print(f"lookup of 1,000 keys on the cluster: kvkeep p99 "
+          f"{cluster['kvkeep_lookup_1000_p99_ms']:.2f} ms (p50 "
+          f"{cluster['kvkeep_lookup_1000_p50_ms']:.2f}); redis-py 1,000 EXISTS pipelined: p99 "
+          f"{cluster['redis_exists_1000_p99_ms']:.2f} ms")
 
 
 def _reexec_with_allocator_settings() -> None:

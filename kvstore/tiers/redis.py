@@ -197,13 +197,46 @@ class RedisTier:
     def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
         if not keys:
             return []
+        names = [self._block(key) for key in keys]
         try:
-            pipe = self._redis.pipeline(transaction=False)
-            for key in keys:
-                pipe.exists(self._block(key))
-            return [bool(n) for n in pipe.execute()]
+            return self._exists(names)
         except _REDIS_ERRORS as exc:
+            if not (self._config.cluster and _unreachable(exc)):
+                raise self._translate("contains", exc) from exc
+            self._count("errors")
+        return self._exists_per_node(names)
+
+    def _exists(self, names: list[str]) -> list[bool]:
+        pipe = self._redis.pipeline(transaction=False)
+        for name in names:
+            pipe.exists(name)
+        return [bool(n) for n in pipe.execute()]
+
+    def _exists_per_node(self, names: list[str]) -> list[bool]:
+        """A cluster pipeline fails whole when one node cannot be reached (a master lost, not
+        yet replaced), and a prompt's blocks sit on every master: ask each master for its own
+        keys, so the reachable ones still answer (the rest: absent, recomputed)."""
+        cluster = cast(RedisCluster, self._redis)
+        groups: dict[str, list[int]] = {}
+        try:
+            for i, name in enumerate(names):
+                node = cluster.get_node_from_key(name)  # type: ignore[no-untyped-call]
+                groups.setdefault(node.name, []).append(i)
+        except _REDIS_ERRORS as exc:  # a slot with no known owner
             raise self._translate("contains", exc) from exc
+        found = [False] * len(names)
+        failures: list[rx.RedisError | rx.RedisClusterException] = []
+        for indices in groups.values():
+            try:
+                flags = self._exists([names[i] for i in indices])
+            except _REDIS_ERRORS as exc:
+                failures.append(exc)
+                continue
+            for i, flag in zip(indices, flags, strict=True):
+                found[i] = flag
+        if len(failures) == len(groups):  # nobody answered: unavailable, not "absent"
+            raise self._translate("contains", failures[0]) from failures[0]
+        return found
 
     def get(self, key: BlockKey, layers: LayerRange | None = None, *,
             out: Buffer | None = None, deadline: float | None = None) -> BlockRead | None:
@@ -249,18 +282,15 @@ class RedisTier:
             self._count("rejected")
             return False
         except rx.ResponseError as exc:
+            if _unreachable(exc):  # CLUSTERDOWN is a ResponseError too
+                raise self._translate("put", exc) from exc
             if "OOM" in str(exc):
                 self._count("rejected")
                 return False
             self._count("errors")
             raise TierError(f"redis put failed: {exc}") from exc
-        except (rx.ConnectionError, rx.TimeoutError, rx.ClusterDownError,
-                rx.SlotNotCoveredError) as exc:
-            self._count("errors")
-            raise TierUnavailable(f"redis unreachable: {exc}") from exc
         except _REDIS_ERRORS as exc:
-            self._count("errors")
-            raise TierError(f"redis put failed: {exc}") from exc
+            raise self._translate("put", exc) from exc
         self._count("puts")
         self._count("bytes", len(view))
         return True
@@ -421,14 +451,21 @@ class RedisTier:
         CLUSTERDOWN (a master lost, no replica promoted yet) and a slot nobody serves are the
         server being unavailable, like a refused connection."""
         self._count("errors")
-        if isinstance(exc, rx.ConnectionError | rx.TimeoutError | rx.ClusterDownError
-                      | rx.SlotNotCoveredError):
+        if _unreachable(exc):
             return TierUnavailable(f"redis {op}: {exc}")
         return TierError(f"redis {op}: {exc}")
 
 
 # RedisClusterException (slot-map and cross-slot problems) is not a RedisError.
 _REDIS_ERRORS = (rx.RedisError, rx.RedisClusterException)
+
+
+def _unreachable(exc: BaseException) -> bool:
+    """Errors that say the data is out of reach for now, not that a command was wrong: a
+    refused or timed-out connection, CLUSTERDOWN (a master lost, no replica promoted yet), a
+    slot nobody serves, TRYAGAIN (a multi-key command on a slot half migrated)."""
+    return isinstance(exc, rx.ConnectionError | rx.TimeoutError | rx.ClusterDownError
+                      | rx.SlotNotCoveredError | rx.TryAgainError)
 
 
 def _host_port(node: str) -> tuple[str, int]:
