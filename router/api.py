@@ -120,7 +120,8 @@ def parse_request(endpoint: Endpoint, raw: bytes, header_session: str | None) ->
     wants_ids = bool(body.get("return_token_ids"))
     logprobs, logprobs_ok = _logprobs(endpoint, body)
     resumable = (stream and n == 1 and single_prompt and not body.get("best_of")
-                 and logprobs_ok and not any(body.get(k) for k in _NOT_RESUMABLE))
+                 and logprobs_ok and not any(body.get(k) for k in _NOT_RESUMABLE)
+                 and _penalties_carry(body))
     return ClientRequest(endpoint, body, model, stream, session_id, wants_ids, include_usage,
                          prompt_text, prompt_tokens, max_tokens, resumable, logprobs, n=n)
 
@@ -151,6 +152,36 @@ def max_new_tokens(endpoint: Endpoint, body: dict[str, Any]) -> int | None:
     if found is None and endpoint is Endpoint.COMPLETIONS:
         return COMPLETIONS_DEFAULT_MAX_TOKENS
     return found
+
+
+def _penalties_carry(body: dict[str, Any]) -> bool:
+    """Whether a continuation can penalize the tokens already sent as the unbroken stream
+    would have (they are its prompt there, and vLLM's presence and frequency penalties count
+    output tokens only).
+
+    `repetition_penalty` counts prompt and output alike: carried as it is. A frequency
+    penalty is carried exactly as a `logit_bias` of minus penalty x count per token sent
+    (`streaming/continuation.resume_body`): vLLM adds both to the logits before sampling, in
+    an order that matters only against a repetition penalty other than 1, so that pair is not
+    resumed. A presence penalty cannot be (a token already sent must be penalized once,
+    whether or not it comes again: no fixed bias says that), so it is not resumed either: a
+    break ends such a stream with an error event rather than a continuation that samples
+    differently from an unbroken one."""
+    def given(name: str) -> bool:
+        return body.get(name) not in (None, 0, 0.0)
+
+    if given("presence_penalty"):
+        return False
+    if given("frequency_penalty"):
+        value = body["frequency_penalty"]
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            return False
+        if body.get("repetition_penalty") not in (None, 1, 1.0):
+            return False
+        bias = body.get("logit_bias")
+        if bias is not None and not isinstance(bias, dict):
+            return False
+    return True
 
 
 def _logprobs(endpoint: Endpoint, body: dict[str, Any]) -> tuple[int | None, bool]:

@@ -66,6 +66,10 @@ def resume_body(state: StreamState, kv_params: dict[str, Any] | None) -> dict[st
     min_tokens = req.body.get("min_tokens")
     if isinstance(min_tokens, int) and min_tokens > 0:
         body["min_tokens"] = max(0, min_tokens - len(state.generated))
+    frequency = req.body.get("frequency_penalty")
+    if isinstance(frequency, int | float) and frequency and state.generated:
+        body["logit_bias"] = _frequency_bias(req.body.get("logit_bias"), frequency,
+                                             state.generated)
     if req.logprobs is not None:
         body["logprobs"] = req.logprobs  # rewritten into the client's format on the way back
     if req.include_usage:
@@ -73,6 +77,23 @@ def resume_body(state: StreamState, kv_params: dict[str, Any] | None) -> dict[st
     if kv_params is not None:
         body["kv_transfer_params"] = kv_params
     return body
+
+
+def _frequency_bias(client: Any, penalty: float, sent: list[int]) -> dict[str, float]:
+    """The client's `logit_bias` plus what the frequency penalty of the tokens already sent
+    would subtract (vLLM counts only the continuation's own output: `api._penalties_carry`).
+    vLLM clamps a bias to [-100, 100], so it is exact while penalty x count stays within."""
+    bias: dict[str, float] = {}
+    if isinstance(client, dict):
+        bias.update({str(k): float(v) for k, v in client.items()
+                     if isinstance(v, int | float) and not isinstance(v, bool)})
+    counts: dict[int, int] = {}
+    for token in sent:
+        counts[token] = counts.get(token, 0) + 1
+    for token, count in counts.items():
+        key = str(token)
+        bias[key] = bias.get(key, 0.0) - penalty * count
+    return bias
 
 
 def _delivered(state: StreamState) -> Outcome:
