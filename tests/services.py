@@ -1,4 +1,5 @@
-"""Real services for tests: etcd and redis-server as subprocesses on free loopback ports.
+"""Real services for tests: etcd and redis-server (one, or a Redis Cluster of them) as
+subprocesses on free loopback ports.
 
 Each is started in its own temp dir, waited on until it answers, and stopped by pid. Nothing
 here is a mock: tests talk to the same binaries a deployment runs.
@@ -259,11 +260,12 @@ def _spawn_cluster_node(binary: str, node_dir: Path, port: int, bus_port: int,
 
 @contextlib.contextmanager
 def start_redis_cluster(tmp: Path, masters: int = 3, replicas: int = 1,
-                        node_timeout_ms: int = 2000, maxmemory: str = "0"
+                        node_timeout_ms: int = 5000, maxmemory: str = "0"
                         ) -> Iterator[RedisCluster]:
     """`masters` masters with `replicas` replicas each, formed by `redis-cli --cluster create`,
     returned once every node reports the cluster ok and every replica is in sync; all stopped
-    by pid on exit. `node_timeout_ms` bounds how long a killed master goes unnoticed."""
+    by pid on exit. `node_timeout_ms` bounds how long a killed master goes unnoticed (5 s by
+    default: long enough that a loaded CI machine's pauses never start a failover)."""
     binary, cli = shutil.which("redis-server"), shutil.which("redis-cli")
     if binary is None or cli is None:
         raise RuntimeError("redis-server / redis-cli not installed: run `make setup`")
