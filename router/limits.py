@@ -19,9 +19,12 @@ KV events, or a hostile worker, costs the router at most what these say:
   wrong answer);
 - what a worker sends back: `max_response_bytes` for a non-streaming answer (and any error
   body), `max_event_bytes` for one SSE event of a stream (the first carries the prompt's token
-  ids: 16 MiB is some 2M tokens), `max_stream_tokens` token ids per stream when the request
-  does not bound them itself. A worker past these has failed the request: it is tried
-  elsewhere or the stream resumed elsewhere, and the failure is counted.
+  ids: 16 MiB is some 2M tokens), `max_stream_tokens` token ids per choice of a stream when
+  the request does not bound them itself. What the client sized is the client's (trust review
+  H1): a 2xx answer over `max_response_bytes` is its 413, a stream past `max_stream_tokens`
+  ends with a 413 error event, and neither counts against the worker. A worker past the
+  others (an error body, one SSE event) has failed the request: it is tried elsewhere or the
+  stream resumed elsewhere, and the failure is counted.
 
 `Limits()` is what a replica runs with unless configured (the `limits:` section of the config
 file, `--max-sessions`, `--max-sessions-per-tenant`); the router core takes the same object.

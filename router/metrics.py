@@ -76,7 +76,7 @@ class RouterMetrics:
             "New sessions refused at a limit (tenant, total)", ["limit"], registry=r)
         self.upstream_oversize = Counter(
             "kvkeep_router_upstream_oversize",
-            "Worker answers over a size limit (body, event, tokens): failed as the worker's",
+            "Worker answers over a size limit (body, event, tokens)",
             ["what"], registry=r)
         self.worker_departures = Counter(
             "kvkeep_router_worker_departures",
