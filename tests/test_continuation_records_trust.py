@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +40,12 @@ from tests.services import free_port
 STORE_TENANT = "conversations"
 SECRET = bytes(range(32))
 TIMEOUT = 5.0
+DAY_US = 86_400 * 10 ** 6
+
+
+def _ahead(days: int) -> int:
+    """A generation `days` ahead of the clock (µs; daemons refuse more than 30 days ahead)."""
+    return time.time_ns() // 1000 + days * DAY_US
 
 
 @dataclass
@@ -125,12 +132,13 @@ def test_a_record_is_signed_and_continues(env: Env) -> None:
 
 @pytest.mark.parametrize("forgery", ["unsigned", "another key", "moved"])
 def test_a_forged_record_is_refused_with_a_409(env: Env, forgery: str) -> None:
-    """The review's probe (a): a store-token holder writes `generation=2**62` with injected
-    history straight to both daemons; the next continuation is refused, never built on it."""
+    """The review's probe (a): a store-token holder writes a generation far ahead (the review
+    used 2**62; daemons now refuse more than 30 days ahead) with injected history straight to
+    both daemons; the next continuation is refused, never built on it."""
     sid = f"h7-forged-{forgery.replace(' ', '-')}"
     assert _complete(env, sid, [5, 6, 7]).status_code == 200
     injected = (66, 66, 66, 66)
-    key, generation = env.key(sid), 2 ** 62
+    key, generation = env.key(sid), _ahead(20)
     mac = b""
     if forgery == "another key":
         mac = RecordKey(bytes(32)).tag(key, record_scope("fake", "default"), generation,
@@ -270,3 +278,24 @@ def test_the_mac_binds_tenant_session_generation_and_tokens() -> None:
     unsigned = SessionManifest(sk, (), 0, generation=1)
     assert b'"mac"' not in unsigned.encode()  # unsigned manifests encode as before
     assert json.loads(unsigned.encode()[8:])["v"] == 1
+
+
+def test_a_record_from_a_clock_ahead_does_not_swallow_a_new_turn(env: Env) -> None:
+    """The review's case (c): a genuine record with a generation far ahead (another replica
+    whose clock runs fast) is stored; a replica that has not seen the session records a
+    whole-history turn. The daemons keep the higher generation, so without reading it first
+    the new turn would be silently dropped and the next continuation built on the old one."""
+    sid = "h7-clock"
+    key = env.key(sid)
+    scope = record_scope("fake", "default")
+    ahead, old = _ahead(10), (1, 2, 3)
+    env.put_everywhere(SessionManifest(key, (), 3, generation=ahead, token_ids=old,
+                                       mac=RecordKey(SECRET).tag(key, scope, ahead, old)))
+    turn = [5, 6, 7]
+    assert _complete(env, sid, turn).status_code == 200  # this replica never saw the session
+    history = [*turn, *fake_generate(turn, 3)]
+    for manifest in env.stored(sid):
+        assert manifest is not None and list(manifest.token_ids) == history
+        assert manifest.generation > ahead
+    assert _complete(env, sid, [8], cont=True).status_code == 200
+    assert env.worker.requests[-1]["prompt"] == [*history, 8]

@@ -136,6 +136,11 @@ class ConversationRecords(Protocol):
 
     async def delete(self, model: str, session: SessionId) -> None: ...
 
+    async def stored_generation(self, model: str, session: SessionId) -> int:
+        """The generation of the record stored now (0: none), signed or not: a write must
+        outrank it to be kept, whoever wrote it and whatever clock they had."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -183,6 +188,10 @@ class StoreRecords:
     async def delete(self, model: str, session: SessionId) -> None:
         await self._store.delete_manifest(self._key(model, session))
 
+    async def stored_generation(self, model: str, session: SessionId) -> int:
+        manifest = await self._store.get_manifest(self._key(model, session))
+        return 0 if manifest is None else manifest.generation
+
     async def close(self) -> None:
         await self._store.close()
 
@@ -205,6 +214,10 @@ class MemoryRecords:
 
     async def delete(self, model: str, session: SessionId) -> None:
         self._records.pop((model, session), None)
+
+    async def stored_generation(self, model: str, session: SessionId) -> int:
+        found = self._records.get((model, session))
+        return 0 if found is None else found.generation
 
     async def close(self) -> None:
         self._records.clear()

@@ -219,7 +219,7 @@ class Continuations:
         tokens = conversation_tokens(prompt, output, end)
         try:
             generation = await self.records.put(scope, sid, tokens,
-                                                after=self._generations.get((scope, sid), 0))
+                                                after=await self._after(scope, sid))
         except KVKeepError as exc:
             log.warning("conversation of %s not recorded: %s", sid, exc)
             await self._forget(scope, sid, "failed")
@@ -228,12 +228,28 @@ class Continuations:
         self.writes.labels("written").inc()
         return len(tokens)
 
+    async def _after(self, scope: str, sid: SessionId) -> int:
+        """The generation a new record must pass: the last this replica saw, or for a session
+        it has not seen, the stored record's (one read), so a record written by a replica
+        whose clock runs ahead, or a forged one, cannot make the daemons keep it over this
+        turn's (they keep the higher generation) while the client is told it was recorded."""
+        known = self._generations.get((scope, sid))
+        if known is not None:
+            return known
+        try:
+            return await self.records.stored_generation(scope, sid)
+        except KVKeepError as exc:  # the put will say whether the store is there
+            log.info("conversation of %s: stored generation unknown (%s)", sid, exc)
+            return 0
+
     async def _forget(self, scope: str, sid: SessionId, outcome: str) -> None:
         """Leave no record of the session older than now usable: an empty one (a tombstone:
         it outranks, and is repaired over, any copy a daemon kept), else a delete; and never
         accept an older one here again."""
         self.writes.labels(outcome).inc()
-        after = self._generations.get((scope, sid), 0)
+        # A store that just failed a write is not asked again for what it holds.
+        after = self._generations.get((scope, sid), 0) if outcome == "failed" \
+            else await self._after(scope, sid)
         try:
             generation = await self.records.put(scope, sid, (), after=after)
         except KVKeepError as exc:
