@@ -19,6 +19,13 @@ canonical ones (`2130706433`, `0x7f.1`, which the resolver reads as addresses) a
 KV-event endpoints must be `tcp://HOST:PORT` and are matched by host only (a worker's event
 port is not its HTTP port). With no entries the router allows loopback only (127.0.0.0/8, ::1,
 `localhost`), as the kvstore daemon serves loopback only without a token file.
+
+An entry may be bound to one worker id, `ID=HOST[:PORTS]` (`w1=10.8.3.17:8000`,
+`vllm-0=vllm-0.vllm.svc:8000`): that id is then believed only at what its own entries match,
+whatever the other entries allow, and its entries allow no other id. This is the proof a
+registration needs beyond its lease (trust review H2): an etcd writer who overwrites `w1`'s
+record with another URL, even under a lease of their own, is refused, where otherwise the
+forgery would be believed until w1's agent wrote its record back (at most TTL/3 later).
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from __future__ import annotations
 import ipaddress
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from urllib.parse import urlsplit
 
 from kvstore.errors import ConfigError
@@ -58,9 +65,16 @@ class AllowEntry:
     name: str | None = None
     suffix: bool = False
     ports: tuple[int, int] | None = None
+    worker: str | None = None
+    """The one worker id this entry allows (`ID=HOST[:PORTS]`); None: any id."""
 
     @classmethod
     def parse(cls, text: str) -> AllowEntry:
+        worker, sep, rest = text.strip().partition("=")
+        if sep:
+            if not worker or any(c.isspace() or c == "/" for c in worker):
+                raise ConfigError(f"worker allow-list entry {text!r}: bad worker id")
+            return replace(cls.parse(rest), text=text.strip(), worker=worker)
         spec = text.strip().lower()
         host, ports = _split_ports(spec, text)
         if not host:
@@ -164,8 +178,17 @@ class WorkerAllowList:
     def describe(self) -> str:
         return ", ".join(e.text for e in self.entries)
 
-    def url_refusal(self, url: str) -> str | None:
-        """Why a worker URL may not be forwarded to, or None when it may."""
+    def _entries_for(self, worker_id: str | None) -> tuple[AllowEntry, ...]:
+        """The entries that may allow `worker_id`: its own if it has any (then nothing else
+        does), else the unbound ones (None: every entry, for callers without an id)."""
+        if worker_id is None:
+            return self.entries
+        own = tuple(e for e in self.entries if e.worker == worker_id)
+        return own or tuple(e for e in self.entries if e.worker is None)
+
+    def url_refusal(self, url: str, worker_id: str | None = None) -> str | None:
+        """Why a worker URL may not be forwarded to, or None when it may; `worker_id`: the id
+        registered with it (entries bound to ids apply to their id only)."""
         try:
             parts = urlsplit(url)
             port = parts.port
@@ -183,11 +206,12 @@ class WorkerAllowList:
         if ip_literal(host) is None and not _valid_name(host.rstrip(".")):
             return f"host {host!r} is neither a canonical address nor a name"
         port = port or _DEFAULT_PORTS[parts.scheme]
-        if not any(e.matches(host, port) for e in self.entries):
-            return f"{host}:{port} is not in the worker allow-list ({self.describe()})"
+        if not any(e.matches(host, port) for e in self._entries_for(worker_id)):
+            who = "" if worker_id is None else f" for worker {worker_id}"
+            return f"{host}:{port} is not in the worker allow-list{who} ({self.describe()})"
         return None
 
-    def events_refusal(self, endpoint: str) -> str | None:
+    def events_refusal(self, endpoint: str, worker_id: str | None = None) -> str | None:
         """Why a KV-event endpoint may not be subscribed to, or None when it may."""
         scheme, sep, rest = endpoint.partition("://")
         if not sep or scheme != "tcp":
@@ -200,6 +224,6 @@ class WorkerAllowList:
             return f"KV-event endpoint {endpoint!r} is not tcp://HOST:PORT"
         if ip_literal(host) is None and not _valid_name(host.lower().rstrip(".")):
             return f"KV-event host {host!r} is neither a canonical address nor a name"
-        if not any(e.matches_host(host) for e in self.entries):
+        if not any(e.matches_host(host) for e in self._entries_for(worker_id)):
             return f"KV-event host {host} is not in the worker allow-list ({self.describe()})"
         return None

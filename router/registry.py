@@ -2,8 +2,10 @@
 own adds and removes) to the pool, the KV-event feeds and the indexes, and reports deaths to
 the failover logic.
 
-A registration is a claim: with an allow-list (`router/allowlist.py`) only one whose URL
-matches becomes a worker, and its KV-event endpoint is followed only if that matches too. A
+A registration is a claim: the backend believes it only under a live lease and under the key
+its id names (router/state/etcd.py); then, with an allow-list (`router/allowlist.py`), only one
+whose URL matches (the entries bound to its id, where it has any) becomes a worker, and its
+KV-event endpoint is followed only if that matches too. A
 refused one is ignored, counted by reason and logged once; a known worker re-registered with a
 refused URL leaves (its sessions are rebound). Past `max_workers`, new workers are refused.
 """
@@ -60,14 +62,14 @@ class Registry:
     def put_worker(self, info: WorkerInfo) -> None:
         known = info.worker_id in self.pool
         if self.allow is not None:
-            why = self.allow.url_refusal(info.url)
+            why = self.allow.url_refusal(info.url, info.worker_id)
             if why is not None:
                 self._refuse("url", info, why)
                 if known:
                     self.delete_worker(info.worker_id)
                 return
             if info.kv_events is not None:
-                why = self.allow.events_refusal(info.kv_events)
+                why = self.allow.events_refusal(info.kv_events, info.worker_id)
                 if why is not None:
                     self._refuse("events", info, why)
                     info = replace(info, kv_events=None)

@@ -22,8 +22,11 @@ import pytest
 from kvstore.cluster.retry import LOOP_RETRY, Backoff, RetryPolicy
 from kvstore.cluster.supervisor import supervise
 from kvstore.daemon.registration import Registrar
+from kvstore.errors import ConfigError
 from kvstore.tiers.daemon_trust import DaemonTrust, identities
 from kvstore.tiers.discovery import DaemonInfo, EtcdDiscovery
+from router.allowlist import WorkerAllowList
+from router.workers import WorkerId, WorkerInfo
 from tests.router_harness import FakeWorker, LoopThread, RouterHandle, loop_thread, wait_until
 from tests.services import EtcdServer
 from tests.test_etcd_poison import MODEL, PREFIX, Agents, _ignored, _registered, _router
@@ -143,6 +146,54 @@ def test_a_worker_agent_writes_back_its_overwritten_key(lt: LoopThread,
         lt.run(asyncio.sleep(1.0))  # three more keepalives: nothing to rewrite any more
         assert lt.run(_stored(etcd_server, key)) == {"url": w1.url, "lease": lease}
     finally:
+        agents.close()
+        lt.run(capture.stop())
+
+
+def test_an_id_bound_allow_list_refuses_even_a_leased_forgery(lt: LoopThread,
+                                                                etcd_server: EtcdServer) -> None:
+    """With `w1=HOST:PORT` in the allow-list, a forgery in w1's own key under the attacker's
+    lease (believed, without it, until the agent's next keepalive) is refused outright:
+    requests sent all the while never reach the capture server. Without the binding the same
+    forgery is believed for that moment (the unbound list below accepts it)."""
+    agents = Agents(lt, etcd_server)
+    capture = FakeWorker(model=MODEL)
+    lt.run(capture.start())
+    routers: list[RouterHandle] = []
+    try:
+        w1 = agents.start("w1")
+        key = f"{PREFIX}/workers/w1"
+        forged = {"id": "w1", "url": capture.url, "models": [MODEL]}
+
+        allow = WorkerAllowList.parse([f"w1=127.0.0.1:{w1.port}", "127.0.0.1"])
+        router = _router(lt, etcd_server, allow)
+        routers.append(router)
+        wait_until(lambda: _registered(router) == {"w1"})
+        lt.run(_put(etcd_server, key, forged, leased=True))
+        with httpx.Client(base_url=router.url, timeout=10) as http:
+            for i in range(30):  # while the forgery stands and after the agent undid it
+                http.post("/v1/completions", json={"model": MODEL, "prompt": f"q{i}",
+                                                   "max_tokens": 2})
+                lt.run(asyncio.sleep(0.02))
+        wait_until(lambda: lt.run(_stored(etcd_server, key))["url"] == w1.url)
+        wait_until(lambda: _registered(router) == {"w1"})
+        assert capture.requests == [] and w1.requests
+        assert router.service is not None
+        assert (router.service.metrics.registry.get_sample_value(
+            "kvkeep_router_worker_registrations_refused_total", {"reason": "url"}) or 0) >= 1
+        # What the binding adds, registration by registration: without it the forgery passes.
+        fake = WorkerInfo(WorkerId("w1"), capture.url, (MODEL,))
+        assert allow.url_refusal(fake.url, "w1") is not None
+        assert allow.url_refusal(w1.url, "w1") is None
+        assert allow.url_refusal(capture.url, "w2") is None  # unbound ids: the other entries
+        only_w1 = WorkerAllowList.parse([f"w1=127.0.0.1:{w1.port}"])
+        assert only_w1.url_refusal(w1.url, "w2") is not None  # w1's entry allows w1 only
+        assert WorkerAllowList.parse(["127.0.0.1"]).url_refusal(fake.url, "w1") is None
+        with pytest.raises(ConfigError, match="bad worker id"):
+            WorkerAllowList.parse(["=127.0.0.1"])
+    finally:
+        for router in routers:
+            router.stop()
         agents.close()
         lt.run(capture.stop())
 

@@ -26,6 +26,7 @@ from kvstore.daemon.registration import Registrar
 from kvstore.keys import SessionId
 from kvstore.tiers.discovery import DaemonInfo, EtcdDiscovery
 from router.agent import AgentConfig, WorkerAgent
+from router.allowlist import WorkerAllowList
 from router.bindings import Binding
 from router.config import RouterConfig
 from router.policy import Thresholds, policy_preset
@@ -140,10 +141,13 @@ def lt() -> Iterator[LoopThread]:
         yield thread
 
 
-def _router(lt: LoopThread, etcd: EtcdServer) -> RouterHandle:
+def _router(lt: LoopThread, etcd: EtcdServer, allow: WorkerAllowList | None = None
+            ) -> RouterHandle:
     config = RouterConfig(port=free_port(), scrape_interval_s=0.05, static_ttl_s=1.0,
                           policy=replace(policy_preset("kvkeep"),
                                          thresholds=Thresholds(migrate_cooldown_s=0.0)))
+    if allow is not None:
+        config = replace(config, workers_allow=allow)
     backend = EtcdBackend(etcd.url, PREFIX, worker_delete_grace_s=0.3)
     return RouterHandle(lt, config, backend=backend).start()
 
