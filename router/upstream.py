@@ -52,9 +52,10 @@ def kv_transfer_params(creq: ClientRequest, placement: Placement, *,
 def upstream_body(creq: ClientRequest, placement: Placement) -> dict[str, Any]:
     """The client's request as the worker gets it."""
     body = dict(creq.body)
-    if creq.resumable or creq.session_id is not None:
-        # Token ids let a broken stream resume exactly and give the next turn a precise
-        # prefix; they are stripped from the reply unless the client asked.
+    if creq.stream or creq.session_id is not None:
+        # Token ids let a broken stream resume exactly, count every choice of a stream
+        # against its limit (`streaming/state.py`), and give the next turn a precise prefix;
+        # they are stripped from the reply unless the client asked.
         body["return_token_ids"] = True
     params = kv_transfer_params(creq, placement)
     if creq.endpoint is Endpoint.CHAT and creq.prompt_tokens is not None:
