@@ -36,6 +36,7 @@ import hmac
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+from kvstore.cluster.tokens import token_lines
 from kvstore.errors import ConfigError, InvalidKey
 from kvstore.keys import validate_name
 
@@ -78,16 +79,8 @@ class ApiKeys:
 
     @classmethod
     def load(cls, path: str | Path) -> ApiKeys:
-        try:
-            text = Path(path).read_text()
-        except OSError as exc:
-            raise ConfigError(f"cannot read API key file {path}: {exc}") from exc
         entries: dict[str, str] = {}
-        for lineno, raw in enumerate(text.splitlines(), 1):
-            line = raw.split("#", 1)[0].strip()
-            if not line:
-                continue
-            parts = line.split()
+        for lineno, parts in token_lines(path, "API key file"):  # kvstore/cluster/tokens.py
             if len(parts) != 2:
                 raise ConfigError(f"{path}:{lineno}: expected `<key> <tenant>`")
             key, tenant = parts

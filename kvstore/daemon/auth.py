@@ -17,6 +17,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvstore.cluster.tokens import token_lines
 from kvstore.errors import ConfigError
 from kvstore.keys import validate_name
 
@@ -75,16 +76,8 @@ class TokenTable:
 
     @classmethod
     def load(cls, path: Path) -> TokenTable:
-        try:
-            text = path.read_text()
-        except OSError as exc:
-            raise ConfigError(f"cannot read token file {path}: {exc}") from exc
         entries: dict[str, list[str]] = {}
-        for lineno, raw in enumerate(text.splitlines(), 1):
-            line = raw.split("#", 1)[0].strip()
-            if not line:
-                continue
-            parts = line.split()
+        for lineno, parts in token_lines(path, "token file"):  # kvstore/cluster/tokens.py
             if len(parts) != 2:
                 raise ConfigError(f"{path}:{lineno}: expected `<token> <tenant>[,<tenant>...]`")
             token, tenants = parts

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvstore.cluster.tokens import first_token
 from kvstore.errors import ConfigError
 from kvstore.etcd import EtcdSpec
 from kvstore.tiers.base import Tier
@@ -207,15 +208,9 @@ def build_tiers(specs: Sequence[TierSpec]) -> list[Tier]:
 
 
 def read_token_file(path: str) -> str:
-    """The first line of `path` that is neither empty nor a comment: a bearer token."""
-    try:
-        lines = [line.strip() for line in Path(path).read_text().splitlines()]
-    except OSError as exc:
-        raise ConfigError(f"cannot read the token file {path!r}: {exc}") from exc
-    token = next((line for line in lines if line and not line.startswith("#")), None)
-    if token is None:
-        raise ConfigError(f"the token file {path!r} holds no token")
-    return token
+    """The first line of `path` that is neither empty nor a comment: a bearer token (the one
+    reader: kvstore/cluster/tokens.py)."""
+    return first_token(path, "token file")
 
 
 def _remote(spec: RemoteSpec) -> Tier:
