@@ -463,6 +463,18 @@ def test_a_killed_master_means_misses_then_its_replica_serves(tmp_path: Path) ->
             fresh = block_key(999)
             assert tier.put(fresh, make_frame(fresh))
             assert tier.get(fresh) is not None
+            # Manifests on every master, the promoted one included (its script cache starts
+            # empty: the generation check's script is loaded again there).
+            sessions = [session_key(f"after-{i}") for i in range(12)]
+            promoted = cluster.node_of_slot(key_slot(tier._block(keys[0]).encode()))
+            assert any(cluster.node_of_slot(key_slot(tier._manifest(k).encode())) == promoted
+                       for k in sessions)
+            for key in sessions:
+                manifest = SessionManifest(key, (b"x",), 16, generation=3)
+                tier.put_manifest(manifest)
+                tier.put_manifest(SessionManifest(manifest.key, (b"y",), 16, generation=2))
+                got = tier.get_manifest(manifest.key)
+                assert got is not None and got.generation == 3
         tier.close()
 
 

@@ -24,12 +24,17 @@ failover. What a cluster adds to the failure cases, and what each becomes here:
   the replica answers, missing at most the writes it had not received yet (a MULTI/EXEC
   replicates whole, so never half a block);
 - a slot being migrated: reads follow ASK (or TRYAGAIN, briefly, for a block whose keys are on
-  both sides: a miss), a put into it may be refused (False) until the migration ends;
+  both sides: a miss); a one-value put follows ASK too, a chunked one (a transaction, which
+  redis-py retries on the source only) is refused (False) until the migration ends;
+- a lookup while a master is lost: answered per master, the lost one's keys absent;
 - a full master (maxmemory + noeviction): its puts are refused, its reads keep working.
+Reads and lookups during CLUSTERDOWN (full coverage lost, before a promotion) miss unless the
+servers run with `cluster-allow-reads-when-down yes`.
 
 Large blocks are split into `chunk_bytes` values: Redis and redis-py slow down sharply on single
-values of many MiB (~1 GB/s at 16 MiB here against ~4 GB/s at 4 MiB). A block is written in one
-MULTI/EXEC transaction, chunks first and the index key last, so no reader ever sees part of it;
+values of many MiB (~1 GB/s at 16 MiB here against ~4 GB/s at 4 MiB). A block of one value is
+written by one SET NX; a larger one in one MULTI/EXEC transaction, chunks first and the index
+key last, so no reader ever sees part of it;
 chunk keys carry a random version so a re-put can never mix chunks of two writes. If Redis
 evicts a chunk on its own (maxmemory policies act per key), the block reads as a miss and the
 leftovers are deleted.
@@ -258,12 +263,18 @@ class RedisTier:
         ttl = self._config.ttl_seconds
         step = self._config.chunk_bytes
         try:
-            if self._redis.exists(name):
-                return True  # frames are immutable per key: a re-put is a no-op
-            pipe = self._redis.pipeline(transaction=True)
             if len(view) <= step:
-                pipe.set(name, view if isinstance(frame, bytes) else bytes(view), ex=ttl)
+                # One SET is atomic on its own, and NX makes a re-put the no-op it must be
+                # (frames are immutable per key): one round trip, and on a cluster a single-key
+                # command, which redis-py follows through ASK while its slot migrates.
+                stored = self._redis.set(name, view if isinstance(frame, bytes) else bytes(view),
+                                         ex=ttl, nx=True)
+                if not stored:
+                    return True  # there already
             else:
+                if self._redis.exists(name):
+                    return True  # frames are immutable per key: a re-put is a no-op
+                pipe = self._redis.pipeline(transaction=True)
                 version = os.urandom(8)
                 chunks = (len(view) + step - 1) // step
                 for i in range(chunks):
@@ -271,7 +282,7 @@ class RedisTier:
                              ex=ttl)
                 pipe.set(name, _INDEX.pack(_INDEX_MAGIC, version, chunks, len(view), step),
                          ex=ttl)
-            pipe.execute()
+                pipe.execute()
         except rx.OutOfMemoryError:
             self._count("rejected")
             return False
@@ -518,7 +529,7 @@ def _buffer(size: int, out: Buffer | None) -> memoryview:
     return memoryview(bytearray(size))
 
 
-def _place(payload: bytes, out: Buffer | None) -> bytes | memoryview:
+def _place(payload: bytes | memoryview, out: Buffer | None) -> bytes | memoryview:
     if out is None:
         return payload
     view = _buffer(len(payload), out)
@@ -531,5 +542,5 @@ def _read_from(frame: bytes | memoryview, layers: LayerRange | None, out: Buffer
     read = BlockRead.from_frame(frame, layers)
     if out is None:
         return read
-    return BlockRead(read.header, read.layers, _place(bytes(read.payload), out)
-                     if not isinstance(read.payload, bytes) else _place(read.payload, out))
+    # One copy, from the reply straight into the caller's buffer.
+    return BlockRead(read.header, read.layers, _place(memoryview(read.payload).cast("B"), out))
