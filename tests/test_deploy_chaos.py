@@ -66,7 +66,9 @@ def test_ci_scenario_meets_every_target(model_dir: Path, tmp_path: Path) -> None
 def test_every_fault_kind_once_meets_every_target(model_dir: Path, tmp_path: Path) -> None:
     """deploy/chaos/every-fault.yaml: a router kill, partitions from the daemons and from etcd
     (network namespaces), a slowed daemon, a full disk (tmpfs), an etcd restart, corrupted
-    block files read back from disk, a worker kill. Root only (namespaces, tmpfs)."""
+    block files read back from disk, poison and forged records in etcd while a worker is
+    killed (issue 16: none reaches a forged part, and membership still follows), a worker
+    kill. Root only (namespaces, tmpfs)."""
     from deploy.local.disks import tmpfs_available
     from deploy.local.netns import netns_available
 
@@ -82,9 +84,13 @@ def test_every_fault_kind_once_meets_every_target(model_dir: Path, tmp_path: Pat
     assert not failed, (failed, done.stdout[-6000:])
     assert done.returncode == 0
     for target in ("lost_sessions", "client_errors", "outputs_differing_from_reference",
-                   "corrupt_reads_served"):
+                   "corrupt_reads_served", "forged_requests"):
         assert result[target] == 0, (target, result[target])
-    assert len(result["faults"]) == 8
+    assert len(result["faults"]) == 9
+    bad = next(f for f in result["faults"] if f["kind"] == "bad_records")
+    assert len(bad["numbers"]["keys"]) == 9 and bad["numbers"]["forged_worker_requests"] == 0
+    killed = next(f for f in result["faults"] if f["kind"] == "kill_worker")
+    assert killed["detect_s"] is not None  # seen by every router with the poison in etcd
     assert all(f["started_s"] is not None and f["skipped"] is None and f["error"] is None
                for f in result["faults"])
     cut = next(f for f in result["faults"] if f["kind"] == "partition"

@@ -25,8 +25,10 @@ from typing import Any
 
 from deploy.chaos import storage
 from deploy.chaos.counters import Poller, daemon_counters, daemon_refusals
+from deploy.chaos.forgeries import Forgery
 from deploy.chaos.scenario import (
     AnyFault,
+    BadRecords,
     CorruptBlocks,
     FillDisk,
     KillDaemon,
@@ -485,8 +487,33 @@ def _partition(f: Partition, record: FaultRecord, ctx: FaultContext) -> None:
                         "NOT usable again within 60 s of the heal"))
 
 
+def _bad_records(f: BadRecords, record: FaultRecord, ctx: FaultContext) -> None:
+    _strike(record, ctx, "etcd")
+    forgery = Forgery(ctx.cluster, f.target)
+    repointed = False
+    try:
+        forgery.write()
+        record.numbers["keys"] = list(forgery.keys)
+        deadline = time.monotonic() + f.duration
+        while time.monotonic() < deadline:
+            repointed = repointed or not forgery.claimed_url_everywhere()
+            time.sleep(0.5)
+    finally:
+        forgery.remove()
+        time.sleep(1.0)  # a request already on its way to a capture server is still counted
+        forgery.close()
+    record.numbers.update(forgery.counts())
+    record.numbers["claimed_worker_repointed"] = repointed
+    record.detail = (f"{len(forgery.keys)} bad records for {f.duration:g}s (poison and mistyped "
+                     f"values under workers/, sessions/, stores/; {f.target} and d1 forged): "
+                     f"{forgery.worker.requests} requests reached the forged worker, "
+                     f"{forgery.daemon.connections} connections the forged daemon; "
+                     f"{f.target} re-pointed on a router: {repointed}")
+
+
 _DO: dict[type, Callable[[Any, FaultRecord, FaultContext], None]] = {
     KillWorker: _kill_worker, KillDaemon: _kill_daemon, KillRouter: _kill_router,
     PauseEtcd: _pause_etcd, RestartEtcd: _restart_etcd, FillDisk: _fill_disk,
     CorruptBlocks: _corrupt_blocks, SlowDaemon: _slow_daemon, Partition: _partition,
+    BadRecords: _bad_records,
 }

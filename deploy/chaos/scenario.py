@@ -33,7 +33,7 @@ from kvstore.errors import ConfigError
 
 __all__ = ["ClusterPlan", "LoadPlan", "Fault", "KillWorker", "KillDaemon", "KillRouter",
            "PauseEtcd", "RestartEtcd", "FillDisk", "CorruptBlocks", "SlowDaemon", "Partition",
-           "Scenario", "load_scenario", "SCENARIO_DIR"]
+           "BadRecords", "Scenario", "load_scenario", "SCENARIO_DIR"]
 
 SCENARIO_DIR = Path(__file__).resolve().parent
 
@@ -159,8 +159,21 @@ class Partition(Fault, tag="partition", frozen=True, forbid_unknown_fields=True,
     duration: float = 8.0
 
 
+class BadRecords(Fault, tag="bad_records", frozen=True, forbid_unknown_fields=True,
+                 kw_only=True):
+    """Write what a hostile or careless etcd writer could, for `duration` s, then delete it: a
+    poison value (3,000 levels of nesting) and a mistyped record under workers/, sessions/ and
+    stores/; forged worker records claiming a real worker's id (no lease; and under a lease,
+    in another key) pointing at a capture server; a forged daemon record (no lease) pointing
+    at a capture socket. The run fails if the capture servers get a single request."""
+
+    target: str = "w1"
+    """The worker id the forged records claim."""
+    duration: float = 10.0
+
+
 AnyFault = (KillWorker | KillDaemon | KillRouter | PauseEtcd | RestartEtcd | FillDisk
-            | CorruptBlocks | SlowDaemon | Partition)
+            | CorruptBlocks | SlowDaemon | Partition | BadRecords)
 
 
 class Scenario(_Strict, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -199,7 +199,8 @@ def _verdict(s: Scenario, summary: dict[str, Any], schedule: Schedule, finished:
     for label, key in (("no session lost", "lost_sessions"),
                        ("no client error", "client_errors"),
                        ("every output equals its reference", "outputs_differing_from_reference"),
-                       ("no corrupt read served", "corrupt_reads_served")):
+                       ("no corrupt read served", "corrupt_reads_served"),
+                       ("no request reached a forged worker or daemon", "forged_requests")):
         value = summary[key]
         report.check(label, value == 0, f"{key} = {value}")
     records = schedule.records

@@ -15,7 +15,11 @@
 - `restored_tokens`, `recomputed_tokens`: vLLM's counters on the workers (see `counters.py`).
 - `registrations_lost`: every worker or daemon registration that left etcd (`registrations.py`);
   `unexplained_registration_losses`: those of a part no fault had killed or cut off, a finding
-  (routers then treat a live worker as dead), reported without failing the run.
+  (routers then treat a live worker as dead), reported without failing the run. The records a
+  `bad_records` fault wrote and deleted are not registrations and are left out.
+- `forged_requests`: HTTP requests that reached a `bad_records` fault's forged worker,
+  connections to its forged daemon, and a router seen listing the claimed worker at the forged
+  URL (each counts one); must be 0.
 - `failover_detect_s`: per fault that makes a worker unusable, the time until every router
   dropped it. `resume_ttft_s`: the client's wait across a break, from the last token before it
   to the first after (a stream resumed by the router, or a turn re-sent to another router).
@@ -75,8 +79,12 @@ _SLACK_S = 6.0
 
 def _departures(facts: RunFacts) -> list[dict[str, Any]]:
     out = []
+    written = {str(k).rsplit("/", 1)[-1] for f in facts.faults
+               for k in f.numbers.get("keys", ())}
     for d in facts.departures:
         left = d.left_at - facts.t0
+        if d.name in written:  # a bad record the bad_records fault wrote and deleted
+            continue
         cause = next((f for f in facts.faults if f.target == d.name
                       and f.kind in _EXPLAINS[d.kind] and f.started_s is not None
                       and f.started_s - 0.5 <= left <= (f.ended_s or left) + _SLACK_S), None)
@@ -139,6 +147,10 @@ def summarize(facts: RunFacts) -> dict[str, Any]:
         "registrations_lost": departures,
         "unexplained_registration_losses": sum(1 for d in departures
                                                if d["explained_by"] is None),
+        "forged_requests": sum(int(f.numbers.get("forged_worker_requests", 0))
+                               + int(f.numbers.get("forged_daemon_connections", 0))
+                               + int(bool(f.numbers.get("claimed_worker_repointed")))
+                               for f in facts.faults),
         "faults": [f.as_dict() for f in facts.faults],
     }
 
@@ -154,6 +166,7 @@ _ROWS = (
     ("turns re-sent to another router", "retried_turns"),
     ("turns with a restore hint", "restore_hint_turns"),
     ("registrations lost (no fault explains)", "unexplained_registration_losses"),
+    ("requests to forged workers or daemons", "forged_requests"),
     ("failover detect s (p50 / max)", "failover_detect_s"),
     ("resume TTFT s (p50 / p99)", "resume_ttft_s"), ("TTFT s (p50 / p99)", "ttft_s"),
     ("failover-turn TTFT s (p50 / p99)", "failover_turn_ttft_s"),
