@@ -128,6 +128,8 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="Prometheus /metrics over HTTP (HTTPS with --tls-cert): 'auto' (the "
                    "--listen host, any free port; logged), 'off', or HOST:PORT (give one for "
                    "Prometheus to scrape). Beyond loopback only with --token-file.")
+    from kvstore.daemon.config import add_budget_arguments
+    add_budget_arguments(p)
 
 
 def _probe_handler(args: argparse.Namespace) -> int:
@@ -155,7 +157,7 @@ def _serve_handler(args: argparse.Namespace, argv: list[str] | None = None) -> i
             os.environ.get(k) != v for k, v in MALLOC_ENV.items()):
         env = {**os.environ, **MALLOC_ENV}
         os.execve(sys.executable, [sys.executable, "-m", "kvstore.daemon", *argv], env)
-    from kvstore.daemon.config import DaemonConfig, parse_size
+    from kvstore.daemon.config import DaemonConfig, budget_options, parse_size
     from kvstore.daemon.server import run_daemon
 
     try:
@@ -176,7 +178,7 @@ def _serve_handler(args: argparse.Namespace, argv: list[str] | None = None) -> i
             inflight_put_bytes=(parse_size(args.inflight_put_bytes)
                                 if args.inflight_put_bytes else None),
             put_idle_timeout=args.put_idle_timeout, idle_timeout=args.idle_timeout,
-            preauth_timeout=args.preauth_timeout,
+            preauth_timeout=args.preauth_timeout, **budget_options(args),
             **({"etcd_prefix": args.etcd_prefix} if args.etcd_prefix else {}))
     except KVKeepError as exc:
         print(f"kvkeep store serve: {exc}", file=sys.stderr)

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvstore.daemon.auth import ANONYMOUS, TokenTable
+from kvstore.daemon.budgets import block_cost
 from kvstore.daemon.catalog import KeyCatalog
 from kvstore.daemon.core import BlockServiceCore
 from kvstore.keys import Namespace
@@ -77,7 +78,8 @@ def test_auth_and_scopes(tmp_path: Path, store: TieredStore) -> None:
 def test_the_put_budget_is_taken_and_given_back(tmp_path: Path, store: TieredStore) -> None:
     frames = [make_frame(block_key(i), segment_bytes=100_000) for i in range(3)]
     size = len(frames[0])
-    core = make_core(tmp_path, store, tokens=None, max_inflight_put_bytes=2 * size)
+    # Each put is charged its file-system blocks plus the per-entry overhead (M4).
+    core = make_core(tmp_path, store, tokens=None, max_inflight_put_bytes=2 * block_cost(size))
     first = core.begin_put(SCOPE, block_key(0).block_hash, size)
     second = core.begin_put(SCOPE, block_key(1).block_hash, size)
     assert reason(lambda: core.begin_put(SCOPE, block_key(2).block_hash, size)) is \

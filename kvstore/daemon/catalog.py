@@ -39,11 +39,12 @@ import struct
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 import xxhash
 
+from kvstore.daemon.budgets import block_cost
 from kvstore.errors import KVKeepError, TierError
 from kvstore.keys import BlockHash, BlockKey, Namespace
 
@@ -101,6 +102,7 @@ class KeyCatalog:
         self._tenants: dict[str, OrderedDict[bytes, tuple[BlockKey, int]]] = {}
         self._tenant_of: dict[bytes, str] = {}
         self._tenant_bytes: dict[str, int] = {}
+        self._tenant_cost: dict[str, int] = {}  # block_cost of each block (M4)
         self._records = 0
         self._fd = -1
         self._good_size = 0  # the log's bytes up to its last whole record
@@ -140,6 +142,11 @@ class KeyCatalog:
         with self._lock:
             return self._tenant_bytes.get(tenant, 0)
 
+    def tenant_cost(self, tenant: str) -> int:
+        """What the blocks of `tenant` the daemon holds are charged (`block_cost` each)."""
+        with self._lock:
+            return self._tenant_cost.get(tenant, 0)
+
     def tenant_usage(self) -> dict[str, int]:
         with self._lock:
             return {t: n for t, n in self._tenant_bytes.items() if n}
@@ -153,6 +160,24 @@ class KeyCatalog:
                     break
                 out.append(key)
                 nbytes -= max(size, 1)
+        return out
+
+    def tenant_blocks(self, tenant: str) -> int:
+        """How many blocks of `tenant` the daemon holds."""
+        with self._lock:
+            return len(self._tenants.get(tenant) or ())
+
+    def oldest_charged(self, tenant: str, over: int, cost: Callable[[int], int],
+                       count: int = 0) -> list[BlockKey]:
+        """The oldest stored blocks of `tenant` whose `cost(size)` add up to at least `over`,
+        and at least `count` of them (M4: a tenant past its charged bytes or its block count)."""
+        out: list[BlockKey] = []
+        with self._lock:
+            for key, size in (self._tenants.get(tenant) or {}).values():
+                if over <= 0 and len(out) >= count:
+                    break
+                out.append(key)
+                over -= cost(size)
         return out
 
     @property
@@ -215,6 +240,7 @@ class KeyCatalog:
         self._tenants.setdefault(tenant, OrderedDict())[digest] = (key, size)
         self._tenant_of[digest] = tenant
         self._tenant_bytes[tenant] = self._tenant_bytes.get(tenant, 0) + size
+        self._tenant_cost[tenant] = self._tenant_cost.get(tenant, 0) + block_cost(size)
         return True
 
     def _remove(self, digest: bytes) -> bool:
@@ -224,9 +250,11 @@ class KeyCatalog:
         blocks = self._tenants[tenant]
         _, size = blocks.pop(digest)
         self._tenant_bytes[tenant] -= size
+        self._tenant_cost[tenant] -= block_cost(size)
         if not blocks:
             del self._tenants[tenant]
             del self._tenant_bytes[tenant]
+            del self._tenant_cost[tenant]
         return True
 
     def _persist(self, records: list[bytes]) -> None:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 import ipaddress
 import re
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from kvstore.daemon.budgets import DaemonLimits
 from kvstore.errors import ConfigError
@@ -15,7 +17,8 @@ from kvstore.keys import validate_name
 from kvstore.net.grpc_options import Keepalive
 from kvstore.tiers.discovery import DEFAULT_PREFIX
 
-__all__ = ["DaemonConfig", "parse_size", "split_host_port", "is_loopback"]
+__all__ = ["DaemonConfig", "parse_size", "split_host_port", "is_loopback",
+           "add_budget_arguments", "budget_options"]
 
 _SIZE_RE = re.compile(r"(?i)\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*")
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -111,6 +114,31 @@ class DaemonConfig:
     """A data plane connection that has not authenticated a request this long after it
     opened, or after its last one, is dropped (slowloris); also gRPC's handshake timeout."""
     catalog_prune_s: float = 300.0
+    backpressure_timeout: float = 30.0
+    """How long a put's ack may wait for the disk to catch up; past it the put is refused
+    (RESOURCE_EXHAUSTED), never acknowledged (M3)."""
+    write_queue_depth: int = 1024
+    """Write-behind jobs (host -> nvme) that may wait; a copy that finds it full is refused."""
+    max_pending_writes: int = 64
+    """The write-behind depth past which acks wait (back-pressure)."""
+    tenant_read_streams: int = 32
+    """Reads (gRPC Get calls, TCP GETs) one tenant may have in progress (M1)."""
+    tenant_read_bytes: int | None = None
+    """Bytes of blocks one tenant's reads may hold while they are sent; None: the tenant's
+    in-flight put budget (M1)."""
+    get_min_rate: float = 1e6
+    """Bytes per second a TCP GET's reader must take; a GET gets 30 s plus size / this (M1)."""
+    tenant_max_blocks: int | None = None
+    """Blocks one tenant may store; None: its stored budget over the smallest block's cost
+    (a file-system block plus the per-entry overhead, M4)."""
+    tenant_manifest_share: float = 0.25
+    """Of the manifest budget, what one tenant's session manifests may fill (M7)."""
+    max_unauth_connections: int = 32
+    """Data plane connections not yet authenticated, at once (M5)."""
+    max_connections_per_ip: int = 128
+    """Data plane connections from one source address, at once (M5)."""
+    grpc_max_streams: int = 256
+    """Concurrent gRPC calls per HTTP/2 connection, and (times 4) per daemon (M5)."""
 
     def __post_init__(self) -> None:
         validate_name(self.node_id, "node id")
@@ -137,6 +165,15 @@ class DaemonConfig:
         if min(self.put_idle_timeout, self.idle_timeout, self.preauth_timeout,
                self.catalog_prune_s) <= 0 or self.tenant_put_streams < 1:
             raise ConfigError("timeouts and --tenant-put-streams must be positive")
+        if (self.backpressure_timeout <= 0 or self.write_queue_depth < 1
+                or self.max_pending_writes < 1 or self.tenant_read_streams < 1
+                or self.get_min_rate <= 0 or not 0 < self.tenant_manifest_share <= 1
+                or self.max_unauth_connections < 1 or self.max_connections_per_ip < 1
+                or self.grpc_max_streams < 1
+                or (self.tenant_read_bytes is not None and self.tenant_read_bytes <= 0)
+                or (self.tenant_max_blocks is not None and self.tenant_max_blocks <= 0)):
+            raise ConfigError("back-pressure, queue, read, manifest and connection limits must "
+                              "be positive (shares in (0, 1])")
         self.limits()  # the shares and budgets are checked there
 
     def limits(self) -> DaemonLimits:
@@ -146,7 +183,11 @@ class DaemonConfig:
             put_streams=self.tenant_put_streams, stored_share=self.tenant_stored_share,
             inflight_put_bytes=self.inflight_put_bytes)
         return DaemonLimits(scaled.inflight_put_bytes, scaled.tenant,
-                            put_idle_s=self.put_idle_timeout)
+                            put_idle_s=self.put_idle_timeout,
+                            read_streams=self.tenant_read_streams,
+                            read_bytes=self.tenant_read_bytes or scaled.tenant.put_bytes,
+                            max_blocks=self.tenant_max_blocks or scaled.max_blocks,
+                            get_min_rate=self.get_min_rate)
 
     @property
     def auth_enabled(self) -> bool:
@@ -184,3 +225,50 @@ class DaemonConfig:
         if host in ("0.0.0.0", "::", ""):
             host = socket.gethostname()
         return f"{host}:{bound_port}"
+
+
+def add_budget_arguments(p: argparse.ArgumentParser) -> None:
+    """The serve command's flags for back-pressure, read budgets, shapes and connections
+    (issue 16: M1-M7); `budget_options` turns them into DaemonConfig's fields."""
+    p.add_argument("--backpressure-timeout", type=float, default=30.0,
+                   help="seconds a put's ack may wait for the disk; then it is refused")
+    p.add_argument("--write-queue-depth", type=int, default=1024,
+                   help="write-behind jobs that may wait (a copy finding it full is refused)")
+    p.add_argument("--max-pending-writes", type=int, default=64,
+                   help="write-behind depth past which acks wait for the disk")
+    p.add_argument("--tenant-read-streams", type=int, default=32,
+                   help="reads one tenant may have in progress")
+    p.add_argument("--tenant-read-bytes", default=None,
+                   help="bytes one tenant's reads in progress may hold (default: its put "
+                   "budget)")
+    p.add_argument("--get-min-rate", default="1MiB",
+                   help="bytes per second a data plane GET's reader must take")
+    p.add_argument("--tenant-max-blocks", type=int, default=None,
+                   help="blocks one tenant may store (default: its stored budget over a "
+                   "file-system block plus the per-entry overhead)")
+    p.add_argument("--tenant-manifest-share", type=float, default=0.25,
+                   help="share of the manifest budget one tenant may fill")
+    p.add_argument("--max-unauth-connections", type=int, default=32,
+                   help="data plane connections not yet authenticated, at once")
+    p.add_argument("--max-connections-per-ip", type=int, default=128,
+                   help="data plane connections from one source address")
+    p.add_argument("--grpc-max-streams", type=int, default=256,
+                   help="concurrent gRPC calls per connection (x4 per daemon)")
+
+
+def budget_options(args: argparse.Namespace) -> dict[str, Any]:
+    """DaemonConfig's fields from `add_budget_arguments`' flags."""
+    return {
+        "backpressure_timeout": args.backpressure_timeout,
+        "write_queue_depth": args.write_queue_depth,
+        "max_pending_writes": args.max_pending_writes,
+        "tenant_read_streams": args.tenant_read_streams,
+        "tenant_read_bytes": (parse_size(args.tenant_read_bytes)
+                              if args.tenant_read_bytes else None),
+        "get_min_rate": float(parse_size(args.get_min_rate)),
+        "tenant_max_blocks": args.tenant_max_blocks,
+        "tenant_manifest_share": args.tenant_manifest_share,
+        "max_unauth_connections": args.max_unauth_connections,
+        "max_connections_per_ip": args.max_connections_per_ip,
+        "grpc_max_streams": args.grpc_max_streams,
+    }

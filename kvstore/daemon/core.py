@@ -26,7 +26,11 @@ both admit and refuse exactly the same things, and count them in one set of coun
 - back-pressure: a put is acknowledged only while the store's write-behind queue (host ->
   nvme) is below `max_pending_writes`, and below half the blocks of that size the RAM tier
   holds, so acknowledged blocks can neither outrun the disk and be dropped from the queue
-  unwritten, nor be evicted from RAM before the write-behind has copied them down.
+  unwritten, nor be evicted from RAM before the write-behind has copied them down. A put
+  whose copy could not be queued, or whose wait for the disk passed `backpressure_timeout`,
+  is refused (RESOURCE_EXHAUSTED, counted), never acknowledged (M3). The fronts wait after
+  `commit` (`wait_for_disk`): the gRPC front on its event loop, so a tenant's slow disk holds
+  no thread of the executor every tenant's reads share (M2).
 - reads: `open_read` lends a block's pages in place from host RAM (key binding checked before,
   segment checksums right after they are sent: the client verifies every block anyway, and
   hashing first would put ~0.1 ms per 4 MiB on the critical path; a copy that fails is dropped
@@ -55,7 +59,7 @@ from kvstore.daemon.block_io import (
     ScratchPool,
     byte_range,
 )
-from kvstore.daemon.budgets import DaemonLimits, PutBudgets, TenantLimits
+from kvstore.daemon.budgets import DaemonLimits, PutBudgets, TenantLimits, block_cost
 from kvstore.daemon.catalog import KeyCatalog
 from kvstore.daemon.counters import COUNTER_NAMES, Counters, ServiceStatus
 from kvstore.daemon.key_cache import KeyCache
@@ -84,6 +88,15 @@ R = RefusalReason
 # received into a buffer and copied in once it has arrived, which is when it may evict.
 _KEEP_FREE_MAX = 256 << 20
 T = TypeVar("T")
+MAX_GENERATION_AHEAD_US = 30 * 86_400 * 1_000_000
+"""How far ahead of the wall clock a manifest's generation may be: a month, far beyond any
+clock skew or router epoch head start (a minute per epoch), far below 2**62 (M7)."""
+
+
+def _charged(principal: Principal | None) -> str | None:
+    """The name budgets are charged to besides the tenant: the token (M6). None with auth
+    off (ANONYMOUS: loopback only, every caller the same)."""
+    return None if principal is None or principal is ANONYMOUS else principal.name
 
 
 @runtime_checkable
@@ -228,19 +241,50 @@ class BlockServiceCore:
             raise Refusal(R.UNAVAILABLE, "daemon is draining")
 
     @contextmanager
-    def put_stream(self, scope: Scope) -> Iterator[None]:
-        """Hold one of the scope's tenant's put streams while a put call runs; refused
-        (RESOURCE_EXHAUSTED) when the tenant holds all of them."""
-        tenant = scope.namespace.tenant
+    def put_stream(self, scope: Scope, principal: Principal | None = None) -> Iterator[None]:
+        """Hold one of the scope's tenant's (and the token's, M6) put streams while a put call
+        runs; refused (RESOURCE_EXHAUSTED) when the tenant or the token holds all of them."""
+        tenant, charged = scope.namespace.tenant, _charged(principal)
         try:
-            self._budgets.open_stream(tenant)
+            self._budgets.open_stream(tenant, charged)
         except Refusal:
             self.count(refused_puts=1)
             raise
         try:
             yield
         finally:
-            self._budgets.close_stream(tenant)
+            self._budgets.close_stream(tenant, charged)
+
+    @contextmanager
+    def read_stream(self, scope: Scope, principal: Principal | None = None) -> Iterator[None]:
+        """Hold one of the tenant's (and the token's) read streams while a read call runs
+        (M1); refused (RESOURCE_EXHAUSTED) when all are held."""
+        tenant, charged = scope.namespace.tenant, _charged(principal)
+        try:
+            self._budgets.open_read(tenant, charged)
+        except Refusal:
+            self.count(refused_reads=1)
+            raise
+        try:
+            yield
+        finally:
+            self._budgets.close_read(tenant, charged)
+
+    @contextmanager
+    def read_bytes(self, scope: Scope, size: int, principal: Principal | None = None
+                   ) -> Iterator[None]:
+        """Hold `size` bytes of the tenant's (and the token's) read budget while a block is
+        being sent (M1): the pages it pins, or the buffer it was read into."""
+        tenant, charged = scope.namespace.tenant, _charged(principal)
+        try:
+            self._budgets.take_read_bytes(tenant, size, charged)
+        except Refusal:
+            self.count(refused_reads=1)
+            raise
+        try:
+            yield
+        finally:
+            self._budgets.give_read_bytes(tenant, size, charged)
 
     def check_frame_size(self, size: int) -> None:
         if size > MAX_FRAME_BYTES:
@@ -254,7 +298,8 @@ class BlockServiceCore:
         self.count(invalid_puts=1)
         return Refusal(R.INVALID_ARGUMENT, message)
 
-    def begin_put(self, scope: Scope, block_hash: bytes, size: int) -> IncomingBlock:
+    def begin_put(self, scope: Scope, block_hash: bytes, size: int,
+                  principal: Principal | None = None) -> IncomingBlock:
         """Admit a `size`-byte frame for a block: where to receive it (free pages only: it
         evicts nothing before it arrives), and by when (`IncomingBlock.deadline`); its bytes
         are taken from the tenant's and the daemon's in-flight put budgets until it is
@@ -265,9 +310,9 @@ class BlockServiceCore:
         except InvalidKey as exc:
             raise self.invalid_put(str(exc)) from None
         self.check_disk()
-        tenant = scope.namespace.tenant
+        tenant, charged = scope.namespace.tenant, _charged(principal)
         try:
-            self._budgets.take_bytes(tenant, size)
+            charge = self._budgets.take_bytes(tenant, size, charged)
         except Refusal:
             self.count(refused_puts=1)
             raise
@@ -278,7 +323,7 @@ class BlockServiceCore:
         deadline = time.monotonic() + self._budgets.limits.put_deadline(size)
         return IncomingBlock(key, size, reservation=reservation, pool=self._scratch,
                              commit=self._commit, deadline=deadline,
-                             release=lambda: self._budgets.give_bytes(tenant, size))
+                             release=lambda: self._budgets.give_bytes(tenant, charge, charged))
 
     def check_disk(self) -> None:
         """Refuse a write while the disk tier is full (RESOURCE_EXHAUSTED): an ack would leave
@@ -297,6 +342,10 @@ class BlockServiceCore:
                 admitted = self._store_frame(key, incoming.frame)
         except (CorruptBlock, ValueError) as exc:  # InvalidFrame is both
             raise self.invalid_put(f"rejected frame: {exc}") from None
+        except TierFull as exc:  # in RAM, but its copy to disk could not be queued (M3)
+            self.count(refused_puts=1, dropped_copy_refusals=1)
+            raise Refusal(R.RESOURCE_EXHAUSTED, f"not durable, not acknowledged: {exc}"
+                          ) from None
         except KVKeepError as exc:
             _log.warning("put of %s failed: %s", key.storage_name, exc)
             raise Refusal(R.UNAVAILABLE, f"store failed: {exc}") from None
@@ -304,20 +353,23 @@ class BlockServiceCore:
         if admitted:
             self._catalog.add(((key, incoming.size),))
             self._enforce_stored_bytes(key)
-            self._wait_for_disk(incoming.size)
         return admitted
 
     def _enforce_stored_bytes(self, stored: BlockKey) -> None:
-        """A tenant past its stored bytes gives up its oldest blocks (never the one just
-        stored, never another tenant's)."""
-        limit = self._budgets.limits.tenant.stored_bytes
-        if limit is None:
-            return
+        """A tenant past its stored bytes (each block charged `block_cost`: its file-system
+        blocks and its entry, M4) or past its block count gives up its oldest blocks (never the
+        one just stored, never another tenant's)."""
+        limits = self._budgets.limits
         tenant = stored.namespace.tenant
-        over = self._catalog.tenant_bytes(tenant) - limit
-        if over <= 0:
+        over = (0 if limits.tenant.stored_bytes is None
+                else self._catalog.tenant_cost(tenant) - limits.tenant.stored_bytes)
+        extra = (0 if limits.max_blocks is None
+                 else self._catalog.tenant_blocks(tenant) - limits.max_blocks)
+        if over <= 0 and extra <= 0:
             return
-        victims = [k for k in self._catalog.oldest(tenant, over) if k.digest != stored.digest]
+        victims = [k for k in self._catalog.oldest_charged(
+            tenant, over, block_cost, max(extra, 0))
+                   if k.digest != stored.digest]
         if victims:
             self._store.delete(victims)
             self._catalog.discard(victims)
@@ -346,20 +398,59 @@ class BlockServiceCore:
         return self._store.commit_put(reservation, header)
 
     def _store_frame(self, key: BlockKey, frame: memoryview) -> bool:
-        checked_frame(frame, key.digest, segments=True)
+        _, header = checked_frame(frame, key.digest, segments=True)
+        # Into pages the first tier evicts for it, then `commit_put`, which tells a dropped
+        # write-behind copy (TierFull: refused, never acknowledged) from a full tier (False).
+        reservation = self._store.begin_put(key, len(frame), evict=True)
+        if reservation is not None:
+            pos = 0
+            for dst in reservation.pieces:
+                dst[:] = frame[pos:pos + len(dst)]
+                pos += len(dst)
+            return self._store.commit_put(reservation, header)
+        # No pages (the tier holds it already, or cannot lend them): `put` keeps a copy for
+        # the write-behind when the first tier does not take it, so True is durable there.
         try:
             return self._store.put(key, frame)
         except TierFull:
             return False
 
-    def _wait_for_disk(self, size: int) -> None:
-        """Hold the ack while the write-behind queue is over its mark (see the module doc)."""
+    # -- back-pressure (M2, M3) ---------------------------------------------------------------
+
+    def backpressure_mark(self, size: int) -> int:
+        """The write-behind depth past which a put of `size` bytes is not acknowledged yet (see
+        the module doc)."""
         page = max(self._ram_page, 1)
         fits = self._ram_budget // (max(-(-size // page), 1) * page)
-        mark = max(1, min(self._max_pending, fits // 2))
+        return max(1, min(self._max_pending, fits // 2))
+
+    def disk_behind(self, mark: int) -> bool:
+        return self._store.pending_writes > mark
+
+    @property
+    def backpressure_timeout(self) -> float:
+        return self._backpressure_timeout
+
+    def backpressure_refusal(self) -> Refusal:
+        """The refusal of a put whose ack waited `backpressure_timeout` for the disk (counted):
+        acknowledging it anyway would let acknowledged blocks outrun the disk (M3)."""
+        self.count(refused_puts=1, backpressure_refusals=1)
+        return Refusal(R.RESOURCE_EXHAUSTED,
+                       f"the disk is {self._store.pending_writes} writes behind for "
+                       f"{self._backpressure_timeout:g}s: not acknowledged; retry later")
+
+    def wait_for_disk(self, size: int) -> None:
+        """Hold the ack while the write-behind queue is over its mark; refuse once it stayed
+        there `backpressure_timeout`. Blocking: for the TCP front's own connection threads;
+        the gRPC front waits on its event loop instead (never on the shared executor, M2)."""
+        mark = self.backpressure_mark(size)
         end = time.monotonic() + self._backpressure_timeout
-        while self._store.pending_writes > mark and time.monotonic() < end:
-            time.sleep(0.001)
+        delay = 0.001
+        while self.disk_behind(mark):
+            if time.monotonic() >= end:
+                raise self.backpressure_refusal()
+            time.sleep(delay)
+            delay = min(delay * 2, 0.02)
 
     # -- reads --------------------------------------------------------------------------------
 
@@ -440,6 +531,16 @@ class BlockServiceCore:
         if not principal.may_access(manifest.key.namespace.tenant):
             raise Refusal(R.PERMISSION_DENIED,
                           "the manifest's tenant is not granted to this token")
+        # Generations are wall-clock microseconds plus a minute per router epoch (connectors/
+        # vllm/manifests.py, router/continuation/records.py): one far ahead of the clock would
+        # pin the session, every later write silently losing to it (M7).
+        ahead = manifest.generation - time.time_ns() // 1000
+        if ahead > MAX_GENERATION_AHEAD_US:
+            self.count(invalid_puts=1)
+            raise Refusal(R.INVALID_ARGUMENT,
+                          f"manifest generation {manifest.generation} is {ahead / 1e6:.0f}s "
+                          f"ahead of this daemon's clock (at most "
+                          f"{MAX_GENERATION_AHEAD_US // 1_000_000}s)")
         self.admit_put_call()
         self.check_disk()
         self._store_call(self._store.put_manifest, manifest)

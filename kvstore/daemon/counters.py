@@ -32,6 +32,12 @@ class Counters:
     disk_full_refusals: int = 0
     tenant_evicted_blocks: int = 0
     """Blocks dropped because their tenant was past its stored bytes."""
+    backpressure_refusals: int = 0
+    """Puts refused because the disk stayed behind for the back-pressure timeout (M3)."""
+    dropped_copy_refusals: int = 0
+    """Puts refused because their copy to disk could not be queued (M3)."""
+    refused_reads: int = 0
+    """Reads refused because their tenant or token held all its read streams or bytes (M1)."""
 
 
 COUNTER_NAMES = tuple(f.name for f in fields(Counters))

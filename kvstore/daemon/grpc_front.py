@@ -18,13 +18,14 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any, NoReturn, TypeVar
 
 import grpc  # type: ignore[import-untyped, unused-ignore]
 from google.protobuf.message import DecodeError, Message
 
 from kvstore.daemon.auth import Principal, bearer_token
-from kvstore.daemon.block_io import IncomingBlock, byte_range
+from kvstore.daemon.block_io import IncomingBlock, OutgoingBlock, byte_range
 from kvstore.daemon.core import BlockServiceCore, ServiceStatus
 from kvstore.errors import InvalidFrame
 from kvstore.keys import BlockKey, SessionKey
@@ -44,6 +45,9 @@ _CODES = {code.value[0]: code for code in grpc.StatusCode}
 # cheaper than the hop to a worker thread, and a lookup must not queue behind puts that wait
 # for the disk.
 _INLINE_LOOKUP_KEYS = 4096
+# A block of at most this many messages is encoded whole and checked before it is sent; a
+# bigger one is streamed from its pages (M1: no prebuilt copy of a 512 MiB block per stream).
+_PREBUILT_MESSAGES = 4
 
 
 async def abort_with(context: Any, refusal: Refusal) -> NoReturn:
@@ -122,12 +126,12 @@ class GrpcFront:
                             raise Refusal(RefusalReason.INVALID_ARGUMENT,
                                           "the first message of a put must carry the scope")
                         scope = self._scope(principal, msg.scope)
-                        holding.enter_context(core.put_stream(scope))
+                        holding.enter_context(core.put_stream(scope, principal))
                     if msg.block_hash:
                         if incoming is not None:
                             raise core.invalid_put("a block began before the last one ended")
                         incoming = core.begin_put(scope, bytes(msg.block_hash),
-                                                  int(msg.frame_size))
+                                                  int(msg.frame_size), principal)
                         received = 0
                     elif incoming is None:
                         raise core.invalid_put("data outside a block")
@@ -141,6 +145,8 @@ class GrpcFront:
                     if received == incoming.size:
                         block, incoming = incoming, None
                         admitted = await self._run(block.commit)
+                        if admitted:
+                            await self._wait_for_disk(block.size)
                         statuses.append(pb.PUT_STATUS_STORED if admitted else
                                         pb.PUT_STATUS_NOT_ADMITTED)
                 if incoming is not None:
@@ -149,6 +155,22 @@ class GrpcFront:
             finally:
                 if incoming is not None:
                     incoming.abort()
+
+    async def _wait_for_disk(self, size: int) -> None:
+        """`BlockServiceCore.wait_for_disk` on the event loop: a put held back by a slow disk
+        holds no executor thread, so other tenants' Gets, Deletes and manifest calls are not
+        queued behind it (M2)."""
+        core = self._core
+        mark = core.backpressure_mark(size)
+        if not core.disk_behind(mark):
+            return
+        end = time.monotonic() + core.backpressure_timeout
+        delay = 0.001
+        while core.disk_behind(mark):
+            if time.monotonic() >= end:
+                raise core.backpressure_refusal()
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.02)
 
     async def _next_message(self, messages: AsyncIterator[bytes],
                             incoming: IncomingBlock | None) -> bytes | None:
@@ -167,16 +189,60 @@ class GrpcFront:
                           "put stream stalled: no data within the put deadline") from None
 
     async def get(self, request: pb.GetRequest, context: Any) -> AsyncIterator[bytes]:
-        scope = self._scope(self._principal(context), request.scope)
+        principal = self._principal(context)
+        scope = self._scope(principal, request.scope)
         keys = self._core.keys(scope, request.block_hashes, remember=False)
         layers = (request.layers.start, request.layers.stop) if request.HasField("layers") \
             else None
         single = request.single_reply
         if single and len(keys) != 1:
             raise Refusal(RefusalReason.INVALID_ARGUMENT, "single_reply needs exactly one key")
-        for index, key in enumerate(keys):
-            for message in await self._run(self._messages, key, layers, index, single):
-                yield message
+        with self._core.read_stream(scope, principal):  # M1: reads in progress, per tenant
+            for index, key in enumerate(keys):
+                async for message in self._block(scope, principal, key, layers, index, single):
+                    yield message
+
+    async def _block(self, scope: Scope, principal: Principal, key: BlockKey,
+                     layers: tuple[int, int] | None, index: int, single: bool
+                     ) -> AsyncIterator[bytes]:
+        """The Get messages of one block, holding its bytes against the tenant's read budget
+        while they are sent (M1). A block of a few messages is encoded whole and checked before
+        any is sent (a corrupt copy lent from RAM is dropped and read again); a bigger one is
+        streamed a message at a time from its pages, so a reader that does not read costs the
+        daemon one message, not a copy of the block, and the client's own check rejects a copy
+        found corrupt after it was sent."""
+        core = self._core
+        for _ in range(2):
+            block = await self._run(core.open_read, key, layers)
+            if block is None:
+                break
+            finished = False
+            try:
+                with core.read_bytes(scope, block.size, principal):
+                    if single or block.size <= _PREBUILT_MESSAGES * self._chunk:
+                        messages, sent = await self._run(self._encode, block, index, single)
+                        finished = True
+                        if not await self._run(block.finish):
+                            continue
+                        core.count(get_bytes_sent=sent)
+                        for message in messages:
+                            yield message
+                        return
+                    size, chunk = block.size, self._chunk
+                    first, _ = await self._run(self._encode, block, index, single, chunk)
+                    yield first[0]
+                    for start in range(chunk, size, chunk):
+                        yield await self._run(partial(
+                            encode_get_chunk, byte_range(block.pieces, start, start + chunk),
+                            index=index))
+                    finished = True
+                    await self._run(block.finish)
+                    core.count(get_bytes_sent=size)
+                    return
+            finally:
+                if not finished:  # refused, cancelled, or the client went: give pages back
+                    block.finish()
+        yield encode_get_chunk(b"", index=index, found=False)
 
     async def lookup(self, request: pb.LookupRequest, context: Any) -> pb.LookupReply:
         scope = self._scope(self._principal(context), request.scope)
@@ -214,37 +280,24 @@ class GrpcFront:
 
     # -- helpers ------------------------------------------------------------------------------
 
-    def _messages(self, key: BlockKey, layers: tuple[int, int] | None, index: int,
-                  single: bool) -> list[bytes]:
-        """The Get messages that carry one block (on the thread pool).
-
-        The messages are encoded straight from the block's pages (one copy), which are then
-        checked; if that copy turns out corrupt it was dropped, and the block is read again
-        (the nvme copy, or a miss) before anything is sent.
-        """
-        for _ in range(2):
-            block = self._core.open_read(key, layers)
-            if block is None:
-                break
-            try:
-                chunk = self._chunk
-                size = block.size
-                # single_reply and too big for one message: no data, the client will stream it.
-                first = 0 if single and size > chunk else min(size, chunk)
-                messages = [encode_get_chunk(byte_range(block.pieces, 0, first), index=index,
-                                             found=True, header=block.header.pack(),
-                                             layers=(block.layers.start, block.layers.stop),
-                                             payload_size=size)]
-                if not single:
-                    messages += [encode_get_chunk(byte_range(block.pieces, start, start + chunk),
-                                                  index=index)
-                                 for start in range(chunk, size, chunk)]
-            finally:
-                good = block.finish()
-            if good:
-                self._core.count(get_bytes_sent=size if not single else first)
-                return messages
-        return [encode_get_chunk(b"", index=index, found=False)]
+    def _encode(self, block: OutgoingBlock, index: int, single: bool,
+                stop: int | None = None) -> tuple[list[bytes], int]:
+        """The Get messages of `block` up to byte `stop` (all of it by default), encoded
+        straight from its pages (one copy), and the payload bytes they carry."""
+        chunk, size = self._chunk, block.size
+        # single_reply and too big for one message: no data, the client will stream it.
+        first = 0 if single and size > chunk else min(size, chunk)
+        messages = [encode_get_chunk(byte_range(block.pieces, 0, first), index=index,
+                                     found=True, header=block.header.pack(),
+                                     layers=(block.layers.start, block.layers.stop),
+                                     payload_size=size)]
+        if single:
+            return messages, first
+        end = size if stop is None else min(stop, size)
+        messages += [encode_get_chunk(byte_range(block.pieces, start, min(start + chunk, end)),
+                                      index=index)
+                     for start in range(chunk, end, chunk)]
+        return messages, end
 
     def _principal(self, context: Any) -> Principal:
         return self._core.authenticate(bearer_token(context.invocation_metadata()))

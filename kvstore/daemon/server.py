@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import faulthandler
 import logging
+import resource
 import signal
 import sys
 import time
@@ -74,9 +75,31 @@ def open_daemon_store(config: DaemonConfig, metrics: StoreMetrics | None = None
     # on it (back-pressure) rather than dropping background writes. The writer runs at a lower
     # CPU priority so that, on a busy node, persisting blocks does not slow the puts and gets
     # being served (the write-behind never delays an ack unless the back-pressure mark is hit).
-    return TieredStore.from_specs(specs, config=StoreConfig(
-        get_deadline_s=10.0, write_queue_depth=1024, write_batch=16, writer_nice=10),
-        metrics=metrics)
+    store = TieredStore.from_specs(specs, config=StoreConfig(
+        get_deadline_s=10.0, write_queue_depth=config.write_queue_depth, write_batch=16,
+        writer_nice=10), metrics=metrics)
+    for tier in store.tiers:  # one tenant's manifests cannot evict everyone's (M7)
+        limit = getattr(tier, "limit_manifests_per_tenant", None)
+        if callable(limit):
+            limit(config.tenant_manifest_share)
+    return store
+
+
+def raise_fd_limit(want: int = 1 << 20) -> int:
+    """Raise the soft limit on open files to the hard limit (at most `want`): connections
+    that a default soft limit of 1024 lets exhaust the daemon's descriptors would make the disk
+    tier's own opens fail with EMFILE, every tenant's puts and gets with it (M5). Returns the
+    soft limit now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = want if hard == resource.RLIM_INFINITY else min(hard, want)
+    if soft == resource.RLIM_INFINITY or soft >= target:
+        return int(soft)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError) as exc:
+        _log.warning("cannot raise the open-file limit from %d to %d: %s", soft, target, exc)
+        return int(soft)
+    return target
 
 
 class Daemon:
@@ -112,16 +135,26 @@ class Daemon:
         self._prune_catalog()
         self.health = HealthService()
         self.core = BlockServiceCore(config.node_id, self.store, self.catalog,
-                                     tokens=self.tokens, limits=config.limits())
+                                     tokens=self.tokens, limits=config.limits(),
+                                     max_pending_writes=config.max_pending_writes,
+                                     backpressure_timeout=config.backpressure_timeout)
         self.grpc_front = GrpcFront(self.core, self.executor)
         self.metrics.registry.register(DaemonCollector(config.node_id, self.metrics_state))
 
     async def start(self) -> None:
         cfg = self.config
-        self._server = grpc.aio.server(options=server_options(
+        fds = raise_fd_limit()
+        # Calls per HTTP/2 connection, and in all (M5): past them a client's new streams wait
+        # (HTTP/2 flow control) or are refused RESOURCE_EXHAUSTED, instead of each stream
+        # costing the daemon a handler and its buffers without bound.
+        self._server = grpc.aio.server(options=[*server_options(
             cfg.keepalive, idle_timeout_s=cfg.idle_timeout,
             handshake_timeout_s=cfg.preauth_timeout),
+            ("grpc.max_concurrent_streams", cfg.grpc_max_streams)],
+            maximum_concurrent_rpcs=4 * cfg.grpc_max_streams,
             interceptors=[RpcMetricsInterceptor(self.metrics)])
+        _log.info("open-file limit %d; gRPC: %d calls per connection, %d in all", fds,
+                  cfg.grpc_max_streams, 4 * cfg.grpc_max_streams)
         self._server.add_generic_rpc_handlers((self.grpc_front.generic_handler(),
                                                self.health.generic_handler()))
         if cfg.tls_enabled:
@@ -140,6 +173,8 @@ class Daemon:
         if bind is not None:
             self.tcp_front = TcpFront(self.core, *bind, idle_timeout=cfg.idle_timeout,
                                       preauth_timeout=cfg.preauth_timeout,
+                                      max_unauthenticated=cfg.max_unauth_connections,
+                                      max_per_address=cfg.max_connections_per_ip,
                                       rpc_metrics=self.metrics)
             try:
                 port = self.tcp_front.start()

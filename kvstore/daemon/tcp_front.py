@@ -16,7 +16,12 @@ may idle `idle_timeout` seconds between requests, and each request's head must a
 core gives it (kvstore/daemon/budgets.py), with no gap longer than the put idle timeout; a PUT
 holds one of its tenant's put streams while its body arrives. At `max_connections`, a new
 connection takes the place of the longest idle one (unauthenticated first), so idle
-connections never lock clients out.
+connections never lock clients out. Connections that have not authenticated yet are capped
+apart (`max_unauthenticated`; at the cap the oldest of them goes, busy or not: one byte no
+longer holds a slot), and so are connections from one source address (`max_per_address`),
+so reconnecting unauthenticated clients cannot fill the data plane (M5). A GET must be taken
+by its reader within `get_deadline` (30 s plus size / the minimum rate), and holds its tenant's
+read budgets while it is sent (M1).
 
 Stop: `stop()` closes the listener, waits up to `drain_timeout` for requests in progress to
 finish (the core refuses new PUTs once it is draining), then shuts every connection down.
@@ -30,6 +35,7 @@ import socket
 import threading
 import time
 
+from kvstore.daemon.auth import Principal
 from kvstore.daemon.core import BlockServiceCore
 from kvstore.daemon.metrics import DaemonMetrics, timed_call
 from kvstore.net.limits import MAX_FRAME_BYTES
@@ -55,6 +61,25 @@ _DISCARD_BYTES = 1 << 20
 _DISCARD_MAX_BYTES = 64 << 20
 
 
+def send_by(sock: socket.socket, parts: list[bytes | memoryview], deadline: float) -> None:
+    """`send_parts`, but every byte sent by `deadline` (time.monotonic()), however slowly the
+    reader takes them: TimeoutError past it (M1: a trickling reader pins the block's pages)."""
+    views = [memoryview(p).cast("B") for p in parts if len(p)]
+    while views:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the reader did not take the block within its send deadline")
+        sock.settimeout(min(left, 30.0))
+        n = sock.sendmsg(views[:64])
+        while n:
+            if n >= len(views[0]):
+                n -= len(views[0])
+                views.pop(0)
+            else:
+                views[0] = views[0][n:]
+                n = 0
+
+
 def _linger_close(sock: socket.socket) -> None:
     """Close after a final reply without losing it: closing a socket that still has unread
     input makes the kernel send a reset, which can destroy the reply before the client reads
@@ -78,10 +103,12 @@ class _Close(Exception):
 class _Connection:
     """One client connection's state, under the front's lock."""
 
-    __slots__ = ("authenticated", "busy", "closing", "since", "sock")
+    __slots__ = ("address", "authenticated", "busy", "closing", "principal", "since", "sock")
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, address: str = "") -> None:
         self.sock = sock
+        self.address = address
+        self.principal: Principal | None = None
         self.authenticated = False
         self.busy = False
         self.closing = False
@@ -94,11 +121,19 @@ class TcpFront:
     def __init__(self, core: BlockServiceCore, host: str, port: int = 0, *,
                  max_connections: int = 256, idle_timeout: float = 120.0,
                  request_timeout: float = 30.0, preauth_timeout: float = 5.0,
+                 max_unauthenticated: int = 32, max_per_address: int = 128,
                  rpc_metrics: DaemonMetrics | None = None) -> None:
         self._core = core
         self._metrics = rpc_metrics
         self._bind = (host, port)
         self._max_connections = max_connections
+        self._max_unauthenticated = max_unauthenticated
+        self._max_per_address = max_per_address
+        self._per_address: dict[str, int] = {}
+        self.refused_connections = 0
+        """Connections closed on accept: the source address or the front at its limit."""
+        self.evicted_unauthenticated = 0
+        """Unauthenticated connections closed to make room for newer ones (M5)."""
         self._idle_timeout = idle_timeout
         self._request_timeout = request_timeout
         self._preauth_timeout = preauth_timeout
@@ -167,7 +202,7 @@ class TcpFront:
                 if self._stopping:
                     return
             try:
-                sock, _ = self._listener.accept()
+                sock, peer = self._listener.accept()
             except TimeoutError:
                 continue
             except OSError as exc:
@@ -176,18 +211,43 @@ class TcpFront:
                 _log.warning("data plane accept failed: %s", exc)
                 time.sleep(0.05)
                 continue
-            conn = _Connection(sock)
+            conn = _Connection(sock, str(peer[0]) if isinstance(peer, tuple) else "")
             with self._lock:
-                admitted = not self._stopping and (len(self._connections) < self._max_connections
-                                                   or self._make_room())
+                admitted = (not self._stopping and self._address_has_room(conn.address)
+                            and self._unauthenticated_room()
+                            and (len(self._connections) < self._max_connections
+                                 or self._make_room()))
                 if admitted:
                     self._connections[sock] = conn
+                    self._per_address[conn.address] = self._per_address.get(conn.address, 0) + 1
+                else:
+                    self.refused_connections += 1
             if not admitted:
                 sock.close()
                 continue
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             threading.Thread(target=self._serve, args=(conn,), name="kvkeep-data-conn",
                              daemon=True).start()
+
+    def _address_has_room(self, address: str) -> bool:
+        """Below the per-source-address limit (M5). Caller holds the lock."""
+        return self._per_address.get(address, 0) < self._max_per_address
+
+    def _unauthenticated_room(self) -> bool:
+        """Room for one more connection that has not authenticated yet (M5): at the limit, the
+        oldest such connection is closed, busy or not. A client authenticates with its first
+        request, within milliseconds of connecting, so it always outlives the churn; one that
+        sends a byte and stalls (to look busy) is the first to go. Caller holds the lock."""
+        waiting = [c for c in self._connections.values()
+                   if not c.authenticated and not c.closing]
+        if len(waiting) < self._max_unauthenticated:
+            return True
+        victim = min(waiting, key=lambda c: c.since)
+        victim.closing = True
+        with contextlib.suppress(OSError):
+            victim.sock.shutdown(socket.SHUT_RDWR)
+        self.evicted_unauthenticated += 1
+        return True
 
     def _make_room(self) -> bool:
         """At the connection limit: close the longest idle connection, unauthenticated ones
@@ -249,7 +309,12 @@ class TcpFront:
             _log.exception("data plane connection crashed")
         finally:
             with self._lock:
-                self._connections.pop(sock, None)
+                if self._connections.pop(sock, None) is not None:
+                    left = self._per_address.get(conn.address, 0) - 1
+                    if left > 0:
+                        self._per_address[conn.address] = left
+                    else:
+                        self._per_address.pop(conn.address, None)
             sock.close()
 
     # -- requests -----------------------------------------------------------------------------
@@ -295,7 +360,10 @@ class TcpFront:
             principal = self._core.authenticate(token or None)
         except Refusal as refusal:
             raise _Close(refusal) from None
-        conn.authenticated = True
+        conn.principal = principal
+        if not conn.authenticated:
+            with self._lock:
+                conn.authenticated = True
         try:
             tenant = bytes(tail[pos:pos + request.tenant_len]).decode()
             pos += request.tenant_len
@@ -306,20 +374,26 @@ class TcpFront:
         return self._core.scope(principal, request.fingerprint, tenant, salt), bytes(tail[pos:])
 
     def _get(self, conn: _Connection, request: Request, tail: bytearray) -> None:
-        sock = conn.sock
+        sock, core = conn.sock, self._core
         scope, block_hash = self._scope(conn, request, tail)
-        block = self._core.open_read(self._core.key(scope, block_hash), request.layers)
-        if block is None:
-            send_parts(sock, [encode_reply(OK, result=False)])
-            return
-        try:
-            reply = encode_reply(OK, result=True, header=block.header.pack(),
-                                 layers=(block.layers.start, block.layers.stop),
-                                 payload_len=block.size)
-            self._core.count(get_bytes_sent=block.size)
-            send_parts(sock, [reply, *block.pieces])
-        finally:
-            block.finish()  # a copy lent unverified is checked now, while the client verifies
+        with core.read_stream(scope, conn.principal):  # M1: reads in progress, per tenant
+            block = core.open_read(core.key(scope, block_hash), request.layers)
+            if block is None:
+                send_parts(sock, [encode_reply(OK, result=False)])
+                return
+            try:
+                # The pages (or the buffer) it holds count against the tenant's read bytes
+                # until sent; a reader too slow for `get_deadline` loses the connection, so a
+                # trickling reader cannot pin them for long (M1).
+                with core.read_bytes(scope, block.size, conn.principal):
+                    reply = encode_reply(OK, result=True, header=block.header.pack(),
+                                         layers=(block.layers.start, block.layers.stop),
+                                         payload_len=block.size)
+                    deadline = time.monotonic() + core.limits.get_deadline(block.size)
+                    send_by(sock, [reply, *block.pieces], deadline)
+                    core.count(get_bytes_sent=block.size)
+            finally:
+                block.finish()  # a copy lent unverified is checked now, as the client does
 
     def _put(self, conn: _Connection, request: Request, tail: bytearray) -> None:
         sock, core = conn.sock, self._core
@@ -334,8 +408,9 @@ class TcpFront:
                 # No token, or an unknown one: _Close (the body is never read).
                 scope, block_hash = self._scope(conn, request, tail)
                 core.admit_put_call()
-                holding.enter_context(core.put_stream(scope))
-                incoming = holding.enter_context(core.begin_put(scope, block_hash, size))
+                holding.enter_context(core.put_stream(scope, conn.principal))
+                incoming = holding.enter_context(core.begin_put(scope, block_hash, size,
+                                                                conn.principal))
             except Refusal as refusal:
                 if size > _DISCARD_MAX_BYTES:  # not worth reading: end the connection
                     raise _Close(refusal) from None
@@ -347,6 +422,8 @@ class TcpFront:
             recv_into_pieces(sock, incoming.pieces, incoming.deadline)
             core.count(put_bytes_received=size)
             admitted = incoming.commit()
+        if admitted:  # on this connection's own thread: it holds no other tenant's work
+            core.wait_for_disk(size)
         send_parts(sock, [encode_reply(OK, result=admitted)])
 
     def _discard(self, sock: socket.socket, size: int) -> None:

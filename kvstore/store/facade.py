@@ -40,7 +40,7 @@ import time
 from collections.abc import Sequence
 from types import TracebackType
 
-from kvstore.errors import ConfigError, CorruptBlock, InvalidFrame, TierUnavailable
+from kvstore.errors import ConfigError, CorruptBlock, InvalidFrame, TierFull, TierUnavailable
 from kvstore.frame import (
     BlockRead,
     FrameBytes,
@@ -298,8 +298,12 @@ class TieredStore:
         if len(self._calls) == 1 or not admitted:
             return admitted
         self._calls.copied(0, started)
-        # Read back from tier 0, as for any put.
-        self._writes.copy_down(key, header, None, computed_at=started)
+        # Read back from tier 0, as for any put. A copy the write-behind dropped (its queue
+        # full, by jobs or bytes) leaves the block in RAM only, to be lost when it is evicted:
+        # the caller acknowledges durability, so it must not acknowledge this one (M3).
+        if not self._writes.copy_down(key, header, None, computed_at=started):
+            raise TierFull(f"write-behind queue full: {key.storage_name} would stay in RAM "
+                           "only")
         return True
 
     def lookup(self, keys: Sequence[BlockKey], *, deadline: float | None = None,

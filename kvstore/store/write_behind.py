@@ -12,9 +12,14 @@ writer threads that carry them out.
   the window in which a dying node takes KV with it.
 - A `ManifestCopy` writes a session manifest to every lower tier.
 
-Submitting never blocks a put: when the queue is full the job is dropped and counted (a lost
-background copy costs at worst a later recompute, a blocked put costs latency now). Only
-manifests may wait for room (`manifest_enqueue_timeout_s`), because failover depends on them.
+Submitting never blocks a put: when the queue is full, by jobs (`write_queue_depth`) or by the
+bytes its block jobs carry (`max_queued_bytes`: the RAM they pin, held copies or the tier-0
+pages they read back), the job is dropped and counted (`write_behind_dropped{reason}`,
+`dropped_total`), and `copy_down` says so: a caller that acknowledges durability (the daemon's
+put commit, kvstore/store/facade.py `commit_put`) refuses instead of acknowledging a block that
+would live in RAM only. A lost background copy costs at worst a later recompute, a blocked put
+costs latency now. Only manifests may wait for room (`manifest_enqueue_timeout_s`), because
+failover depends on them.
 A delete cancels the queued jobs of its keys; a job already being written when the delete came
 is undone once its batch is written (`wait_unwritten` lets the delete wait for that).
 """
@@ -43,6 +48,11 @@ __all__ = ["WriteBehind"]
 
 log = logging.getLogger("kvstore.store")
 
+_QUEUED_BYTES_MAX = 1 << 30
+"""Block bytes the queue may carry at most; less when the first tier is smaller (its budget):
+queued copies that read back from tier 0 cannot be kept past what it holds, and held copies
+cost RAM of their own."""
+
 _JobKey = BlockKey | SessionKey
 
 
@@ -62,6 +72,16 @@ class WriteBehind:
         self._promoting: set[BlockKey] = set()
         # Keys of the batches writers are working on right now (read back, written, undone).
         self._writing: dict[_JobKey, int] = {}
+        self._job_bytes: dict[int, int] = {}  # seq -> bytes, for the block jobs queued
+        self._queued_bytes = 0
+        self._dropped = 0
+        budget = _QUEUED_BYTES_MAX
+        if calls.tiers:
+            try:
+                budget = min(budget, max(calls.tiers[0].stats().bytes_budget, 1))
+            except Exception:  # a tier that cannot say: the fixed bound
+                budget = _QUEUED_BYTES_MAX
+        self.max_queued_bytes = budget
         self._closed = False
         self._writers = [threading.Thread(target=self._writer_main, name=f"kvkeep-writer-{i}",
                                           daemon=True)
@@ -79,7 +99,7 @@ class WriteBehind:
         if not targets:
             return True
         return self._submit(key, lambda seq: BlockCopy(seq, key, targets, header, computed_at,
-                                                       frame))
+                                                       frame), nbytes=header.frame_size)
 
     def promote(self, key: BlockKey, source: int, header: FrameHeader) -> None:
         """Queue a copy of a block hit in tier `source` into the tiers above it."""
@@ -88,7 +108,8 @@ class WriteBehind:
                 return  # a layer-by-layer restore reads one block many times: promote it once
             self._promoting.add(key)
         targets = tuple(range(source))
-        if not self._submit(key, lambda seq: Promotion(seq, key, targets, header, source)):
+        if not self._submit(key, lambda seq: Promotion(seq, key, targets, header, source),
+                            nbytes=header.frame_size):
             with self._state:
                 self._promoting.discard(key)
 
@@ -99,12 +120,22 @@ class WriteBehind:
                             lambda seq: ManifestCopy(seq, manifest.key, targets, manifest),
                             wait=self._config.manifest_enqueue_timeout_s)
 
-    def _submit(self, key: _JobKey, make: Callable[[int], Job], wait: float = 0.0) -> bool:
+    def _submit(self, key: _JobKey, make: Callable[[int], Job], wait: float = 0.0,
+                nbytes: int = 0) -> bool:
         with self._state:
             if self._closed:
-                self._calls.dropped("closed")
+                self._drop("closed")
+                return False
+            # One job bigger than the whole bound still goes into an empty queue: else a
+            # block bigger than half of RAM could never be written down.
+            if nbytes and self._queued_bytes and \
+                    self._queued_bytes + nbytes > self.max_queued_bytes:
+                self._drop("queue_bytes")
                 return False
             job = make(next(self._seq))
+            if nbytes:
+                self._job_bytes[job.seq] = nbytes
+                self._queued_bytes += nbytes
             self._pending += 1
             self._pending_keys[key] = self._pending_keys.get(key, 0) + 1
             self._calls.metrics.write_queue_depth.set(self._pending)
@@ -114,7 +145,7 @@ class WriteBehind:
             else:
                 self._queue.put_nowait(job)
         except queue.Full:
-            self._calls.dropped("queue_full")
+            self._drop("queue_full")
             self._job_done(job)
             return False
         return True
@@ -125,6 +156,18 @@ class WriteBehind:
     def pending(self) -> int:
         with self._state:
             return self._pending
+
+    @property
+    def queued_bytes(self) -> int:
+        """Bytes of the block jobs queued or being written."""
+        with self._state:
+            return self._queued_bytes
+
+    @property
+    def dropped_total(self) -> int:
+        """Jobs dropped since start, every reason (also `write_behind_dropped{reason}`)."""
+        with self._state:
+            return self._dropped
 
     @property
     def closed(self) -> bool:
@@ -161,7 +204,7 @@ class WriteBehind:
             except queue.Empty:
                 break
             if job is not None:
-                self._calls.dropped("closed")
+                self._drop("closed")
                 self._job_done(job)
         for _ in self._writers:
             self._queue.put(None)
@@ -191,7 +234,7 @@ class WriteBehind:
             except Exception:  # never let one bad batch kill the writer
                 log.exception("background write batch failed")
                 for _ in batch:
-                    self._calls.dropped("error")
+                    self._drop("error")
             finally:
                 with self._state:
                     for job in batch:
@@ -270,7 +313,7 @@ class WriteBehind:
                 job.key, None, out=view[header_size:frame_size],
                 deadline=time.monotonic() + self._config.background_deadline_s)
             if read is None:
-                self._calls.dropped("source_gone")
+                self._drop("source_gone")
                 return None
             read = read.verified_for(job.key.digest)
             header = read.header.pack()
@@ -322,8 +365,14 @@ class WriteBehind:
 
     # -- bookkeeping --------------------------------------------------------------------------
 
+    def _drop(self, reason: str) -> None:
+        with self._state:  # a Condition over an RLock: callers may hold it already
+            self._dropped += 1
+        self._calls.dropped(reason)
+
     def _job_done(self, job: Job) -> None:
         with self._state:
+            self._queued_bytes -= self._job_bytes.pop(job.seq, 0)
             self._pending -= 1
             left = self._pending_keys.get(job.key, 0) - 1
             if left > 0:

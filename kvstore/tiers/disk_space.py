@@ -9,7 +9,11 @@ at most 1/16 of the owner's own byte budget: a fixed margin never let a small di
 again (a 128 MiB tmpfs under a 96 MiB budget has at most ~32 MiB free once the others' files
 go), and an owner at its budget replaces its own oldest files rather than growing, so it needs
 room for the write in hand plus a slack that scales with what it writes, not with the disk.
-Writes are refused too after a write failed with ENOSPC/EDQUOT, and then statvfs is trusted
+Free inodes count too (`f_favail`, M4): a filesystem with bytes to spare but (nearly) no inodes
+left takes no new file, so writes are refused while fewer than `min_free_inodes` (1024, at most
+1/16 of the filesystem's) are left; a filesystem that reports no inode count (`f_files` 0, as
+btrfs does) is judged by bytes alone. Writes are refused too after a write failed with
+ENOSPC/EDQUOT, and then statvfs is trusted
 again only after `recheck_s` (a filesystem that reports room it cannot give, out of inodes or
 over a quota, must not be retried in a loop). Writes are allowed again when the
 owner frees space itself (`freed`), or when a later statvfs shows room. Thread-safe (a lock
@@ -34,11 +38,12 @@ log = logging.getLogger(__name__)
 
 class SpaceGuard:
     def __init__(self, path: Path, *, recheck_s: float, min_free_bytes: int,
-                 budget_bytes: int | None = None) -> None:
+                 budget_bytes: int | None = None, min_free_inodes: int = 1024) -> None:
         self._path = path
         self._recheck_s = recheck_s
         self._min_free = (min_free_bytes if budget_bytes is None
                           else min(min_free_bytes, budget_bytes // 16))
+        self._min_free_inodes = min_free_inodes
         self._blocked_at: float | None = None
         self._by_error = False  # blocked by a failed write (else by a statvfs probe)
         self._checked_at = float("-inf")
@@ -77,7 +82,8 @@ class SpaceGuard:
             if self._blocked_at is not None and self._by_error and not was_blocked:
                 return False  # a write failed meanwhile: that is the fresher news
             if room is False or (room is None and was_blocked):
-                self._note_full("less free space than the write and its margin")
+                self._note_full("less free space (bytes or inodes) than the write and its "
+                                "margin")
                 return False
             if self._blocked_at is not None:
                 self._blocked_at = None
@@ -98,4 +104,8 @@ class SpaceGuard:
         except OSError:
             return None
         margin = min(self._min_free, st.f_blocks * st.f_frsize // 16)
+        if st.f_files > 0:  # one file per write, and its inode margin
+            inodes = min(self._min_free_inodes, st.f_files // 16)
+            if st.f_favail < 1 + inodes:
+                return False
         return bool(st.f_bavail * st.f_frsize >= size + margin)

@@ -6,8 +6,12 @@ the nvme tier's directory lock guarantees a single writer. Raises OSError for th
 translate; a manifest that fails to decode is deleted and reported as CorruptBlock.
 
 Their bytes are bounded by `byte_budget`: past it the least recently used manifests (written
-or read; on start, by file time) are deleted. A session whose manifest went can still restore
-its blocks by prefix; only the manifest's own record of it is gone.
+or read; on start, by file time) are deleted. Each tenant's manifests are also bounded by
+`tenant_share` of it: past that, the tenant's own least recently used go, never another's, so
+one tenant writing many big manifests cannot evict everyone's session records (M7). Manifests
+found on start are not read, so their tenant is unknown: they count against the whole budget
+only, until written again. A session whose manifest went can still restore its blocks by
+prefix; only the manifest's own record of it is gone.
 """
 
 from __future__ import annotations
@@ -41,7 +45,8 @@ _File = tuple[int, str]  # (shard, file name)
 
 class ManifestFiles:
     def __init__(self, dir_fds: Sequence[int], *, durable: bool, write_fn: WriteFn,
-                 on_corrupt: Callable[[], None], byte_budget: int) -> None:
+                 on_corrupt: Callable[[], None], byte_budget: int,
+                 tenant_share: float = 1.0) -> None:
         self._dirs = tuple(dir_fds)
         self._locks = tuple(threading.Lock() for _ in self._dirs)
         self._durable = durable
@@ -54,6 +59,9 @@ class ManifestFiles:
         self._lru: OrderedDict[_File, int] = OrderedDict()
         self._lru_lock = threading.Lock()
         self._bytes = 0
+        self._tenant_share = tenant_share
+        self._tenant_of: dict[_File, str] = {}
+        self._tenant_bytes: dict[str, int] = {}
         self.evicted = 0
         self._load_index()
         self._evict()
@@ -83,8 +91,8 @@ class ManifestFiles:
                 raise
             if self._durable:
                 os.fsync(dir_fd)
-            self._touch((shard, name), len(data))
-        self._evict()
+            self._touch((shard, name), len(data), manifest.key.namespace.tenant)
+        self._evict(manifest.key.namespace.tenant)
         return True
 
     def get(self, key: SessionKey) -> SessionManifest | None:
@@ -128,23 +136,64 @@ class ManifestFiles:
             self._lru[file] = size
             self._bytes += size
 
-    def _touch(self, file: _File, size: int) -> None:
+    @property
+    def tenant_share(self) -> float:
+        return self._tenant_share
+
+    @tenant_share.setter
+    def tenant_share(self, share: float) -> None:
+        if not 0 < share <= 1:
+            raise ValueError(f"a tenant's manifest share must be in (0, 1], got {share}")
+        self._tenant_share = share
+
+    def tenant_bytes(self, tenant: str) -> int:
         with self._lru_lock:
+            return self._tenant_bytes.get(tenant, 0)
+
+    def _touch(self, file: _File, size: int, tenant: str | None = None) -> None:
+        with self._lru_lock:
+            self._untenant(file)
             self._bytes += size - self._lru.get(file, 0)
             self._lru[file] = size
             self._lru.move_to_end(file)
+            if tenant is not None:
+                self._tenant_of[file] = tenant
+                self._tenant_bytes[tenant] = self._tenant_bytes.get(tenant, 0) + size
+
+    def _untenant(self, file: _File) -> None:
+        """Drop `file` from its tenant's bytes. Caller holds the LRU lock."""
+        tenant = self._tenant_of.pop(file, None)
+        if tenant is None:
+            return
+        left = self._tenant_bytes.get(tenant, 0) - self._lru.get(file, 0)
+        if left > 0:
+            self._tenant_bytes[tenant] = left
+        else:
+            self._tenant_bytes.pop(tenant, None)
 
     def _forget(self, file: _File) -> None:
         with self._lru_lock:
+            self._untenant(file)
             self._bytes -= self._lru.pop(file, 0)
 
-    def _evict(self) -> None:
-        """Delete least recently used manifests until they fit the budget (the newest stays)."""
+    def _evict(self, tenant: str | None = None) -> None:
+        """Delete least recently used manifests until they fit the budget (the newest stays),
+        and `tenant`'s own until they fit its share (its newest stays)."""
         victims: list[_File] = []
         with self._lru_lock:
+            share = int(self._budget * self._tenant_share)
+            if tenant is not None and self._tenant_bytes.get(tenant, 0) > share:
+                mine = [f for f in self._lru if self._tenant_of.get(f) == tenant]
+                for file in mine[:-1]:  # oldest first; never its newest
+                    if self._tenant_bytes.get(tenant, 0) <= share:
+                        break
+                    self._untenant(file)
+                    self._bytes -= self._lru.pop(file)
+                    victims.append(file)
             while self._bytes > self._budget and len(self._lru) > 1:
-                file, size = self._lru.popitem(last=False)
-                self._bytes -= size
+                file, _ = next(iter(self._lru.items()))
+                self._untenant(file)
+                self._bytes -= self._lru.pop(file)
                 victims.append(file)
         for shard, name in victims:
             with self._locks[shard]:

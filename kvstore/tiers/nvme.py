@@ -96,7 +96,8 @@ class NvmeTier:
                  name: str = "nvme", durable: bool = True, drop_page_cache: bool = True,
                  verify_on_put: bool = True, space_recheck_s: float = 2.0,
                  min_free_bytes: int = 64 << 20, write_fn: WriteFn | None = None,
-                 manifest_budget: int | None = None) -> None:
+                 manifest_budget: int | None = None,
+                 manifest_tenant_share: float = 1.0) -> None:
         if byte_budget <= 0:
             raise ConfigError(f"nvme byte budget must be positive, got {byte_budget}")
         self._name = name
@@ -127,7 +128,8 @@ class NvmeTier:
             self._layout.manifest_dirs, durable=durable, write_fn=self._write,
             on_corrupt=self._count_corrupt,
             byte_budget=(manifest_budget if manifest_budget is not None
-                         else max(16 << 20, byte_budget // 16)))
+                         else max(16 << 20, byte_budget // 16)),
+            tenant_share=manifest_tenant_share)
         if found.report.temp_removed or found.report.invalid_removed:
             log.warning("nvme tier %s recovered: %s", self._root, found.report)
 
@@ -145,6 +147,10 @@ class NvmeTier:
     def recovery(self) -> RecoveryReport:
         """What the start-up scan found, deleted and skipped."""
         return self._recovery
+
+    def limit_manifests_per_tenant(self, share: float) -> None:
+        """Let one tenant's manifests fill at most `share` of the manifest budget (M7)."""
+        self._manifests.tenant_share = share
 
     @property
     def admitting(self) -> bool:
