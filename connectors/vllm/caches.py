@@ -43,7 +43,8 @@ class PagedCaches:
         if len(tensors) != self.num_layers:
             raise ConfigError(f"kvkeep: {len(tensors)} KV cache layers registered, the model "
                               f"has {self.num_layers}")
-        layers = list(tensors)
+        # fp8 caches are bound as 16-bit words over their bytes (see layouts.FP8_WORD).
+        layers = [self.layout.as_words(t) for t in tensors]
         dtypes = {t.dtype for t in layers}
         if len(dtypes) != 1:
             raise ConfigError(f"kvkeep: KV cache layers differ in dtype: {dtypes}")

@@ -22,7 +22,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from connectors.vllm.config import ConnectorConfig
-from connectors.vllm.fingerprint import derive_fingerprint, derive_layout
+from connectors.vllm.fingerprint import (
+    check_engine_kv_scales,
+    derive_fingerprint,
+    derive_layout,
+    fp8_scales,
+)
 from connectors.vllm.hash_check import check_block_hashes_reproducible
 from connectors.vllm.layouts import check_codec
 from connectors.vllm.metadata import StepMetadata
@@ -93,6 +98,7 @@ class KVKeepConnector(KVConnectorBase_V1):
         check_block_hashes_reproducible(vllm_config.cache_config.prefix_caching_hash_algo,
                                         os.environ)
         layout = derive_layout(vllm_config)
+        self._layout = layout
         check_codec(self._config.codec, layout, vllm_config.model_config.dtype)
         self._fingerprint = derive_fingerprint(vllm_config, self._config, layout)
         self._counters = Counters()
@@ -206,6 +212,9 @@ class KVKeepConnector(KVConnectorBase_V1):
     # -- worker side ---------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if self._layout.is_fp8:
+            check_engine_kv_scales(fp8_scales(self._vllm_config),
+                                   _engine_kv_scales(self._vllm_config, kv_caches))
         self._need_worker().register_kv_caches(kv_caches)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
@@ -292,6 +301,22 @@ class KVKeepConnector(KVConnectorBase_V1):
         if self._scheduler is None:
             raise RuntimeError("kvkeep: scheduler-side call on the worker-side connector")
         return self._scheduler
+
+
+def _engine_kv_scales(vllm_config: VllmConfig, kv_caches: dict[str, torch.Tensor]
+                      ) -> dict[str, tuple[float, float]]:
+    """Each registered attention layer's (k_scale, v_scale) as the loaded model holds them."""
+    layers = vllm_config.compilation_config.static_forward_context
+    out: dict[str, tuple[float, float]] = {}
+    for name in kv_caches:
+        layer = layers.get(name)
+        k = getattr(layer, "_k_scale_float", None)
+        v = getattr(layer, "_v_scale_float", None)
+        if k is None or v is None:
+            raise ConfigError(f"kvkeep connector: cannot read the fp8 KV scales of layer "
+                              f"{name}; refusing to key its KV without them")
+        out[name] = (float(k), float(v))
+    return out
 
 
 def _event_medium(vllm_config: VllmConfig, config: ConnectorConfig) -> str | None:

