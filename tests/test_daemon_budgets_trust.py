@@ -44,15 +44,17 @@ from kvstore.net.daemon_client import DaemonClient
 from kvstore.net.grpc_messages import encode_put_chunk, scope_to_pb
 from kvstore.net.grpc_options import channel_options
 from kvstore.net.refusal import Refusal
-from kvstore.net.scope import Scope
+from kvstore.net.scope import Scope, scope_of
 from kvstore.net.tcp_protocol import OP_GET, REPLY_HEAD, decode_reply_head, encode_request
 from kvstore.store import StoreConfig, TieredStore
 from kvstore.tiers.durable_files import write_chunked
 from kvstore.tiers.host import HostTier
 from kvstore.tiers.nvme import NvmeTier
+from kvstore.tiers.remote import RemoteTier
+from kvstore.tiers.remote_config import RemoteConfig
 from proto.gen import kvstore_pb2 as pb
 from tests.blockframes import FINGERPRINT, block_key, make_frame
-from tests.daemon_process import DaemonProcess, start_daemon
+from tests.daemon_process import DaemonProcess, running_daemons, start_daemon
 
 T = 10.0
 TOKEN_A = "token-tenant-a-0123456789"
@@ -477,3 +479,31 @@ def test_a_generation_far_ahead_of_the_clock_is_refused(tmp_path: Path) -> None:
     finally:
         a.close()
         d.terminate()
+
+
+def test_a_refused_copy_is_deleted_at_the_daemon_that_served_it_only(tmp_path: Path) -> None:
+    """L2: a checksum-valid but different frame (forged, or another engine's) on the rank-1
+    daemon only; the reader refuses it and deletes the key: the good copy on the rank-2 daemon
+    stays, and the next read gets it."""
+    with running_daemons(tmp_path, 2) as daemons:
+        tier = RemoteTier.from_addresses({d.node_id: d.address for d in daemons},
+                                         RemoteConfig(replicas=2, call_timeout=2.0))
+        try:
+            key = block_key(1)
+            good, forged = make_frame(key), make_frame(key, seed=7)
+            assert good != forged
+            assert tier.put(key, good)
+            by_id = {d.node_id: d for d in daemons}
+            first, second = (by_id[n] for n in tier.placement(key)[:2])
+            c1, c2 = first.client(), second.client()
+            assert c1.delete(scope_of(key), [key.block_hash], timeout=T) == 1
+            assert c1.put(scope_of(key), [(key.block_hash, forged)], timeout=T) == [True]
+            read = tier.get(key)
+            assert read is not None and read.to_frame() == forged  # rank 1 answers first
+            tier.delete([key])  # the reader refuses that copy
+            assert c2.lookup(scope_of(key), [key.block_hash], timeout=T) == [True]
+            assert c1.lookup(scope_of(key), [key.block_hash], timeout=T) == [False]
+            again = tier.get(key)
+            assert again is not None and again.to_frame() == good
+        finally:
+            tier.close()

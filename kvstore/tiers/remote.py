@@ -29,8 +29,9 @@ remote_repair.py (read repair); placement.py ranks the daemons.
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from collections.abc import Mapping, Sequence
 
 from kvstore.errors import (
@@ -72,6 +73,12 @@ __all__ = ["RemoteConfig", "RemoteTier", "RemoteCounters", "WriteAck"]
 _log = logging.getLogger(__name__)
 
 
+_SERVED_KEYS = 4096
+"""Keys whose serving daemon a remote tier remembers (L2), most recent first."""
+_SERVED_S = 60.0
+"""How long a read's serving daemon is remembered for a delete that refuses its copy."""
+
+
 class RemoteTier:
     """Implements the `Tier` protocol over daemons found by a `Discovery`. Thread-safe."""
 
@@ -82,6 +89,10 @@ class RemoteTier:
         self._own_discovery = own_discovery
         self._peers = PeerSet(self._config)
         discovery.subscribe(self._peers.on_members)
+        # Which daemon served each key lately (L2): a delete that soon follows a read is the
+        # reader refusing that copy (forged, not its engine's), so it goes to that daemon only.
+        self._served: OrderedDict[bytes, tuple[str, float]] = OrderedDict()
+        self._served_lock = threading.Lock()
 
     @classmethod
     def from_etcd(cls, etcd: EtcdSpec | str, config: RemoteConfig | None = None, *,
@@ -201,6 +212,7 @@ class RemoteTier:
                 corrupt.append(node)
                 continue
             peers.count("hits")
+            self._note_served(key, node)
             if self._config.read_repair and (lacking or corrupt):
                 repair_block(peers, placement[: self._config.replicas], key, node, lacking,
                              corrupt)
@@ -255,14 +267,41 @@ class RemoteTier:
                     counts[i] += int(hit)
         return counts
 
+    def _note_served(self, key: BlockKey, node: str) -> None:
+        with self._served_lock:
+            self._served[key.digest] = (node, time.monotonic())
+            self._served.move_to_end(key.digest)
+            while len(self._served) > _SERVED_KEYS:
+                self._served.popitem(last=False)
+
+    def _served_by(self, key: BlockKey) -> str | None:
+        """The daemon that served `key` within `_SERVED_S`, forgotten once asked."""
+        with self._served_lock:
+            found = self._served.pop(key.digest, None)
+        if found is None or time.monotonic() - found[1] > _SERVED_S:
+            return None
+        return found[0]
+
     def delete(self, keys: Sequence[BlockKey]) -> int:
-        """Remove from every daemon that may hold the keys; how many were present anywhere."""
+        """Remove from every daemon that may hold the keys; how many were present anywhere.
+
+        A key this tier served within the last minute is deleted only at the daemon that
+        served it (L2): a delete right after a read is a reader refusing that copy (a forged
+        frame, one of another engine, or corrupt), and one bad or hostile daemon must not turn
+        that into the loss of the good copies on the others. The next read tries the next
+        replica; a copy that is bad there too is refused, and deleted there, in turn."""
         if not keys:
             return 0
         present = self.contains(keys)
         deadline = time.monotonic() + self._config.call_timeout
         targets: dict[str, list[BlockKey]] = defaultdict(list)
         for key in keys:
+            served = self._served_by(key)
+            if served is not None:
+                _log.info("deleting the copy of %s that %s served, not its replicas",
+                          key.storage_name, served)
+                targets[served].append(key)
+                continue
             for node in self.placement(key):
                 targets[node].append(key)
         calls = {node: delete_call(self._peers, node, ks, deadline)
