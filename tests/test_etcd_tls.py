@@ -185,7 +185,7 @@ async def _every_client(spec: EtcdSpec, tag: str) -> None:
         assert [w.worker_id for w in await backend.list_workers()] == ["w1"]
         assert await lease.keepalive()
         ok, current = await backend.cas_binding(
-            Binding(SessionId("s1"), WorkerId("w1"), time.time()), None, 60.0)
+            Binding(SessionId("s1"), WorkerId("w1"), "m", updated=time.time()), None, 60.0)
         assert ok and current is not None
         assert (await backend.get_binding(SessionId("s1"))) is not None
         await lease.revoke()
