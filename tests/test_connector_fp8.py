@@ -107,7 +107,7 @@ def test_the_engine_must_use_the_scales_the_blocks_are_keyed_by() -> None:
         check_engine_kv_scales({}, {"l0": (1.0, 1.0), "l1": (0.5, 1.0)})
     keyed = {"model.layers.0.self_attn.k_scale": [0.5], "model.layers.0.self_attn.v_scale": [2.0]}
     check_engine_kv_scales(keyed, {"l0": (0.5, 2.0)})
-    with pytest.raises(ConfigError, match="k_scale 0.25"):
+    with pytest.raises(ConfigError, match=r"k_scale 0\.25"):
         check_engine_kv_scales(keyed, {"l0": (0.25, 2.0)})
 
 
