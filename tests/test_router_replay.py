@@ -9,10 +9,12 @@ refused, is checked on parsed requests.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from deploy.local.engines import EngineSettings, vllm_argv
 from router.api import Endpoint, parse_request
 from router.streaming.replay import Replay, ReplayMismatch, replay_refusal, replays
 
@@ -199,3 +201,23 @@ def test_a_sampled_stream_without_a_seed_is_refused_a_replay() -> None:
     assert replay_refusal(_parse({**CHAT, **fmt, "temperature": 0.7, "seed": 3})) is None
     logprobs = _parse({**CHAT, **fmt, "logprobs": True})
     assert "log-probabilities" in (replay_refusal(logprobs) or "")
+
+
+def test_local_workers_serve_tool_calls_as_configured() -> None:
+    """deploy/local's workers get a tool-call parser and auto tool choice by default (without
+    them vLLM refuses a named tool_choice with 400), none when the operator turns them off."""
+    def argv(**kw: Any) -> list[str]:
+        return vllm_argv(EngineSettings(Path("/m"), **kw), port=1, events_port=2,
+                         etcd_url="http://127.0.0.1:2379")
+
+    default = argv()
+    assert default[default.index("--tool-call-parser") + 1] == "pythonic"
+    assert "--enable-auto-tool-choice" in default
+    assert "--structured-outputs-config" not in default
+    named_only = argv(auto_tool_choice=False)
+    assert "--tool-call-parser" in named_only and "--enable-auto-tool-choice" not in named_only
+    off = argv(tool_call_parser=None)
+    assert "--tool-call-parser" not in off and "--enable-auto-tool-choice" not in off
+    tight = argv(structured_outputs={"backend": "xgrammar", "disable_any_whitespace": True})
+    assert json.loads(tight[tight.index("--structured-outputs-config") + 1]) == {
+        "backend": "xgrammar", "disable_any_whitespace": True}

@@ -30,6 +30,7 @@ from typing import Any
 import httpx
 import pytest
 
+from deploy.local.engines import EngineSettings, serving_flags
 from tests.deploy_cli import spawn_cli
 from tests.models import TinyModel, build_tiny_llama
 from tests.router_harness import wait_until
@@ -40,9 +41,9 @@ from tests.vllm_server import VllmServer, start_vllm
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 TTL = 2.0
-TOOL_FLAGS = ("--tool-call-parser", "pythonic", "--enable-auto-tool-choice",
-              "--structured-outputs-config",
-              json.dumps({"backend": "xgrammar", "disable_any_whitespace": True}))
+# The local cluster's serving flags (deploy/local/engines.py), with no free whitespace.
+TOOL_FLAGS = tuple(serving_flags(EngineSettings(Path(), structured_outputs={
+    "backend": "xgrammar", "disable_any_whitespace": True})))
 MESSAGES = [{"role": "user", "content": "Describe the licence as data"}]
 GREEDY = {"model": "tiny", "temperature": 0, "messages": MESSAGES}
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],

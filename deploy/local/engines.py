@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["EngineSettings", "kv_transfer_config", "vllm_argv", "vllm_env"]
+__all__ = ["EngineSettings", "kv_transfer_config", "serving_flags", "vllm_argv", "vllm_env"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +43,19 @@ class EngineSettings:
     """False: plain vLLM, no kvkeep connector and no store (a baseline for what the store adds)."""
     store_token_file: Path | None = None
     """The tenant's bearer token for daemons that check tokens (`--token-file`)."""
+    tool_call_parser: str | None = "pythonic"
+    """vLLM's `--tool-call-parser` (None: none, and a named or `required` `tool_choice` is
+    refused with 400). `pythonic` suits the tiny model: it needs nothing of the chat template
+    or the vocabulary, and a named or required choice is guided decoding of the tool's
+    parameters schema, which any model follows. A real model wants its own (hermes for Qwen,
+    llama3_json for Llama 3.1)."""
+    auto_tool_choice: bool = True
+    """`--enable-auto-tool-choice` (with a parser): `tool_choice: "auto"` is served, the model
+    deciding whether to call a tool (a random model never does)."""
+    structured_outputs: Mapping[str, Any] | None = None
+    """vLLM's `--structured-outputs-config` (None: its defaults; structured outputs are on
+    either way). `{"backend": "xgrammar", "disable_any_whitespace": true}` keeps a random model
+    from filling JSON with whitespace (tests/test_router_shapes_vllm.py)."""
 
 
 def kv_transfer_config(settings: EngineSettings, etcd_url: str,
@@ -98,7 +111,21 @@ def vllm_argv(settings: EngineSettings, *, port: int, events_port: int,
         *(["--kv-transfer-config", json.dumps(kv_transfer_config(
             settings, etcd_url, remote_extra=remote_extra))]
           if settings.connector else []),
+        *serving_flags(settings),
     ]
+
+
+def serving_flags(settings: EngineSettings) -> list[str]:
+    """The flags for the request shapes a cluster serves beyond text: tool calls (a parser,
+    auto tool choice) and the structured-output backend's settings."""
+    flags: list[str] = []
+    if settings.tool_call_parser is not None:
+        flags += ["--tool-call-parser", settings.tool_call_parser]
+        if settings.auto_tool_choice:
+            flags.append("--enable-auto-tool-choice")
+    if settings.structured_outputs is not None:
+        flags += ["--structured-outputs-config", json.dumps(dict(settings.structured_outputs))]
+    return flags
 
 
 def vllm_env(repo_root: Path) -> dict[str, str]:
