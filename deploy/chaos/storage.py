@@ -20,18 +20,23 @@ import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from deploy.local.disks import FILLER_NAME, fill
 from kvstore.errors import CorruptBlock, KVKeepError
 
 if TYPE_CHECKING:
+    from kvstore.frame import BlockRead
     from kvstore.keys import BlockKey
 
 __all__ = ["CorruptedBlock", "ProbeResult", "corrupt_blocks", "probe_corrupted", "fill_disk",
            "free_disk"]
 
 _FLIP = 64
+# How far a recomputed block's values may lie from the first computation's, relative to the
+# largest magnitude in the block: bf16 rounding of a differently blocked matmul moves values by
+# a few units in the last place, a corrupted byte by anything at all.
+_RECOMPUTE_TOLERANCE = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +57,14 @@ class ProbeResult:
     rejected: int = 0
     """The daemon sent a frame that fails verification: the client drops it (safe)."""
     served_corrupt: int = 0
-    """A frame that passes verification and differs from the original: never acceptable."""
+    """A frame that passes verification and is neither the original nor a recomputation of
+    it: never acceptable."""
+    replaced: int = 0
+    """A verified frame that is not the original but a recomputation of the same block (the
+    corrupted copy was dropped, vLLM recomputed the block and saved it again): same codec,
+    dtype and shape, every value within `_RECOMPUTE_TOLERANCE` of the original's. On CPU a
+    block recomputed in another batch or prefill chunk differs from the first in low bits."""
+    replaced_max_abs_diff: float = 0.0
     errors: int = 0
 
 
@@ -117,8 +129,9 @@ def probe_corrupted(blocks: list[CorruptedBlock], daemons: dict[str, str],
     from kvstore.net.daemon_client import DaemonClient
     from kvstore.net.scope import Scope
 
-    counts = {"probes": 0, "misses": 0, "intact": 0, "rejected": 0, "served_corrupt": 0,
-              "errors": 0}
+    counts: dict[str, Any] = {"probes": 0, "misses": 0, "intact": 0, "rejected": 0,
+                              "served_corrupt": 0, "replaced": 0, "replaced_max_abs_diff": 0.0,
+                              "errors": 0}
     for block in blocks:
         key = block.key
         original = BlockRead.from_frame(block.original)
@@ -141,9 +154,44 @@ def probe_corrupted(blocks: list[CorruptedBlock], daemons: dict[str, str],
             except CorruptBlock:
                 counts["rejected"] += 1
                 continue
-            same = bytes(read.payload) == bytes(original.payload)
-            counts["intact" if same else "served_corrupt"] += 1
+            if bytes(read.payload) == bytes(original.payload):
+                counts["intact"] += 1
+                continue
+            diff = _recomputed_diff(original, read)
+            if diff is None:
+                counts["served_corrupt"] += 1
+            else:
+                counts["replaced"] += 1
+                counts["replaced_max_abs_diff"] = max(counts["replaced_max_abs_diff"], diff)
     return ProbeResult(**counts)
+
+
+def _recomputed_diff(original: BlockRead, read: BlockRead) -> float | None:
+    """The largest value difference when `read` is a recomputation of `original` (same raw
+    16-bit frame shape, values within tolerance); None when it cannot be one."""
+    import numpy as np
+    import torch
+
+    from kvstore.frame import CodecId, DType
+
+    a, b = original.header, read.header
+    if (a.codec, a.dtype, a.layout_id, a.token_count) != (b.codec, b.dtype, b.layout_id,
+                                                          b.token_count) \
+            or a.codec != CodecId.RAW or a.dtype not in (DType.FLOAT16, DType.BFLOAT16) \
+            or len(original.payload) != len(read.payload) or len(read.payload) % 2:
+        return None
+    torch_dtype = torch.bfloat16 if a.dtype == DType.BFLOAT16 else torch.float16
+
+    def values(payload: memoryview | bytes) -> torch.Tensor:
+        raw = np.frombuffer(bytes(payload), dtype=np.int16).copy()
+        return torch.from_numpy(raw).view(torch_dtype).float()
+
+    first, second = values(original.payload), values(read.payload)
+    if not (torch.isfinite(first).all() and torch.isfinite(second).all()):
+        return None
+    scale = float(first.abs().max()) or 1.0
+    diff = float((first - second).abs().max())
+    return diff if diff <= _RECOMPUTE_TOLERANCE * scale else None
 
 
 def _catalog_keys(data_dirs: Iterable[Path]) -> dict[bytes, BlockKey]:

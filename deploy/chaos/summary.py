@@ -10,8 +10,10 @@
   original, found by probing every corrupted block on every daemon at the end (see
   `storage.py`), plus answers that differ from their reference on turns that used KV from
   elsewhere (a restore hint, a resumption or a retry, with cached tokens): where corrupt KV
-  would show. `corrupt_blocks_detected` (the daemons' own counters) says the corruption was
-  met at all.
+  would show. A verified frame that differs from the original only as a recomputation of the
+  same block does (its corrupted copy dropped, the block recomputed and saved again: values
+  within a few bf16 units of the original's) is `corrupt_probe.replaced`, not corrupt.
+  `corrupt_blocks_detected` (the daemons' own counters) says the corruption was met at all.
 - `restored_tokens`, `recomputed_tokens`: vLLM's counters on the workers (see `counters.py`).
 - `registrations_lost`: every worker or daemon registration that left etcd (`registrations.py`);
   `unexplained_registration_losses`: those of a part no fault had killed or cut off, a finding
