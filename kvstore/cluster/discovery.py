@@ -189,10 +189,13 @@ class EtcdDiscovery:
 
     def __init__(self, etcd: EtcdSpec | str, prefix: str = DEFAULT_PREFIX, *,
                  trust: DaemonTrust | None = None, resync_interval: float = 5.0,
-                 wait_synced: float = 5.0, delete_grace_s: float = DELETE_GRACE_S) -> None:
+                 wait_synced: float = 5.0, delete_grace_s: float = DELETE_GRACE_S,
+                 on_reject: Callable[[str], None] | None = None) -> None:
+        """`on_reject(reason)`: called (on the discovery's thread) for each registration
+        ignored, to count it in the caller's metrics."""
         self._watcher = MembershipWatcher(etcd, prefix, trust=trust,
                                           resync_interval=resync_interval,
-                                          delete_grace_s=delete_grace_s)
+                                          delete_grace_s=delete_grace_s, on_reject=on_reject)
         self._loop = asyncio.new_event_loop()
         self._task: asyncio.Task[None] | None = None
         self._started = threading.Event()
