@@ -1,4 +1,4 @@
-"""The layout rules the code keeps: no import cycles among our modules, no module over 500 lines
+"""The layout rules the code keeps: no import cycles among our modules, no module over 800 lines
 in kvstore/, connectors/ and router/ (generated code excluded).
 
 The import graph is read from the source with `ast` (nothing is imported): an edge for every
@@ -18,7 +18,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("kvstore", "router", "connectors", "deploy", "benchmarks", "proto")
 SIZE_CHECKED = ("kvstore", "connectors", "router")
-MAX_LINES = 500
+# What one role needs (issue 20): a tight cap split single concepts over sibling files.
+MAX_LINES = 800
 GENERATED = REPO / "proto" / "gen"
 
 
@@ -162,7 +163,7 @@ def test_no_import_cycles_among_our_modules() -> None:
 
 
 @pytest.mark.parametrize("package", SIZE_CHECKED)
-def test_no_module_is_over_500_lines(package: str) -> None:
+def test_no_module_is_over_the_line_cap(package: str) -> None:
     sizes = {str(p.relative_to(REPO)): len(p.read_text().splitlines())
              for p in (REPO / package).rglob("*.py") if GENERATED not in p.parents}
     assert sizes, f"no modules found under {package}/"
