@@ -52,6 +52,7 @@ T_contra = TypeVar("T_contra", contravariant=True)
 _log = logging.getLogger(__name__)
 _END = object()  # the watch stream ended
 _REMEMBERED = 4096  # (key, revision) pairs already counted and logged
+_MAX_HELD = 1024  # duplicate claims kept aside, waiting for their identity's holder to leave
 
 
 class WatchSink(Protocol[T_contra]):
@@ -257,6 +258,10 @@ class PrefixWatcher(Generic[T]):
         self._readmit_held()
 
     def _hold(self, record: EtcdRecord, item: T, claims: Mapping[Hashable, str]) -> None:
+        if len(self._held) >= _MAX_HELD and record.name not in self._held:
+            # An etcd writer can make any number of aliases: past the cap the newest are not
+            # kept (the next listing reconsiders them), so they cannot exhaust memory.
+            self._held.pop(max(self._held, key=lambda n: self._held[n][0].create_revision))
         self._held[record.name] = (record, item)
         holder = next((claims[i] for i in self._identities(item) if i in claims), "?")
         self._reject(record, UntrustedRegistration(
