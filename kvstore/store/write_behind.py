@@ -49,9 +49,10 @@ __all__ = ["WriteBehind"]
 log = logging.getLogger("kvstore.store")
 
 _QUEUED_BYTES_MAX = 1 << 30
-"""Block bytes the queue may carry at most; less when the first tier is smaller (its budget):
-queued copies that read back from tier 0 cannot be kept past what it holds, and held copies
-cost RAM of their own."""
+"""Block bytes the queue may carry at most; less when the first tier is smaller (its budget,
+but at least `_QUEUED_BYTES_MIN`): queued copies that read back from tier 0 cannot be kept
+past what it holds, and held copies cost RAM of their own."""
+_QUEUED_BYTES_MIN = 64 << 20
 
 _JobKey = BlockKey | SessionKey
 
@@ -78,7 +79,7 @@ class WriteBehind:
         budget = _QUEUED_BYTES_MAX
         if calls.tiers:
             try:
-                budget = min(budget, max(calls.tiers[0].stats().bytes_budget, 1))
+                budget = min(budget, max(calls.tiers[0].stats().bytes_budget, _QUEUED_BYTES_MIN))
             except Exception:  # a tier that cannot say: the fixed bound
                 budget = _QUEUED_BYTES_MAX
         self.max_queued_bytes = budget
