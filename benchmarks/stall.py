@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import multiprocessing.context
 import statistics
 import tempfile
 import threading
@@ -139,7 +140,8 @@ def _serve_link(upstream: str, delay_s: float, conn: Connection) -> None:
     threading.Event().wait()  # until terminated
 
 
-def _slow_link_process(upstream: str, delay_s: float) -> tuple[mp.Process, str]:
+def _slow_link_process(upstream: str, delay_s: float
+                       ) -> tuple[multiprocessing.context.ForkProcess, str]:
     # Forked before this process opens any gRPC channel (gRPC does not survive a fork).
     parent, child = mp.Pipe()
     proc = mp.get_context("fork").Process(target=_serve_link, args=(upstream, delay_s, child),

@@ -182,7 +182,7 @@ def _recomputed_diff(original: BlockRead, read: BlockRead) -> float | None:
         return None
     torch_dtype = torch.bfloat16 if a.dtype == DType.BFLOAT16 else torch.float16
 
-    def values(payload: memoryview | bytes) -> torch.Tensor:
+    def values(payload: bytes | bytearray | memoryview) -> torch.Tensor:
         raw = np.frombuffer(bytes(payload), dtype=np.int16).copy()
         return torch.from_numpy(raw).view(torch_dtype).float()
 
