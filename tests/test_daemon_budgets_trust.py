@@ -455,9 +455,14 @@ def test_one_tenants_manifests_evict_only_its_own(tmp_path: Path) -> None:
         b.put_manifest(kept, timeout=T)
         for i in range(24):  # about 1 MiB each
             a.put_manifest(_manifest(SCOPE_A, f"s{i}", 150_000), timeout=T)
+        newest = _manifest(SCOPE_A, "s23", 1).key
+        deadline = time.monotonic() + T
+        # The host tier holds a few manifests; the rest reach the disk by the write-behind.
+        while a.get_manifest(newest, timeout=T) is None:
+            assert time.monotonic() < deadline, "A's newest manifest never reached the disk"
+            time.sleep(0.1)
         got = b.get_manifest(kept.key, timeout=T)
         assert got is not None and got.token_ids == kept.token_ids
-        assert a.get_manifest(_manifest(SCOPE_A, "s23", 1).key, timeout=T) is not None
         assert a.get_manifest(_manifest(SCOPE_A, "s0", 1).key, timeout=T) is None
     finally:
         a.close()
@@ -483,8 +488,8 @@ def test_a_generation_far_ahead_of_the_clock_is_refused(tmp_path: Path) -> None:
 
 def test_a_refused_copy_is_deleted_at_the_daemon_that_served_it_only(tmp_path: Path) -> None:
     """L2: a checksum-valid but different frame (forged, or another engine's) on the rank-1
-    daemon only; the reader refuses it and deletes the key: the good copy on the rank-2 daemon
-    stays, and the next read gets it."""
+    daemon only; the reader refuses it (the connector's `store.delete(..., reject=True)`): the
+    good copy on the rank-2 daemon stays, and the next read gets it."""
     with running_daemons(tmp_path, 2) as daemons:
         tier = RemoteTier.from_addresses({d.node_id: d.address for d in daemons},
                                          RemoteConfig(replicas=2, call_timeout=2.0))
@@ -500,7 +505,7 @@ def test_a_refused_copy_is_deleted_at_the_daemon_that_served_it_only(tmp_path: P
             assert c1.put(scope_of(key), [(key.block_hash, forged)], timeout=T) == [True]
             read = tier.get(key)
             assert read is not None and read.to_frame() == forged  # rank 1 answers first
-            tier.delete([key])  # the reader refuses that copy
+            tier.reject([key])  # the reader refuses that copy
             assert c2.lookup(scope_of(key), [key.block_hash], timeout=T) == [True]
             assert c1.lookup(scope_of(key), [key.block_hash], timeout=T) == [False]
             again = tier.get(key)

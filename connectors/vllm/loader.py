@@ -333,12 +333,13 @@ class Loader:
             elif (forged := self._forged(read.header)) is not None:
                 log.warning("kvkeep: frame for %s refused: %s", block.key.storage_name, forged)
                 job.fail(block.block_id, Counter.LOAD_FORGED)
-                self._ctx.store.delete([block.key])  # so that a save of ours can replace it
+                # This copy only (L2), so that a save of ours can replace it.
+                self._ctx.store.delete([block.key], reject=True)
             elif (reason := self._mismatch(read.header)) is not None:
                 log.warning("kvkeep: frame for %s does not match this engine: %s",
                             block.key.storage_name, reason)
                 job.fail(block.block_id, Counter.LOAD_MISMATCH)
-                self._ctx.store.delete([block.key])  # it can never be used under this key
+                self._ctx.store.delete([block.key], reject=True)  # unusable under this key
             else:
                 fetched.append(_Fetched(block, read))
         return fetched

@@ -59,7 +59,7 @@ class IncomingBlock:
     it aborts on the way out unless it was committed."""
 
     __slots__ = ("_buffer", "_commit", "_pool", "_release", "deadline", "done", "key", "pieces",
-                 "reservation", "size")
+                 "reservation", "size", "wait_for_disk")
 
     def __init__(self, key: BlockKey, size: int, *, reservation: PageReservation | None,
                  pool: ScratchPool, commit: Callable[[IncomingBlock], bool],
@@ -78,6 +78,9 @@ class IncomingBlock:
         self._commit = commit
         self._release = release
         self.done = False
+        self.wait_for_disk = True
+        """Whether `commit` itself holds the ack for back-pressure (blocking); the gRPC front
+        sets False and waits on its event loop instead (M2)."""
 
     @property
     def frame(self) -> memoryview:

@@ -28,9 +28,10 @@ both admit and refuse exactly the same things, and count them in one set of coun
   holds, so acknowledged blocks can neither outrun the disk and be dropped from the queue
   unwritten, nor be evicted from RAM before the write-behind has copied them down. A put
   whose copy could not be queued, or whose wait for the disk passed `backpressure_timeout`,
-  is refused (RESOURCE_EXHAUSTED, counted), never acknowledged (M3). The fronts wait after
-  `commit` (`wait_for_disk`): the gRPC front on its event loop, so a tenant's slow disk holds
-  no thread of the executor every tenant's reads share (M2).
+  is refused (RESOURCE_EXHAUSTED, counted), never acknowledged (M3). `commit` waits
+  (`wait_for_disk`, blocking: the TCP front's own connection thread) unless the caller waits
+  itself (`IncomingBlock.wait_for_disk = False`): the gRPC front waits on its event loop, so a
+  tenant's slow disk holds no thread of the executor every tenant's reads share (M2).
 - reads: `open_read` lends a block's pages in place from host RAM (key binding checked before,
   segment checksums right after they are sent: the client verifies every block anyway, and
   hashing first would put ~0.1 ms per 4 MiB on the critical path; a copy that fails is dropped
@@ -353,6 +354,8 @@ class BlockServiceCore:
         if admitted:
             self._catalog.add(((key, incoming.size),))
             self._enforce_stored_bytes(key)
+            if incoming.wait_for_disk:
+                self.wait_for_disk(incoming.size)
         return admitted
 
     def _enforce_stored_bytes(self, stored: BlockKey) -> None:

@@ -144,6 +144,7 @@ class GrpcFront:
                     received += len(data)
                     if received == incoming.size:
                         block, incoming = incoming, None
+                        block.wait_for_disk = False  # waited for below, off the executor
                         admitted = await self._run(block.commit)
                         if admitted:
                             await self._wait_for_disk(block.size)

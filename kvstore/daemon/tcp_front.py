@@ -421,9 +421,9 @@ class TcpFront:
             sock.settimeout(core.limits.put_idle_s)
             recv_into_pieces(sock, incoming.pieces, incoming.deadline)
             core.count(put_bytes_received=size)
+            # Waits for the disk if it is behind (back-pressure) on this connection's own
+            # thread, which holds no other tenant's work.
             admitted = incoming.commit()
-        if admitted:  # on this connection's own thread: it holds no other tenant's work
-            core.wait_for_disk(size)
         send_parts(sock, [encode_reply(OK, result=admitted)])
 
     def _discard(self, sock: socket.socket, size: int) -> None:

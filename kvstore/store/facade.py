@@ -346,8 +346,11 @@ class TieredStore:
                     found[i] = True
         return found
 
-    def delete(self, keys: Sequence[BlockKey]) -> int:
+    def delete(self, keys: Sequence[BlockKey], *, reject: bool = False) -> int:
         """Remove blocks from every tier (and cancel their queued writes); how many were held.
+        `reject`: the caller refused the copies it read (forged, not its engine's): a tier
+        with replicas elsewhere (`reject`, kvstore/tiers/remote.py) drops only the copy it
+        served, never the good ones on other nodes (trust review L2).
 
         A write-behind already writing one of the keys when the delete came sees the delete
         and undoes its write, but only once its batch is written; this waits for that (one
@@ -360,7 +363,11 @@ class TieredStore:
         for index, tier in enumerate(self.tiers):
             try:
                 flags = tier.contains(keys)
-                tier.delete(keys)
+                refuse = getattr(tier, "reject", None) if reject else None
+                if callable(refuse):
+                    refuse(keys)
+                else:
+                    tier.delete(keys)
             except Exception:
                 self._calls.failed(index, "delete")
                 continue

@@ -283,20 +283,25 @@ class RemoteTier:
         return found[0]
 
     def delete(self, keys: Sequence[BlockKey]) -> int:
-        """Remove from every daemon that may hold the keys; how many were present anywhere.
+        """Remove from every daemon that may hold the keys; how many were present anywhere."""
+        return self._delete(keys, reject=False)
 
-        A key this tier served within the last minute is deleted only at the daemon that
-        served it (L2): a delete right after a read is a reader refusing that copy (a forged
-        frame, one of another engine, or corrupt), and one bad or hostile daemon must not turn
-        that into the loss of the good copies on the others. The next read tries the next
-        replica; a copy that is bad there too is refused, and deleted there, in turn."""
+    def reject(self, keys: Sequence[BlockKey]) -> int:
+        """A reader refused the copies of `keys` this tier served it (a forged frame, one of
+        another engine): delete each at the daemon that served it within the last minute
+        only (L2), so one bad or hostile daemon cannot turn that into the loss of the good
+        copies on the others. The next read tries the next replica; a copy bad there too is
+        refused, and deleted there, in turn. A key not served lately is deleted everywhere."""
+        return self._delete(keys, reject=True)
+
+    def _delete(self, keys: Sequence[BlockKey], *, reject: bool) -> int:
         if not keys:
             return 0
         present = self.contains(keys)
         deadline = time.monotonic() + self._config.call_timeout
         targets: dict[str, list[BlockKey]] = defaultdict(list)
         for key in keys:
-            served = self._served_by(key)
+            served = self._served_by(key) if reject else None
             if served is not None:
                 _log.info("deleting the copy of %s that %s served, not its replicas",
                           key.storage_name, served)

@@ -241,7 +241,7 @@ class RestorePipeline:
         for row, reason in bad.items():
             block = batch.entries[row].block
             job.fail(block.block_id, reason)
-            self._store.delete([block.key])  # it can never be restored as it is
+            self._store.delete([block.key], reject=True)  # this copy (L2): unrestorable
         good = [row for row, entry in enumerate(batch.entries)
                 if row not in bad and entry.block.block_id not in job.failed]
         with job.lock:
@@ -400,7 +400,7 @@ class RestorePipeline:
         reason, why = refused
         log.warning("kvkeep: frame for %s refused: %s", block.key.storage_name, why)
         job.fail(block.block_id, reason)
-        self._store.delete([block.key])  # it can never be used under this key
+        self._store.delete([block.key], reject=True)  # this copy (L2): unusable here
 
 
 def _pinned(block: BorrowedBlock) -> bool:
