@@ -14,7 +14,7 @@ import json
 import signal
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import httpx
@@ -25,6 +25,7 @@ from transformers import AutoTokenizer
 
 from router.config import RouterConfig, StaticWorker
 from router.limits import Limits
+from router.policy import policy_preset
 from router.workers import WorkerId
 from tests.models import TinyModel
 from tests.router_harness import LoopThread, RouterHandle, wait_until
@@ -75,7 +76,9 @@ def env(tmp_path_factory: pytest.TempPathFactory, tiny: TinyModel) -> Iterator[E
             port=free_port(), scrape_interval_s=0.2, static_ttl_s=2.0,
             static_workers=tuple(StaticWorker(WorkerId(w), s.url) for w, s in workers.items()),
             limits=Limits(max_response_bytes=MAX_RESPONSE_BYTES,
-                          max_stream_tokens=MAX_STREAM_TOKENS))
+                          max_stream_tokens=MAX_STREAM_TOKENS),
+            # sessions stay where they were bound (the SIGKILL test puts three on one worker)
+            policy=replace(policy_preset("kvkeep"), migrate=False))
         router = RouterHandle(lt, config).start()
         stack.callback(router.stop)
         http = httpx.Client(base_url=router.url, timeout=120)
@@ -352,9 +355,10 @@ def test_penalties_sampling_and_usage_across_a_sigkill(env: Env, tiny: TinyModel
     for t in threads:
         t.join(300)
     assert set(results) == set(shapes)
+    assert {name: got.headers["x-kvkeep-worker"] for name, got in results.items()} == \
+        dict.fromkeys(shapes, "w1")
     for name in ("frequency", "sampled"):
         got = results[name]
-        assert got.headers["x-kvkeep-worker"] == "w1", name
         assert got.errors == [], (name, got.errors)
         assert got.resumed_on == ["w2"], name
         assert got.summary is not None and got.summary["choice_tokens"] == [160], name
