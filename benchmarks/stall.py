@@ -128,7 +128,8 @@ def _drive(side: SchedulerSide, waves: list[list[_Arrival]]) -> dict[str, Any]:
                   for a in answered]
     return {"steps": len(steps_ms),
             "step_ms_p50": round(statistics.median(steps_ms), 3),
-            "step_ms_p99": round(_p99(steps_ms), 3),
+            "step_ms_p90": round(_pct(steps_ms, 0.90), 3),
+            "step_ms_p99": round(_pct(steps_ms, 0.99), 3),
             "step_ms_max": round(max(steps_ms), 3),
             "steps_to_answer_max": max(wait_steps),
             "blocks_found": sum((a.tokens or 0) // BLOCK_SIZE for a in answered)}
@@ -153,9 +154,9 @@ def _slow_link_process(upstream: str, delay_s: float
     return proc, str(parent.recv())
 
 
-def _p99(values: Sequence[float]) -> float:
+def _pct(values: Sequence[float], q: float) -> float:
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def _side(store: TieredStore, *, inline: bool) -> SchedulerSide:
@@ -184,7 +185,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         direct = TieredStore(build_tiers([RemoteSpec(daemons=(("d1", addr),), replicas=1)]))
         try:
             for key, frame in frames:
-                assert direct.put(key, frame)
+                # The daemon refuses puts while its disk falls behind (never acknowledging a
+                # copy it dropped): give it a moment and send again.
+                for _ in range(200):
+                    if direct.put(key, frame):
+                        break
+                    time.sleep(0.05)
+                else:
+                    raise RuntimeError("the daemon kept refusing puts")
             assert direct.flush(60)
         finally:
             direct.close()
@@ -199,6 +207,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     tiers += build_tiers([RemoteSpec(daemons=(("d1", link_address),),
                                                      replicas=1, timeout_s=2.0)])
                 store = TieredStore(tiers)
+                # Connections to the daemon open at start-up in a real engine, not on the
+                # first request: open them before measuring.
+                store.lookup([BlockKey.of(FP, NS, bytes(32))])
                 side = _side(store, inline=name == "inline")
                 try:
                     results[name] = _drive(side, _arrivals(waves_n, per_wave))

@@ -295,9 +295,9 @@ class SchedulerSide:
         hashes = tracked.request.block_hashes[first:first + count]
         if self._store is None:
             return self._probe(tracked, first, count, now)
-        keys = [BlockKey.of(self._fp, tracked.namespace, bytes(h)) for h in hashes]
         if self._background is not None:
-            return self._lookup_behind(self._background, tracked, first, keys, now)
+            return self._lookup_behind(self._background, tracked, first, count, hashes, now)
+        keys = [BlockKey.of(self._fp, tracked.namespace, bytes(h)) for h in hashes]
         deadline = now + self._deadline_s(tracked)
         self._counters.add(Counter.LOOKUPS)
         try:
@@ -315,11 +315,11 @@ class SchedulerSide:
         return hit
 
     def _lookup_behind(self, lookups: BackgroundLookups, tracked: TrackedRequest, first: int,
-                       keys: list[BlockKey], now: float) -> int | None:
+                       count: int, hashes: Sequence[Any], now: float) -> int | None:
         """The lookup of a store with network tiers: the in-memory tiers inline; the rest on
-        the lookup thread, while vLLM asks again each step (None) up to the deadline."""
+        the lookup thread, while vLLM asks again each step (None) up to the deadline. A
+        request still waiting costs a dictionary read per step: its keys are built once."""
         assert self._store is not None
-        count = len(keys)
         probe = tracked.probe
         if probe is not None and probe.asks(first, count):
             finished = lookups.take(tracked.request_id)
@@ -340,6 +340,7 @@ class SchedulerSide:
             self._record_lookup(tracked, LookupAnswer(first, count, probe.inline_hit, now))
             return probe.inline_hit
         self._counters.add(Counter.LOOKUPS)
+        keys = [BlockKey.of(self._fp, tracked.namespace, bytes(h)) for h in hashes]
         try:
             inline = self._store.lookup(keys, in_process_only=True)
         except KVKeepError:
