@@ -139,10 +139,14 @@ def _word_tokens(server: VllmServer) -> list[int]:
     made of them decodes to text that tokenizes back to the same ids."""
     words = []
     for word in ("the", "of", "and", "to", "or", "any", "this", "for", "with", "by"):
-        ids = _tokenize(server, prompt=word, add_special_tokens=False)
-        spaced = _tokenize(server, prompt=f"{word} {word}", add_special_tokens=False)
-        if len(ids) == 1 and spaced == ids * 2:
-            words.append(ids[0])
+        # A byte-level BPE's word tokens carry their leading space (" the"); a Metaspace
+        # one's read the same alone and repeated: take whichever form repeats as itself.
+        for form in (f" {word}", word):
+            ids = _tokenize(server, prompt=form, add_special_tokens=False)
+            spaced = _tokenize(server, prompt=f"{form} {word}", add_special_tokens=False)
+            if len(ids) == 1 and spaced == ids * 2:
+                words.append(ids[0])
+                break
     assert len(words) >= 4, words
     return words
 
