@@ -136,7 +136,8 @@ class WorkerAgent:
 
     async def _healthy(self) -> bool:
         try:
-            async with self._http.get(f"{self._config.url}/health",
+            # A redirect is no health (and never followed: the agent fetches nothing else).
+            async with self._http.get(f"{self._config.url}/health", allow_redirects=False,
                                       timeout=aiohttp.ClientTimeout(
                                           total=self._config.probe_timeout_s)) as resp:
                 return resp.status == 200
@@ -148,8 +149,11 @@ class WorkerAgent:
         models = cfg.models
         if models is None:
             try:
-                async with self._http.get(f"{cfg.url}/v1/models", timeout=aiohttp.ClientTimeout(
-                        total=cfg.probe_timeout_s)) as resp:
+                async with self._http.get(f"{cfg.url}/v1/models", allow_redirects=False,
+                                          timeout=aiohttp.ClientTimeout(
+                                              total=cfg.probe_timeout_s)) as resp:
+                    if resp.status != 200:
+                        return None
                     data = json.loads(await read_capped(resp, MODELS_MAX_BYTES, "/v1/models"))
                 models = tuple(str(m["id"]) for m in data.get("data", ()))
             except (TimeoutError, aiohttp.ClientError, OSError, ValueError, KeyError, TypeError,

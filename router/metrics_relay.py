@@ -75,7 +75,7 @@ class MetricsRelay:
         # asks for (OpenMetrics or text); the body is passed on as vLLM wrote it.
         headers = {"Accept": request.headers["Accept"]} if "Accept" in request.headers else {}
         try:
-            async with self._http.get(self._upstream, headers=headers,
+            async with self._http.get(self._upstream, headers=headers, allow_redirects=False,
                                       timeout=self._timeout) as resp:
                 body = await read_capped(resp, METRICS_MAX_BYTES, self._upstream)
                 if resp.status != 200:
