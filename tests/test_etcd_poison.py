@@ -14,6 +14,7 @@ import asyncio
 import json
 from collections.abc import Iterator
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import aetcd  # type: ignore[import-untyped]
@@ -318,3 +319,39 @@ def test_the_watcher_survives_a_sink_that_raises(lt: LoopThread,
 
     assert lt.run(go()) == {"sink-error": 1}
     assert seen == ["b"]
+
+
+def test_a_daemon_counts_the_registrations_it_does_not_believe(
+        lt: LoopThread, etcd_server: EtcdServer, tmp_path: Path) -> None:
+    """A real daemon beside poison and forged records under stores/: it keeps serving and
+    exports what it ignored on /metrics (kvkeep_daemon_etcd_records_ignored_total)."""
+    from tests.daemon_process import start_daemon
+    from tests.metrics_scrape import wait_for_sample
+
+    prefix = "/kvkeep/stores/"
+    n = lt.run(_write(etcd_server, prefix, {"deep": DEEP, "not-json": b"{not json"},
+                      "node_id"))
+
+    async def forge() -> None:  # a well-formed record, without a lease
+        client = aetcd.Client(host="127.0.0.1", port=etcd_server.port)
+        try:
+            await client.put(f"{prefix}forged".encode(),
+                             json.dumps({"node_id": "forged", **DAEMON_FIELDS}).encode())
+        finally:
+            await client.close()
+    lt.run(forge())
+    n += 1
+    port = free_port()
+    daemon = start_daemon(tmp_path, "d1", etcd_url=etcd_server.url,
+                          extra=["--metrics-listen", f"127.0.0.1:{port}"])
+    try:
+        scrape = wait_for_sample(
+            f"http://127.0.0.1:{port}/metrics",
+            lambda s: sum(s.value("kvkeep_daemon_etcd_records_ignored_total", reason=r)
+                          for r in s.label_values("kvkeep_daemon_etcd_records_ignored_total",
+                                                  "reason")) >= n)
+        reasons = scrape.label_values("kvkeep_daemon_etcd_records_ignored_total", "reason")
+        assert {"no-lease", "malformed"} <= reasons, reasons
+        assert daemon.alive
+    finally:
+        daemon.kill()

@@ -75,6 +75,11 @@ class DaemonMetrics:
         self.put_refusals = Counter("kvkeep_daemon_put_refusals",
                                     "Puts refused, by front and reason (kvstore/net/refusal.py)",
                                     ["front", "reason"], registry=reg)
+        self.etcd_records_ignored = Counter(
+            "kvkeep_daemon_etcd_records_ignored",
+            "Daemon registrations under the stores prefix that were not believed, by reason "
+            "(malformed, no-lease, wrong-key, unproven, duplicate address, ...)",
+            ["reason"], registry=reg)
         for front in ("grpc", "tcp"):
             for rpc in BLOCK_RPCS:
                 self.requests.labels(front, rpc, "OK")

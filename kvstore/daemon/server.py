@@ -199,8 +199,10 @@ class Daemon:
             self._registrar = Registrar(cfg.etcd, info, prefix=cfg.etcd_prefix, ttl=cfg.lease_ttl,
                                         signer=self.signer)
             self._tasks.append(asyncio.create_task(self._registrar.run(), name="registrar"))
-            self._membership = MembershipWatcher(cfg.etcd, cfg.etcd_prefix,
-                                                 trust=self.peer_trust)
+            ignored = self.metrics.etcd_records_ignored
+            self._membership = MembershipWatcher(
+                cfg.etcd, cfg.etcd_prefix, trust=self.peer_trust,
+                on_reject=lambda reason: ignored.labels(reason).inc())
             _log.info("etcd %s; registration %s; peers proven by %s",
                       etcd_spec(cfg.etcd).describe(),
                       "signed" if self.signer else "unsigned", self.peer_trust.describe())
