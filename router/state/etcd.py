@@ -131,6 +131,11 @@ class EtcdBackend:
     _dials: int = 0
     _bucket_leases: dict[int, int] = field(default_factory=dict)
     _bucket_lock: asyncio.Lock | None = None
+    binding_breaker_s: float = 2.0
+    """After a binding write fails for want of etcd, the next ones fail at once for this long
+    instead of each waiting `timeout_s` (an etcd outage must not add seconds to every new
+    session's first token; the binding is simply not recorded, as on any failure)."""
+    _etcd_down_until: float = 0.0
 
     def __post_init__(self) -> None:
         self.etcd = etcd_spec(self.etcd)
@@ -248,20 +253,33 @@ class EtcdBackend:
 
     async def cas_binding(self, binding: Binding, expected_revision: int | None, ttl_s: float
                           ) -> tuple[bool, VersionedBinding | None]:
+        wait = self._etcd_down_until - time.monotonic()
+        if wait > 0:
+            raise StateUnavailable(f"session CAS skipped: etcd failed a write moments ago "
+                                   f"(trying again in {wait:.1f}s)")
         client = await self.client()
         key = self.sessions_prefix + binding.session_id.encode()
         tx = client.transactions
         compare = (tx.version(key) == 0 if expected_revision is None
                    else tx.mod(key) == expected_revision)
-        try:
-            lease_id = await self._session_lease(ttl_s)
-            ok, responses = await client.transaction(
-                compare=[compare],
-                success=[tx.put(key, binding.to_json(), lease=lease_id)],
-                failure=[tx.get(key)],
-            )
-        except _ETCD_ERRORS as exc:
-            raise StateUnavailable(f"session CAS failed: {exc}") from exc
+        for attempt in (1, 2):
+            try:
+                lease_id = await self._session_lease(ttl_s)
+                ok, responses = await client.transaction(
+                    compare=[compare],
+                    success=[tx.put(key, binding.to_json(), lease=lease_id)],
+                    failure=[tx.get(key)],
+                )
+                break
+            except _ETCD_ERRORS as exc:
+                if attempt == 1 and _lease_gone(exc):
+                    # The bucket lease was revoked (or etcd restored from a snapshot): a new
+                    # one, at once, rather than failing every write until the bucket rolls.
+                    self._bucket_leases = {}
+                    continue
+                self._etcd_down_until = time.monotonic() + self.binding_breaker_s
+                raise StateUnavailable(f"session CAS failed: {exc}") from exc
+        self._etcd_down_until = 0.0
         if ok:
             return True, VersionedBinding(binding, int(responses[0].response_put.header.revision))
         found = responses[0] if responses else []
@@ -307,6 +325,12 @@ class EtcdBackend:
                 # Older buckets' leases stay granted in etcd until they expire on their own.
                 self._bucket_leases = {bucket: lease_id}
         return lease_id
+
+
+def _lease_gone(exc: BaseException) -> bool:
+    """etcd's answer to a write under a lease it does not have (revoked, expired early, or a
+    restore from a snapshot)."""
+    return "lease not found" in str(exc).lower()
 
 
 class _BackendClients:
