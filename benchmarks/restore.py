@@ -231,9 +231,13 @@ def _int8_vs_bf16(model: Path, cases: list[list[int]], tokens: int, name: str
 def _int8_match(tmp: Path, prompts: int, tokens: int) -> dict[str, Any]:
     """The int8 codec against bf16 on the trained tiny model (prompts cut from licence texts it
     was not trained on) and on the random tiny model of the tests (random token ids)."""
-    from deploy.local.model import TRAINED_INIT_STD, TRAINED_STEPS, build_trained_tiny_llama
+    from deploy.local.model import (
+        TRAINED_INIT_STD,
+        TRAINED_STEPS,
+        build_tiny_llama,
+        build_trained_tiny_llama,
+    )
     from deploy.local.training import HELD_OUT, heldout_prompts
-    from tests.models import build_tiny_llama
 
     lengths = [64 + 9 * i for i in range(prompts)]
     started = time.perf_counter()
