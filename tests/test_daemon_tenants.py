@@ -143,9 +143,10 @@ def test_a_tenant_holding_its_put_budget_stops_no_other_put_nor_any_read(
         key = block_key(7, NS_A)
         with pytest.raises(TierFull, match="RESOURCE_EXHAUSTED"):
             a.put(SCOPE_A, [(key.block_hash, make_frame(key))], timeout=T)
-        # It does hold its budget: its first stalled put is still open (the daemon refused
-        # the ones past its budget).
-        assert stalled.dropped()[0] is False
+        # It does hold its budget: one of its stalled puts is still open (the daemon refused
+        # the ones past its budget). Which one got in first is a race between its streams:
+        # gRPC does not deliver them to the daemon in the order they were opened.
+        assert not all(stalled.dropped())
     finally:
         if stalled is not None:
             stalled.close()
