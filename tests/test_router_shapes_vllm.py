@@ -353,7 +353,7 @@ def test_sigkill_mid_stream_replays_each_shape_on_another_worker(cluster: Cluste
     references = {shape: direct(cluster.workers["w2"], shape) for shape in REPLAYED}
     sids = dict(zip(REPLAYED, sessions_on(cluster, "w1", len(REPLAYED), "kill"), strict=True))
     warm(cluster.workers["w1"], REPLAYED)
-    results = run_streams(cluster, REPLAYED, sids, KillWhenAllReach(cluster, "w1", REPLAYED, 4))
+    results = run_streams(cluster, REPLAYED, sids, KillWhenAllReach(cluster, "w1", REPLAYED, 2))
     for shape in REPLAYED:
         got = results[shape]
         message = references[shape]["message"]
