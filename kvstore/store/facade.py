@@ -86,6 +86,9 @@ class TieredStore:
         self._config = config or StoreConfig()
         self._calls = TierCalls(tiers, metrics or StoreMetrics())
         self._close_tiers = close_tiers
+        # Asked per tier on every inline lookup (vLLM's scheduler loop): decided once, since
+        # the tiers never change (a runtime Protocol check is an attribute probe per call).
+        self._in_process = tuple(_in_process(tier) for tier in tiers)
         self._writes = WriteBehind(self._calls, self._config)
         self._replicated = ReplicatedPuts(self._calls, self._writes)
 
@@ -117,7 +120,7 @@ class TieredStore:
     def answers_in_process(self) -> bool:
         """Every tier's `contains` is an in-process index read (`IndexedInProcess`): a lookup
         never waits on I/O or the network."""
-        return all(_in_process(tier) for tier in self.tiers)
+        return all(self._in_process)
 
     # -- blocks -------------------------------------------------------------------------------
 
@@ -322,7 +325,7 @@ class TieredStore:
         deadline = self.deadline(deadline)
         found = [False] * len(keys)
         for index, tier in enumerate(self.tiers):
-            if in_process_only and not _in_process(tier):
+            if in_process_only and not self._in_process[index]:
                 continue
             ask = [i for i, hit in enumerate(found) if not hit]
             if not ask:
