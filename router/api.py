@@ -161,7 +161,7 @@ def _penalties_carry(body: dict[str, Any]) -> bool:
 
     `repetition_penalty` counts prompt and output alike: carried as it is. A frequency
     penalty is carried exactly as a `logit_bias` of minus penalty x count per token sent
-    (`streaming/continuation.resume_body`): vLLM adds both to the logits before sampling, in
+    (`streaming/resume.resume_body`): vLLM adds both to the logits before sampling, in
     an order that matters only against a repetition penalty other than 1, so that pair is not
     resumed. A presence penalty cannot be (a token already sent must be penalized once,
     whether or not it comes again: no fixed bias says that), so it is not resumed either: a

@@ -11,7 +11,7 @@ placement charged as if a request had gone there, so a hundred orphaned sessions
 land on the single least-loaded worker.
 
 (A stream broken mid-generation is the other failover; its continuation lives with streaming,
-`router/streaming/continuation.py`.)
+`router/streaming/resume.py`.)
 """
 
 from __future__ import annotations

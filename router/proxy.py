@@ -7,7 +7,7 @@ Routes: `POST /v1/completions`, `POST /v1/chat/completions` (streaming and not),
 Per request: parse and validate (`router/api.py`), hand it to the dispatcher
 (`router/dispatch.py`: placed by the router core, sent, retried on another worker while
 nothing has reached the client), and answer: a unary reply with its headers, or a stream whose
-relay and resumption after a break are streaming's (`router/streaming/continuation.py`).
+relay and resumption after a break are streaming's (`router/streaming/resume.py`).
 
 Response headers say what happened: `X-KVKeep-Worker`, `X-KVKeep-Route` (stateless, new,
 sticky, migrated, failover, resumed), `X-KVKeep-Session`, `X-KVKeep-Restore` (a restore hint
@@ -59,7 +59,7 @@ from router.errors import (
 from router.hooks import FAILED, Outcome
 from router.metrics import CONTENT_TYPE_LATEST
 from router.service import RouterService
-from router.streaming.continuation import relay_stream
+from router.streaming.resume import relay_stream
 from router.streaming.state import StreamState
 from router.tenants import DEFAULT_TENANT, OPERATOR, bearer_tenant
 from router.upstream import absorb_unary

@@ -11,7 +11,7 @@ import pytest
 
 from router.api import Endpoint, max_new_tokens, parse_request
 from router.errors import BadRequest
-from router.streaming.continuation import resume_body
+from router.streaming.resume import resume_body
 from router.streaming.state import StreamOverrun, StreamState
 
 CHAT, COMPLETIONS = Endpoint.CHAT, Endpoint.COMPLETIONS

@@ -1,6 +1,6 @@
 """Streams: relaying a worker's SSE events to the client (`relay`), what has been delivered
-(`state`), and a stream's life after its first byte, continued on another worker when it
-breaks (`continuation`)."""
+(`state`), and resuming a broken stream on another worker (`resume`; not to be confused with
+`router/continuation/`, stateful conversations)."""
 
 from router.streaming.relay import StreamBroken, note, pump, sse
 from router.streaming.state import StreamState
