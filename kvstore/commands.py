@@ -55,6 +55,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     probe.add_argument("--tls-server-name", default=None, metavar="NAME")
     probe.add_argument("--timeout", type=float, default=2.0, metavar="SECONDS")
     probe.set_defaults(handler=_probe_handler)
+    # `kvkeep etcd roles`: the etcd users and roles every component above runs under.
+    from kvstore.etcd import roles
+
+    roles.register(subparsers)
 
 
 def build_serve_parser() -> argparse.ArgumentParser:

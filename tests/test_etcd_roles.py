@@ -1,0 +1,280 @@
+"""Issue 16 item 2 (review H2, earlier finding 1): etcd roles, so that a component's etcd
+credential writes only its own keys (kvstore/etcd/roles.py, `kvkeep etcd roles`).
+
+Against a real etcd (TLS, etcd's auth enabled by the command itself): a worker's credential
+registers its own `workers/<id>` under a lease (the real worker agent, in process, in front of
+a fake vLLM) and is refused every other worker's key, the sessions and the stores; a daemon's
+registers (the real registrar) and is refused everyone else's keys; a router's watches the
+workers, binds sessions and reads the daemons, and is refused writing workers and stores or
+revoking a worker's lease. Then deploy/k8s's own Job command line, run against an etcd
+started with the manifest's TLS flags and the generated certificates: each component's
+certificate (its CN is its etcd user) can do its own part and no other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Awaitable, Iterable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import aiohttp
+import pytest
+
+from kvstore.cli import build_parser
+from kvstore.cluster.discovery import DaemonInfo, MembershipWatcher
+from kvstore.daemon.registration import Registrar
+from kvstore.errors import ConfigError
+from kvstore.etcd import EtcdSpec, etcd_client
+from kvstore.etcd.roles import Layout, principals, worker
+from kvstore.keys import SessionId
+from router.agent import AgentConfig, WorkerAgent
+from router.bindings import Binding, VersionedBinding
+from router.state.etcd import EtcdBackend, EtcdLease
+from router.workers import WorkerId, WorkerInfo
+from tests.etcd_secure import SecureEtcd, start_secure_etcd
+from tests.router_harness import FakeWorker
+
+T = TypeVar("T")
+
+
+def _run(coro: Awaitable[T], timeout: float = 60.0) -> T:
+    async def bounded() -> T:
+        async with asyncio.timeout(timeout):
+            return await coro
+    return asyncio.run(bounded())
+
+
+def _roles(etcd: SecureEtcd, *args: str, root: Path | None = None) -> int:
+    """`kvkeep etcd roles` as a command line (root's credential: none while auth is off)."""
+    creds = [] if root is None else ["--etcd-user", "root", "--etcd-password-file", str(root)]
+    parsed = build_parser().parse_args(["etcd", "roles", "--etcd", etcd.url, "--etcd-ca",
+                                        str(etcd.ca), *creds, *args])
+    result: int = parsed.handler(parsed)
+    return result
+
+
+def _as(etcd: SecureEtcd, passwords: Path, user: str) -> EtcdSpec:
+    return EtcdSpec(etcd.url, ca_file=etcd.ca, user=user, password_file=passwords / user)
+
+
+async def _refused(call: Awaitable[Any]) -> bool:
+    """True iff etcd refuses the call for want of permission (any other error fails)."""
+    try:
+        await call
+    except Exception as exc:
+        if "permission denied" in str(exc).lower():
+            return True
+        raise
+    return False
+
+
+async def _writes(spec: EtcdSpec, keys: Iterable[bytes]) -> dict[bytes, bool]:
+    """For each key: did a put (under a fresh lease, as every registration is) go through?"""
+    client = etcd_client(spec, timeout=5)
+    try:
+        lease = await client.lease(5)
+        return {key: not await _refused(client.put(key, b'{"x":1}', lease=lease.id))
+                for key in keys}
+    finally:
+        await client.close()
+
+
+class _Workers:
+    def __init__(self) -> None:
+        self.seen: dict[str, WorkerInfo] = {}
+        self.changed = asyncio.Event()
+
+    def reset_workers(self, infos: Iterable[WorkerInfo]) -> None:
+        self.seen = {i.worker_id: i for i in infos}
+        self.changed.set()
+
+    def put_worker(self, info: WorkerInfo) -> None:
+        self.seen[info.worker_id] = info
+        self.changed.set()
+
+    def delete_worker(self, worker_id: WorkerId) -> None:
+        self.seen.pop(worker_id, None)
+        self.changed.set()
+
+
+class _Bindings:
+    def __init__(self) -> None:
+        self.seen: dict[str, VersionedBinding] = {}
+        self.changed = asyncio.Event()
+
+    def reset(self, bindings: Iterable[VersionedBinding]) -> None:
+        self.seen = {b.binding.session_id: b for b in bindings}
+        self.changed.set()
+
+    def put(self, vb: VersionedBinding) -> None:
+        self.seen[vb.binding.session_id] = vb
+        self.changed.set()
+
+    def delete(self, session_id: SessionId, revision: int) -> None:
+        self.seen.pop(session_id, None)
+        self.changed.set()
+
+
+async def _until(predicate: Any, event: asyncio.Event, within: float = 15.0) -> None:
+    async with asyncio.timeout(within):
+        while not predicate():
+            event.clear()
+            await event.wait()
+
+
+PREFIX, STORES = "/kvkeep", "/kvkeep/stores/"
+W1, W2 = b"/kvkeep/workers/w1", b"/kvkeep/workers/w2"
+W10 = b"/kvkeep/workers/w10"  # an exact grant on w1 must not cover w10
+SESSION, D1, D2 = b"/kvkeep/sessions/s-forged", b"/kvkeep/stores/d1", b"/kvkeep/stores/d2"
+ALL = (W1, W2, W10, SESSION, D1, D2)
+
+
+def test_each_credential_writes_only_its_own_keys(tmp_path: Path) -> None:
+    passwords = tmp_path / "passwords"
+    with start_secure_etcd(tmp_path, client_cert_auth=False) as etcd:
+        # Before: etcd without auth takes every write from anyone.
+        anyone = EtcdSpec(etcd.url, ca_file=etcd.ca)
+        assert _run(_writes(anyone, ALL)) == dict.fromkeys(ALL, True)
+
+        assert _roles(etcd, "--passwords", str(passwords), "--router", "kvkeep-router",
+                      "--worker", "w1", "--worker", "w2", "--daemon", "d1", "--daemon", "d2",
+                      "--connector", "kvkeep-connector") == 0
+        for user in ("root", "kvkeep-router", "kvkeep-worker-w1", "kvkeep-daemon-d1"):
+            assert (passwords / user).stat().st_mode & 0o077 == 0, user
+        # Auth is on: no credential, or a wrong password, gets nothing.
+        with pytest.raises(Exception, match=r"(?i)user name is empty|permission denied"):
+            _run(_writes(anyone, (W1,)))
+        (tmp_path / "wrong").write_text("not-the-password\n")
+        with pytest.raises(Exception, match=r"(?i)authentication failed"):
+            _run(_writes(EtcdSpec(etcd.url, ca_file=etcd.ca, user="kvkeep-worker-w1",
+                                  password_file=tmp_path / "wrong"), (W1,)))
+
+        w1, d1 = _as(etcd, passwords, "kvkeep-worker-w1"), _as(etcd, passwords, "kvkeep-daemon-d1")
+        router = _as(etcd, passwords, "kvkeep-router")
+        connector = _as(etcd, passwords, "kvkeep-connector")
+        allowed = {w1: {W1}, d1: {D1}, router: {SESSION}, connector: set()}
+        for spec, own in allowed.items():
+            assert _run(_writes(spec, ALL)) == {k: k in own for k in ALL}, spec.user
+
+        _run(_components_work(w1, d1, router, connector))
+
+
+async def _components_work(w1: EtcdSpec, d1: EtcdSpec, router: EtcdSpec,
+                           connector: EtcdSpec) -> None:
+    """The real parts, each under its own credential."""
+    fake = FakeWorker()
+    await fake.start()
+    backend = EtcdBackend(router, PREFIX, timeout_s=5.0)
+    agent_backend = EtcdBackend(w1, PREFIX, timeout_s=5.0)
+    registrar = Registrar(d1, DaemonInfo("d1", "127.0.0.1:7070"), prefix=STORES,
+                          ttl=3, request_timeout=5.0)
+    workers, bindings = _Workers(), _Bindings()
+    tasks: list[asyncio.Task[None]] = []
+    try:
+        async with aiohttp.ClientSession() as http:
+            agent = WorkerAgent(agent_backend, AgentConfig(WorkerId("w1"), fake.url, ttl_s=3.0,
+                                                          report_gpu=False), http)
+            tasks += [asyncio.create_task(agent.run()), asyncio.create_task(registrar.run()),
+                      asyncio.create_task(backend.follow_workers(workers)),
+                      asyncio.create_task(backend.follow_bindings(bindings))]
+            # The agent registered w1 under its lease; the router's watch sees it.
+            await asyncio.wait_for(agent.registered.wait(), 15)
+            await _until(lambda: "w1" in workers.seen and workers.seen["w1"].url == fake.url,
+                         workers.changed)
+            # The agent's keepalive reads its own key back: a refresh through its credential.
+            lease = agent._lease
+            assert isinstance(lease, EtcdLease) and await lease.keepalive()
+            # The router binds a session (a transaction that reads and writes sessions/) and
+            # its bindings watch sees it.
+            binding = Binding(SessionId("s1"), WorkerId("w1"), "fake")
+            ok, stored = await backend.cas_binding(binding, None, 30.0)
+            assert ok and stored is not None
+            await _until(lambda: "s1" in bindings.seen, bindings.changed)
+            # The daemon registered; the router (continuation records) and the connector
+            # find it by reading stores.
+            await asyncio.wait_for(registrar.registered.wait(), 15)
+            for reader in (router, connector, d1):
+                watcher = MembershipWatcher(reader, STORES, request_timeout=5.0)
+                watch = asyncio.create_task(watcher.run())
+                try:
+                    await asyncio.wait_for(watcher.synced.wait(), 15)
+                    assert list(watcher.members()) == ["d1"], reader.user
+                finally:
+                    watch.cancel()
+                    await asyncio.gather(watch, return_exceptions=True)
+            # A stolen router credential cannot kill a worker by revoking its lease (etcd
+            # wants write access to every key attached), nor can another worker's.
+            client = etcd_client(router, timeout=5)
+            try:
+                assert await _refused(client.revoke_lease(lease.lease_id))
+            finally:
+                await client.close()
+            # Nor can it read what it does not own: a worker cannot list the other workers.
+            client = etcd_client(w1, timeout=5)
+            try:
+                assert await _refused(client.get_prefix(b"/kvkeep/workers/"))
+                assert await _refused(client.get(SESSION))
+            finally:
+                await client.close()
+            assert "w1" in workers.seen  # still registered
+            # And the agent's own clean stop (LeaseRevoke) is allowed: the router sees w1 go.
+            tasks[0].cancel()
+            await asyncio.gather(tasks[0], return_exceptions=True)
+            await _until(lambda: "w1" not in workers.seen, workers.changed)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await registrar.deregister()
+        await backend.close()
+        await agent_backend.close()
+        await fake.stop()
+
+
+def test_the_command_is_idempotent_and_corrects_drift(tmp_path: Path) -> None:
+    passwords = tmp_path / "passwords"
+    with start_secure_etcd(tmp_path, client_cert_auth=False) as etcd:
+        assert _roles(etcd, "--passwords", str(passwords), "--worker", "w1") == 0
+        root = passwords / "root"
+        etcd.passwords["root"] = root.read_text().strip()
+        before = etcd.etcdctl("role", "get", "kvkeep-worker-w1")
+        # Someone widens the worker's role by hand: the next run takes it back.
+        etcd.etcdctl("role", "grant-permission", "kvkeep-worker-w1", "--prefix=true",
+                     "readwrite", "/kvkeep/sessions/")
+        w1 = _as(etcd, passwords, "kvkeep-worker-w1")
+        assert _run(_writes(w1, (SESSION,))) == {SESSION: True}
+        # A new worker joins; the run (now with root's password, auth on) adds it.
+        assert _roles(etcd, "--passwords", str(passwords), "--worker", "w1", "--worker", "w2",
+                      root=root) == 0
+        assert etcd.etcdctl("role", "get", "kvkeep-worker-w1") == before
+        assert _run(_writes(w1, (SESSION, W1))) == {SESSION: False, W1: True}
+        w2 = _as(etcd, passwords, "kvkeep-worker-w2")
+        assert _run(_writes(w2, (W1, W2))) == {W1: False, W2: True}
+        # A rotated password file is taken up; the old password stops working.
+        old = (passwords / "kvkeep-worker-w1").read_text()
+        (tmp_path / "old").write_text(old)
+        (passwords / "kvkeep-worker-w1").write_text("rotated-password-0123\n")
+        assert _roles(etcd, "--passwords", str(passwords), "--worker", "w1", "--worker", "w2",
+                      root=root) == 0
+        assert _run(_writes(w1, (W1,))) == {W1: True}
+        with pytest.raises(Exception, match=r"(?i)authentication failed"):
+            _run(_writes(dataclasses.replace(w1, password_file=tmp_path / "old"), (W1,)))
+
+
+def test_the_table_refuses_what_would_widen_a_grant() -> None:
+    layout = Layout(PREFIX, STORES)
+    # Exact keys per id: w1's grant is the one key, not a prefix that covers w10.
+    (own, stores) = worker(layout, "w1").grants
+    assert (own.key, own.range_end, own.perm) == (W1, b"", "readwrite")
+    assert (stores.key, stores.range_end, stores.perm) == (b"/kvkeep/stores/",
+                                                           b"/kvkeep/stores0", "read")
+    with pytest.raises(ConfigError):
+        worker(layout, "a/b")  # an id with a slash would name another key
+    with pytest.raises(ConfigError):
+        Layout("/", STORES)  # a grant on "/" is everything
+    with pytest.raises(ConfigError):
+        principals(layout, routers=["root"])
+    with pytest.raises(ConfigError):
+        principals(layout, routers=["kvkeep-worker-w1"], workers=["w1"])
