@@ -12,6 +12,8 @@ user name (etcd's --client-cert-auth):
   names `kvkeep-store`, the name clients check (`--tls-server-name`, `tls_server_name`);
 - kvkeep-connector-tls, kvkeep-agent-tls, kvkeep-router-tls: client certificates of the vLLM
   connector (etcd and the daemons), the worker agents and the routers (etcd);
+- kvkeep-etcd-root-tls: etcd's root user (CN root), for the Job that sets the roles
+  (`kvkeep etcd roles`, deploy/k8s/etcd.yaml) and nothing else;
 - kvkeep-registration-key / kvkeep-registration-pubkey: the Ed25519 pair daemons sign their
   etcd registrations with / connectors verify them with;
 - kvkeep-ca: the CA certificate alone (`ca.crt`), for Prometheus to check the daemons' HTTPS
@@ -65,6 +67,8 @@ def identities(namespace: str = "kvkeep") -> tuple[Identity, ...]:
         Identity("kvkeep-connector-tls", "kvkeep-connector"),
         Identity("kvkeep-agent-tls", "kvkeep-agent"),
         Identity("kvkeep-router-tls", "kvkeep-router"),
+        # etcd's root (CN root): only the roles Job (deploy/k8s/etcd.yaml) mounts it.
+        Identity("kvkeep-etcd-root-tls", "root"),
     )
 
 

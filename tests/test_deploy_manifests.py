@@ -159,7 +159,8 @@ def test_every_kvkeep_command_line_parses_and_configures(tmp_path: Path) -> None
     commands = [(n, [str(keys) if a == "/etc/kvkeep/router/api-keys" else a for a in args])
                 for n, args in _kvkeep_commands()]
     assert {name for name, _ in commands} == {
-        "kvkeep-store/kvstore", "kvkeep-worker/kvkeep-agent", "kvkeep-router/router"}
+        "kvkeep-store/kvstore", "kvkeep-worker/kvkeep-agent", "kvkeep-router/router",
+        "kvkeep-etcd-roles/roles"}
     parser = build_parser()
     for name, args in commands:
         parsed = parser.parse_args(args)
@@ -174,6 +175,8 @@ def test_every_kvkeep_command_line_parses_and_configures(tmp_path: Path) -> None
             assert config.workers_allow.events_refusal("tcp://10.8.3.17:5557") is None
         elif parsed.command == "worker":
             assert parsed.url.startswith("http://10.8.3.17:") and parsed.kv_events
+        elif parsed.command == "etcd":  # the roles Job (tests/test_etcd_roles.py runs it)
+            assert parsed.etcd_command == "roles" and parsed.certificates_only
         else:
             assert parsed.command == "store" and parsed.store_command == "serve"
 

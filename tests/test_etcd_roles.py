@@ -27,14 +27,19 @@ from kvstore.cluster.discovery import DaemonInfo, MembershipWatcher
 from kvstore.daemon.registration import Registrar
 from kvstore.errors import ConfigError
 from kvstore.etcd import EtcdSpec, etcd_client
+from kvstore.etcd.flags import etcd_spec_from_args
 from kvstore.etcd.roles import Layout, principals, worker
 from kvstore.keys import SessionId
 from router.agent import AgentConfig, WorkerAgent
 from router.bindings import Binding, VersionedBinding
+from router.commands import config_from_args
 from router.state.etcd import EtcdBackend, EtcdLease
 from router.workers import WorkerId, WorkerInfo
 from tests.etcd_secure import SecureEtcd, start_secure_etcd
 from tests.router_harness import FakeWorker
+from tests.services import stop_process
+from tests.test_deploy_k8s_trust import _container, _localize, _materialize, _start_manifest_etcd
+from tests.test_deploy_manifests import POD_ENV
 
 T = TypeVar("T")
 
@@ -278,3 +283,85 @@ def test_the_table_refuses_what_would_widen_a_grant() -> None:
         principals(layout, routers=["root"])
     with pytest.raises(ConfigError):
         principals(layout, routers=["kvkeep-worker-w1"], workers=["w1"])
+
+
+# -- deploy/k8s: the Job's own command line, against the manifest's etcd -----------------------
+
+def test_the_k8s_job_gives_each_certificate_its_own_kind_of_keys(tmp_path: Path) -> None:
+    """etcd started with deploy/k8s/etcd.yaml's TLS flags and the certificates
+    `deploy.k8s_secrets` makes; the roles Job's arguments, mount paths moved to a temp dir.
+    Before the Job every certificate of the CA is root; after it, each component's writes only
+    its own prefix, and the components still work from their manifests' command lines."""
+    dirs = _materialize(tmp_path)
+    proc, port = _start_manifest_etcd(tmp_path, dirs)
+    url = f"https://127.0.0.1:{port}"
+    hosts = {"https://kvkeep-etcd:2379": url, POD_ENV["$(POD_IP)"]: "127.0.0.1"}
+
+    def cert(secret: str) -> EtcdSpec:
+        d = dirs[secret]
+        return EtcdSpec(url, ca_file=d / "ca.crt", cert_file=d / "tls.crt",
+                        key_file=d / "tls.key")
+
+    def job() -> int:
+        doc, c = _container("Job", "kvkeep-etcd-roles", "roles")
+        parsed = build_parser().parse_args(_localize(c["args"], doc, c, dirs, hosts))
+        result: int = parsed.handler(parsed)
+        return result
+
+    parser = build_parser()
+    try:
+        assert _run(_writes(cert("kvkeep-connector-tls"), ALL)) == dict.fromkeys(ALL, True)
+        assert job() == 0
+        allowed = {"kvkeep-router-tls": {SESSION}, "kvkeep-agent-tls": {W1, W2, W10},
+                   "kvkeep-store-tls": {D1, D2}, "kvkeep-connector-tls": set(),
+                   # a certificate of the CA whose CN is no etcd user: nothing
+                   "kvkeep-etcd-tls": set()}
+        for secret, own in allowed.items():
+            assert _run(_writes(cert(secret), ALL)) == {k: k in own for k in ALL}, secret
+        assert job() == 0  # again, now under auth, as root's certificate: nothing changes
+
+        # The components, from their own manifests' command lines.
+        specs = {}
+        for kind, name, cname in (("Deployment", "kvkeep-router", "router"),
+                                  ("Deployment", "kvkeep-worker", "kvkeep-agent"),
+                                  ("DaemonSet", "kvkeep-store", "kvstore")):
+            doc, c = _container(kind, name, cname)
+            args = parser.parse_args(_localize(c["args"], doc, c, dirs, hosts))
+            spec = config_from_args(args).etcd_url if cname == "router" else \
+                etcd_spec_from_args(args)
+            assert isinstance(spec, EtcdSpec)
+            specs[cname] = spec
+        _run(_k8s_components_work(specs["router"], specs["kvkeep-agent"], specs["kvstore"]))
+    finally:
+        stop_process(proc)
+
+
+async def _k8s_components_work(router: EtcdSpec, agent: EtcdSpec, store: EtcdSpec) -> None:
+    routers, agents = EtcdBackend(router, PREFIX), EtcdBackend(agent, PREFIX)
+    registrar = Registrar(store, DaemonInfo("node-a", "127.0.0.1:7070"), prefix=STORES,
+                          ttl=3, request_timeout=5.0)
+    task = asyncio.create_task(registrar.run())
+    try:
+        lease = await agents.register_worker(
+            WorkerInfo(WorkerId("w-k8s"), "http://127.0.0.1:1", ("m",), None), 3.0)
+        assert [w.worker_id for w in await routers.list_workers()] == ["w-k8s"]
+        assert await lease.keepalive()
+        ok, _ = await routers.cas_binding(Binding(SessionId("s"), WorkerId("w-k8s"), "m"),
+                                          None, 30.0)
+        assert ok
+        await asyncio.wait_for(registrar.registered.wait(), 15)
+        watcher = MembershipWatcher(router, STORES, request_timeout=5.0)
+        watch = asyncio.create_task(watcher.run())
+        try:
+            await asyncio.wait_for(watcher.synced.wait(), 15)
+            assert list(watcher.members()) == ["node-a"]
+        finally:
+            watch.cancel()
+            await asyncio.gather(watch, return_exceptions=True)
+        await lease.revoke()
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await registrar.deregister()
+        await routers.close()
+        await agents.close()
