@@ -163,7 +163,24 @@ def test_each_credential_writes_only_its_own_keys(tmp_path: Path) -> None:
         for spec, own in allowed.items():
             assert _run(_writes(spec, ALL)) == {k: k in own for k in ALL}, spec.user
 
+        # What the roles do not stop (docs/threat-model.md says so): etcd checks no key on a
+        # lease keepalive, so w2's credential can keep w1's lease alive, given its id.
+        assert _run(_keeps_alive(w1, _as(etcd, passwords, "kvkeep-worker-w2")))
+
         _run(_components_work(w1, d1, router, connector))
+
+
+async def _keeps_alive(owner: EtcdSpec, other: EtcdSpec) -> bool:
+    mine, theirs = etcd_client(owner, timeout=5), etcd_client(other, timeout=5)
+    try:
+        lease = await mine.lease(5)
+        await mine.put(W1, b"{}", lease=lease.id)
+        reply = await theirs.refresh_lease(lease.id)
+        await mine.revoke_lease(lease.id)
+        return reply is not None and int(reply.TTL) > 0
+    finally:
+        await mine.close()
+        await theirs.close()
 
 
 async def _components_work(w1: EtcdSpec, d1: EtcdSpec, router: EtcdSpec,
