@@ -8,13 +8,13 @@ hiredis GET/SET against a local redis-server (the side-by-side baseline), and th
 (`RemoteTier` -> one `kvkeep store serve` daemon subprocess) get/put at 1, 4 and 16 MiB blocks
 over each block transport: the TCP data plane and gRPC (kvstore/net/), plus the p99 latency of
 a batched lookup of 1,000 keys (and of the same question asked of redis: a pipeline of 1,000
-EXISTS). Writes::
+EXISTS), and the p50 of a one-key lookup over each transport beside one EXISTS. Writes::
 
     {"baseline": {"tcp_loopback_gbps": f,
                   "redis_get_gbps": {"1MiB": f, "4MiB": f, "16MiB": f}, "redis_set_gbps": {...},
-                  "redis_exists_1000_p99_ms": f},
+                  "redis_exists_1000_p99_ms": f, "redis_exists_1_p50_us": f},
      "remote":   {"get_gbps": {...}, "put_gbps": {...}, "lookup_p99_ms": f,
-                  "transport": "tcp" | "grpc"},
+                  "lookup_1_p50_us": {"tcp": f, "grpc": f}, "transport": "tcp" | "grpc"},
      "transports": {"tcp":  {"get_gbps": {...}, "put_gbps": {...},
                              "rounds": {"get": {"4MiB": [f, ...], ...}, "put": {...}}},
                     "grpc": {...}},
@@ -262,6 +262,23 @@ def _measure(redis_port: int, address: str, daemon_pid: int, total: int, repeats
         latency["lookup_p99_ms"] = statistics.quantiles(samples[20:], n=100)[98]
         latency["lookup_p50_ms"] = statistics.median(samples[20:])
         latency["redis_exists_1000_p99_ms"] = statistics.quantiles(redis_samples[20:], n=100)[98]
+        # One key's lookup, the call on a request's critical path (a short prompt's prefix, an
+        # LMCache lookup-and-lock): over the data plane, over gRPC, and redis' EXISTS,
+        # interleaved one by one.
+        one: dict[str, list[float]] = {"tcp": [], "grpc": [], "redis": []}
+        asks: dict[str, Callable[[], object]] = {"tcp": partial(tiers["tcp"].contains, keys[:1]),
+                                                 "grpc": partial(tiers["grpc"].contains, keys[:1]),
+                                                 "redis": partial(client.exists, names[0])}
+        for i in range(1500):
+            for kind, ask in asks.items():
+                started = time.perf_counter()
+                found_one = ask()
+                if not (all(found_one) if isinstance(found_one, list) else found_one):
+                    raise RuntimeError(f"a one-key lookup ({kind}) missed a stored key")
+                if i >= 100:
+                    one[kind].append((time.perf_counter() - started) * 1e6)
+        for kind, us in one.items():
+            latency[f"lookup_1_{kind}_p50_us"] = statistics.median(us)
         transport = "tcp" if tier.data_plane_addresses().get("bench") else "grpc"
     finally:
         for t in tiers.values():
@@ -420,10 +437,13 @@ def run(quick: bool) -> dict[str, object]:
         "baseline": {"tcp_loopback_gbps": statistics.median(tcp),
                      "redis_get_gbps": {s: rates.median(f"redis_get/{s}") for s in SIZES},
                      "redis_set_gbps": {s: rates.median(f"redis_set/{s}") for s in SIZES},
-                     "redis_exists_1000_p99_ms": latency["redis_exists_1000_p99_ms"]},
+                     "redis_exists_1000_p99_ms": latency["redis_exists_1000_p99_ms"],
+                     "redis_exists_1_p50_us": latency["lookup_1_redis_p50_us"]},
         "remote": {"get_gbps": deployed["get"], "put_gbps": deployed["put"],
                    "lookup_p99_ms": latency["lookup_p99_ms"],
                    "lookup_p50_ms": latency["lookup_p50_ms"],
+                   "lookup_1_p50_us": {kind: latency[f"lookup_1_{kind}_p50_us"]
+                                       for kind in ("tcp", "grpc")},
                    "transport": transport},
         "transports": {kind: {
             "get_gbps": figures["get"], "put_gbps": figures["put"],
@@ -497,6 +517,9 @@ def _print_table(result: dict[str, object]) -> None:
     print(f"lookup of 1,000 keys: p99 {remote['lookup_p99_ms']:.2f} ms "
           f"(p50 {remote['lookup_p50_ms']:.2f}; redis 1,000 EXISTS pipelined: p99 "
           f"{base['redis_exists_1000_p99_ms']:.2f} ms); transport: {remote['transport']}")
+    one = remote["lookup_1_p50_us"]
+    print(f"lookup of 1 key, p50: data plane {one['tcp']:.0f} us, gRPC {one['grpc']:.0f} us, "
+          f"redis EXISTS {base['redis_exists_1_p50_us']:.0f} us")
     kinds = result["transports"]
     ratio = result["tcp_over_grpc"]
     assert isinstance(kinds, dict) and isinstance(ratio, dict)

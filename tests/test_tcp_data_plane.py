@@ -44,18 +44,21 @@ from kvstore.net.refusal import OK, RefusalReason, client_error
 from kvstore.net.scope import Scope
 from kvstore.net.tcp_protocol import (
     OP_GET,
+    OP_LOOKUP,
     OP_PUT,
     REPLY_HEAD,
     REQUEST_HEAD,
+    decode_lookup_body,
     decode_reply_head,
     decode_request_head,
+    encode_lookup,
     encode_reply,
     encode_request,
     recv_exact,
     recv_into_pieces,
     send_parts,
 )
-from kvstore.net.tcp_transport import TcpBlockTransport
+from kvstore.net.tcp_transport import LookupUnsupported, TcpBlockTransport
 from kvstore.net.transport import TransportUnreachable
 from kvstore.store import TieredStore
 from kvstore.tiers.discovery import DaemonInfo
@@ -135,6 +138,33 @@ def test_requests_round_trip_and_bad_heads_are_refused() -> None:
     with pytest.raises(ValueError):  # a PUT with a layer range
         decode_request_head(encode_request(OP_PUT, SCOPE, b"h", b"", layers=LayerRange(0, 1),
                                            body_len=1)[:44])
+
+
+def test_lookup_requests_round_trip_and_bad_ones_are_refused() -> None:
+    hashes = [b"a", b"h" * 32, b"z" * 64]
+    head_and_tail, body = encode_lookup(SCOPE, hashes, b"tok")
+    head = decode_request_head(head_and_tail[:tp.REQUEST_HEAD.size])
+    assert (head.op, head.token_len, head.hash_len, head.layers, head.body_len) == (
+        OP_LOOKUP, 3, 0, None, len(body))
+    assert head_and_tail[tp.REQUEST_HEAD.size:] == b"tok" + b"tenant-a"
+    assert decode_lookup_body(body) == hashes
+    good = bytearray(head_and_tail[:tp.REQUEST_HEAD.size])
+    for offset, value in [(10, 1), (11, 1)]:  # a hash in the head; flags
+        bad = bytearray(good)
+        bad[offset] = value
+        with pytest.raises(ValueError):
+            decode_request_head(bad)
+    for body_len in (0, 1, tp.MAX_LOOKUP_BODY_BYTES + 1):
+        bad = bytearray(good)
+        bad[20:28] = body_len.to_bytes(8, "little")
+        with pytest.raises(ValueError):
+            decode_request_head(bad)
+    for broken in (b"\x00", b"\x41" + b"x" * 64, b"\x05abc", body + b"\x02a"):
+        with pytest.raises(ValueError):
+            decode_lookup_body(broken)
+    for asked in ([], [b""], [b"x" * 65]):
+        with pytest.raises(ValueError):
+            encode_lookup(SCOPE, asked, b"")
 
 
 def test_reply_heads_are_checked() -> None:
@@ -449,6 +479,74 @@ def test_bad_puts_are_refused_and_store_nothing(daemon: DaemonProcess,
     assert client.health(timeout=T) == "SERVING"
 
 
+def test_lookups_travel_over_the_data_plane(daemon: DaemonProcess,
+                                            client: DaemonClient) -> None:
+    """A batched lookup is one data-plane round trip once blocks use the plane, and answers
+    exactly as the gRPC lookup does (a client kept on gRPC asks the same daemon)."""
+    keys = [block_key(i) for i in range(200, 260)]
+    held = keys[::3]
+    assert client.put(SCOPE, [(k.block_hash, make_frame(k)) for k in held], timeout=T) == \
+        [True] * len(held)
+    assert client.data_plane_address == data_address(daemon)
+    over_grpc = DaemonClient(daemon.node_id, daemon.address, data_plane=False)
+    try:
+        asked = [k.block_hash for k in keys] * 50  # 3,000 hashes, duplicates included
+        before = daemon.client().stat(timeout=T)
+        present = client.lookup(SCOPE, asked, timeout=T)
+        assert present == [k in held for k in keys] * 50
+        assert over_grpc.lookup(SCOPE, asked, timeout=T) == present
+        assert client.lookup(SCOPE, [b"\x01"], timeout=T) == [False]  # a 1-byte hash
+        after = daemon.client().stat(timeout=T)
+        assert after.lookups - before.lookups == 3
+        transport = client.block_transport()
+        assert isinstance(transport, TcpBlockTransport)
+        assert transport.lookup(SCOPE, [held[0].block_hash], timeout=T) == [True]
+        with pytest.raises(TierError):  # over the daemon's per-call limit: refused
+            transport.lookup(SCOPE, [b"k"] * 70_000, timeout=T)
+    finally:
+        over_grpc.close()
+
+
+def test_a_daemon_without_lookup_on_its_data_plane_is_asked_over_grpc(
+        daemon: DaemonProcess) -> None:
+    """A daemon of an older release answers LOOKUP as an unknown op (INVALID_ARGUMENT, then it
+    closes the connection): the client asks it over gRPC from then on, and gets the answer."""
+    key = block_key(270)
+    assert daemon.client().put(SCOPE, [(key.block_hash, make_frame(key))], timeout=T) == [True]
+    listener = socket.create_server(("127.0.0.1", 0))
+    asked: list[int] = []
+
+    def old_daemon() -> None:
+        while True:
+            try:
+                sock, _ = listener.accept()
+            except OSError:
+                return
+            with sock:
+                head = sock.recv(tp.REQUEST_HEAD.size, socket.MSG_WAITALL)
+                if len(head) == tp.REQUEST_HEAD.size:
+                    asked.append(head[5])
+                    sock.sendall(encode_reply(RefusalReason.INVALID_ARGUMENT, close=True,
+                                              message=f"bad request: unknown op {head[5]}"))
+
+    thread = threading.Thread(target=old_daemon, daemon=True)
+    thread.start()
+    old = DaemonClient(daemon.node_id, daemon.address,
+                       data_address=f"127.0.0.1:{listener.getsockname()[1]}")
+    try:
+        transport = old.block_transport()
+        assert isinstance(transport, TcpBlockTransport)
+        with pytest.raises(LookupUnsupported):
+            transport.lookup(SCOPE, [key.block_hash], timeout=T)
+        for _ in range(3):
+            assert old.lookup(SCOPE, [key.block_hash, b"none"], timeout=T) == [True, False]
+        assert asked == [OP_LOOKUP, OP_LOOKUP]  # the direct call, then the first lookup only
+    finally:
+        old.close()
+        listener.close()
+        thread.join(5)
+
+
 def test_auth_and_tenants_on_the_data_plane(tmp_path: Path) -> None:
     tokens = tmp_path / "tokens"
     tokens.write_text(f"{TOKEN_A} tenant-a\n{TOKEN_B} tenant-b\n")
@@ -464,6 +562,8 @@ def test_auth_and_tenants_on_the_data_plane(tmp_path: Path) -> None:
                 c.put(SCOPE, [(key.block_hash, frame)], timeout=T)
             with pytest.raises(ConfigError):
                 c.get(SCOPE, key.block_hash, timeout=T)
+            with pytest.raises(ConfigError):
+                c.lookup(SCOPE, [key.block_hash], timeout=T)
             c.close()
         owner = DaemonClient("sec", d.address, token=TOKEN_A)
         assert owner.lookup(SCOPE, [key.block_hash], timeout=T) == [False]  # nothing stored
@@ -471,9 +571,19 @@ def test_auth_and_tenants_on_the_data_plane(tmp_path: Path) -> None:
         assert owner.data_plane_address == address
         read = owner.get(SCOPE, key.block_hash, timeout=T)
         assert read is not None and read.to_frame() == frame
+        assert owner.lookup(SCOPE, [key.block_hash], timeout=T) == [True]
         other = DaemonClient("sec", d.address, token=TOKEN_B)
         with pytest.raises(ConfigError):
             other.get(SCOPE, key.block_hash, timeout=T)
+        # Refused for its scope (tenant-a's, with tenant-b's token) after its body was read:
+        # the connection stays in step, and the token's own scope is answered on it.
+        b_scope = Scope(FINGERPRINT.digest, Namespace("tenant-b", ""))
+        b_transport = TcpBlockTransport("sec", address, token=TOKEN_B)
+        for _ in range(2):
+            with pytest.raises(ConfigError):
+                b_transport.lookup(SCOPE, [key.block_hash], timeout=T)
+            assert b_transport.lookup(b_scope, [key.block_hash], timeout=T) == [False]
+        b_transport.close()
         owner.close()
         other.close()
     finally:
@@ -601,7 +711,8 @@ def _valid_requests() -> list[bytes]:
     frame = make_frame(key, layers=3, segment_bytes=256)
     return [put_request(100, frame),
             encode_request(OP_GET, SCOPE, key.block_hash, b"", layers=LayerRange(0, 2)),
-            encode_request(OP_GET, SCOPE, key.block_hash, b"")]
+            encode_request(OP_GET, SCOPE, key.block_hash, b""),
+            b"".join(encode_lookup(SCOPE, [key.block_hash, b"other"], b""))]
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow,

@@ -43,8 +43,11 @@ from kvstore.net.refusal import OK, Refusal, RefusalReason
 from kvstore.net.scope import Scope
 from kvstore.net.tcp_protocol import (
     OP_GET,
+    OP_LOOKUP,
+    OP_PUT,
     REQUEST_HEAD,
     Request,
+    decode_lookup_body,
     decode_request_head,
     encode_reply,
     recv_exact,
@@ -59,6 +62,7 @@ _DISCARD_BYTES = 1 << 20
 # A refused PUT's body is read and dropped (the connection stays in step) up to this size, a
 # client's pipelining window (tcp_transport.py); past it the connection is closed instead.
 _DISCARD_MAX_BYTES = 64 << 20
+_OP_NAMES = {OP_GET: "Get", OP_LOOKUP: "Lookup", OP_PUT: "Put"}  # metrics' method labels
 
 
 def send_by(sock: socket.socket, parts: list[bytes | memoryview], deadline: float) -> None:
@@ -331,10 +335,12 @@ class TcpFront:
             return False
         tail = bytearray(request.tail_len)
         recv_exact(sock, memoryview(tail), deadline)
-        with timed_call(self._metrics, "tcp", "Get" if request.op == OP_GET else "Put") as call:
+        with timed_call(self._metrics, "tcp", _OP_NAMES[request.op]) as call:
             try:
                 if request.op == OP_GET:
                     self._get(conn, request, tail)
+                elif request.op == OP_LOOKUP:
+                    self._lookup(conn, request, tail, deadline)
                 else:
                     self._put(conn, request, tail)
             except _Close as closing:
@@ -394,6 +400,27 @@ class TcpFront:
                     core.count(get_bytes_sent=block.size)
             finally:
                 block.finish()  # a copy lent unverified is checked now, as the client does
+
+    def _lookup(self, conn: _Connection, request: Request, tail: bytearray,
+                deadline: float) -> None:
+        """Which of the body's hashes the daemon holds, one byte each. The body (at most
+        MAX_LOOKUP_BODY_BYTES) is read whole before any refusal of its scope, so the
+        connection stays in step; a missing or unknown token ends it unread."""
+        sock, core = conn.sock, self._core
+        body = bytearray(request.body_len)
+        try:
+            scope, _ = self._scope(conn, request, tail)
+        except Refusal:
+            recv_exact(sock, memoryview(body), deadline)
+            raise
+        recv_exact(sock, memoryview(body), deadline)
+        try:
+            hashes = decode_lookup_body(body)
+        except ValueError as exc:
+            raise Refusal(RefusalReason.INVALID_ARGUMENT, f"bad lookup: {exc}") from None
+        present = core.lookup(core.keys(scope, hashes))
+        send_parts(sock, [encode_reply(OK, result=True, payload_len=len(present)),
+                          bytes(present)])
 
     def _put(self, conn: _Connection, request: Request, tail: bytearray) -> None:
         sock, core = conn.sock, self._core

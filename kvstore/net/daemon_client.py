@@ -1,7 +1,8 @@
 """A synchronous client of one kvstore daemon: what the remote tier and re-replication call.
 
-Control calls (lookup, delete, manifests, stat, health) go over one gRPC channel per daemon,
-shared by all threads. Block bytes go over the `BlockTransport` chosen for this daemon, once:
+Control calls (delete, manifests, stat, health) go over one gRPC channel per daemon, shared
+by all threads. Block bytes and lookups go over the `BlockTransport` chosen for this daemon,
+once (lookups over gRPC when that is gRPC, or the daemon's data plane predates them):
 the TCP data plane when the daemon has one (its address comes from the etcd registration, or
 else from one Stat call on first use) and this client may use it (no TLS: the plane is not
 encrypted), gRPC otherwise. The choice is revisited only when something says it changed: the
@@ -31,7 +32,7 @@ from kvstore.net.grpc_options import HEALTH_SERVICE, KVSTORE_SERVICE, Keepalive,
 from kvstore.net.grpc_transport import GrpcBlockTransport, serialize, translate_rpc_error
 from kvstore.net.limits import CHUNK_BYTES
 from kvstore.net.scope import Scope, scope_of
-from kvstore.net.tcp_transport import TcpBlockTransport
+from kvstore.net.tcp_transport import LookupUnsupported, TcpBlockTransport
 from kvstore.net.transport import BlockTransport, FrameBytes, TransportUnreachable
 from kvstore.tiers.base import Buffer
 from proto.gen import health_pb2
@@ -138,6 +139,7 @@ class DaemonClient:
                                                chunk_bytes=chunk_bytes)
         self._blocks: BlockTransport | None = None if self._tcp_allowed else self._grpc_blocks
         self._revisit_at = 0.0  # when a gRPC choice made for want of TCP is reconsidered
+        self._tcp_lookups = True  # until a daemon of an older release refuses the op
         method = f"/{KVSTORE_SERVICE}/"
         ch = self._channel
         self._lookup = ch.unary_unary(method + "Lookup", request_serializer=serialize,
@@ -231,8 +233,21 @@ class DaemonClient:
 
     def lookup(self, scope: Scope, block_hashes: Sequence[bytes], *,
                timeout: float) -> list[bool]:
+        """Which of `block_hashes` the daemon holds: over the data plane when blocks use it
+        (a third of a gRPC round trip), else (or for a daemon without the op) over gRPC."""
+        deadline = time.monotonic() + timeout
+        what = f"lookup on {self.node_id}"
+        transport = self.block_transport(deadline)
+        if isinstance(transport, TcpBlockTransport) and self._tcp_lookups:
+            try:
+                return transport.lookup(scope, block_hashes, timeout=_left(deadline, what))
+            except TransportUnreachable as exc:
+                self._unreachable(transport, exc)
+            except LookupUnsupported as exc:
+                _log.info("%s; its lookups go over gRPC", exc)
+                self._tcp_lookups = False
         request = pb.LookupRequest(scope=scope_to_pb(scope), block_hashes=list(block_hashes))
-        reply = self._call(self._lookup, request, timeout, f"lookup on {self.node_id}")
+        reply = self._call(self._lookup, request, _left(deadline, what), what)
         if len(reply.present) != len(block_hashes):
             raise TierError(f"lookup on {self.node_id}: wrong number of results")
         return list(reply.present)

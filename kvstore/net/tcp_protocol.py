@@ -1,4 +1,4 @@
-"""The TCP data plane's protocol: block GET and PUT over plain TCP, beside gRPC.
+"""The TCP data plane's protocol: block GET, PUT and LOOKUP over plain TCP, beside gRPC.
 
 Why. gRPC's Python stack moves one multi-MiB block per call at ~1.3-1.6 GB/s on these machines
 even with pre-built messages, nothing else in the handlers and tuned options, against ~3-4 GB/s
@@ -7,8 +7,11 @@ also listens on a plain TCP port for the two bulk operations, and both ends move
 `recv_into` preallocated buffers (or the host tier's own pages) and `sendmsg` of memoryviews:
 one kernel copy each way, no per-message objects. Measured against tuned gRPC in one run of
 benchmarks/remote.py (ABBA rounds): 4 MiB blocks ~2.8x faster to get and ~2x to put on a quiet
-machine, at a third to a half of gRPC's CPU per byte on both ends together. gRPC keeps
-everything else (lookup, delete, manifests, stat, health) and is the block transport when a
+machine, at a third to a half of gRPC's CPU per byte on both ends together. LOOKUP is here
+too: a batched lookup is a small call on every request's critical path (the vLLM connector's
+scheduler half, LMCache's lookup-and-lock), and a gRPC round trip costs ~3x this plane's on
+these machines (measured with `benchmarks.remote`'s lookup row). gRPC keeps everything else
+(delete, manifests, stat, health) and is the block transport when a
 daemon has no data port (TLS on, `--data-listen off`, an older daemon) or the port cannot be
 reached.
 
@@ -21,12 +24,15 @@ the client writes a request and reads its reply, then may reuse the connection.
 
 Request::
 
-    head (44 bytes): magic b"KVDQ" | version u8 = 1 | op u8 (1 GET, 2 PUT) | token_len u16 |
+    head (44 bytes): magic b"KVDQ" | version u8 = 1 | op u8 (1 GET, 2 PUT, 3 LOOKUP) |
+                     token_len u16 |
                      tenant_len u8 | salt_len u8 | hash_len u8 | flags u8 (bit 0: layer range) |
                      layer_start u32 | layer_stop u32 | body_len u64 | fingerprint (16 bytes)
     token (token_len bytes, UTF-8; empty when the daemon runs without auth)
-    tenant, salt (ASCII), block hash (hash_len bytes)
-    body (body_len bytes): PUT: the whole frame; GET: nothing (body_len must be 0)
+    tenant, salt (ASCII), block hash (hash_len bytes; LOOKUP: none, hash_len 0)
+    body (body_len bytes): PUT: the whole frame; GET: nothing (body_len must be 0);
+                           LOOKUP: the block hashes, each as length u8 | hash (1-64 bytes),
+                           at most MAX_KEYS_PER_CALL of them
 
 Reply::
 
@@ -38,7 +44,8 @@ Reply::
                      layer_stop u32 | payload_len u64
     message (message_len bytes, UTF-8: why, when status is not 0)
     frame header (header_len bytes; a GET hit only)
-    payload (payload_len bytes: the segments of [layer_start, layer_stop), back to back)
+    payload (payload_len bytes: the segments of [layer_start, layer_stop), back to back;
+             LOOKUP: one byte per hash asked, 1 held, 0 not, result 1)
 
 Rules, the same as over gRPC: both fronts ask the daemon's one core (kvstore/daemon/core.py):
 
@@ -80,7 +87,7 @@ from dataclasses import dataclass
 
 from kvstore.errors import CorruptBlock
 from kvstore.frame import LayerRange
-from kvstore.net.limits import MAX_FRAME_BYTES
+from kvstore.net.limits import MAX_FRAME_BYTES, MAX_KEYS_PER_CALL
 from kvstore.net.refusal import OK
 from kvstore.net.scope import Scope
 
@@ -90,6 +97,10 @@ __all__ = [
     "VERSION",
     "OP_GET",
     "OP_PUT",
+    "OP_LOOKUP",
+    "MAX_LOOKUP_BODY_BYTES",
+    "encode_lookup",
+    "decode_lookup_body",
     "OK",
     "REQUEST_HEAD",
     "REPLY_HEAD",
@@ -115,6 +126,7 @@ MAGIC_REPLY = b"KVDR"
 VERSION = 1
 OP_GET = 1
 OP_PUT = 2
+OP_LOOKUP = 3
 FLAG_LAYERS = 1  # request: a layer range is given
 FLAG_CLOSE = 1  # reply: the daemon closes the connection after this reply
 
@@ -124,6 +136,7 @@ REPLY_HEAD = struct.Struct("<4sBBBxIIIIQ")
 MAX_TOKEN_BYTES = 4096
 MAX_HASH_BYTES = 64
 MAX_REPLY_TEXT_BYTES = 64 << 10
+MAX_LOOKUP_BODY_BYTES = MAX_KEYS_PER_CALL * (1 + 64)
 MAX_HEADER_BYTES = 1 << 20
 """A frame header is at most 1 MiB whatever it claims (kvstore/frame.py)."""
 
@@ -182,10 +195,17 @@ def decode_request_head(raw: bytes | bytearray | memoryview) -> Request:
         raise ValueError("bad request magic")
     if version != VERSION:
         raise ValueError(f"unsupported data plane version {version}")
-    if op not in (OP_GET, OP_PUT):
+    if op not in (OP_GET, OP_PUT, OP_LOOKUP):
         raise ValueError(f"unknown op {op}")
     if token_len > MAX_TOKEN_BYTES:
         raise ValueError(f"token of {token_len} bytes; at most {MAX_TOKEN_BYTES}")
+    if op == OP_LOOKUP:
+        if hash_len or flags:
+            raise ValueError("a LOOKUP carries its hashes in its body, and no flags")
+        if not 2 <= body_len <= MAX_LOOKUP_BODY_BYTES:
+            raise ValueError(f"a LOOKUP body of {body_len} bytes; 2-{MAX_LOOKUP_BODY_BYTES}")
+        return Request(op, token_len, tenant_len, salt_len, 0, None, body_len,
+                       bytes(fingerprint))
     if not 1 <= hash_len <= MAX_HASH_BYTES:
         raise ValueError(f"block hash of {hash_len} bytes; 1-{MAX_HASH_BYTES} allowed")
     if flags & ~FLAG_LAYERS:
@@ -198,6 +218,39 @@ def decode_request_head(raw: bytes | bytearray | memoryview) -> Request:
         raise ValueError("a PUT stores whole frames: no layer range")
     return Request(op, token_len, tenant_len, salt_len, hash_len,
                    (start, stop) if flags & FLAG_LAYERS else None, body_len, bytes(fingerprint))
+
+
+def encode_lookup(scope: Scope, block_hashes: Sequence[bytes], token: bytes) -> list[bytes]:
+    """A LOOKUP request: its head (with scope and token) and its body of hashes."""
+    if not block_hashes or len(block_hashes) > MAX_KEYS_PER_CALL:
+        raise ValueError(f"a lookup asks 1-{MAX_KEYS_PER_CALL} hashes, not {len(block_hashes)}")
+    body = bytearray()
+    for block_hash in block_hashes:
+        if not 1 <= len(block_hash) <= MAX_HASH_BYTES:
+            raise ValueError(f"block hash of {len(block_hash)} bytes; 1-{MAX_HASH_BYTES}")
+        body.append(len(block_hash))
+        body += block_hash
+    tenant = scope.namespace.tenant.encode()
+    salt = scope.namespace.salt.encode()
+    head = REQUEST_HEAD.pack(MAGIC_REQUEST, VERSION, OP_LOOKUP, len(token), len(tenant),
+                             len(salt), 0, 0, 0, 0, len(body), scope.fingerprint)
+    return [b"".join((head, token, tenant, salt)), bytes(body)]
+
+
+def decode_lookup_body(body: bytes | bytearray | memoryview) -> list[bytes]:
+    """The hashes of a LOOKUP body; raises ValueError when the lengths do not add up."""
+    view = memoryview(body)
+    hashes: list[bytes] = []
+    pos = 0
+    while pos < len(view):
+        size = view[pos]
+        if not 1 <= size <= MAX_HASH_BYTES or pos + 1 + size > len(view):
+            raise ValueError(f"a lookup hash of {size} bytes at offset {pos}")
+        hashes.append(bytes(view[pos + 1:pos + 1 + size]))
+        pos += 1 + size
+        if len(hashes) > MAX_KEYS_PER_CALL:
+            raise ValueError(f"more than {MAX_KEYS_PER_CALL} hashes in one lookup")
+    return hashes
 
 
 def encode_reply(status: int, *, result: bool = False, close: bool = False, message: str = "",

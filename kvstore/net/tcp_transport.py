@@ -28,10 +28,12 @@ from kvstore.net.scope import Scope
 from kvstore.net.tcp_protocol import (
     MAX_TOKEN_BYTES,
     OP_GET,
+    OP_LOOKUP,
     OP_PUT,
     REPLY_HEAD,
     Reply,
     decode_reply_head,
+    encode_lookup,
     encode_request,
     recv_exact,
     send_parts,
@@ -39,7 +41,7 @@ from kvstore.net.tcp_protocol import (
 from kvstore.net.transport import FrameBytes, TransportUnreachable
 from kvstore.tiers.base import Buffer
 
-__all__ = ["TcpBlockTransport"]
+__all__ = ["TcpBlockTransport", "LookupUnsupported"]
 
 # A pipelined put window: the replies of this many requests wait in the client's receive buffer
 # (32 bytes each) while it sends, so a window must not outgrow that buffer.
@@ -87,8 +89,32 @@ class TcpBlockTransport:
         request = encode_request(OP_GET, scope, block_hash, self._token, layers=layers)
         (result,) = self._exchange(f"get from {self.node_id}", OP_GET, [request], 1, out,
                                    time.monotonic() + timeout)
-        assert not isinstance(result, bool)
+        assert result is None or isinstance(result, BlockRead)
         return result
+
+    def lookup(self, scope: Scope, block_hashes: Sequence[bytes], *,
+               timeout: float) -> list[bool]:
+        """Which of `block_hashes` the daemon holds (one round trip; at most
+        MAX_KEYS_PER_CALL). Raises `LookupUnsupported` when the daemon predates LOOKUP."""
+        if not block_hashes:
+            return []
+        what = f"lookup on {self.node_id}"
+        try:
+            parts: list[bytes | memoryview] = [*encode_lookup(scope, block_hashes, self._token)]
+        except ValueError as exc:
+            raise TierError(f"{what}: {exc}") from None
+        try:
+            (result,) = self._exchange(what, OP_LOOKUP, parts, 1, None,
+                                       time.monotonic() + timeout)
+        except TierError as exc:
+            if "unknown op" in str(exc):
+                raise LookupUnsupported(f"{what}: the daemon's data plane has no LOOKUP"
+                                        ) from exc
+            raise
+        assert isinstance(result, bytes)
+        if len(result) != len(block_hashes) or result.strip(b"\x00\x01"):
+            raise CorruptBlock(f"{what}: {len(result)} answers for {len(block_hashes)} hashes")
+        return [flag == 1 for flag in result]
 
     def put(self, scope: Scope, blocks: Sequence[tuple[bytes, FrameBytes]], *,
             timeout: float) -> list[bool]:
@@ -125,7 +151,8 @@ class TcpBlockTransport:
     # -- private ------------------------------------------------------------------------------
 
     def _exchange(self, what: str, op: int, parts: list[bytes | memoryview], count: int,
-                  out: Buffer | None, deadline: float) -> list[BlockRead | bool | None]:
+                  out: Buffer | None, deadline: float
+                  ) -> list[BlockRead | bool | bytes | None]:
         # A pooled connection may have been closed by a restarted daemon; that shows only when
         # it is used. Such a failure before any reply byte arrived is retried once on a fresh
         # connection (GET and PUT are both idempotent).
@@ -154,7 +181,7 @@ class TcpBlockTransport:
 
     def _on(self, sock: socket.socket, what: str, op: int, parts: list[bytes | memoryview],
             count: int, out: Buffer | None, deadline: float
-            ) -> tuple[list[BlockRead | bool | None], bool]:
+            ) -> tuple[list[BlockRead | bool | bytes | None], bool]:
         """Send `count` requests, read their replies: (results, whether the connection may be
         reused). A refusal is raised as _Refusal once every reply was read."""
         head = bytearray(REPLY_HEAD.size)
@@ -169,7 +196,7 @@ class TcpBlockTransport:
             raise DeadlineExceeded(f"{what}: deadline passed") from exc
         except OSError as exc:
             raise _Stale() from exc
-        results: list[BlockRead | bool | None] = []
+        results: list[BlockRead | bool | bytes | None] = []
         refused: KVKeepError | None = None
         keep = True
         try:
@@ -196,6 +223,10 @@ class TcpBlockTransport:
                     if reply.header_len or reply.payload_len:
                         raise CorruptBlock(f"{what}: a put reply carrying data")
                     results.append(reply.result)
+                elif op == OP_LOOKUP:
+                    if reply.header_len or not reply.result:
+                        raise CorruptBlock(f"{what}: a lookup reply with a frame header")
+                    results.append(self._read(sock, reply.payload_len, what, deadline))
                 else:
                     results.append(self._block(sock, reply, what, out, deadline))
                 if not keep:
@@ -266,6 +297,11 @@ class TcpBlockTransport:
                 self._idle.append(sock)
                 return
         sock.close()
+
+
+class LookupUnsupported(TierError):
+    """The daemon's data plane answered LOOKUP as an unknown op (a daemon of an older
+    release): its lookups go over gRPC."""
 
 
 class _Stale(Exception):
