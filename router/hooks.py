@@ -3,7 +3,14 @@
 Like the Gateway API Inference Extension's plugin interfaces, bookkeeping is a list of small
 plugins rather than lines scattered over the proxy: a `PreRequest` hook runs when a request is
 placed (before it is sent), a `PostResponse` hook when the attempt ends, successful or not,
-exactly once per placement.
+exactly once per placement. Both are the core's, so every front (the HTTP proxy and ext_proc
+alike) runs them.
+
+A `ResponseStreaming` hook (the Inference Extension's ResponseStreaming and ResponseComplete)
+sees a stream the request director relays (`router/director.py`): every chunk as the client
+gets it, and the stream's end when it ended whole, before its last bytes are sent. The
+director's only one today records a session's conversation at the end of its turn
+(`director.ConversationRecorder`); the ext_proc front has none (Envoy relays its streams).
 
 The defaults:
 - `LoadAccounting` (both): charges the pick to its worker at once (optimistic accounting: a
@@ -28,10 +35,11 @@ from router.decision import Placement
 from router.indexer.history import RoutingHistory, SessionBlocks, session_scope
 from router.indexer.keys import token_block_keys
 from router.sessions import SessionTable
+from router.streaming.state import StreamState
 from router.workers import WorkerPool
 
-__all__ = ["Outcome", "FAILED", "PreRequest", "PostResponse", "LoadAccounting", "HistoryRecorder",
-           "SessionTokens", "BindingSettler", "Defer"]
+__all__ = ["Outcome", "FAILED", "PreRequest", "PostResponse", "ResponseStreaming",
+           "LoadAccounting", "HistoryRecorder", "SessionTokens", "BindingSettler", "Defer"]
 
 Defer = Callable[[Coroutine[Any, Any, Any]], None]
 """Runs a coroutine after the caller returns (an event-loop task) or at once (`run_now`)."""
@@ -57,6 +65,18 @@ class PreRequest(Protocol):
 
 class PostResponse(Protocol):
     def post_response(self, placement: Placement, outcome: Outcome) -> None: ...
+
+
+class ResponseStreaming(Protocol):
+    """A stream's observer, one per director (the stream's request is `state.request`)."""
+
+    def on_chunk(self, state: StreamState, data: bytes) -> None:
+        """The worker's events that were just written to the client (`data`, as written:
+        one write may carry several events), with what the stream has delivered so far."""
+
+    async def on_end(self, state: StreamState) -> dict[str, Any]:
+        """The stream ended whole (never after an error event); what it returns joins the
+        stream's summary comment. Its last bytes are sent once every hook returned."""
 
 
 @dataclass(frozen=True, slots=True)

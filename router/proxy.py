@@ -4,10 +4,12 @@ Routes: `POST /v1/completions`, `POST /v1/chat/completions` (streaming and not),
 /v1/models`, `GET /health`, `GET /metrics`, and read-only `GET /kvkeep/workers`,
 `GET /kvkeep/sessions/{id}` for operators and tests.
 
-Per request: parse and validate (`router/api.py`), hand it to the dispatcher
-(`router/dispatch.py`: placed by the router core, sent, retried on another worker while
-nothing has reached the client), and answer: a unary reply with its headers, or a stream whose
-relay and resumption after a break are streaming's (`router/streaming/resume.py`).
+Per generation request: parse and validate (`router/api.py`), admit it for its tenant
+(`router/admission.py`), hand it to the request director (`router/director.py`: continuation
+rebuilt, placed by the router core, sent, retried on another worker while nothing has reached
+the client, relayed, resumed after a break, finished, its conversation recorded), and write
+what it returns: a unary reply, or a stream it wrote through `_HttpSink` (aiohttp's
+`StreamResponse`, opened when the director has the worker's stream).
 
 Response headers say what happened: `X-KVKeep-Worker`, `X-KVKeep-Route` (stateless, new,
 sticky, migrated, failover, resumed), `X-KVKeep-Session`, `X-KVKeep-Restore` (a restore hint
@@ -35,35 +37,27 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from aiohttp import web
 
 from kvstore.keys import SessionId
 from router.admission import admit
-from router.api import SESSION_HEADER, ClientRequest, Endpoint, parse_request
-from router.continuation import CONTINUE_HEADER, HISTORY_HEADER, TurnEnd, asks_continuation
-from router.decision import Placement
-from router.dispatch import Attempt
+from router.api import SESSION_HEADER, Endpoint, parse_request
+from router.continuation import CONTINUE_HEADER
+from router.director import Reply, RequestDirector
 from router.errors import (
-    ContinuationUnsupported,
     Forbidden,
     MethodNotAllowed,
-    ModelNotFound,
     NotFound,
     PayloadTooLarge,
     RouterError,
     Unauthorized,
 )
-from router.hooks import FAILED, Outcome
 from router.metrics import CONTENT_TYPE_LATEST
 from router.service import RouterService
-from router.streaming.resume import relay_stream
-from router.streaming.state import StreamState
 from router.tenants import DEFAULT_TENANT, OPERATOR, bearer_tenant
-from router.upstream import absorb_unary
-from router.workers import WorkerId
 
 __all__ = ["Proxy", "build_app"]
 
@@ -79,11 +73,34 @@ def _error_response(exc: RouterError) -> web.Response:
                         content_type="application/json", headers=exc.headers())
 
 
+class _HttpSink:
+    """The client's stream: an aiohttp `StreamResponse`, opened when the director asks."""
+
+    __slots__ = ("request", "response")
+
+    def __init__(self, request: web.Request) -> None:
+        self.request = request
+        self.response: web.StreamResponse | None = None
+
+    async def prepare(self, headers: Mapping[str, str]) -> None:
+        self.response = web.StreamResponse(status=200, headers=headers)
+        await self.response.prepare(self.request)
+
+    async def write(self, data: bytes) -> None:
+        assert self.response is not None, "written before prepare"
+        await self.response.write(data)
+
+    async def write_eof(self, data: bytes) -> None:
+        assert self.response is not None, "ended before prepare"
+        await self.response.write_eof(data)
+
+
 class Proxy:
-    __slots__ = ("service",)
+    __slots__ = ("_director", "service")
 
     def __init__(self, service: RouterService) -> None:
         self.service = service
+        self._director: RequestDirector | None = None
 
     # --- application -----------------------------------------------------------------------
     def app(self) -> web.Application:
@@ -200,102 +217,29 @@ class Proxy:
         raw = await request.read()
         creq = admit(parse_request(endpoint, raw, request.headers.get(SESSION_HEADER)),
                      request[_TENANT], keys=self.service.config.api_keys)
-        if creq.model not in self.service.core.models():
-            raise ModelNotFound(f"The model `{creq.model}` does not exist.", param="model")
-        if asks_continuation(creq, request.headers.get(CONTINUE_HEADER)):
-            if self.service.continuations is None:
-                raise ContinuationUnsupported("stateful continuation is off on this router "
-                                              "(--continuation); send the whole history")
-            creq = await self.service.continuations.rebuild(creq)
-        started = time.perf_counter()
-        try:
-            if creq.stream:
-                return await self._stream(request, creq)
-            return await self._unary(creq)
-        finally:
-            self.service.metrics.request_seconds.labels(
-                endpoint.value, str(creq.stream).lower()).observe(time.perf_counter() - started)
+        sink = _HttpSink(request)
+        reply = await self.director().generate(
+            creq, sink, continue_header=request.headers.get(CONTINUE_HEADER))
+        if reply is None:
+            assert sink.response is not None, "the director streamed without opening the sink"
+            return sink.response
+        return _response(reply)
 
-    async def _unary(self, creq: ClientRequest) -> web.Response:
+    def director(self) -> RequestDirector:
+        """The director over the service's dispatcher (made when the service starts: one
+        director per start)."""
         dispatcher = self.service.dispatcher
-        tried: set[WorkerId] = set()
-        attempt = await dispatcher.send(creq, tried, stream=False)
-        headers = _headers(creq, attempt.placement, failover=bool(tried))
-        data, outcome = attempt.data, FAILED
-        end: TurnEnd | None = None
-        try:
-            if attempt.status == 200 and attempt.content_type == "application/json":
-                try:
-                    obj = json.loads(data)
-                except ValueError:
-                    obj = None
-                if isinstance(obj, dict):
-                    reply = absorb_unary(creq, obj)
-                    headers.update(reply.headers)
-                    data = _DUMPS(obj).encode()
-                    outcome = Outcome(ok=True, prompt_tokens=reply.prompt_tokens,
-                                      output_tokens=reply.output_tokens)
-                    end = TurnEnd.of_reply(obj)
-        finally:
-            dispatcher.finish(attempt, outcome)
-        continuations = self.service.continuations
-        if end is not None and continuations is not None:
-            # Before the reply: a continuation sent the moment it arrives finds this turn.
-            history = await continuations.record(creq, outcome.prompt_tokens,
-                                                 outcome.output_tokens, end)
-            if history is not None:
-                headers[HISTORY_HEADER] = str(history)
-        return _reply(attempt, data, headers)
-
-    async def _stream(self, request: web.Request, creq: ClientRequest) -> web.StreamResponse:
-        dispatcher = self.service.dispatcher
-        tried: set[WorkerId] = set()
-        attempt = await dispatcher.send(creq, tried, stream=True)
-        headers = _headers(creq, attempt.placement, failover=bool(tried))
-        if attempt.resp is None:
-            # The worker's own verdict on the request (400 and the like): passed through.
-            dispatcher.finish(attempt)
-            return _reply(attempt, attempt.data, headers)
-        headers.update({"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        out = web.StreamResponse(status=200, headers=headers)
-        try:
-            await out.prepare(request)
-        except BaseException:
-            dispatcher.close(attempt)
-            raise
-        continuations = self.service.continuations
-
-        async def record(state: StreamState) -> dict[str, Any]:
-            if continuations is None:
-                return {}
-            history = await continuations.record(creq, state.prompt_ids, state.generated,
-                                                 TurnEnd(state.finish_reason, state.stop_reason))
-            return {} if history is None else {"history_tokens": history}
-
-        await relay_stream(dispatcher, creq, attempt, out, tried,
-                           max_resumes=self.service.config.max_resumes, on_end=record)
-        return out
+        director = self._director
+        if director is None or director.dispatcher is not dispatcher:
+            director = self._director = RequestDirector(
+                dispatcher, self.service.continuations,
+                max_resumes=self.service.config.max_resumes)
+        return director
 
 
-def _reply(attempt: Attempt, body: bytes, headers: dict[str, str]) -> web.Response:
-    """The worker's answer (its status and content type), with the router's headers."""
-    return web.Response(status=attempt.status, body=body,
-                        content_type=attempt.content_type or "application/json",
-                        headers=headers)
-
-
-def _headers(creq: ClientRequest, placement: Placement, *, failover: bool) -> dict[str, str]:
-    label = placement.label
-    headers = {
-        "X-KVKeep-Worker": placement.worker,
-        "X-KVKeep-Route": label,
-        "X-KVKeep-Restore": "1" if placement.restore_from is not None else "0",
-        "X-KVKeep-Failover": "1" if failover or label in ("failover", "resumed") else "0",
-        "X-KVKeep-Migrated": "1" if label == "migrated" else "0",
-    }
-    if creq.session_id is not None:
-        headers["X-KVKeep-Session"] = creq.session_id
-    return headers
+def _response(reply: Reply) -> web.Response:
+    return web.Response(status=reply.status, body=reply.body, content_type=reply.content_type,
+                        headers=reply.headers)
 
 
 def build_app(service: RouterService) -> web.Application:

@@ -1,8 +1,10 @@
-"""Streams: relaying a worker's SSE events to the client (`relay`), what has been delivered
-(`state`), and resuming a broken stream on another worker (`resume`; not to be confused with
-`router/continuation/`, stateful conversations)."""
+"""Streams: relaying a worker's SSE events to the client (`relay`) through a `Sink` (`sink`),
+what has been delivered (`state`), and resuming a broken stream on another worker (`resume`;
+not to be confused with `router/continuation/`, stateful conversations). A stream's life from
+its first byte to its end is the request director's (`router/director.py`)."""
 
 from router.streaming.relay import StreamBroken, note, pump, sse
+from router.streaming.sink import Sink, StreamSink
 from router.streaming.state import StreamState
 
-__all__ = ["StreamBroken", "StreamState", "note", "pump", "sse"]
+__all__ = ["Sink", "StreamBroken", "StreamSink", "StreamState", "note", "pump", "sse"]

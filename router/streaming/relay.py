@@ -25,9 +25,9 @@ from typing import Any
 
 import aiohttp
 import msgspec
-from aiohttp import web
 
 from router.streaming.replay import Replay
+from router.streaming.sink import Sink
 from router.streaming.state import StreamState
 from router.upstream import UPSTREAM_ERRORS
 
@@ -90,7 +90,7 @@ def note(obj: Any) -> bytes:
     return b": kvkeep " + _encode(obj, _CODECS[0][1]) + b"\n\n"
 
 
-async def pump(resp: aiohttp.ClientResponse, out: web.StreamResponse, state: StreamState,
+async def pump(resp: aiohttp.ClientResponse, out: Sink, state: StreamState,
                max_event_bytes: int = 16 << 20, *, first_byte_by: float | None = None,
                idle_s: float | None = None, replay: Replay | None = None) -> bytes:
     """Relay `resp` to `out` until the worker's `[DONE]`; raise `StreamBroken` if the worker's

@@ -1,7 +1,12 @@
-"""A stream's life after its headers: relayed to its end, and continued on another worker
-when the one producing it breaks (connection lost, engine error event, silence past the idle
-timeout, or no first bytes before the time-to-first-byte deadline: the last a soft failure of
-the worker, which may only be busy).
+"""Resuming a broken stream on another worker: what the new worker is sent, and what the
+stream's record does once it took it. The relay and the decision to resume are the request
+director's (`router/director.py`), which sends what this module builds through the dispatcher
+(not to be confused with `router/continuation/`, stateful conversations: a client sending only
+its new turn).
+
+A stream breaks when the worker producing it does (connection lost, engine error event,
+silence past the idle timeout, or no first bytes before the time-to-first-byte deadline: the
+last a soft failure of the worker, which may only be busy).
 
 What the client sized is never the worker's failure (trust review H1): a choice past the
 request's own per-choice limit (read as vLLM reads it) ends the stream with an error event and
@@ -20,31 +25,26 @@ them in its text, and the router holds back and finds them over the whole answer
 whose worker returned no token ids is never continued from the start of the answer once any of
 it reached the client (it would be sent twice): it is restarted only if nothing had, and ends
 with an error event otherwise.
+
+Structured outputs and tool calls cannot be continued from a prefix: they resume by replaying
+the client's request (`replay.py`), cut to what the client has not been sent.
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
-
-from aiohttp import web
 
 from router.api import ClientRequest, Endpoint
 from router.decision import Placement
-from router.dispatch import Attempt, Dispatcher
-from router.errors import RouterError
-from router.hooks import Outcome
-from router.streaming.relay import EventTooLarge, FirstByteTimeout, StreamBroken, note, pump, sse
-from router.streaming.replay import Replay, ReplayMismatch, replay_refusal, replays
-from router.streaming.state import StreamOverrun, StreamState
+from router.dispatch import BodyFor
+from router.streaming.replay import Replay
+from router.streaming.state import StreamState
 from router.upstream import kv_transfer_params, upstream_body
 from router.workers import WorkerId
 
-__all__ = ["relay_stream", "resume_body", "SAMPLING_FIELDS"]
-
-log = logging.getLogger(__name__)
+__all__ = ["Resume", "resumption", "resume_body", "SAMPLING_FIELDS"]
 
 # Fields a continuation keeps from the original request (what decides the next tokens).
 SAMPLING_FIELDS = (
@@ -96,161 +96,42 @@ def _frequency_bias(client: Any, penalty: float, sent: list[int]) -> dict[str, f
     return bias
 
 
-def _delivered(state: StreamState) -> Outcome:
-    return Outcome(ok=True, prompt_tokens=state.prompt_ids, output_tokens=state.generated)
+@dataclass(frozen=True, slots=True)
+class Resume:
+    """How one broken stream resumes: `body_for` is what each placement is sent, `begin`
+    what the stream's record does once a worker took it; `how` names it for logs."""
+
+    body_for: BodyFor
+    begin: Callable[[WorkerId], None]
+    how: str
 
 
-async def relay_stream(dispatcher: Dispatcher, creq: ClientRequest, attempt: Attempt,
-                       out: web.StreamResponse, tried: set[WorkerId], *, max_resumes: int,
-                       on_end: Callable[[StreamState], Awaitable[dict[str, Any]]] | None = None
-                       ) -> None:
-    """Relay the open stream of `attempt` to `out` (already prepared) until its end,
-    resuming it elsewhere up to `max_resumes` times, and end `out`.
+def resumption(creq: ClientRequest, state: StreamState, replay: Replay | None, *,
+               broken: WorkerId) -> Resume:
+    """The resumption of `state`'s stream, broken on `broken`: a replay of the request when
+    `replay` records it, else a continuation from the tokens delivered (or, when nothing is
+    known to resume from, the original request again: `StreamState.resumable_now` allows that
+    only while nothing reached the client)."""
+    if replay is not None:
+        def replayed(placement: Placement) -> tuple[str, dict[str, Any]]:
+            body = upstream_body(creq, placement)
+            hint = kv_transfer_params(creq, placement, resumed_from=broken)
+            if hint is not None:  # the session's KV is where `broken` left it: restore it
+                body["kv_transfer_params"] = {**body.get("kv_transfer_params", {}), **hint}
+            return creq.endpoint.value, body
 
-    A stream that cannot be resumed (not resumable, too many breaks, no worker left) ends with
-    an error event. A client that leaves ends it at once (its exception propagates) and frees
-    the worker. `on_end` runs when the stream ended whole, before its last bytes are sent
-    (stateful continuation records the conversation there); what it returns joins the
-    summary comment.
-    """
-    metrics = dispatcher.core.metrics
-    limits = dispatcher.limits
-    state = StreamState(creq, token_cap=limits.max_stream_tokens)
-    # Structured outputs and tool calls resume by replaying the request (`replay.py`).
-    replay = Replay() if replays(creq) else None
-    resumed_on: list[str] = []
-    failed: str | None = None
-    failed_type, failed_code = "upstream_error", 502
-    end: list[bytes] = []  # the stream's last bytes, sent with its end in one write
-    try:
-        while True:
-            assert attempt.resp is not None
-            try:
-                end.append(await pump(attempt.resp, out, state, limits.max_event_bytes,
-                                      first_byte_by=attempt.first_byte_by,
-                                      idle_s=dispatcher.idle_timeout_s, replay=replay))
-                break
-            except ReplayMismatch as exc:
-                # Not the replaying worker's fault (decoding was not deterministic after all):
-                # it is closed, not marked. The client has only what agreed with the replay.
-                log.warning("replay of a stream on %s differs: %s", attempt.worker, exc)
-                dispatcher.close(attempt)
-                failed = f"worker failed mid-stream and the answer could not be resumed: {exc}"
-                metrics.resumptions.labels("failed").inc()
-                break
-            except StreamOverrun as exc:
-                log.warning("stream from %s overran: %s", attempt.worker, exc)
-                metrics.upstream_oversize.labels("tokens").inc()
-                if exc.bounded:
-                    # Past the limit the request itself set, read as vLLM reads it: the
-                    # worker's doing, but counted soft: a misreading of the request here must
-                    # never bench an honest worker (trust review H1).
-                    dispatcher.failed(attempt, tried, hard=False)
-                    failed = f"worker failed mid-stream: {exc}"
-                else:  # the client set no limit and the answer passed the router's cap
-                    dispatcher.close(attempt)
-                    failed = f"{exc}; set `max_tokens` to bound the answer"
-                    failed_type, failed_code = "invalid_request_error", 413
-                break
-            except StreamBroken as exc:
-                log.warning("stream from %s broke after %d tokens: %s",
-                            attempt.worker, len(state.generated), exc)
-                if isinstance(exc, EventTooLarge):
-                    metrics.upstream_oversize.labels("event").inc()
-                # Silent before its first bytes: busy (queued, prefilling), not known dead.
-                hard = not isinstance(exc, FirstByteTimeout)
-                if state.finish_reason is not None:  # only the end was lost: finish it here
-                    dispatcher.finish(attempt, _delivered(state))
-                    dispatcher.failed(attempt, tried, hard=hard)
-                    break
-                dispatcher.failed(attempt, tried, hard=hard)
-                why = state.resumable_now() if replay is None else replay_refusal(creq)
-                if not (creq.resumable or replay is not None) or len(resumed_on) >= max_resumes \
-                        or why is not None:
-                    failed = f"worker failed mid-stream: {exc}" + (f" ({why})" if why else "")
-                    metrics.resumptions.labels("refused").inc()
-                    break
-                nxt = await (_continue(dispatcher, creq, state, tried, broken=attempt.worker)
-                             if replay is None else
-                             _replay(dispatcher, creq, replay, tried, broken=attempt.worker))
-                if nxt is None:
-                    failed = f"worker failed mid-stream and no other could resume: {exc}"
-                    metrics.resumptions.labels("failed").inc()
-                    break
-                attempt = nxt
-                resumed_on.append(attempt.worker)
-                metrics.resumptions.labels("resumed").inc()
-                await out.write(note({"resumed_on": attempt.worker,
-                                      "after_tokens": state.completion_tokens,
-                                      **({"replay": True} if replay is not None else {})}))
-        if failed is not None:
-            end.append(sse({"error": {"message": failed, "type": failed_type,
-                                      "param": None, "code": failed_code}}))
-        else:
-            if creq.include_usage and not state.usage_sent and state.chunk_id is not None:
-                end.append(sse(state.usage_chunk()))
-            extra = await on_end(state) if on_end is not None else {}
-            end.append(note({"worker": attempt.worker, "route": attempt.placement.label,
-                             "resumed_on": resumed_on, "failover": bool(tried),
-                             "completion_tokens": state.completion_tokens,
-                             "choice_tokens": [state.choice_tokens.get(i, 0) for i in
-                                               range(max(state.choice_tokens, default=-1) + 1)],
-                             **extra}))
-            dispatcher.finish(attempt, _delivered(state))
-        end.append(b"data: [DONE]\n\n")
-        # One write (and one wake-up of the client) for the summary, [DONE] and the
-        # chunked-encoding terminator; the client's last byte is the stream's end.
-        await out.write_eof(b"".join(end))
-    except (ConnectionResetError, asyncio.CancelledError):
-        log.info("client left a stream from %s", attempt.worker)
-        raise
-    finally:
-        dispatcher.close(attempt, reuse=state.done)
+        return Resume(replayed, replay.begin, "replay")
 
-
-async def _continue(dispatcher: Dispatcher, creq: ClientRequest, state: StreamState,
-                    tried: set[WorkerId], *, broken: WorkerId) -> Attempt | None:
-    """Open the continuation of `state` on another worker; None when none can take it."""
-    def body_for(placement: Placement) -> tuple[str, dict[str, Any]]:
+    def continued(placement: Placement) -> tuple[str, dict[str, Any]]:
         if state.prompt_ids is None:  # nothing known to resume from: the original again
             return creq.endpoint.value, upstream_body(creq, placement)
         return Endpoint.COMPLETIONS.value, resume_body(state, kv_transfer_params(
             creq, placement, resumed_from=broken))
 
-    try:
-        attempt = await dispatcher.send(creq, tried, stream=True, body_for=body_for)
-    except RouterError as exc:
-        log.warning("no worker can continue a stream of %s: %s", broken, exc)
-        return None
-    if attempt.resp is None:  # the worker's verdict on the continuation (a 4xx): no stream
-        dispatcher.finish(attempt)
-        return None
-    if state.prompt_ids is not None:
-        state.continue_here()
-    else:  # nothing reached the client (`resumable_now`): the stream starts again
-        state.restarted = True
-    return attempt
+    def begin(_: WorkerId) -> None:
+        if state.prompt_ids is not None:
+            state.continue_here()
+        else:  # nothing reached the client (`resumable_now`): the stream starts again
+            state.restarted = True
 
-
-
-async def _replay(dispatcher: Dispatcher, creq: ClientRequest, replay: Replay,
-                  tried: set[WorkerId], *, broken: WorkerId) -> Attempt | None:
-    """Send the client's request again to another worker, whose stream `replay` cuts to what
-    the client has not been sent (`replay.py`); None when no worker can take it."""
-    def body_for(placement: Placement) -> tuple[str, dict[str, Any]]:
-        body = upstream_body(creq, placement)
-        hint = kv_transfer_params(creq, placement, resumed_from=broken)
-        if hint is not None:  # the session's KV is where `broken` left it: restore it
-            body["kv_transfer_params"] = {**body.get("kv_transfer_params", {}), **hint}
-        return creq.endpoint.value, body
-
-    try:
-        attempt = await dispatcher.send(creq, tried, stream=True, body_for=body_for)
-    except RouterError as exc:
-        log.warning("no worker can replay a stream of %s: %s", broken, exc)
-        return None
-    if attempt.resp is None:
-        dispatcher.finish(attempt)
-        return None
-    replay.begin(attempt.worker)
-    return attempt
+    return Resume(continued, begin, "continue")
