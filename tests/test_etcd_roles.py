@@ -258,6 +258,11 @@ async def _components_work(w1: EtcdSpec, d1: EtcdSpec, router: EtcdSpec,
 def test_the_command_is_idempotent_and_corrects_drift(tmp_path: Path) -> None:
     passwords = tmp_path / "passwords"
     with start_secure_etcd(tmp_path, client_cert_auth=False) as etcd:
+        # A root without a password, by an administrator who shows no certificate, would
+        # lock everyone out once auth is on: refused before anything changes.
+        with pytest.raises(ConfigError, match="certificate"):
+            _roles(etcd, "--certificates-only", "--worker", "w1")
+        assert "kvkeep-worker-w1" not in etcd.etcdctl("role", "list")
         assert _roles(etcd, "--passwords", str(passwords), "--worker", "w1") == 0
         root = passwords / "root"
         etcd.passwords["root"] = root.read_text().strip()

@@ -26,9 +26,11 @@ own kind's.
 
 `apply_roles` makes etcd match the table: roles and users created or corrected (a permission
 or role beyond the table is revoked), passwords set, `root` created where missing, and auth
-enabled. It can run again at any time (new workers, rotated passwords). `kvkeep etcd roles`
-is its command line. aetcd has no auth API; this uses etcd's gRPC Auth service through the one
-client builder (kvstore/etcd/client.py), so TLS and credentials work as everywhere else.
+enabled. It can run again at any time (new workers, rotated passwords); users and roles it is
+not told about are left alone (remove a retired worker's with `etcdctl user delete`).
+`kvkeep etcd roles` is its command line. aetcd has no auth API; this uses etcd's gRPC Auth
+service through the one client builder (kvstore/etcd/client.py), so TLS and credentials work
+as everywhere else.
 """
 
 from __future__ import annotations
@@ -252,6 +254,11 @@ async def apply_roles(spec: EtcdSpec, wanted: Sequence[Principal], *,
         users = {u for u in (await stub.UserList(rpc.AuthUserListRequest(),
                                                  timeout=timeout)).users}
         roles = set((await stub.RoleList(rpc.AuthRoleListRequest(), timeout=timeout)).roles)
+        if "root" not in users and root_password is None and spec.cert_file is None:
+            # root would authenticate by a certificate named root only, and we show none:
+            # enabling auth now could leave nobody able to change it again.
+            raise ConfigError("creating root without a password needs root's client "
+                              "certificate (--etcd-cert with CN root)")
         for principal in wanted:
             if principal.role not in roles:
                 await stub.RoleAdd(rpc.AuthRoleAddRequest(name=principal.role), timeout=timeout)
@@ -305,9 +312,22 @@ async def _ensure_user(stub: Any, user: str, password: str | None, exists: bool,
             name=user, password=password or "",
             options=rpc.UserAddOptions(no_password=password is None)), timeout=timeout)
         done.users_added.append(user)
-    elif password is not None:  # a rotated password file is taken up on the next run
+    elif password is not None and not await _accepts(stub, user, password, timeout):
+        # A rotated password file is taken up; an unchanged one is left alone, since every
+        # change makes etcd reject all tokens of all users until they authenticate again.
         await stub.UserChangePassword(rpc.AuthUserChangePasswordRequest(
             name=user, password=password), timeout=timeout)
+
+
+async def _accepts(stub: Any, user: str, password: str, timeout: float) -> bool:
+    import aetcd.rpc
+
+    try:
+        await stub.Authenticate(aetcd.rpc.AuthenticateRequest(name=user, password=password),
+                                timeout=timeout)
+    except aetcd.rpc.AioRpcError:  # a wrong password, or auth still off
+        return False
+    return True
 
 
 # --- the command line ---------------------------------------------------------------------
