@@ -119,7 +119,9 @@ def parse_request(endpoint: Endpoint, raw: bytes, header_session: str | None) ->
     include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
     wants_ids = bool(body.get("return_token_ids"))
     logprobs, logprobs_ok = _logprobs(endpoint, body)
-    resumable = (stream and n == 1 and single_prompt and not body.get("best_of")
+    # n > 1 resumes too: each unfinished choice continues from its own prefix, all in one
+    # continuation (a batch of prompts: `streaming/state.StreamState.continuation_prompt`).
+    resumable = (stream and single_prompt and not body.get("best_of")
                  and logprobs_ok and not any(body.get(k) for k in _NOT_RESUMABLE)
                  and _penalties_carry(body))
     return ClientRequest(endpoint, body, model, stream, session_id, wants_ids, include_usage,

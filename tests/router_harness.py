@@ -58,6 +58,16 @@ def fake_generate(prompt: list[int], n: int) -> list[int]:
     return out
 
 
+def fake_generate_choice(prompt: list[int], n: int, choice: int) -> list[int]:
+    """Choice `choice` of n > 1 (as sampling makes them differ): its first token is moved by
+    the choice's number, the rest follow from the context, so a continuation of any of its
+    prefixes produces what the unbroken choice would."""
+    if choice == 0 or n == 0:
+        return fake_generate(prompt, n)
+    first = (fake_next_token(prompt) + choice) % (VOCAB - 1)
+    return [first, *fake_generate([*prompt, first], n - 1)]
+
+
 def _text(tokens: list[int]) -> str:
     return "".join(f" w{t}" for t in tokens)
 
@@ -181,6 +191,7 @@ class FakeWorker:
     endless_body: bool = False  # hostile: a non-streaming answer that never ends
     extra_tokens: int = 0  # hostile: stream this many tokens past max_tokens
     metrics_padding: int = 0  # hostile: this many bytes of comments in /metrics
+    short_choices: dict[int, int] = field(default_factory=dict)  # n > 1: choice -> its length
     requests: list[dict[str, Any]] = field(default_factory=list)
     peers: list[Any] = field(default_factory=list)  # the client address of each request
     port: int = 0
@@ -253,7 +264,9 @@ class FakeWorker:
             prompt = fake_tokenize(prompt_text)
         else:
             p = body["prompt"]
-            prompt = list(p) if isinstance(p, list) else fake_tokenize(p)
+            batch = p if isinstance(p, list) and p and isinstance(p[0], list) else [p]
+            prompts = [list(q) if isinstance(q, list) else fake_tokenize(q) for q in batch]
+            prompt = prompts[0]
         n = body.get("max_tokens") or body.get("max_completion_tokens") or 16
         stop = body.get("stop")
         stops = [stop] if isinstance(stop, str) else list(stop or [])
@@ -305,6 +318,22 @@ class FakeWorker:
         await resp.prepare(request)
         obj = "chat.completion.chunk" if chat else "text_completion"
         sent = 0
+        # n choices per prompt, numbered prompt by prompt as vLLM numbers them; their chunks
+        # interleave step by step, as vLLM's do.
+        choices = int(body.get("n") or 1)
+        runs: list[tuple[int, list[int], list[tuple[int, str, str | None, str | None]]]] = []
+        for q, qprompt in enumerate([prompt] if chat else prompts):
+            for j in range(choices):
+                index = q * choices + j
+                cut = self.short_choices.get(index) if len(runs) + choices > 1 and \
+                    choices > 1 else None
+                qsteps = steps if (q, j) == (0, 0) else stopped_stream(
+                    fake_generate_choice(qprompt, n + self.extra_tokens, j), stops,
+                    include=bool(body.get("include_stop_str_in_output")),
+                    min_tokens=int(body.get("min_tokens") or 0))
+                if cut is not None and cut < len(qsteps):  # ends early, as at an EOS
+                    qsteps = [*qsteps[:cut - 1], (*qsteps[cut - 1][:2], "stop", None)]
+                runs.append((index, qprompt, qsteps))
 
         async def send(chunk: dict[str, Any]) -> None:
             nonlocal sent
@@ -323,40 +352,49 @@ class FakeWorker:
 
         try:
             if chat:
-                first: dict[str, Any] = {"id": cid, "object": obj, "created": 1,
-                                         "model": self.model, "choices": [{
-                                             "index": 0, "delta": {"role": "assistant",
-                                                                   "content": ""},
-                                             "finish_reason": None}]}
-                if ids and not self.omit_prompt_ids:
-                    first["prompt_token_ids"] = prompt
-                await send(first)
-            offset = 0
-            for i, (tok, delta, fin, stop_reason) in enumerate(steps):
-                if chat:
-                    c: dict[str, Any] = {"index": 0, "delta": {"content": delta},
-                                         "finish_reason": fin}
-                else:
-                    c = {"index": 0, "text": delta, "finish_reason": fin}
-                if fin is not None:
-                    c["stop_reason"] = stop_reason
-                c["logprobs"] = _fake_logprobs(body, tok, offset, chat=chat)
-                offset += len(_text([tok]))
-                if ids and not self.omit_token_ids:
-                    c["token_ids"] = [tok]
-                    if not chat and i == 0 and not self.omit_prompt_ids:
-                        c["prompt_token_ids"] = prompt
-                await send({"id": cid, "object": obj, "created": 1, "model": self.model,
-                            "choices": [c]})
-                if i == 0 and self.endless_line:
-                    await resp.write(b"data: ")
-                    while True:  # until the router hangs up
-                        await resp.write(b"x" * (1 << 16))
+                for index, _, _ in runs:
+                    first: dict[str, Any] = {"id": cid, "object": obj, "created": 1,
+                                             "model": self.model, "choices": [{
+                                                 "index": index, "delta": {
+                                                     "role": "assistant", "content": ""},
+                                                 "finish_reason": None}]}
+                    if ids and not self.omit_prompt_ids:
+                        first["prompt_token_ids"] = prompt
+                    await send(first)
+            offsets = [0] * len(runs)
+            for i in range(max(len(r[2]) for r in runs)):
+                for r, (index, qprompt, qsteps) in enumerate(runs):
+                    if i >= len(qsteps):
+                        continue
+                    tok, delta, fin, stop_reason = qsteps[i]
+                    if chat:
+                        c: dict[str, Any] = {"index": index, "delta": {"content": delta},
+                                             "finish_reason": fin}
+                    else:
+                        c = {"index": index, "text": delta, "finish_reason": fin}
+                    if fin is not None:
+                        c["stop_reason"] = stop_reason
+                    c["logprobs"] = _fake_logprobs(body, tok, offsets[r], chat=chat)
+                    offsets[r] += len(_text([tok]))
+                    if ids and not self.omit_token_ids:
+                        c["token_ids"] = [tok]
+                        if not chat and i == 0 and not self.omit_prompt_ids:
+                            c["prompt_token_ids"] = qprompt
+                    await send({"id": cid, "object": obj, "created": 1, "model": self.model,
+                                "choices": [c]})
+                    if i == 0 and self.endless_line:
+                        await resp.write(b"data: ")
+                        while True:  # until the router hangs up
+                            await resp.write(b"x" * (1 << 16))
             if (body.get("stream_options") or {}).get("include_usage"):
+                # vLLM counts each prompt once, however many choices it has
+                prompt_tokens = sum(len(q) for q in ([prompt] if chat else prompts))
+                completion = sum(len(r[2]) for r in runs)
                 await send({"id": cid, "object": obj, "created": 1, "model": self.model,
-                            "choices": [], "usage": {"prompt_tokens": len(prompt),
-                                                     "completion_tokens": n,
-                                                     "total_tokens": len(prompt) + n}})
+                            "choices": [], "usage": {"prompt_tokens": prompt_tokens,
+                                                     "completion_tokens": completion,
+                                                     "total_tokens": prompt_tokens
+                                                     + completion}})
             await resp.write(b"data: [DONE]\n\n")
             if self.eof_delay_s:
                 await asyncio.sleep(self.eof_delay_s)

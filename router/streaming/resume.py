@@ -60,12 +60,13 @@ def resume_body(state: StreamState, kv_params: dict[str, Any] | None) -> dict[st
     req: ClientRequest = state.request
     assert state.prompt_ids is not None, "resumption needs the prompt's token ids"
     body: dict[str, Any] = {k: req.body[k] for k in SAMPLING_FIELDS if k in req.body}
-    body.update(model=req.model, prompt=state.prompt_ids + state.generated, stream=True,
+    # n > 1: a batch of prompts, one per unfinished choice (`StreamState.continuation_prompt`)
+    body.update(model=req.model, prompt=state.continuation_prompt(), stream=True,
                 return_token_ids=True)
     body["max_tokens"] = state.remaining_max_tokens()
     min_tokens = req.body.get("min_tokens")
     if isinstance(min_tokens, int) and min_tokens > 0:
-        body["min_tokens"] = max(0, min_tokens - len(state.generated))
+        body["min_tokens"] = state.remaining_min_tokens(min_tokens)
     frequency = req.body.get("frequency_penalty")
     if isinstance(frequency, int | float) and frequency and state.generated:
         body["logit_bias"] = _frequency_bias(req.body.get("logit_bias"), frequency,

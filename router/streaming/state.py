@@ -28,7 +28,7 @@ from typing import Any
 from router.api import ClientRequest, Endpoint
 from router.streaming.stops import StopText, stop_strings
 
-__all__ = ["StreamState", "StreamOverrun"]
+__all__ = ["StreamState", "StreamOverrun", "Choice"]
 
 DEFAULT_TOKEN_CAP = 1 << 20
 
@@ -48,16 +48,40 @@ class StreamOverrun(Exception):
 
 
 @dataclass(slots=True)
+class Choice:
+    """One choice of the answer, as the client has been sent it."""
+
+    index: int
+    generated: list[int] = field(default_factory=list)
+    """Its token ids (what a continuation resends after the prompt's)."""
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    finished: bool = False
+    cut: bool = False
+    """The router ended it (a stop string the worker could not see, or its limit reached in a
+    continuation shared with choices that may run longer): the worker's rest of it is
+    dropped."""
+    text_chars: int = 0
+    """Characters of its generated text seen so far (its logprobs' text offsets go on from
+    here after a break)."""
+    offset_base: int = 0
+    """`text_chars` when the current continuation started: its text offsets count from 0."""
+    continued: int = 0
+    """Token ids the current continuation has sent for it."""
+    stops: StopText | None = None
+
+
+@dataclass(slots=True)
 class StreamState:
-    """What the client has been sent so far, in tokens; shared across resumptions."""
+    """What the client has been sent so far, in tokens, per choice; shared across
+    resumptions."""
 
     request: ClientRequest
     prompt_ids: list[int] | None = None
-    generated: list[int] = field(default_factory=list)
-    """The token ids of choice 0 (the one a stream resumes: only n = 1 streams do)."""
     choice_tokens: dict[int, int] = field(default_factory=dict)
     """Token ids received per choice index, each bounded by the request's per-choice limit."""
     finish_reason: str | None = None
+    """Choice 0's finish reason, set once every choice has finished (the answer is whole)."""
     stop_reason: int | str | None = None
     done: bool = False
     usage_sent: bool = False
@@ -66,11 +90,6 @@ class StreamState:
     model: str | None = None
     resumed: bool = False
     chunks: int = 0
-    text_chars: int = 0
-    """Characters of generated text sent so far (counted for streams that ask for logprobs,
-    the only ones whose continuation needs it)."""
-    offset_base: int = 0
-    """`text_chars` when the current continuation started: its text offsets count from 0."""
     token_cap: int = DEFAULT_TOKEN_CAP
     """Token ids a choice may carry when its request does not bound them (`max_tokens`)."""
     content_sent: bool = False
@@ -81,46 +100,119 @@ class StreamState:
     """The stream was restarted from the original request (nothing had been delivered): the
     new worker's preamble (a chat role chunk) is not sent twice."""
     ended: bool = False
-    """The router found a stop string the worker could not see (across a break): the
-    stream ends here, the worker's rest unread."""
-    stops: StopText | None = None
+    """The router ended the last unfinished choice itself (a stop string the worker could not
+    see across a break, or its limit in a shared continuation): the stream ends here, the
+    worker's rest unread."""
+    choices: dict[int, Choice] = field(default_factory=dict)
+    """Every choice by its index in the client's stream (all `n` of them from the start)."""
+    order: list[int] = field(default_factory=list)
+    """The current continuation's prompts: its choice k continues the client's `order[k]`."""
+    asked: int = 0
+    """The current continuation's `max_tokens` (what each of its prompts may generate)."""
+    expected: int = 1
+    """Choices the answer has: `n` per prompt."""
 
     def __post_init__(self) -> None:
         req = self.request
+        self.expected = _choice_count(req)
         strings = stop_strings(req.body) if req.resumable else ()
-        if strings:
-            min_tokens = req.body.get("min_tokens")
-            self.stops = StopText(strings, include=not req.strip_stops,
-                                  min_tokens=min_tokens if isinstance(min_tokens, int) else 0)
+        min_tokens = req.body.get("min_tokens")
+        for index in range(self.expected):
+            choice = self._choice(index)
+            if strings:
+                choice.stops = StopText(strings, include=not req.strip_stops,
+                                        min_tokens=min_tokens if isinstance(min_tokens, int)
+                                        else 0)
+
+    @property
+    def generated(self) -> list[int]:
+        """The token ids of choice 0 (what conversations record and load accounting counts)."""
+        return self._choice(0).generated
+
+    @generated.setter
+    def generated(self, ids: list[int]) -> None:
+        self._choice(0).generated = ids
 
     @property
     def started(self) -> bool:
         """Whether anything from a worker has reached the client."""
         return self.chunks > 0
 
+    def _choice(self, index: int) -> Choice:
+        choice = self.choices.get(index)
+        if choice is None:
+            choice = self.choices[index] = Choice(index)
+        return choice
+
+    def unfinished(self) -> list[int]:
+        """The indexes of the choices a continuation must go on with, in order."""
+        return [i for i in sorted(self.choices) if not self.choices[i].finished]
+
     def resumable_now(self) -> str | None:
         """Why this stream cannot be continued elsewhere without replaying what the client
-        already has, or None when it can."""
+        already has, or changing how the rest is sampled; None when it can."""
         if self.content_sent and (self.prompt_ids is None or self.untracked):
             return "the worker did not return the token ids a resumption needs"
+        if self.content_sent and self.expected > 1:
+            # One continuation carries every unfinished choice, with one set of sampling
+            # parameters: what differs per choice cannot be said in it.
+            body = self.request.body
+            if body.get("frequency_penalty") not in (None, 0, 0.0):
+                return ("a frequency penalty of n > 1 choices cannot be carried (each would "
+                        "need its own logit_bias)")
+            if len(set(self._min_tokens_left())) > 1:
+                return ("the choices still owe different `min_tokens`, which one "
+                        "continuation cannot carry")
         return None
+
+    def continuation_prompt(self) -> list[int] | list[list[int]]:
+        """A continuation's `prompt`: the prompt's token ids and what the client has of the
+        answer; for n > 1, one such prompt per unfinished choice (vLLM's batched prompts,
+        each answered as its own choice, `order` maps them back)."""
+        assert self.prompt_ids is not None, "a continuation needs the prompt's token ids"
+        if self.expected == 1:
+            return self.prompt_ids + self.generated
+        return [self.prompt_ids + self.choices[i].generated for i in self.unfinished()]
+
+    def remaining_max_tokens(self) -> int:
+        """What a continuation may still generate: the most any unfinished choice may (the
+        router ends each of the others at its own limit). Without a limit in the request,
+        the router's cap: vLLM clamps it to what the model's context leaves, as it clamped
+        the original (a continuation without one would get completions' default of 16)."""
+        limit = self._limit()
+        left = [limit - len(self.choices[i].generated) for i in self.unfinished()] \
+            or [limit - len(self.generated)]
+        return max(0, *left)
+
+    def remaining_min_tokens(self, min_tokens: int) -> int:
+        """A continuation's `min_tokens` for a request asking `min_tokens` per choice (the
+        same for every unfinished choice: `resumable_now` refuses a stream where not)."""
+        return max(self._min_tokens_left(min_tokens) or [0])
+
+    def _min_tokens_left(self, min_tokens: int | None = None) -> list[int]:
+        if min_tokens is None:
+            asked = self.request.body.get("min_tokens")
+            min_tokens = asked if isinstance(asked, int) and not isinstance(asked, bool) else 0
+        ids = [self.choices[i].generated for i in self.unfinished()] or [self.generated]
+        return [max(0, min_tokens - len(g)) for g in ids]
 
     def continue_here(self) -> None:
         """A continuation's stream starts now: its chunks are rewritten from here on."""
         self.resumed = True
-        self.offset_base = self.text_chars
-
-    def remaining_max_tokens(self) -> int:
-        """What a continuation may still generate. Without a limit in the request, the
-        router's cap: vLLM clamps it to what the model's context leaves, as it clamped the
-        original (a continuation without one would get completions' default of 16)."""
-        limit = self.request.max_tokens
-        return max(0, (self.token_cap if limit is None else limit) - len(self.generated))
+        self.order = self.unfinished() if self.expected > 1 else [0]
+        self.asked = self.remaining_max_tokens()
+        for choice in self.choices.values():
+            choice.offset_base = choice.text_chars
+            choice.continued = 0
 
     @property
     def completion_tokens(self) -> int:
         """Token ids received over all choices."""
         return sum(self.choice_tokens.values())
+
+    def _limit(self) -> int:
+        limit = self.request.max_tokens
+        return self.token_cap if limit is None else limit
 
     def absorb(self, obj: dict[str, Any]) -> dict[str, Any] | None:
         """Record one worker chunk and return what the client should get (None: nothing)."""
@@ -132,62 +224,87 @@ class StreamState:
                 obj.get("model")
         keep = self.request.wants_token_ids
         prompt = obj.get("prompt_token_ids") if keep else obj.pop("prompt_token_ids", None)
-        content = False
+        content = finish = cut = False
+        dropped = 0
+        kept: list[Any] = []
         for choice in obj.get("choices") or ():
             if not isinstance(choice, dict):
+                kept.append(choice)
                 continue
+            state = self._choice(_index(choice))
+            if state.cut:  # the router ended it: the worker's rest of it is not sent
+                dropped += 1
+                continue
+            kept.append(choice)
             text = _content(choice)
-            self.text_chars += len(text)
+            state.text_chars += len(text)
             if "prompt_token_ids" in choice:
                 p = choice["prompt_token_ids"] if keep else choice.pop("prompt_token_ids")
                 prompt = p if p is not None else prompt
             ids = choice.get("token_ids") if keep else choice.pop("token_ids", None)
             if ids:
-                self._extend(choice.get("index", 0), ids)
+                self._extend(state, ids)
             elif text:
                 self.untracked = True
-            if self.stops is not None and choice.get("index", 0) == 0:
-                text = self._hold(choice, text, len(ids or ()))
+            if state.stops is not None:
+                text = self._hold(state, choice, text, len(ids or ()))
+                cut = cut or state.cut
             content = content or bool(text) or bool(ids)
             if choice.get("finish_reason") is not None:
-                self.finish_reason = choice["finish_reason"]
-                self.stop_reason = choice.get("stop_reason")
+                finish = True
+                self._finish(state, choice["finish_reason"], choice.get("stop_reason"))
+        if dropped:
+            obj["choices"] = kept
         if prompt is not None and self.prompt_ids is None:
             self.prompt_ids = list(prompt)
+        self.ended = self.ended or (cut and self.finish_reason is not None)
         if obj.get("usage") is not None:
+            if any(c.cut for c in self.choices.values()) and not kept:
+                # The worker's count has tokens of a choice the router ended: the client's
+                # view instead.
+                return self.usage_chunk()
             self.usage_sent = True
+        if dropped and not kept and obj.get("usage") is None:
+            return None
         if self.restarted:
-            if not content and not self.content_sent and self.finish_reason is None:
+            if not content and not self.content_sent and not finish:
                 return None  # the restarted worker's preamble: the client has it
             obj["id"] = self.chunk_id  # one stream, one id
         self.content_sent = self.content_sent or content
         return obj
 
-    def _extend(self, index: object, ids: list[int]) -> None:
-        key = index if isinstance(index, int) and not isinstance(index, bool) else 0
-        if key == 0:
-            self.generated.extend(ids)
+    def _finish(self, choice: Choice, reason: str, stop_reason: Any) -> None:
+        choice.finish_reason, choice.finished = reason, True
+        choice.stop_reason = stop_reason if isinstance(stop_reason, int | str) else None
+        if len(self.choices) >= self.expected and all(c.finished for c in
+                                                      self.choices.values()):
+            first = self._choice(0)
+            self.finish_reason, self.stop_reason = first.finish_reason, first.stop_reason
+
+    def _extend(self, choice: Choice, ids: list[int], *, limited: bool = True) -> None:
+        choice.generated.extend(ids)
+        key = choice.index
         count = self.choice_tokens.get(key, 0) + len(ids)
         self.choice_tokens[key] = count
         bounded = self.request.max_tokens is not None
-        limit = self.request.max_tokens if self.request.max_tokens is not None \
-            else self.token_cap
-        if count > limit:
+        limit = self._limit()
+        if limited and count > limit:
             what = "the request's limit of" if bounded else "the router's cap of"
             raise StreamOverrun(f"choice {key} of the answer has {count} tokens, over {what} "
                                 f"{limit} per choice", bounded=bounded)
 
-    def _hold(self, choice: dict[str, Any], text: str, tokens: int) -> str:
+    def _hold(self, state: Choice, choice: dict[str, Any], text: str, tokens: int) -> str:
         """Apply the router's stop-string handling to one choice; returns its new text."""
-        assert self.stops is not None
-        emitted = self.stops.feed(text, tokens)
+        assert state.stops is not None
+        emitted = state.stops.feed(text, tokens)
         out = emitted.text
         finish = choice.get("finish_reason")
         if emitted.stop is not None:
             choice["finish_reason"], choice["stop_reason"] = "stop", emitted.stop
-            self.ended = finish is None  # the worker goes on: its stream is cut here
+            if finish is None:  # the worker goes on: its rest is dropped
+                state.cut = True
         elif finish is not None:
-            out += self.stops.finish(choice.get("stop_reason"))
+            out += state.stops.finish(choice.get("stop_reason"))
         _set_content(choice, out)
         return out
 
@@ -215,38 +332,86 @@ class StreamState:
                 # client's view instead.
                 return self.usage_chunk()
             return None
-        choice = choices[0]
+        outs = [out for c in choices if isinstance(c, dict)
+                for out in (self._translate_choice(c),) if out is not None]
+        if not outs:
+            return None
+        return {"id": self.chunk_id, "object": self._object(), "created": self.created,
+                "model": self.model, "choices": outs}
+
+    def _translate_choice(self, choice: dict[str, Any]) -> dict[str, Any] | None:
+        """One choice of a continuation's chunk, as the client's choice it continues (None:
+        nothing to send)."""
+        k = _index(choice)
+        order = self.order or [0]  # (set by `continue_here`)
+        if not 0 <= k < len(order):
+            return None  # no prompt of this continuation: its choices end unfinished
+        state = self._choice(order[k])
+        if state.finished:
+            return None  # ended by the router at its own limit: the worker's rest is not sent
         ids = choice.get("token_ids") or []
-        self._extend(0, ids)
         text = choice.get("text") or ""
-        raw_chars = len(text)
-        if self.stops is not None:
-            text = self._hold(choice, text, len(ids))
         finish = choice.get("finish_reason")
+        stop_reason = choice.get("stop_reason")
+        logprobs = choice.get("logprobs") if self.request.logprobs is not None else None
+        raw_chars = len(text)
+        left = self._limit() - len(state.generated)
+        if left <= 0:
+            # At its limit already, and the worker goes on (its prompt shares the
+            # continuation's `max_tokens` with choices that may run longer): it ends here.
+            ids, text, finish, stop_reason, logprobs = [], "", "length", None, None
+            state.cut = True
+        elif finish is None and len(ids) >= left:
+            # Its limit is reached in this chunk: it ends as vLLM ends it ("length"). A chunk
+            # vLLM merged past the limit is kept whole, so its text and ids agree.
+            state.cut, finish = True, "length"
+        state.continued += len(ids)
+        # A choice the router ends may pass its limit by the rest of a merged chunk; past
+        # the continuation's own `max_tokens` it is the worker's overrun all the same.
+        asked = self.asked or self._limit()
+        self._extend(state, ids, limited=not state.cut or state.continued > asked)
+        if state.stops is not None:
+            held: dict[str, Any] = {"finish_reason": finish, "stop_reason": stop_reason}
+            text = self._hold(state, held, text, len(ids))
+            finish, stop_reason = held["finish_reason"], held["stop_reason"]
         if finish is not None:
-            self.finish_reason = finish
-            self.stop_reason = choice.get("stop_reason")
+            self._finish(state, finish, stop_reason)
+            # The router ended the last unfinished choice: the stream ends here.
+            self.ended = self.ended or (state.cut and self.finish_reason is not None)
+        state.text_chars += raw_chars
         if not text and not ids and finish is None:
-            self.text_chars += raw_chars
             return None
         out: dict[str, Any]
-        logprobs = choice.get("logprobs") if self.request.logprobs is not None else None
         if self.request.endpoint is Endpoint.CHAT:
-            out = {"index": 0, "delta": {"content": text} if text else {},
+            out = {"index": state.index, "delta": {"content": text} if text else {},
                    "logprobs": _chat_logprobs(logprobs, self.request.logprobs or 0),
                    "finish_reason": finish}
         else:
-            out = {"index": 0, "text": text,
-                   "logprobs": _shifted_logprobs(logprobs, self.offset_base),
-                   "finish_reason": finish, "stop_reason": choice.get("stop_reason")}
+            out = {"index": state.index, "text": text,
+                   "logprobs": _shifted_logprobs(logprobs, state.offset_base),
+                   "finish_reason": finish, "stop_reason": stop_reason}
         if self.request.endpoint is Endpoint.CHAT and finish is not None:
-            out["stop_reason"] = choice.get("stop_reason")
-        self.text_chars += raw_chars
+            out["stop_reason"] = stop_reason
         self.content_sent = True
         if self.request.wants_token_ids:
             out["token_ids"] = ids
-        return {"id": self.chunk_id, "object": self._object(), "created": self.created,
-                "model": self.model, "choices": [out]}
+        return out
+
+
+def _index(choice: dict[str, Any]) -> int:
+    index = choice.get("index", 0)
+    return index if isinstance(index, int) and not isinstance(index, bool) else 0
+
+
+def _choice_count(req: ClientRequest) -> int:
+    """How many choices the answer has: `n` for each prompt (a completions batch of prompts
+    numbers its choices prompt by prompt, as vLLM does)."""
+    prompt = req.body.get("prompt")
+    prompts = 1
+    if req.endpoint is Endpoint.COMPLETIONS and isinstance(prompt, list) and prompt \
+            and all(isinstance(p, str | list) for p in prompt):
+        prompts = len(prompt)
+    return max(1, req.n) * prompts
 
 
 def _content(choice: dict[str, Any]) -> str:
