@@ -3,8 +3,8 @@ workers, with its shared state in etcd and failover that restores sessions and r
 
 Layout, one concept per module:
 - `core`: the router core, everything that decides, callable without HTTP and etcd (a
-  simulator's seam); `hooks`: its pre-request / post-response plugins; `tasks`: how its
-  deferred work runs;
+  simulator's seam); `hooks`: its pre-request / post-response plugins (and the director's
+  response-streaming ones); `tasks`: how its deferred work runs;
 - `decision`, `context`, `scheduler`, `policy`, `policy_file`: deciding (pure, synchronous) and
   what decides, from presets or a config file, with the extension points `filters/`,
   `scorers/`, `pickers/`;
@@ -13,9 +13,11 @@ Layout, one concept per module:
   backends, rebinding a dead worker's sessions;
 - `indexer/`: where prefixes are cached (routing history, vLLM KV events over ZMQ or fed
   directly);
-- `api`, `proxy`: the OpenAI-compatible HTTP front; `dispatch`, `upstream`: sending to workers
-  (the one place/send/classify/release loop); `streaming/`: relaying a stream, and continuing
-  it elsewhere when it breaks;
+- `director`: one generation request's life, admission to conversation record (the HTTP
+  front's one entry point); `api`, `proxy`: the OpenAI-compatible HTTP front over it;
+  `dispatch`, `upstream`: sending to workers (the one place/send/classify/release loop);
+  `streaming/`: relaying a stream to a sink, and what resumes it elsewhere when it breaks
+  (`resume`); `continuation/`: stateful conversations;
 - `service`, `metrics`, `commands`: one replica assembled, its Prometheus metrics,
   `kvkeep router serve` and `kvkeep worker`.
 """
