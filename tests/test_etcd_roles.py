@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import shutil
+import subprocess
 from collections.abc import Awaitable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -22,6 +24,7 @@ from typing import Any, TypeVar
 import aiohttp
 import pytest
 
+from deploy.local.tls import LocalPki
 from kvstore.cli import build_parser
 from kvstore.cluster.discovery import DaemonInfo, MembershipWatcher
 from kvstore.daemon.registration import Registrar
@@ -37,7 +40,7 @@ from router.state.etcd import EtcdBackend, EtcdLease
 from router.workers import WorkerId, WorkerInfo
 from tests.etcd_secure import SecureEtcd, start_secure_etcd
 from tests.router_harness import FakeWorker
-from tests.services import stop_process
+from tests.services import free_port, stop_process, wait_for_port
 from tests.test_deploy_k8s_trust import _container, _localize, _materialize, _start_manifest_etcd
 from tests.test_deploy_manifests import POD_ENV
 
@@ -387,3 +390,49 @@ async def _k8s_components_work(router: EtcdSpec, agent: EtcdSpec, store: EtcdSpe
         await registrar.deregister()
         await routers.close()
         await agents.close()
+
+
+# -- deploy/local's TLS mode: every part under its own etcd user --------------------------------
+
+def test_the_local_tls_cluster_gives_each_part_its_own_user(tmp_path: Path) -> None:
+    """The etcd flags deploy/local's TLS mode gives each part (deploy/local/tls.py), through
+    the real parsers, against an etcd started with its server flags and the roles it sets:
+    per id, not per kind (w1's agent cannot write w2's key). `kvkeep demo --tls`
+    (tests/test_local_cluster_tls.py) runs the whole cluster so."""
+    pki = LocalPki.create(tmp_path / "pki")
+    port, peer = free_port(), free_port()
+    url, peer_url = f"https://127.0.0.1:{port}", f"http://127.0.0.1:{peer}"
+    etcd_bin = shutil.which("etcd")
+    assert etcd_bin is not None
+    proc = subprocess.Popen(
+        [etcd_bin, "--name", "l", "--data-dir", str(tmp_path / "etcd"),
+         "--listen-client-urls", url, "--advertise-client-urls", url,
+         "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
+         "--initial-cluster", f"l={peer_url}", "--unsafe-no-fsync", "--log-level", "error",
+         *pki.etcd_server_args()], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for_port(port, proc=proc)
+        pki.enable_etcd_roles(url, ["w1", "w2"], ["d1", "d2"])
+        parser = build_parser()
+
+        def spec(argv: list[str]) -> EtcdSpec:
+            found = etcd_spec_from_args(parser.parse_args(argv), check_files=True)
+            assert found is not None
+            return found
+
+        parts = {
+            "agent w1": (spec(["worker", "--etcd", url, *pki.agent_flags("w1"), "--url",
+                               "http://127.0.0.1:1", "--id", "w1"]), {W1}),
+            "daemon d1": (spec(["store", "serve", "--listen", "127.0.0.1:0", "--data-dir",
+                                "/d", "--node-id", "d1", "--etcd", url,
+                                *pki.daemon_flags("d1")]), {D1}),
+            "router": (spec(["router", "serve", "--etcd", url, *pki.router_flags()]),
+                       {SESSION}),
+            # the connector's certificate alone (its CN is the read-only user)
+            "connector": (EtcdSpec(url, ca_file=pki.client.ca, cert_file=pki.client.cert,
+                                   key_file=pki.client.key), set()),
+        }
+        for name, (part, own) in parts.items():
+            assert _run(_writes(part, ALL)) == {k: k in own for k in ALL}, name
+    finally:
+        stop_process(proc)

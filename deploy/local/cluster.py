@@ -147,6 +147,11 @@ class LocalCluster:
                 f"{', '.join(self.spec.isolated_workers)}; daemons check bearer tokens")
         self.engine = self._engine_settings(say)
         say(f"etcd on 127.0.0.1:{self._start_etcd()}")
+        if self.pki is not None:
+            self.pki.enable_etcd_roles(self.etcd_url,
+                                       [f"w{i + 1}" for i in range(self.spec.workers)],
+                                       [f"d{i + 1}" for i in range(self.spec.daemons)])
+            say("etcd auth on: each agent, daemon and router writes only its own keys")
         for i in range(self.spec.daemons):
             self._add_daemon(f"d{i + 1}")
         # vLLM is the slow part (tens of seconds on two cores): start all servers first, and
@@ -406,13 +411,13 @@ class LocalCluster:
             "--disk-budget", self.spec.daemon_disk_budget, "--node-id", node_id,
             *self._etcd_flags(), "--lease-ttl", "3", "--workers", "2",
             "--replicas", str(self.engine.remote_replicas),
-            "--metrics-listen", f"{host}:{metrics_port}", *self._daemon_trust_flags()],
+            "--metrics-listen", f"{host}:{metrics_port}", *self._daemon_trust_flags(node_id)],
             _MALLOC_ENV)
         self.daemons.append(Daemon(node_id, port, process.start(), data, host, metrics_port))
 
-    def _daemon_trust_flags(self) -> list[str]:
+    def _daemon_trust_flags(self, node_id: str) -> list[str]:
         if self.pki is not None:
-            return self.pki.daemon_flags()
+            return self.pki.daemon_flags(node_id)
         return [] if self.tokens is None else self.tokens.daemon_flags()
 
     def _connector_remote(self) -> dict[str, Any] | None:
@@ -439,7 +444,7 @@ class LocalCluster:
                                 REPO_ROOT)
         agent = self._kvkeep(f"agent-{worker_id}", [
             "worker", "--etcd", etcd_url,
-            *([] if self.pki is None else self.pki.etcd_client_flags()),
+            *([] if self.pki is None else self.pki.agent_flags(worker_id)),
             "--url", f"http://{host}:{port}",
             "--id", worker_id, "--kv-events", f"tcp://{host}:{events}",
             "--ttl", str(self.spec.lease_ttl_s), "--metrics-listen", f"{host}:{metrics}"],
@@ -462,7 +467,8 @@ class LocalCluster:
         allow = ([] if self.fabric is None else
                  ["--allow-workers", f"127.0.0.0/8,::1,localhost,{self.fabric.subnet}"])
         process = self._kvkeep(f"router-{replica_id}", [
-            "router", "serve", "--listen", f"127.0.0.1:{port}", *self._etcd_flags(),
+            "router", "serve", "--listen", f"127.0.0.1:{port}", "--etcd", self.etcd_url,
+            *([] if self.pki is None else self.pki.router_flags()),
             "--replica-id", replica_id, "--block-size", str(self.engine.block_size),
             "--stream-idle-timeout", "20", *allow, *self.spec.router_args])
         self.routers.append(Router(replica_id, port, process.start()))

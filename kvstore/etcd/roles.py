@@ -49,8 +49,8 @@ from kvstore.errors import ConfigError
 from kvstore.etcd.spec import EtcdSpec
 
 __all__ = ["Grant", "Layout", "Principal", "principals", "router", "worker", "daemon",
-           "connector", "shared_agents", "shared_stores", "apply_roles", "register",
-           "ROLE_PREFIX", "DEFAULT_STORES_PREFIX"]
+           "connector", "shared_agents", "shared_stores", "apply_roles", "password_file",
+           "register", "ROLE_PREFIX", "DEFAULT_STORES_PREFIX"]
 
 ROLE_PREFIX = "kvkeep-"
 DEFAULT_STORES_PREFIX = "/kvkeep/stores/"
@@ -332,7 +332,7 @@ async def _accepts(stub: Any, user: str, password: str, timeout: float) -> bool:
 
 # --- the command line ---------------------------------------------------------------------
 
-def _password_file(directory: Path, user: str) -> tuple[Path, str]:
+def password_file(directory: Path, user: str) -> tuple[Path, str]:
     """`directory/user`: its first line, or a new random password written there (0600)."""
     path = directory / user
     if path.exists():
@@ -405,7 +405,7 @@ def _roles_handler(args: argparse.Namespace) -> int:
         if args.passwords is None:
             passwords[user] = None
             continue
-        files[user], passwords[user] = _password_file(args.passwords, user)
+        files[user], passwords[user] = password_file(args.passwords, user)
     root_password = passwords.pop("root")
     done = asyncio.run(apply_roles(spec, wanted, passwords=passwords,
                                    root_password=root_password, enable=not args.no_enable))
