@@ -324,26 +324,45 @@ def test_penalties_sampling_and_usage_across_a_sigkill(env: Env, tiny: TinyModel
       chunk with the original prompt's tokens and all completion tokens;
     - seeded sampling (`temperature` 0.9): resumed with no token lost or doubled: as many
       tokens as asked, and the text the client got is the decoding of the token ids it got;
-    - `presence_penalty` (which no continuation can carry): an OpenAI-shaped error event."""
-    sids = _on(env, "w1", 3, "kill")
+    - `presence_penalty` (which no continuation can carry): an OpenAI-shaped error event;
+    - n = 2 choices, chat and completions, decoded greedily (`top_k` 1: vLLM refuses n > 1
+      at temperature 0): each choice resumed from its own prefix in one continuation (a batch
+      of token-id prompts), each exactly the unbroken run's, usage once over both; and
+      sampled with a seed: every token of each choice once, its text their decoding."""
+    sids = _on(env, "w1", 6, "kill")
     prompt = [{"role": "user", "content": "Tell a long story about penalties"}]
     shapes: dict[str, dict[str, Any]] = {
         "frequency": {"temperature": 0, "frequency_penalty": 0.5,
                       "stream_options": {"include_usage": True}},
         "sampled": {"temperature": 0.9, "seed": 11, "return_token_ids": True},
         "presence": {"temperature": 0, "presence_penalty": 0.5},
+        "choices": {"temperature": 1.0, "top_k": 1, "n": 2, "return_token_ids": True,
+                    "stream_options": {"include_usage": True}},
+        "completions": {"temperature": 1.0, "top_k": 1, "n": 2,
+                        "stream_options": {"include_usage": True}},
+        "choices_sampled": {"temperature": 0.9, "seed": 5, "n": 2, "return_token_ids": True},
     }
     bodies = {name: {"model": "tiny", "messages": prompt, "max_tokens": 160, "ignore_eos": True,
                      **extra} for name, extra in shapes.items()}
-    unary = {k: v for k, v in bodies["frequency"].items() if k != "stream_options"}
-    ref = httpx.post(f"{env.workers['w2'].url}/v1/chat/completions", timeout=120,
-                     json=unary).json()
+    completions = bodies["completions"]
+    del completions["messages"]
+    completions["prompt"] = "Once upon a time, two stories began"
+    paths = {name: "/v1/completions" if "prompt" in body else "/v1/chat/completions"
+             for name, body in bodies.items()}
+
+    def unbroken(name: str) -> Any:
+        body = {k: v for k, v in bodies[name].items() if k != "stream_options"}
+        return httpx.post(f"{env.workers['w2'].url}{paths[name]}", timeout=120,
+                          json=body).json()
+
+    ref = unbroken("frequency")
+    refs = {name: unbroken(name) for name in ("choices", "completions")}
     results: dict[str, Streamed] = {}
     started = threading.Semaphore(0)
 
     def run(name: str, sid: str) -> None:
-        results[name] = stream(env, "/v1/chat/completions", bodies[name],
-                               {"X-Session-Id": sid}, on_event=started)
+        results[name] = stream(env, paths[name], bodies[name], {"X-Session-Id": sid},
+                               on_event=started)
 
     threads = [threading.Thread(target=run, args=(name, sid))
                for name, sid in zip(shapes, sids, strict=True)]
@@ -375,3 +394,21 @@ def test_penalties_sampling_and_usage_across_a_sigkill(env: Env, tiny: TinyModel
     presence = results["presence"]
     assert len(presence.errors) == 1 and presence.errors[0]["code"] == 502
     assert presence.errors[0]["type"] == "upstream_error"
+    for name, want in refs.items():  # n = 2: each choice from its own prefix
+        got = results[name]
+        assert got.errors == [], (name, got.errors)
+        assert got.resumed_on == ["w2"], name
+        assert got.summary is not None and got.summary["choice_tokens"] == [160, 160], name
+        texts = {c["index"]: c["message"]["content"] if "message" in c else c["text"]
+                 for c in want["choices"]}
+        assert got.texts == texts, name
+        assert got.usages == [{"prompt_tokens": want["usage"]["prompt_tokens"],
+                               "completion_tokens": 320,
+                               "total_tokens": want["usage"]["prompt_tokens"] + 320}], name
+    assert {i: len(ids) for i, ids in results["choices"].token_ids.items()} == {0: 160, 1: 160}
+    choices_sampled = results["choices_sampled"]
+    assert choices_sampled.errors == [] and choices_sampled.resumed_on == ["w2"]
+    for i in (0, 1):
+        assert len(choices_sampled.token_ids[i]) == 160
+        assert choices_sampled.texts[i] == tokenizer.decode(choices_sampled.token_ids[i],
+                                                            skip_special_tokens=True)

@@ -386,3 +386,20 @@ def test_n1_continues_as_before() -> None:
     body = resume_body(state, None)
     assert body["prompt"] == [100, 101, 1] and body["max_tokens"] == 7
 
+
+
+def test_a_second_break_continues_each_choice_from_all_it_has() -> None:
+    """A continuation that breaks in turn: the next one resends each choice's ids from the
+    original stream and the first continuation alike, and maps its own prompts anew."""
+    state = _state(3, 8)
+    for index, ids in ((0, [1, 2]), (1, [3, 4]), (2, [5], )):
+        state.absorb(_chunk(index, ids))
+    state.continue_here()
+    state.absorb(_chunk(1, [6], "stop"))  # the client's choice 1 ends in the continuation
+    state.absorb(_chunk(2, [7]))  # ... and choice 2 gets a token
+    assert resume_body(state, None)["prompt"] == [[100, 101, 1, 2], [100, 101, 5, 7]]
+    state.continue_here()
+    assert state.order == [0, 2] and state.asked == 6
+    out = state.absorb(_chunk(1, [8]))
+    assert out is not None and out["choices"][0]["index"] == 2
+    assert state.choices[2].generated == [5, 7, 8] and state.choices[1].finish_reason == "stop"

@@ -18,6 +18,19 @@ the start of the answer, so it is refused instead (`resumable_now`). Token ids a
 choice index: a choice with more than the request's per-choice limit (read as vLLM reads it,
 `router.api.max_new_tokens`), or than `token_cap` when it sets none, has overrun the stream
 (`StreamOverrun`).
+
+A stream of n > 1 choices is kept per choice (`Choice`: its ids, finish, text offsets, stop
+strings), and the answer is finished only once every choice is. Its continuation is one
+`/v1/completions` request with a batch of token-id prompts, one per unfinished choice (the
+prompt's ids + that choice's), which vLLM answers as choices 0..k of its own; `order` maps
+them back to the client's. A choice that finished before the break is not continued. They
+share one `max_tokens`, the most any of them may still have, so the router ends each of the
+others at its own limit ("length", as vLLM would) and drops the worker's rest of it; a chunk
+that vLLM merged from several tokens past that limit is kept whole (its text cannot be split
+by token here), so such a choice may carry that chunk's extra tokens. What one continuation
+cannot say per choice (a frequency penalty's `logit_bias`, `min_tokens` still owed
+differently) is refused (`resumable_now`). Sampled choices continue conditioned on what the
+client was sent: every token once, none lost or doubled, but not the same draws.
 """
 
 from __future__ import annotations
