@@ -45,10 +45,18 @@ def engine_block_shape(fingerprint: Any) -> tuple[int, ...]:
                       fingerprint.head_size, fingerprint.block_size).block_shape
 
 
+# The connector's steps never wait for their saves by default (they finish in the background).
+# Tests that count saves right after `generate` returns would race the saver thread, so the
+# harness lets each step wait for them (bounded) unless a test sets `save_timeout_ms` itself;
+# `tests/test_connector_save_stall.py` runs the default.
+HARNESS_SAVE_TIMEOUT_MS = 5000
+
+
 def kv_transfer_config(store: dict[str, Any], **extra: Any) -> dict[str, Any]:
     return {"kv_connector": "KVKeepConnector", "kv_connector_module_path": "connectors.vllm",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"store": store, **extra}}
+            "kv_connector_extra_config": {"store": store,
+                                          "save_timeout_ms": HARNESS_SAVE_TIMEOUT_MS, **extra}}
 
 
 @contextmanager

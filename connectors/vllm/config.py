@@ -16,7 +16,7 @@ Example (every key optional except a store with at least one tier)::
                "redis": {"url": "redis://redis:6379/0", "prefix": "kvkeep"}},
      "codec": "raw", "compression": "none",
      "checkpoint_tokens": 32, "restore_deadline_ms": 2000, "hinted_restore_deadline_ms": 5000,
-     "save_timeout_ms": 2000,
+     "save_timeout_ms": 0,
      "load_mode": "sync", "tenant": "default",
      "durability": {"replicas": 2, "timeout_ms": 5000},
      "model_id": "llama-3-8b", "weights_revision": "abc123",
@@ -165,7 +165,10 @@ class ConnectorConfig:
     """The same for a request the router sent with a `restore_reason` (its session moved: its
     KV was checkpointed elsewhere and is known to be in the store, so waiting for it beats
     recomputing it). Never below `restore_deadline_s`."""
-    save_timeout_s: float = 2.0
+    save_timeout_s: float = 0.0
+    """Without `durability`, how long a step may wait for its saves: 0 (the default), never
+    (they finish in the background, and a slow store costs only how recent the stored KV is);
+    more bounds that lag at the step's expense."""
     """How long `wait_for_save` waits for one step's saves before letting them finish in the
     background (they are reported when they do)."""
     load_mode: LoadMode = "sync"
@@ -229,7 +232,7 @@ class ConnectorConfig:
             checkpoint_tokens=checkpoint,
             restore_deadline_s=deadline,
             hinted_restore_deadline_s=hinted,
-            save_timeout_s=_positive_ms(extra, "save_timeout_ms", 2000),
+            save_timeout_s=_non_negative_ms(extra, "save_timeout_ms", 0),
             load_mode=cast(LoadMode, load_mode),
             tenant=tenant,
             model_id=None if model_id is None else _nonempty_str(model_id, "model_id"),
@@ -423,6 +426,14 @@ def _positive_ms(mapping: Mapping[str, Any], key: str, default_ms: float) -> flo
         raise ConfigError(f"{key} must be a positive number of milliseconds, got {value!r}")
     if not math.isfinite(value) or value <= 0:
         raise ConfigError(f"{key} must be a positive number of milliseconds, got {value!r}")
+    return float(value) / 1000.0
+
+
+def _non_negative_ms(mapping: Mapping[str, Any], key: str, default_ms: float) -> float:
+    value = mapping.get(key, default_ms)
+    if isinstance(value, bool) or not isinstance(value, int | float) \
+            or not math.isfinite(value) or value < 0:
+        raise ConfigError(f"{key} must be a number of milliseconds >= 0, got {value!r}")
     return float(value) / 1000.0
 
 

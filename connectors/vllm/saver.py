@@ -1,14 +1,21 @@
 """Saves: completed blocks from vLLM's paged KV cache into the store, one frame per block.
 
-For each step's planned blocks, `plan` (before the forward pass) drops those the store already
-holds, and `save_layer` gathers the rest's layer into a compact copy right after the layer's
-attention ran (full blocks never change afterwards). `finish_step` hands the copies to the
-saver thread, which encodes one frame per block and puts it, and waits up to `save_timeout_s`
-for that. If any load of the step failed, all of the step's saves are dropped: a block
-computed this step may have attended to bad KV. Finished requests with unsaved blocks
-("flushes") are gathered straight from the paged tensors in `finish_step`, after which vLLM
-may free them. Saves beyond `max_inflight_saves` blocks are skipped (a slow store must not
-grow memory without bound) and retried at the next checkpoint.
+For each step's planned blocks, `plan` (before the forward pass) drops those the store's
+in-memory tiers already hold, and `save_layer` gathers the rest's layer into a compact copy
+right after the layer's attention ran (full blocks never change afterwards). `finish_step`
+hands the copies to the saver thread, which asks the whole store (network tiers too) which it
+holds, then encodes one frame per remaining block and puts it. If any load of the step failed,
+all of the step's saves are dropped: a block computed this step may have attended to bad KV.
+Finished requests with unsaved blocks ("flushes") are gathered straight from the paged tensors
+in `finish_step`, after which vLLM may free them.
+
+Nothing on the step's path waits for the network (issue 18): the step's own dedup asks only
+in-memory tiers, and without `durability` a step does not wait for its puts (unless
+`save_timeout_s` > 0 asks it to, `save_wait_us` counting the wait); a slow or dead store costs
+how recent the stored KV is, never the step. What bounds memory instead is
+`max_inflight_saves`: blocks past it are not saved now (`save_backpressure`, logged at most
+every `_BACKPRESSURE_LOG_S`) and are planned again at the next checkpoint; how far behind the
+store is shows in `kvkeep_connector_store_copy_lag_seconds` and the outbox's save reports.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ log = logging.getLogger(__name__)
 # How long past its durability deadline a step still waits for a save to report (the put
 # itself ends by the deadline; this covers encoding and a thread hop).
 _DURABLE_GRACE_S = 0.5
+_BACKPRESSURE_LOG_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +93,7 @@ class Saver:
         self._inflight = 0
         self._step: _Batch | None = None
         self._pipeline: SavePipeline | None = None  # save_path "staged"; caches come later
+        self._backpressure_logged = -math.inf
 
     def plan(self, saves: Sequence[SaveSpec]) -> None:
         """Before the forward pass: which of the step's planned (not flushed) blocks to gather."""
@@ -128,7 +137,10 @@ class Saver:
         if self._config.durability is not None:
             self._wait_durable(futures)
             return
-        deadline = time.monotonic() + self._config.save_timeout_s
+        if self._config.save_timeout_s <= 0 or not futures:
+            return  # the default: the puts finish in the background and report then
+        started = time.monotonic()
+        deadline = started + self._config.save_timeout_s
         for future in futures:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -137,6 +149,7 @@ class Saver:
                 future.result(timeout=remaining)
             except TimeoutError:
                 break  # it finishes in the background and is reported when it does
+        self._ctx.counters.add(Counter.SAVE_WAIT_US, int((time.monotonic() - started) * 1e6))
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=True)
@@ -171,6 +184,14 @@ class Saver:
             self._inflight += len(taken)
         if dropped:
             self._ctx.counters.add(Counter.SAVE_BACKPRESSURE, len(dropped))
+            now = time.monotonic()
+            if now - self._backpressure_logged >= _BACKPRESSURE_LOG_S:
+                self._backpressure_logged = now
+                log.warning("kvkeep: %d block(s) of %s not saved now: %d saves in flight, the "
+                            "max_inflight_saves limit (the store is behind); they are planned "
+                            "again at the next checkpoint", len(dropped),
+                            ", ".join(sorted({item.req_id for item in dropped})[:4]),
+                            self._config.max_inflight_saves)
             self._ctx.outbox.saves(item.report(ok=False) for item in dropped)
             self._not_durable(dropped, "too many saves in flight")
         if not taken:
@@ -206,7 +227,12 @@ class Saver:
                 return
             for event in batch.ready:
                 event.synchronize()
+            held = self._held_elsewhere(batch.items)
             for j, item in enumerate(batch.items):
+                if held[j]:
+                    self._ctx.counters.add(Counter.SAVE_SKIPPED_PRESENT)
+                    self._ctx.outbox.saves((item.report(ok=True),))
+                    continue
                 ok = self._put(item, [layer[j] for layer in batch.layers if layer is not None],
                                batch.computed_at)
                 self._ctx.counters.add(Counter.SAVED_BLOCKS if ok else Counter.SAVE_FAILED)
@@ -260,16 +286,28 @@ class Saver:
             batch.deadline = batch.computed_at + self._config.durability.timeout_s
 
     def _stored_prefix(self, keys: Sequence[BlockKey]) -> int:
-        """The leading `keys` a save may skip: held by some tier, or with `durability`, by R
-        daemons (a block only in this node's RAM must still be made durable)."""
+        """The leading `keys` a save may skip: held by an in-memory tier (asked on the step's
+        path: no network), or with `durability`, by R daemons (a block only in this node's RAM
+        must still be made durable; that wait is the setting's cost)."""
         durability = self._config.durability
         if durability is None:
-            return self._ctx.store.lookup(keys)
+            return self._ctx.store.lookup(keys, in_process_only=True)
         present = self._ctx.store.replicated_prefix(
             keys, copies=durability.replicas,
             deadline=time.monotonic() + durability.timeout_s)
         self._ctx.counters.add(Counter.DURABLE_BLOCKS, present)
         return present
+
+    def _held_elsewhere(self, items: Sequence[SaveItem]) -> list[bool]:
+        """On the saver thread: which of `items` a network tier already holds (a prefix
+        restored from the daemons, another worker's save), so that they are not sent again.
+        A store that cannot say in time holds nothing: the blocks are put (puts are
+        idempotent)."""
+        try:
+            deadline = time.monotonic() + self._config.restore_deadline_s
+            return self._ctx.store.holds([item.key for item in items], deadline=deadline)
+        except KVKeepError:
+            return [False] * len(items)
 
     def _encode_and_replicate(self, batch: _Batch) -> None:
         """Encode the batch's frames and put them as one replicated put, which returns once R

@@ -32,6 +32,8 @@ worker half
                                      that completed them returned (saved so, or found so)
     durable_missed                   with `durability`: blocks a step returned without (deadline,
                                      too few daemons, refused, skipped): not durable then
+    save_wait_us                     without `durability`: microseconds steps waited for their
+                                     saves (0 unless `save_timeout_ms` > 0 asks them to)
     durable_wait_us                  with `durability`: microseconds steps waited for it (the
                                      latency the setting costs; the lag itself is the store's
                                      `kvkeep_store_copy_lag_seconds{tier="remote"}`, on vLLM's
@@ -78,6 +80,7 @@ class Counter(enum.StrEnum):
     DURABLE_BLOCKS = "durable_blocks"
     DURABLE_MISSED = "durable_missed"
     DURABLE_WAIT_US = "durable_wait_us"
+    SAVE_WAIT_US = "save_wait_us"
 
 
 LOAD_FAILURES = frozenset({Counter.LOAD_MISSING, Counter.LOAD_CORRUPT, Counter.LOAD_MISMATCH,
