@@ -236,7 +236,8 @@ class RequestDirector:
                 try:
                     tail = await pump(attempt.resp, out, state, limits.max_event_bytes,
                                       first_byte_by=attempt.first_byte_by,
-                                      idle_s=dispatcher.idle_timeout_s, replay=replay)
+                                      idle_s=dispatcher.idle_timeout_s, replay=replay,
+                                      registered=dispatcher.registered(attempt.worker))
                     end.append(tail)
                     break
                 except ReplayMismatch as exc:

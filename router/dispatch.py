@@ -203,6 +203,12 @@ class Dispatcher:
             return attempt
         raise UpstreamError(f"no worker could serve the request ({last})")
 
+    def registered(self, worker: WorkerId) -> Callable[[], bool]:
+        """Whether `worker` is still in the registry (its lease live), asked by a silent
+        stream's relay: a frozen node's connections stay open, its lease does not."""
+        pool = self.core.pool
+        return lambda: pool.get(worker) is not None
+
     def finish(self, attempt: Attempt, outcome: Outcome = FAILED) -> None:
         """End the attempt's placement (the core's post-response hooks), once."""
         if not attempt.finished:

@@ -31,8 +31,12 @@ from router.streaming.sink import Sink
 from router.streaming.state import StreamState
 from router.upstream import UPSTREAM_ERRORS
 
-__all__ = ["StreamBroken", "EventTooLarge", "FirstByteTimeout", "pump", "sse", "note"]
+__all__ = ["StreamBroken", "EventTooLarge", "FirstByteTimeout", "WorkerLeft", "pump", "sse",
+           "note"]
 
+LIVENESS_POLL_S = 1.0
+"""How often a silent stream asks whether its worker is still registered: about the lease's
+keepalive period, so a worker whose lease expired loses its streams within a second of it."""
 _STD_ENCODE = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
 _Codec = tuple[Callable[[bytes], Any], Callable[[Any], bytes]]
 
@@ -74,6 +78,12 @@ class EventTooLarge(StreamBroken):
     """One SSE event of the worker's is over the router's limit."""
 
 
+class WorkerLeft(StreamBroken):
+    """The worker left the registry (its lease expired, or it deregistered) while its stream
+    was silent: a frozen or partitioned node keeps its connections open, and waiting out the
+    idle timeout would hold the client for nothing once the cluster has declared it gone."""
+
+
 class FirstByteTimeout(StreamBroken):
     """The worker sent nothing of its answer before the time-to-first-byte deadline: queued
     or prefilling, not known to be dead (a soft failure of the worker)."""
@@ -92,7 +102,8 @@ def note(obj: Any) -> bytes:
 
 async def pump(resp: aiohttp.ClientResponse, out: Sink, state: StreamState,
                max_event_bytes: int = 16 << 20, *, first_byte_by: float | None = None,
-               idle_s: float | None = None, replay: Replay | None = None) -> bytes:
+               idle_s: float | None = None, replay: Replay | None = None,
+               registered: Callable[[], bool] | None = None) -> bytes:
     """Relay `resp` to `out` until the worker's `[DONE]`; raise `StreamBroken` if the worker's
     side fails first. The `[DONE]` itself is not relayed: the proxy ends the stream after its
     own summary. Returns the client's bytes for the events that came in the same read as the
@@ -107,6 +118,8 @@ async def pump(resp: aiohttp.ClientResponse, out: Sink, state: StreamState,
     `first_byte_by`: the loop time by which the worker's first bytes must arrive (None: no
     bound); `idle_s`: the longest silence after them (None: no bound). `replay`: the record
     of a stream that resumes by replay (`replay.py`), which sees every chunk first.
+    `registered`: whether the worker is still in the registry, asked after every
+    `LIVENESS_POLL_S` of silence (`WorkerLeft` once it is not).
     """
     content = resp.content
     pending = b""
@@ -115,11 +128,7 @@ async def pump(resp: aiohttp.ClientResponse, out: Sink, state: StreamState,
     while True:
         by = first_byte_by if first else (None if idle_s is None else loop.time() + idle_s)
         try:
-            if by is None:
-                data = await content.readany()
-            else:
-                async with asyncio.timeout_at(by):
-                    data = await content.readany()
+            data = await _read(content, by, registered, loop)
         except TimeoutError as exc:
             if first:
                 raise FirstByteTimeout("no answer from the worker before the first-byte "
@@ -152,6 +161,31 @@ async def pump(resp: aiohttp.ClientResponse, out: Sink, state: StreamState,
     if state.finish_reason is None:
         raise StreamBroken("worker closed the stream before finishing")
     return b""
+
+
+async def _read(content: aiohttp.StreamReader, by: float | None,
+                registered: Callable[[], bool] | None,
+                loop: asyncio.AbstractEventLoop) -> bytes:
+    """The next bytes of `content`, waiting until `by` (None: without end); raises
+    `TimeoutError` past `by` and `WorkerLeft` once `registered()` turns False. A `readany`
+    cut short by a poll's timeout loses nothing: bytes that arrive later wait in the
+    reader's buffer for the next one."""
+    if registered is None:
+        if by is None:
+            return await content.readany()
+        async with asyncio.timeout_at(by):
+            return await content.readany()
+    while True:
+        poll = loop.time() + LIVENESS_POLL_S
+        try:
+            async with asyncio.timeout_at(poll if by is None else min(by, poll)):
+                return await content.readany()
+        except TimeoutError:
+            if by is not None and loop.time() >= by:
+                raise
+            if not registered():
+                raise WorkerLeft("the worker left the registry (its lease expired) "
+                                 "mid-stream") from None
 
 
 def _relay_line(line: bytes, state: StreamState, batch: list[bytes],
