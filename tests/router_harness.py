@@ -9,6 +9,9 @@ completes first ends the answer, `stop_reason` names it; `min_tokens`), and can 
 break a stream after N chunks (closing the socket mid-response), answer with a status, be
 down, leave out token ids, keep a prefix cache per `cache_salt` (reported as cached tokens), or
 misbehave as a hostile worker (an endless SSE line, an endless unary body, too many tokens).
+A stream honours `n` (choice j's first token moved by j, so choices differ; their chunks
+interleave step by step, numbered prompt by prompt) and a batch of token-id prompts, as vLLM's
+completions endpoint does; `short_choices` ends chosen choices early, as at an EOS.
 """
 
 from __future__ import annotations
@@ -325,8 +328,8 @@ class FakeWorker:
         for q, qprompt in enumerate([prompt] if chat else prompts):
             for j in range(choices):
                 index = q * choices + j
-                cut = self.short_choices.get(index) if len(runs) + choices > 1 and \
-                    choices > 1 else None
+                # (the original request's choices only: a continuation asks n = 1)
+                cut = self.short_choices.get(index) if choices > 1 else None
                 qsteps = steps if (q, j) == (0, 0) else stopped_stream(
                     fake_generate_choice(qprompt, n + self.extra_tokens, j), stops,
                     include=bool(body.get("include_stop_str_in_output")),
