@@ -247,16 +247,18 @@ def test_stop_strings_are_found_per_choice_across_the_break(env: Env, chat: bool
     assert word not in got.texts[1]  # dropped, as the client did not ask to keep it
 
 
-def test_logprobs_of_every_choice_continue(env: Env) -> None:
-    sid = "choices-logprobs"
-    path, body, _ = _request(False, 2, 18, logprobs=1)
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_logprobs_of_every_choice_continue(env: Env, chat: bool) -> None:
+    sid = f"choices-logprobs-{chat}"
+    extra: dict[str, Any] = {"logprobs": True, "top_logprobs": 1} if chat else {"logprobs": 1}
+    path, body, _ = _request(chat, 2, 18, **extra)
     first, other = _on(env, path, body, sid)
     unbroken = seen(env.http.post(path, json=body, headers={"X-Session-Id": sid}).text)
     env.fakes[first].break_after = 9
     got = seen(env.http.post(path, json=body, headers={"X-Session-Id": sid}).text)
     assert got.resumed_on == [other] and env.fakes[other].requests[-1]["logprobs"] == 1
     assert got.texts == unbroken.texts
-    # per choice, text offsets carried on past the break from that choice's own text
+    # per choice: chat entries rebuilt, or text offsets carried on from that choice's text
     assert got.logprobs == unbroken.logprobs and len(got.logprobs[1]) == 18
 
 
