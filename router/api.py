@@ -1,8 +1,16 @@
-"""Parsing and validating OpenAI completion and chat requests, and the facts routing needs.
+"""Parsing and validating OpenAI completion, chat and Responses API requests, and the facts
+routing needs.
 
-Validation is only what the router itself relies on (JSON object, model, prompt or messages,
-stream, n, max_tokens, session id); everything else is the worker's to judge, and its 400s pass
-through unchanged. Router-only fields (`session_id`) are removed before forwarding.
+Validation is only what the router itself relies on (JSON object, model, prompt or messages or
+input, stream, n, max_tokens, session id); everything else is the worker's to judge, and its
+400s pass through unchanged. Router-only fields (`session_id`) are removed before forwarding
+(vLLM's Responses API has a `session_id` of its own, an identity it only carries: the router's
+session is the same idea, so the field names the router's session there too).
+
+A Responses API request (`POST /v1/responses`) is routed like the others (its prompt text,
+for prefix routing, is its `instructions` then its `input`, rendered as chat messages are; its
+limit `max_output_tokens`) but never resumed: `resumable` is always False (see
+`router/streaming/responses_api.py`).
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ _NOT_RESUMABLE = ("tools", "functions", "response_format", "structured_outputs",
 class Endpoint(StrEnum):
     COMPLETIONS = "/v1/completions"
     CHAT = "/v1/chat/completions"
+    RESPONSES = "/v1/responses"
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,13 +110,20 @@ def parse_request(endpoint: Endpoint, raw: bytes, header_session: str | None) ->
         stream = False
     if not isinstance(stream, bool):
         raise BadRequest("`stream` must be a boolean", param="stream")
+    max_tokens = max_new_tokens(endpoint, body)
+    if endpoint is Endpoint.RESPONSES:
+        # One answer per request (the Responses API has no `n`; vLLM ignores one), never
+        # resumed: its typed events carry sequence numbers and item ids that a continuation
+        # on another worker cannot reproduce.
+        return ClientRequest(endpoint, body, model, stream, session_id, False, False,
+                             _responses_prompt(body.get("input"), body.get("instructions")),
+                             None, max_tokens, False)
+
     n = body.get("n", 1)
     if n is None:
         n = 1
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise BadRequest("`n` must be a positive integer", param="n")
-
-    max_tokens = max_new_tokens(endpoint, body)
 
     if endpoint is Endpoint.CHAT:
         prompt_text, prompt_tokens = _chat_prompt(body.get("messages")), None
@@ -134,14 +150,16 @@ def max_new_tokens(endpoint: Endpoint, body: dict[str, Any]) -> int | None:
 
     Chat takes `max_completion_tokens` over `max_tokens` (vLLM's chat serving code; OpenAI
     deprecated `max_tokens` for chat); completions know only `max_tokens`, and vLLM gives a
-    missing or null one its default of 16. The bound is per choice: `n` choices (and each
+    missing or null one its default of 16. The Responses API knows only `max_output_tokens`
+    (`ResponsesRequest.to_sampling_params`: the smaller of it and what the context leaves;
+    missing or null, what the context leaves). The bound is per choice: `n` choices (and each
     prompt of a batch) may each generate this many. `min_tokens`, `ignore_eos` and
     `stop_token_ids` never raise it (vLLM refuses `min_tokens` over it; a stop token counts
     within it). Reading this differently from the worker would make an honest worker look
     as if it overran the stream (trust review H1).
     """
-    fields = ("max_completion_tokens", "max_tokens") if endpoint is Endpoint.CHAT \
-        else ("max_tokens",)
+    fields = {Endpoint.CHAT: ("max_completion_tokens", "max_tokens"),
+              Endpoint.RESPONSES: ("max_output_tokens",)}.get(endpoint, ("max_tokens",))
     found: int | None = None
     for name in fields:
         value = body.get(name)
@@ -235,6 +253,30 @@ def _chat_prompt(messages: object) -> str:
         if isinstance(content, list):  # content parts: only text parts shape the prefix
             content = "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
         parts.append(f"{message.get('role', '')}:{content if content is not None else ''}\n")
+    return "".join(parts)
+
+
+def _responses_prompt(items: object, instructions: object) -> str:
+    """The text of a Responses API prompt, for prefix routing: `instructions` (vLLM makes it
+    the system message) then `input`, a string (one user message) or a list of items (messages
+    whose content is a string or content parts, and items such as function-call outputs, whose
+    text is their `output`), rendered as `_chat_prompt` renders messages."""
+    if instructions is not None and not isinstance(instructions, str):
+        raise BadRequest("`instructions` must be a string", param="instructions")
+    head = f"system:{instructions}\n" if instructions else ""
+    if isinstance(items, str):
+        return f"{head}user:{items}\n"
+    if not isinstance(items, list):
+        raise BadRequest("`input` must be a string or an array of input items", param="input")
+    parts = [head]
+    for item in items:
+        if not isinstance(item, dict):
+            raise BadRequest("each input item must be an object", param="input")
+        content = item.get("content", item.get("output"))
+        if isinstance(content, list):  # content parts: only text parts shape the prefix
+            content = "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+        role = item.get("role", item.get("type", ""))
+        parts.append(f"{role}:{content if content is not None else ''}\n")
     return "".join(parts)
 
 

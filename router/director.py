@@ -21,6 +21,13 @@ set: `router/admission.py`), in order:
    reply is returned, a stream's by a `ResponseStreaming` hook (`ConversationRecorder`) before
    its last bytes, so a continuation sent the moment an answer ends finds it.
 
+A Responses API request (`/v1/responses`) lives the same life up to its relay, which is its
+own (`router/streaming/responses_api.py`): its events pass through as the worker sent them, a
+break before any reached the client sends the request to another worker, a later one ends the
+stream with the API's failure events (never resumed), and nothing is recorded (the Responses
+API keeps its own conversation, `previous_response_id`, in the worker's memory: the session's
+binding, by `X-Session-Id`, is what keeps such a conversation on the worker that has it).
+
 Fronts are adapters over it: the HTTP proxy (`router/proxy.py`) parses a request, calls
 `generate` and writes what it returns.
 
@@ -44,18 +51,25 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from router.api import ClientRequest
-from router.continuation import HISTORY_HEADER, Continuations, TurnEnd, asks_continuation
+from router.api import ClientRequest, Endpoint
+from router.continuation import (
+    CONTINUE_FIELD,
+    HISTORY_HEADER,
+    Continuations,
+    TurnEnd,
+    asks_continuation,
+)
 from router.decision import Placement
-from router.dispatch import Attempt, Dispatcher
-from router.errors import ContinuationUnsupported, ModelNotFound, RouterError
+from router.dispatch import Attempt, BodyFor, Dispatcher
+from router.errors import BadRequest, ContinuationUnsupported, ModelNotFound, RouterError
 from router.hooks import FAILED, Outcome, ResponseStreaming
 from router.streaming.relay import EventTooLarge, FirstByteTimeout, StreamBroken, note, pump, sse
 from router.streaming.replay import Replay, ReplayMismatch, replay_refusal, replays
+from router.streaming.responses_api import EventStream, failure_events, pump_events
 from router.streaming.resume import resumption
 from router.streaming.sink import Sink, StreamSink
 from router.streaming.state import StreamOverrun, StreamState
-from router.upstream import absorb_unary
+from router.upstream import absorb_unary, upstream_body
 from router.workers import WorkerId
 
 __all__ = ["RequestDirector", "Reply", "ConversationRecorder", "route_headers"]
@@ -139,6 +153,10 @@ class RequestDirector:
         if creq.model not in core.models():
             raise ModelNotFound(f"The model `{creq.model}` does not exist.", param="model")
         if asks_continuation(creq, continue_header):
+            if creq.endpoint is Endpoint.RESPONSES:
+                raise BadRequest("a Responses API request continues a conversation with "
+                                 "`previous_response_id`, not the router's stateful "
+                                 "continuation", param=CONTINUE_FIELD)
             if self.continuations is None:
                 raise ContinuationUnsupported("stateful continuation is off on this router "
                                               "(--continuation); send the whole history")
@@ -158,6 +176,8 @@ class RequestDirector:
         reply is returned."""
         dispatcher = self.dispatcher
         tried: set[WorkerId] = set()
+        if creq.endpoint is Endpoint.RESPONSES:
+            return await self._unary_response(creq, tried)
         attempt = await dispatcher.send(creq, tried, stream=False)
         headers = route_headers(creq, attempt.placement, failover=bool(tried))
         data, outcome = attempt.data, FAILED
@@ -191,7 +211,9 @@ class RequestDirector:
         where it breaks). A reply when the worker answered without a stream."""
         dispatcher = self.dispatcher
         tried: set[WorkerId] = set()
-        attempt = await dispatcher.send(creq, tried, stream=True)
+        events = creq.endpoint is Endpoint.RESPONSES
+        attempt = await dispatcher.send(creq, tried, stream=True,
+                                        body_for=_responses_body(creq) if events else None)
         headers = route_headers(creq, attempt.placement, failover=bool(tried))
         if attempt.resp is None:
             # The worker's own verdict on the request (400 and the like): passed through.
@@ -203,8 +225,105 @@ class RequestDirector:
         except BaseException:
             dispatcher.close(attempt)
             raise
-        await self._relay(creq, attempt, sink, tried)
+        if events:
+            await self._relay_events(creq, attempt, sink, tried)
+        else:
+            await self._relay(creq, attempt, sink, tried)
         return None
+
+    # --- the Responses API -----------------------------------------------------------------
+    async def _unary_response(self, creq: ClientRequest, tried: set[WorkerId]) -> Reply:
+        """A non-streaming Responses API request: the worker's answer passed on as it is (no
+        token ids to strip: none were asked), with the router's headers."""
+        dispatcher = self.dispatcher
+        attempt = await dispatcher.send(creq, tried, stream=False,
+                                        body_for=_responses_body(creq))
+        headers = route_headers(creq, attempt.placement, failover=bool(tried))
+        outcome = FAILED
+        try:
+            if attempt.status == 200 and attempt.content_type == "application/json":
+                try:
+                    obj = json.loads(attempt.data)
+                except ValueError:
+                    obj = None
+                if isinstance(obj, dict):
+                    headers.update(_response_usage_headers(obj))
+                    outcome = Outcome(ok=True)
+        finally:
+            dispatcher.finish(attempt, outcome)
+        return _reply(attempt, attempt.data, headers)
+
+    async def _relay_events(self, creq: ClientRequest, attempt: Attempt, sink: StreamSink,
+                            tried: set[WorkerId]) -> None:
+        """Relay a Responses API stream to `sink` (prepared) to its terminal event and end
+        `sink` (`streaming/responses_api.py`). A worker that breaks it is marked as for the
+        other streams; before any event reached the client the request goes to another
+        worker (at most `max_resumes` times), after that the stream ends with the API's
+        `error` and `response.failed` events."""
+        dispatcher = self.dispatcher
+        metrics = dispatcher.core.metrics
+        limits = dispatcher.limits
+        stream = EventStream()
+        restarted_on: list[str] = []
+        failed: str | None = None
+        tail = b""
+        try:
+            while True:
+                assert attempt.resp is not None
+                try:
+                    tail = await pump_events(attempt.resp, sink, stream, limits.max_event_bytes,
+                                             first_byte_by=attempt.first_byte_by,
+                                             idle_s=dispatcher.idle_timeout_s,
+                                             registered=dispatcher.registered(attempt.worker))
+                    break
+                except StreamBroken as exc:
+                    log.warning("responses stream from %s broke after %d events: %s",
+                                attempt.worker, stream.events, exc)
+                    if isinstance(exc, EventTooLarge):
+                        metrics.upstream_oversize.labels("event").inc()
+                    dispatcher.failed(attempt, tried, hard=not isinstance(exc, FirstByteTimeout))
+                    if stream.events == 0 and len(restarted_on) < self.max_resumes:
+                        nxt = await self._restart(creq, tried, broken=attempt.worker)
+                        if nxt is not None:
+                            attempt = nxt
+                            restarted_on.append(attempt.worker)
+                            metrics.resumptions.labels("resumed").inc()
+                            await sink.write(note({"restarted_on": attempt.worker}))
+                            continue
+                    failed = f"worker failed mid-stream: {exc} (a Responses API stream is " \
+                        "not resumed: its response and item ids and sequence numbers are the " \
+                        "broken worker's; send the request again)"
+                    metrics.resumptions.labels("refused").inc()
+                    break
+            if failed is not None:
+                end = failure_events(stream, failed)
+            else:
+                end = tail + note({"worker": attempt.worker, "route": attempt.placement.label,
+                                   "restarted_on": restarted_on, "failover": bool(tried),
+                                   "events": stream.events})
+                dispatcher.finish(attempt, Outcome(ok=True))
+            await sink.write_eof(end)
+        except (ConnectionResetError, asyncio.CancelledError):
+            log.info("client left a responses stream from %s", attempt.worker)
+            raise
+        finally:
+            dispatcher.close(attempt, reuse=stream.done)
+
+    async def _restart(self, creq: ClientRequest, tried: set[WorkerId], *, broken: WorkerId
+                       ) -> Attempt | None:
+        """Send a stream that broke before any of it reached the client to another worker,
+        from the start; None when none can take it."""
+        dispatcher = self.dispatcher
+        try:
+            attempt = await dispatcher.send(creq, tried, stream=True,
+                                            body_for=_responses_body(creq))
+        except RouterError as exc:
+            log.warning("no worker can restart a stream of %s: %s", broken, exc)
+            return None
+        if attempt.resp is None:  # the worker's verdict on the request (a 4xx): no stream
+            dispatcher.finish(attempt)
+            return None
+        return attempt
 
     # --- a stream's life after its headers -------------------------------------------------
     async def _relay(self, creq: ClientRequest, attempt: Attempt, sink: StreamSink,
@@ -339,6 +458,31 @@ class RequestDirector:
             return None
         how.begin(attempt.worker)
         return attempt
+
+
+def _responses_body(creq: ClientRequest) -> BodyFor:
+    """A Responses API request's path and body: the other endpoints', less `return_token_ids`
+    (its events carry no token ids, and vLLM would ignore the field)."""
+    def body_for(placement: Placement) -> tuple[str, dict[str, Any]]:
+        body = upstream_body(creq, placement)
+        body.pop("return_token_ids", None)
+        return creq.endpoint.value, body
+    return body_for
+
+
+def _response_usage_headers(obj: dict[str, Any]) -> dict[str, str]:
+    """`X-KVKeep-Cached-Tokens` / `-Recomputed-Tokens` from a Responses API answer's usage
+    (`input_tokens`, `input_tokens_details.cached_tokens`)."""
+    usage = obj.get("usage")
+    if not isinstance(usage, dict):
+        return {}
+    details = usage.get("input_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    prompt = usage.get("input_tokens")
+    if not isinstance(cached, int) or not isinstance(prompt, int):
+        return {}
+    return {"X-KVKeep-Cached-Tokens": str(cached),
+            "X-KVKeep-Recomputed-Tokens": str(max(0, prompt - cached))}
 
 
 def _delivered(state: StreamState) -> Outcome:

@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP front: requests in, responses out; nothing else.
 
-Routes: `POST /v1/completions`, `POST /v1/chat/completions` (streaming and not), `GET
-/v1/models`, `GET /health`, `GET /metrics`, and read-only `GET /kvkeep/workers`,
-`GET /kvkeep/sessions/{id}` for operators and tests.
+Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `POST /v1/responses` (streaming
+and not; the Responses API is routed, placed and failed over like the others, but never
+resumed mid-stream: `router/director.py`), `GET /v1/models`, `GET /health`, `GET /metrics`,
+and read-only `GET /kvkeep/workers`, `GET /kvkeep/sessions/{id}` for operators and tests.
 
 Per generation request: parse and validate (`router/api.py`), admit it for its tenant
 (`router/admission.py`), hand it to the request director (`router/director.py`: continuation
@@ -108,6 +109,7 @@ class Proxy:
                               middlewares=[self._errors, self._auth])
         app.router.add_post(Endpoint.COMPLETIONS.value, self.completions)
         app.router.add_post(Endpoint.CHAT.value, self.chat)
+        app.router.add_post(Endpoint.RESPONSES.value, self.responses)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
@@ -209,6 +211,9 @@ class Proxy:
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, Endpoint.CHAT)
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, Endpoint.RESPONSES)
 
     async def _generate(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
         limit = self.service.config.max_body_bytes

@@ -12,6 +12,13 @@ misbehave as a hostile worker (an endless SSE line, an endless unary body, too m
 A stream honours `n` (choice j's first token moved by j, so choices differ; their chunks
 interleave step by step, numbered prompt by prompt) and a batch of token-id prompts, as vLLM's
 completions endpoint does; `short_choices` ends chosen choices early, as at an EOS.
+
+`POST /v1/responses` is a minimal Responses API (`_responses`): `input` (a string or message
+items) and `instructions` tokenized as one text, `max_output_tokens` (16 when missing),
+unary or streamed as vLLM streams it (typed events `response.created` ... `response.completed`
+with sequence numbers, no `[DONE]`); `break_after` counts its events. It stores every response
+it made (as vLLM does with `VLLM_ENABLE_RESPONSES_API_STORE=1`, in its own memory) and answers
+a `previous_response_id` it does not have with vLLM's 404.
 """
 
 from __future__ import annotations
@@ -196,6 +203,7 @@ class FakeWorker:
     metrics_padding: int = 0  # hostile: this many bytes of comments in /metrics
     short_choices: dict[int, int] = field(default_factory=dict)  # n > 1: choice -> its length
     requests: list[dict[str, Any]] = field(default_factory=list)
+    stored: set[str] = field(default_factory=set)  # the ids of the responses it made
     peers: list[Any] = field(default_factory=list)  # the client address of each request
     port: int = 0
     host: str = "127.0.0.1"
@@ -213,6 +221,7 @@ class FakeWorker:
         app.router.add_get("/metrics", self._metrics)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/responses", self._responses)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         self.port = self.port or free_port()
@@ -401,6 +410,83 @@ class FakeWorker:
             await resp.write(b"data: [DONE]\n\n")
             if self.eof_delay_s:
                 await asyncio.sleep(self.eof_delay_s)
+            await resp.write_eof()
+        except ConnectionResetError:
+            pass
+        return resp
+
+
+    async def _responses(self, request: web.Request) -> web.StreamResponse:
+        """A minimal `/v1/responses` (see the module docstring)."""
+        body = await request.json()
+        self.requests.append(body)
+        if self.status is not None:
+            return web.json_response({"error": {"message": "injected", "type": "x",
+                                                "code": self.status}}, status=self.status)
+        if body.get("model") != self.model:
+            return web.json_response({"error": {"message": "no model", "code": 404}},
+                                     status=404)
+        previous = body.get("previous_response_id")
+        if previous is not None and previous not in self.stored:
+            return web.json_response({"error": {
+                "message": f"Response with id '{previous}' not found.",
+                "type": "invalid_request_error", "param": "response_id", "code": 404}},
+                status=404)
+        items = body["input"]
+        text = (body.get("instructions") or "") + " " + (items if isinstance(items, str) else
+                " ".join(str(i.get("content", "")) for i in items))
+        tokens = fake_generate(fake_tokenize(text), body.get("max_output_tokens") or 16)
+        rid = f"resp_{self.port}_{len(self.requests)}"
+        self.stored.add(rid)
+        usage = {"input_tokens": len(fake_tokenize(text)), "output_tokens": len(tokens),
+                 "total_tokens": len(fake_tokenize(text)) + len(tokens),
+                 "input_tokens_details": {"cached_tokens": self.cached_tokens},
+                 "output_tokens_details": {"reasoning_tokens": 0}}
+        part = {"type": "output_text", "text": _text(tokens), "annotations": []}
+        item = {"type": "message", "id": f"msg_{rid}", "role": "assistant",
+                "status": "completed", "content": [part]}
+
+        def response(status: str, output: list[Any]) -> dict[str, Any]:
+            return {"id": rid, "object": "response", "created_at": 1, "model": self.model,
+                    "status": status, "output": output, "previous_response_id": previous,
+                    "max_output_tokens": body.get("max_output_tokens"), "error": None,
+                    "usage": usage if status == "completed" else None}
+
+        if not body.get("stream"):
+            return web.json_response(response("completed", [item]))
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        seq = 0
+
+        async def send(kind: str, data: dict[str, Any]) -> None:
+            nonlocal seq
+            if self.break_after is not None and seq >= self.break_after:
+                self.break_after = None
+                assert request.transport is not None
+                request.transport.abort()  # the worker "dies" mid-stream
+                raise ConnectionResetError("injected break")
+            await resp.write(f"event: {kind}\ndata: ".encode() + json.dumps(
+                {"type": kind, **data, "sequence_number": seq}).encode() + b"\n\n")
+            seq += 1
+            if self.delay_s:
+                await asyncio.sleep(self.delay_s)
+
+        ids = {"item_id": item["id"], "output_index": 0, "content_index": 0}
+        try:
+            await send("response.created", {"response": response("in_progress", [])})
+            await send("response.in_progress", {"response": response("in_progress", [])})
+            await send("response.output_item.added", {
+                "output_index": 0, "item": {**item, "status": "in_progress", "content": []}})
+            await send("response.content_part.added", {
+                **ids, "part": {**part, "text": ""}})
+            for tok in tokens:
+                await send("response.output_text.delta", {**ids, "delta": _text([tok]),
+                                                          "logprobs": []})
+            await send("response.output_text.done", {**ids, "text": part["text"],
+                                                     "logprobs": []})
+            await send("response.content_part.done", {**ids, "part": part})
+            await send("response.output_item.done", {"output_index": 0, "item": item})
+            await send("response.completed", {"response": response("completed", [item])})
             await resp.write_eof()
         except ConnectionResetError:
             pass
