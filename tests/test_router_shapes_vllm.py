@@ -109,6 +109,12 @@ class Cluster:
         self.agents[wid].send_signal(signal.SIGKILL)
         self.workers[wid].kill(signal.SIGKILL)
 
+    def freeze(self, wid: str) -> None:
+        """The node hangs (or is cut off) with its connections open: its vLLM stopped, its
+        agent gone, so its lease expires on its own after the TTL."""
+        self.agents[wid].send_signal(signal.SIGKILL)
+        self.workers[wid].send_signal(signal.SIGSTOP)
+
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory, tiny: TinyModel) -> Iterator[Cluster]:
@@ -124,7 +130,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, tiny: TinyModel) -> Iterat
         stack.callback(_stop_all, agents)
         port = free_port()
         router = spawn_cli(["router", "serve", "--listen", f"127.0.0.1:{port}", "--etcd",
-                            etcd.url, "--replica-id", "S", "--stream-idle-timeout", "20",
+                            # Past the client's timeout: a frozen worker's streams must
+                            # resume by its lease, never by the idle timeout.
+                            etcd.url, "--replica-id", "S", "--stream-idle-timeout", "600",
                             # Sticky forever: four streams at once on w1 must not migrate.
                             "--policy", "session-only"],
                            logs / "router.log")
@@ -256,8 +264,10 @@ class KillWhenAllReach:
     have at least `chunks` chunks: the streams run batched on one worker, so each is then a
     few tokens into its answer (a chunk of the tiny model takes ~20 ms, the relay ~1 ms)."""
 
-    def __init__(self, cluster: Cluster, wid: str, shapes: tuple[str, ...], chunks: int) -> None:
+    def __init__(self, cluster: Cluster, wid: str, shapes: tuple[str, ...], chunks: int, *,
+                 freeze: bool = False) -> None:
         self.cluster, self.wid, self.shapes, self.chunks = cluster, wid, shapes, chunks
+        self.act = cluster.freeze if freeze else cluster.kill
         self.counts: dict[str, int] = {}
         self.lock = threading.Lock()
         self.killed = False
@@ -268,7 +278,7 @@ class KillWhenAllReach:
                 self.counts[shape] = got.chunks
                 if not self.killed and len(self.counts) == len(self.shapes) \
                         and min(self.counts.values()) >= self.chunks:
-                    self.cluster.kill(self.wid)
+                    self.act(self.wid)
                     self.killed = True
         return on_chunk
 
@@ -343,6 +353,32 @@ def test_routed_shapes_conform_and_match_the_worker(cluster: Cluster, shape: str
 
 
 REPLAYED = ("json_schema", "regex", "choice", "tool_named")
+
+
+def test_a_frozen_worker_s_streams_resume_once_its_lease_expires(cluster: Cluster) -> None:
+    """w1 freezes (SIGSTOP: its sockets stay open and silent; its agent is gone) while two
+    streams run on it: no connection breaks, and the idle timeout (600 s) is past the client's
+    own (120 s). w1's lease expires after its TTL, the router drops it, and each silent stream
+    is replayed on w2 then, whole and conforming. w1 is thawed and rejoins afterwards."""
+    shapes = ("json_schema", "tool_named")
+    references = {shape: direct(cluster.workers["w2"], shape) for shape in shapes}
+    sids = dict(zip(shapes, sessions_on(cluster, "w1", len(shapes), "frozen"), strict=True))
+    warm(cluster.workers["w1"], shapes)
+    try:
+        results = run_streams(cluster, shapes, sids,
+                              KillWhenAllReach(cluster, "w1", shapes, 2, freeze=True))
+    finally:
+        cluster.workers["w1"].send_signal(signal.SIGCONT)
+    for shape in shapes:
+        got = results[shape]
+        message = references[shape]["message"]
+        assert got.worker == "w1" and not got.errors, (shape, got.errors)
+        assert got.notes[0]["resumed_on"] == "w2" and got.notes[0]["replay"] is True, shape
+        assert got.roles == 1 and len(got.ids) == 1, shape
+        assert got.content == (message.get("content") or ""), shape
+        assert _streamed_calls(got) == _calls(message), shape
+        conforms(shape, got.content, _streamed_calls(got))
+    cluster.join("w1")  # back for the tests after this one
 
 
 def test_sigkill_mid_stream_replays_each_shape_on_another_worker(cluster: Cluster) -> None:

@@ -68,6 +68,13 @@ class VllmServer:
             time.sleep(0.25)
         raise TimeoutError(f"vLLM on {self.port} not healthy after {timeout}s")
 
+    def send_signal(self, sig: int) -> None:
+        """Signal the whole process group and return (SIGSTOP freezes a node, SIGCONT thaws
+        it: its sockets stay open meanwhile, silent)."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, sig)
+
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """Signal the whole process group (API server and engine core), then reap."""
         if self.proc.poll() is None:
