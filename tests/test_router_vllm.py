@@ -155,6 +155,41 @@ def test_openai_client_through_the_router(cluster: Cluster) -> None:
         client.completions.create(model="nope", prompt="x", max_tokens=1)
 
 
+def test_responses_api_through_the_router_is_the_workers(cluster: Cluster) -> None:
+    """`/v1/responses`, unary (httpx) and streamed (the OpenAI client's typed events), through
+    the router: what the session's worker itself answers, greedily, and the stream ends with
+    the worker's `response.completed` (`router/streaming/responses_api.py`)."""
+    body = {"model": "tiny", "input": [{"role": "user", "content": "Permission is hereby"}],
+            "instructions": "Answer.", "max_output_tokens": 12, "temperature": 0}
+    sid = {"X-Session-Id": "responses-1"}
+    r = cluster.http("A").post("/v1/responses", json=body, headers=sid)
+    assert r.status_code == 200, r.text
+    home = r.headers["X-KVKeep-Worker"]
+    direct = httpx.post(f"{cluster.workers[home].url}/v1/responses", json=body, timeout=120)
+    direct.raise_for_status()
+
+    def text(response: dict[str, Any]) -> str:
+        return "".join(part["text"] for item in response["output"]
+                       if item["type"] == "message" for part in item["content"])
+
+    reference = text(direct.json())
+    assert len(reference) > 0 and text(r.json()) == reference
+    assert r.json()["usage"] == {**direct.json()["usage"], "input_tokens_details":
+                                 r.json()["usage"]["input_tokens_details"]}
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{cluster.router_ports['B']}/v1",
+                           api_key="unused", max_retries=0)
+    events = list(client.responses.create(
+        model="tiny", input=body["input"], instructions="Answer.", max_output_tokens=12,
+        temperature=0, stream=True, extra_headers=sid))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[0].type == "response.created" and events[-1].type == "response.completed"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") \
+        == reference
+    assert events[-1].response.output_text == reference
+    r = cluster.http("A").post("/v1/responses", json={**body, "stream": True}, headers=sid)
+    assert r.headers["X-KVKeep-Worker"] == home and r.headers["X-KVKeep-Route"] == "sticky"
+
+
 def test_sessions_stick_and_replicas_agree(cluster: Cluster) -> None:
     a, b = cluster.http("A"), cluster.http("B")
     body = {**CHAT, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
