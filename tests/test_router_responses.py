@@ -18,6 +18,8 @@ from router.api import Endpoint, parse_request
 from router.config import RouterConfig, StaticWorker
 from router.errors import BadRequest
 from router.policy import Thresholds, policy_preset
+from router.streaming.relay import StreamBroken
+from router.streaming.responses_api import EventStream, _relay_event
 from router.tenants import ApiKeys
 from router.workers import WorkerId
 from tests.router_harness import (
@@ -263,6 +265,19 @@ def test_fails_over_before_the_first_byte(env: Env, stream: bool) -> None:
         assert events[-1][1]["response"]["id"] in env.fakes[first].stored
 
 
+def test_a_redirect_is_the_workers_failure(env: Env) -> None:
+    """A 3xx is never followed nor relayed: the worker failed, the other one answers."""
+    sid = {"X-Session-Id": "resp-redirect"}
+    r = env.http.post("/v1/responses", headers=sid, json={"model": MODEL, "input": "r"})
+    home = r.headers["X-KVKeep-Worker"]
+    env.fakes[home].status = 307
+    for stream in (False, True):
+        r = env.http.post("/v1/responses", headers=sid, json={"model": MODEL, "input": "r",
+                                                              "stream": stream})
+        assert r.status_code == 200 and r.headers["X-KVKeep-Worker"] != home
+    assert env.failures(home) >= 1
+
+
 def test_a_break_mid_stream_ends_with_the_failure_events(env: Env) -> None:
     """Not resumed: after some events the client gets an `error` event and a
     `response.failed` (the created response, status failed, its error), numbered after the
@@ -294,6 +309,23 @@ def test_a_break_mid_stream_ends_with_the_failure_events(env: Env) -> None:
     other = "b" if home == "a" else "a"
     assert not any(q.get("input") == "b" and q.get("max_output_tokens") == 8
                    for q in env.fakes[other].requests)
+
+
+def test_the_workers_error_event_is_a_broken_stream() -> None:
+    """vLLM's own `error` event mid-stream (typed, or the other endpoints' untyped
+    `{"error": ...}`) is the worker's failure, never relayed as if the answer went on; the
+    events before it are relayed and counted."""
+    stream, batch = EventStream(), []
+    delta = [b"event: response.output_text.delta",
+             b'data: {"type":"response.output_text.delta","delta":"x","sequence_number":4}']
+    assert not _relay_event(delta, stream, batch)
+    assert batch == [b"\n".join(delta) + b"\n\n"] and stream.sequence == 4
+    for lines in ([b"event: error", b'data: {"type":"error","code":"x","message":"boom",'
+                   b'"param":null,"sequence_number":5}'],
+                  [b'data: {"error":{"message":"boom","type":"InternalServerError"}}']):
+        with pytest.raises(StreamBroken, match="boom"):
+            _relay_event(lines, stream, batch)
+    assert stream.events == 1 and len(batch) == 1 and not stream.done
 
 
 def test_stateful_continuation_is_refused(env: Env) -> None:

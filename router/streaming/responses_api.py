@@ -15,7 +15,8 @@ worker's last sequence number, so a client that checks them sees no gap. A break
 event reached the client is not a break the client sees: the director sends the request to
 another worker instead (`router/director.py`).
 
-The worker's own `error` event (vLLM sends one for an engine failure mid-stream) is a broken
+The worker's own `error` event (vLLM sends one for an engine failure mid-stream; an untyped
+`{"error": ...}` data line counts as one too) is a broken
 stream as it is for the other endpoints (`streaming/relay.py`): the worker is marked, and the
 client gets the failure events above, which carry the worker's message.
 
@@ -129,7 +130,9 @@ def _relay_event(lines: list[bytes], stream: EventStream, batch: list[bytes]) ->
     if kind is None:  # `event:` names the type when the data does not
         kind = next((line[6:].strip().decode("utf-8", "replace") for line in lines
                      if line.startswith(b"event:")), None)
-    if kind == "error":
+    if kind == "error" or (isinstance(event, dict) and "error" in event and kind is None):
+        # (vLLM's engine failure mid-stream; an untyped `{"error": ...}` is the format the
+        # other endpoints use for one, and no event of this API has that shape)
         detail = event if isinstance(event, dict) else payload[:200]
         raise StreamBroken(f"worker error event: {str(detail)[:200]}")
     if isinstance(event, dict):
