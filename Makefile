@@ -46,7 +46,7 @@ typecheck: $(STAMP)
 
 ## pytest: the test suite only (assumes setup)
 pytest: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=30
 
 ## proto: regenerate proto/gen/ from proto/*.proto (generated code is committed, never edited)
 .PHONY: proto
