@@ -502,3 +502,46 @@ def test_a_stream_with_stop_strings_survives_a_sigkill(cluster: Cluster, tiny: T
         assert finish == [("stop", stop)]
     finally:
         w3.kill(signal.SIGKILL)
+
+
+def test_a_responses_stream_broken_by_a_sigkill_ends_with_the_failure_events(
+        cluster: Cluster, tiny: TinyModel) -> None:
+    """A `/v1/responses` stream whose worker is SIGKILLed mid-answer is not resumed: the OpenAI
+    client gets the deltas sent so far, then the API's `error` event and `response.failed`
+    (the created response, status failed), numbered on from the worker's last event, and the
+    stream ends (`router/streaming/responses_api.py`)."""
+    w4 = start_vllm(tiny.path, cluster.logs)
+    cluster.workers["w4"] = w4
+    try:
+        w4.wait_healthy()
+        _agent(cluster, "w4", w4)
+        wait_until(lambda: "w4" in (_quiet(lambda: cluster.worker_ids("A")) or ()), timeout=60)
+        body = {"model": "tiny", "input": "Tell a long story", "max_output_tokens": 200,
+                "temperature": 0, "ignore_eos": True}
+        sid = next(s for s in (f"resp-kill-{i}" for i in range(40))
+                   if cluster.http("A").post("/v1/responses", headers={"X-Session-Id": s},
+                                             json={**body, "max_output_tokens": 1}
+                                             ).headers["X-KVKeep-Worker"] == "w4")
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{cluster.router_ports['A']}/v1",
+                               api_key="unused", max_retries=0)
+        events = []
+        for event in client.responses.create(
+                model="tiny", input=body["input"], max_output_tokens=200, temperature=0,
+                stream=True, extra_headers={"X-Session-Id": sid},
+                extra_body={"ignore_eos": True}):
+            events.append(event)
+            if sum(e.type == "response.output_text.delta" for e in events) == 10 \
+                    and event.type == "response.output_text.delta":
+                cluster.agents["w4"].send_signal(signal.SIGKILL)
+                w4.kill(signal.SIGKILL)
+        types = [e.type for e in events]
+        assert types[-2:] == ["error", "response.failed"], types
+        assert "response.completed" not in types
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+        error, failed = events[-2], events[-1]
+        assert error.code == "server_error" and "not resumed" in error.message
+        assert failed.response.status == "failed" and failed.response.id == events[0].response.id
+        assert failed.response.error is not None and failed.response.error.code == "server_error"
+        assert sum(t == "response.output_text.delta" for t in types) >= 10
+    finally:
+        w4.kill(signal.SIGKILL)
