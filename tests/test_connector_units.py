@@ -21,6 +21,7 @@ from connectors.vllm.metadata import (
     WorkerReport,
 )
 from connectors.vllm.params import RestoreParams, namespace_for, parse_params
+from connectors.vllm.prometheus import StatsReporter
 from connectors.vllm.scheduler import SchedulerSide
 from connectors.vllm.stats import Counter, Counters
 from kvstore.codecs import DEFAULT_INT8
@@ -317,6 +318,38 @@ def test_saves_every_checkpoint_interval_then_flush_at_finish() -> None:
     assert store.manifests[-1].token_count == 5 * BS
     generations = [m.generation for m in store.manifests]
     assert generations == sorted(set(generations))
+
+
+def test_unprotected_tokens_are_computed_blocks_the_store_does_not_hold() -> None:
+    """The recovery point in tokens (`unprotected_tokens` on vLLM's /metrics): complete blocks
+    computed and not yet reported saved, per request and over all; a failed save keeps its
+    block unprotected, a finished request counts no more."""
+    side = _side(FakeStore())
+    a = FakeRequest("a", list(range(100)), 100)
+    b = FakeRequest("b", list(range(1000, 1070)), 70)
+    for req, ids in ((a, [1, 2, 3, 4]), (b, [5, 6, 7])):
+        side.get_num_new_matched_tokens(req, 0)  # type: ignore[arg-type]
+        side.update_state_after_alloc(req, _blocks(ids), 0)  # type: ignore[arg-type]
+    assert side.unprotected_tokens() == (0, 0)  # nothing computed yet
+    meta = side.build_connector_meta(_step(new=[(a, [1, 2, 3, 4], 100), (b, [5, 6, 7], 70)]))
+    a.num_computed_tokens, b.num_computed_tokens = 100, 70  # 3 and 2 complete blocks
+    assert side.unprotected_tokens() == (5 * BS, 3 * BS)  # saves planned, none confirmed
+    b_saves = [s for s in meta.saves if s.run.req_id == "b"]
+    a_saves = [s for s in meta.saves if s.run.req_id == "a"]
+    _saved(side, SimpleNamespace(saves=a_saves))  # type: ignore[arg-type]
+    _saved(side, SimpleNamespace(saves=b_saves), ok=False)  # type: ignore[arg-type]
+    assert side.unprotected_tokens() == (2 * BS, 2 * BS)  # a's held; b's failed
+    side.request_finished(b, [5, 6, 7])  # type: ignore[arg-type]
+    assert side.unprotected_tokens() == (0, 0)
+    # Reported as gauges, when they change.
+    values = [(5 * BS, 3 * BS), (5 * BS, 3 * BS), (0, 0)]
+    reporter = StatsReporter(Counters(), block_size=BS, unprotected=lambda: values.pop(0))
+    first = reporter.take()
+    assert first is not None and first.data["gauges"]["unprotected_tokens"] == {"": 5.0 * BS}
+    assert first.data["gauges"]["unprotected_tokens_max"] == {"": 3.0 * BS}
+    assert reporter.take() is None  # unchanged: nothing to send
+    last = reporter.take()
+    assert last is not None and last.data["gauges"]["unprotected_tokens"] == {"": 0.0}
 
 
 def test_failed_saves_are_planned_again() -> None:

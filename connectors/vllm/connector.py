@@ -124,7 +124,9 @@ class KVKeepConnector(KVConnectorBase_V1):
         self._reporter = StatsReporter(
             self._counters, block_size=layout.block_size,
             store=self._store if self._worker is not None else None,
-            telemetry=self._worker.telemetry if self._worker is not None else None)
+            telemetry=self._worker.telemetry if self._worker is not None else None,
+            unprotected=self._scheduler.unprotected_tokens if self._scheduler is not None
+            else None)
         log.info("kvkeep connector (%s): model %s fingerprint %s layout %s codec %s",
                  role.name, self._fingerprint.model_id, self._fingerprint.hex,
                  layout.layout_id, self._config.codec)

@@ -34,6 +34,10 @@ Families (all `kvkeep_connector_*`, labels `model_name`, `engine`, and those sho
                                                      errors by tier and op, write-behind drops
                                                      by reason ...
     store_write_queue_depth                          background writes pending
+    unprotected_tokens, unprotected_tokens_max       tokens computed in complete blocks and
+                                                     not yet stored (all requests; the worst
+                                                     one): the recovery point in tokens, from
+                                                     the scheduler half
     daemon_breaker{daemon, state}                    1 for each remote daemon's breaker state
 """
 
@@ -41,7 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -145,8 +149,12 @@ class StatsReporter:
     """
 
     def __init__(self, counters: Counters, *, block_size: int, store: TieredStore | None = None,
-                 telemetry: Telemetry | None = None, store_interval_s: float = 0.5) -> None:
+                 telemetry: Telemetry | None = None, store_interval_s: float = 0.5,
+                 unprotected: Callable[[], tuple[int, int]] | None = None) -> None:
+        """`unprotected`: the scheduler half's (all, worst request's) unsaved tokens."""
         self._counters = counters
+        self._unprotected = unprotected
+        self._last_unprotected: tuple[int, int] | None = None
         self._block_size = block_size
         self._store = store
         self._telemetry = telemetry
@@ -171,6 +179,12 @@ class StatsReporter:
                 observations["restore_seconds"] = [r.seconds for r in batch.restores]
             if batch.save_lags:
                 observations["save_lag_seconds"] = list(batch.save_lags)
+        if self._unprotected is not None:
+            current = self._unprotected()
+            if current != self._last_unprotected:  # a gauge: sent when it changes
+                self._last_unprotected = current
+                stats.data["gauges"]["unprotected_tokens"] = {"": float(current[0])}
+                stats.data["gauges"]["unprotected_tokens_max"] = {"": float(current[1])}
         now = time.monotonic()
         if self._store is not None and (batch or now - self._store_read_at >= self._interval):
             self._store_read_at = now
@@ -275,6 +289,11 @@ class KVKeepPromMetrics(KVConnectorPromMetrics):
                     "Background writes (write-behind, promotions) the store has pending", ())
         self._gauge("daemon_breaker", "1 for the state each remote daemon's circuit breaker is "
                     "in (closed, half_open, open)", ("daemon", "state"))
+        self._gauge("unprotected_tokens", "Tokens in complete blocks computed and not yet held "
+                    "by the store, over the requests being served: what a node's death now "
+                    "would lose", ())
+        self._gauge("unprotected_tokens_max", "The most such tokens of one request (its "
+                    "recovery point, in tokens)", ())
         # Every series that can be known up front exists from the start at 0: a first failure
         # must read as a rise, not as a series appearing.
         for values in per_engine_labelvalues.values():

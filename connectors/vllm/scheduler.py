@@ -504,3 +504,18 @@ class SchedulerSide:
     @property
     def tracked_requests(self) -> Sequence[str]:
         return tuple(self._reqs)
+
+    def unprotected_tokens(self) -> tuple[int, int]:
+        """(all, the most of one request): tokens in complete blocks that vLLM has computed
+        and the store does not hold yet, over the requests being served. What a node's death
+        now would lose (the recovery point, per request): checkpoint batching, saves still
+        in flight, and saves skipped or failed while the store is behind all show here."""
+        total = worst = 0
+        for tracked in self._reqs.values():
+            if tracked.finished:
+                continue
+            unsaved = max(tracked.request.num_computed_tokens // self._bs
+                          - tracked.saved_prefix, 0) * self._bs
+            total += unsaved
+            worst = max(worst, unsaved)
+        return total, worst
