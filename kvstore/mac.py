@@ -10,7 +10,7 @@ refuse every frame without a valid MAC under that key: a miss, recomputed. Reade
 key read signed and unsigned frames as before.
 
 Key files: the key as hex (at least 64 hex digits: 256 bits), or raw bytes (at least 32); a
-trailing newline is ignored. Keep one per tenant, readable by its engines only.
+trailing newline is ignored. Printable text that is not such hex (a passphrase) is refused. Keep one per tenant, readable by its engines only.
 """
 
 from __future__ import annotations
@@ -56,8 +56,21 @@ class MacKey:
             raise ConfigError(f"cannot read MAC key file {path}: {exc}") from exc
         try:
             text = raw.decode("ascii")
-            secret = bytes.fromhex(text) if len(text) >= 2 * MIN_KEY_BYTES else raw
-        except (UnicodeDecodeError, ValueError):
+        except UnicodeDecodeError:
+            text = None
+        if text is not None and text.isprintable():
+            # Text: only hex of 256 bits or more. A passphrase (trust review L8) has far less
+            # entropy than its length, and nothing here could tell how much.
+            try:
+                if len(text) < 2 * MIN_KEY_BYTES:
+                    raise ValueError("too short")
+                secret = bytes.fromhex(text)
+            except ValueError:
+                raise ConfigError(
+                    f"MAC key file {path}: not a key: write at least {MIN_KEY_BYTES} random "
+                    f"bytes, hex-encoded (`openssl rand -hex {MIN_KEY_BYTES}`) or raw; a "
+                    "passphrase is refused") from None
+        else:
             secret = raw
         try:
             return cls(secret)

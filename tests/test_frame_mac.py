@@ -130,6 +130,11 @@ def test_mac_keys_from_files(tmp_path: Path) -> None:
     short.write_text("abcd")
     with pytest.raises(ConfigError):
         MacKey.from_file(short)
+    # A passphrase of any length is refused (trust review L8): only hex or raw random bytes.
+    for phrase in ("correct horse battery staple 1234", "p" * 80, bytes(range(32)).hex()[:63]):
+        (tmp_path / "phrase").write_text(phrase + "\n")
+        with pytest.raises(ConfigError, match="passphrase"):
+            MacKey.from_file(tmp_path / "phrase")
     with pytest.raises(ConfigError):
         MacKey.from_file(tmp_path / "missing")
 
