@@ -82,7 +82,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                        help="API keys and their tenants, `<key> <tenant>` per line (`*`: an "
                             "operator); required to listen beyond loopback")
     serve.add_argument("--api-key", action="append", default=[],
-                       help="an accepted bearer key of the tenant `default` (repeatable; also "
+                       help="an accepted bearer key of the tenant `default` (repeatable; "
+                            "visible to every local user in `ps`: prefer --api-keys FILE or "
                             "KVKEEP_API_KEYS, comma-separated)")
     serve.add_argument("--cache-salt-key-file", default=None, metavar="FILE",
                        help="secret the tenants' cache salts are keyed by (hex or raw bytes, "
@@ -163,6 +164,10 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     if not sep or not port.isdigit():
         raise ConfigError(f"--listen must be HOST:PORT, not {args.listen!r}")
     loose = set(args.api_key)
+    if args.api_key:
+        # Trust review L7: argv is world-readable (`ps`, /proc/PID/cmdline).
+        log.warning("--api-key puts a key in the command line, which every local user can "
+                    "read (ps); give keys in a file (--api-keys) or KVKEEP_API_KEYS instead")
     loose.update(k.strip() for k in os.environ.get("KVKEEP_API_KEYS", "").split(",")
                  if k.strip())
     keys = ApiKeys.load(args.api_keys) if args.api_keys else None

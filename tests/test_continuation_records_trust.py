@@ -22,6 +22,7 @@ from aiohttp import web
 
 from kvstore.cli import build_parser
 from kvstore.errors import ConfigError, ForgedBlock
+from kvstore.etcd import EtcdSpec
 from kvstore.keys import Namespace, SessionId, SessionKey
 from kvstore.manifest import SessionManifest
 from kvstore.tiers.factory import RemoteSpec
@@ -229,6 +230,38 @@ def test_a_reader_without_the_key_refuses_every_record(env: Env) -> None:
 
 def _config(*flags: str) -> RouterConfig:
     return config_from_args(build_parser().parse_args(["router", "serve", *flags]))
+
+
+def test_a_store_etcd_of_its_own_keeps_the_routers_etcd_credentials(tmp_path: Path) -> None:
+    """`--store-etcd URL` names another etcd, reached with the router's etcd TLS and
+    credentials, not in plain text without them (trust review L7)."""
+    ca, password = tmp_path / "ca.pem", tmp_path / "etcd.password"
+    ca.write_text("unused: only named here")
+    password.write_text("secret\n")
+    config = _config("--etcd", "https://etcd-a:2379", "--etcd-ca", str(ca), "--etcd-user",
+                     "kvkeep-router", "--etcd-password-file", str(password), "--continuation",
+                     "--store-etcd", "https://etcd-b:2379")
+    assert config.continuation is not None
+    etcd = config.continuation.remote.etcd
+    assert isinstance(etcd, EtcdSpec)
+    assert (etcd.url, etcd.ca_file, etcd.user) == ("https://etcd-b:2379", ca, "kvkeep-router")
+    mine = _config("--etcd", "https://etcd-a:2379", "--etcd-ca", str(ca),
+                   "--continuation").continuation
+    assert mine is not None and isinstance(mine.remote.etcd, EtcdSpec)
+    assert (mine.remote.etcd.url, mine.remote.etcd.ca_file) == ("https://etcd-a:2379", ca)
+
+
+def test_a_key_on_the_command_line_is_warned_about(caplog: pytest.LogCaptureFixture) -> None:
+    """`--api-key KEY` is readable by every local user (`ps`): accepted, with a warning that
+    says where keys belong (trust review L7); keys from a file or the environment are not."""
+    with caplog.at_level("WARNING", logger="kvkeep.router"):
+        config = _config("--api-key", "key-in-argv-0123456789")
+    assert config.api_keys is not None and config.api_keys.tenant_of("key-in-argv-0123456789")
+    assert any("--api-key puts a key in the command line" in r.message for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="kvkeep.router"):
+        _config()
+    assert not any("command line" in r.message for r in caplog.records)
 
 
 def test_the_records_need_a_store_tenant_of_their_own(tmp_path: Path) -> None:

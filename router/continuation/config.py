@@ -13,7 +13,8 @@
     --store-registration-pubkey F       how the daemons prove their identity (a token goes
                                         only to daemons that do: kvstore/tiers/daemon_trust.py)
 
-Without --store-etcd the records use the router's own etcd, with its TLS and credentials.
+Without --store-etcd the records use the router's own etcd; with it, another etcd, reached
+with the router's etcd TLS and credentials all the same.
 
 The store tenant must be the records' own (trust-review H7): `default` is the connectors'
 tenant (deploy/k8s/workers.yaml), so with it every worker pod's token could read and rewrite
@@ -24,7 +25,7 @@ grants its own tenant only.
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvstore.errors import ConfigError, InvalidKey
 from kvstore.etcd import EtcdSpec
@@ -75,7 +76,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="keep each session's conversation (token ids) in the kvkeep store "
                             "so a client may send only the new turn")
     group.add_argument("--store-etcd", default=None, metavar="URL",
-                       help="etcd the kvstore daemons register in (default: --etcd)")
+                       help="etcd the kvstore daemons register in (default: --etcd), "
+                            "reached with the --etcd-* TLS and credentials")
     group.add_argument("--store-daemon", action="append", default=[], metavar="ID=HOST:PORT",
                        help="a kvstore daemon, instead of discovery through etcd (repeatable)")
     group.add_argument("--store-token-file", default=None, metavar="FILE",
@@ -113,9 +115,14 @@ def from_args(args: argparse.Namespace) -> ContinuationConfig | None:
         if not sep or not node or ":" not in address:
             raise ConfigError(f"--store-daemon must be ID=HOST:PORT, not {spec!r}")
         daemons.append((node, address))
-    # The router's own etcd comes with its TLS and credentials (--etcd-ca, ...).
-    etcd: EtcdSpec | str | None = None if daemons else (
-        args.store_etcd or etcd_spec_from_args(args))
+    # The router's own etcd comes with its TLS and credentials (--etcd-ca, ...), and so does
+    # --store-etcd's: a plain URL would talk to it without them (trust review L7).
+    own = etcd_spec_from_args(args)
+    etcd: EtcdSpec | str | None = None
+    if not daemons:
+        etcd = own
+        if args.store_etcd:
+            etcd = args.store_etcd if own is None else replace(own, url=args.store_etcd)
     if etcd is None and not daemons:
         raise ConfigError("--continuation needs the kvstore daemons: --store-etcd, "
                           "--store-daemon, or --etcd")
