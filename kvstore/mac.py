@@ -10,7 +10,8 @@ refuse every frame without a valid MAC under that key: a miss, recomputed. Reade
 key read signed and unsigned frames as before.
 
 Key files: the key as hex (at least 64 hex digits: 256 bits), or raw bytes (at least 32); a
-trailing newline is ignored. Printable text that is not such hex (a passphrase) is refused. Keep one per tenant, readable by its engines only.
+trailing newline is ignored. Printable text that is not such hex (a passphrase) is refused.
+Keep one per tenant, readable by its engines only.
 """
 
 from __future__ import annotations
