@@ -412,7 +412,11 @@ def test_client_leaving_mid_stream_frees_the_worker(env: Env) -> None:
 def test_unresumable_stream_break_ends_with_error_event(env: Env) -> None:
     r0 = env.http.post("/v1/completions", headers={"X-Session-Id": "nores"},
                        json={"model": MODEL, "prompt": "q", "max_tokens": 1})
-    env.fakes[r0.headers["X-KVKeep-Worker"]].break_after = 3
+    fake = env.fakes[r0.headers["X-KVKeep-Worker"]]
+    # Its chunks 50 ms apart: the first ones reach the router before the connection is reset
+    # (a reset discards what the router has not read yet; with none read, the stream would
+    # rightly start over on the other worker, with nothing to resume).
+    fake.break_after, fake.delay_s = 3, 0.05
     r = env.http.post("/v1/completions", headers={"X-Session-Id": "nores"},
                       json={"model": MODEL, "prompt": "q", "max_tokens": 20, "stream": True,
                             "prompt_logprobs": 1})
