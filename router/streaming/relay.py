@@ -19,8 +19,9 @@ a worker that stopped mid-answer.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 import aiohttp
@@ -31,8 +32,8 @@ from router.streaming.sink import Sink
 from router.streaming.state import StreamState
 from router.upstream import UPSTREAM_ERRORS
 
-__all__ = ["StreamBroken", "EventTooLarge", "FirstByteTimeout", "WorkerLeft", "pump", "sse",
-           "note"]
+__all__ = ["StreamBroken", "EventTooLarge", "FirstByteTimeout", "WorkerLeft", "pump",
+           "worker_reads", "decode_event", "encode_json", "sse", "note"]
 
 LIVENESS_POLL_S = 1.0
 """How often a silent stream asks whether its worker is still registered: about the lease's
@@ -41,18 +42,18 @@ _STD_ENCODE = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
 _Codec = tuple[Callable[[bytes], Any], Callable[[Any], bytes]]
 
 
-def _std_encode(obj: Any) -> bytes:
+def encode_json(obj: Any) -> bytes:
     return _STD_ENCODE(obj).encode()
 
 
 # msgspec decodes and encodes events about 5x faster than the json module; for what it
 # rejects (NaN, deep nesting) the json module takes over, with the same output.
-_STD: _Codec = (json.loads, _std_encode)
+_STD: _Codec = (json.loads, encode_json)
 _CODECS: tuple[_Codec, ...] = ((msgspec.json.Decoder().decode, msgspec.json.Encoder().encode),
                                _STD)
 
 
-def _decode(payload: bytes) -> tuple[Any, Callable[[Any], bytes]] | None:
+def decode_event(payload: bytes) -> tuple[Any, Callable[[Any], bytes]] | None:
     """The event `payload` and the encoder to write it back with; None if it is not JSON."""
     for decode, encode in _CODECS:
         try:
@@ -66,7 +67,7 @@ def _encode(obj: Any, encode: Callable[[Any], bytes]) -> bytes:
     try:
         return encode(obj)
     except (TypeError, ValueError, OverflowError):
-        return _std_encode(obj)
+        return encode_json(obj)
 
 
 class StreamBroken(Exception):
@@ -121,14 +122,45 @@ async def pump(resp: aiohttp.ClientResponse, out: Sink, state: StreamState,
     `registered`: whether the worker is still in the registry, asked after every
     `LIVENESS_POLL_S` of silence (`WorkerLeft` once it is not).
     """
-    content = resp.content
     pending = b""
+    async with contextlib.aclosing(worker_reads(resp, first_byte_by=first_byte_by, idle_s=idle_s,
+                                                registered=registered)) as reads:
+        async for read in reads:
+            lines = (pending + read if pending else read).split(b"\n")
+            pending = lines.pop()  # an incomplete last line waits for the next read
+            batch: list[bytes] = []
+            try:
+                for line in lines:
+                    if len(line) > max_event_bytes:
+                        raise EventTooLarge(f"an SSE event over {max_event_bytes} bytes")
+                    if _relay_line(line.rstrip(b"\r"), state, batch, replay) or state.ended:
+                        return b"".join(batch)
+                if len(pending) > max_event_bytes:
+                    raise EventTooLarge(f"an SSE event over {max_event_bytes} bytes")
+            except BaseException:
+                if batch:  # what came before the failure reaches the client
+                    await out.write(b"".join(batch))
+                raise
+            if batch:
+                await out.write(b"".join(batch) if len(batch) > 1 else batch[0])
+    if state.finish_reason is None:
+        raise StreamBroken("worker closed the stream before finishing")
+    return b""
+
+
+async def worker_reads(resp: aiohttp.ClientResponse, *, first_byte_by: float | None = None,
+                       idle_s: float | None = None,
+                       registered: Callable[[], bool] | None = None) -> AsyncGenerator[bytes, None]:
+    """A worker's stream, read by read, until it ends, under the stream's deadlines: until
+    `first_byte_by` (a loop time) for its first bytes (`FirstByteTimeout`), then `idle_s`
+    between reads, and while its worker is registered (`WorkerLeft`). A read that fails is
+    `StreamBroken`; the one loop every relay of a worker's stream reads through."""
     loop = asyncio.get_running_loop()
+    by = first_byte_by
     first = True
     while True:
-        by = first_byte_by if first else (None if idle_s is None else loop.time() + idle_s)
         try:
-            data = await _read(content, by, registered, loop)
+            data = await _read(resp.content, by, registered, loop)
         except TimeoutError as exc:
             if first:
                 raise FirstByteTimeout("no answer from the worker before the first-byte "
@@ -136,31 +168,11 @@ async def pump(resp: aiohttp.ClientResponse, out: Sink, state: StreamState,
             raise StreamBroken(f"the worker was silent for {idle_s} s mid-stream") from exc
         except UPSTREAM_ERRORS as exc:
             raise StreamBroken(f"{type(exc).__name__}: {exc}") from exc
-        first = False
         if not data:
-            break
-        if pending:
-            data = pending + data
-        lines = data.split(b"\n")
-        pending = lines.pop()  # an incomplete last line waits for the next read
-        batch: list[bytes] = []
-        try:
-            for line in lines:
-                if len(line) > max_event_bytes:
-                    raise EventTooLarge(f"an SSE event over {max_event_bytes} bytes")
-                if _relay_line(line.rstrip(b"\r"), state, batch, replay) or state.ended:
-                    return b"".join(batch)
-            if len(pending) > max_event_bytes:
-                raise EventTooLarge(f"an SSE event over {max_event_bytes} bytes")
-        except BaseException:
-            if batch:  # what came before the failure reaches the client
-                await out.write(b"".join(batch))
-            raise
-        if batch:
-            await out.write(b"".join(batch) if len(batch) > 1 else batch[0])
-    if state.finish_reason is None:
-        raise StreamBroken("worker closed the stream before finishing")
-    return b""
+            return
+        first = False
+        yield data
+        by = None if idle_s is None else loop.time() + idle_s
 
 
 async def _read(content: aiohttp.StreamReader, by: float | None,
@@ -197,7 +209,7 @@ def _relay_line(line: bytes, state: StreamState, batch: list[bytes],
     if payload == b"[DONE]":
         state.done = True
         return True
-    decoded = _decode(payload)
+    decoded = decode_event(payload)
     if decoded is None:
         batch.append(line + b"\n\n")
         return False

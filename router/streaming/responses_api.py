@@ -28,7 +28,7 @@ enforces `max_output_tokens`, and the event-size bound limits what one event may
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -37,14 +37,12 @@ import aiohttp
 
 from router.streaming.relay import (
     EventTooLarge,
-    FirstByteTimeout,
     StreamBroken,
-    _decode,
-    _read,
-    _std_encode,
+    decode_event,
+    encode_json,
+    worker_reads,
 )
 from router.streaming.sink import Sink
-from router.upstream import UPSTREAM_ERRORS
 
 __all__ = ["EventStream", "TERMINAL_EVENTS", "pump_events", "failure_events"]
 
@@ -75,56 +73,42 @@ async def pump_events(resp: aiohttp.ClientResponse, out: Sink, stream: EventStre
     if the worker's side fails first. Returns the client's bytes for the events read with the
     terminal one, unwritten, for the director to send with the stream's end (`relay.pump`'s
     contract, with the terminal event in place of `[DONE]`)."""
-    content = resp.content
-    loop = asyncio.get_running_loop()
     pending = b""
     lines: list[bytes] = []  # the current event's lines
     size = 0
-    first = True
-    while True:
-        by = first_byte_by if first else (None if idle_s is None else loop.time() + idle_s)
-        try:
-            data = await _read(content, by, registered, loop)
-        except TimeoutError as exc:
-            if first:
-                raise FirstByteTimeout("no answer from the worker before the first-byte "
-                                       "deadline") from exc
-            raise StreamBroken(f"the worker was silent for {idle_s} s mid-stream") from exc
-        except UPSTREAM_ERRORS as exc:
-            raise StreamBroken(f"{type(exc).__name__}: {exc}") from exc
-        first = False
-        if not data:
-            raise StreamBroken("worker closed the stream before its terminal event")
-        split = (pending + data).split(b"\n")
-        pending = split.pop()  # an incomplete last line waits for the next read
-        batch: list[bytes] = []
-        try:
-            for raw in split:
-                line = raw.rstrip(b"\r")
-                size += len(line) + 1
-                if size > max_event_bytes:
+    async with contextlib.aclosing(worker_reads(resp, first_byte_by=first_byte_by, idle_s=idle_s,
+                                                registered=registered)) as reads:
+        async for data in reads:
+            split = (pending + data).split(b"\n")
+            pending = split.pop()  # an incomplete last line waits for the next read
+            batch: list[bytes] = []
+            try:
+                for raw in split:
+                    line = raw.rstrip(b"\r")
+                    size += len(line) + 1
+                    if size > max_event_bytes:
+                        raise EventTooLarge(f"an SSE event over {max_event_bytes} bytes")
+                    if line:
+                        lines.append(line)
+                        continue
+                    if lines and _relay_event(lines, stream, batch):
+                        return b"".join(batch)
+                    lines, size = [], 0
+                if size + len(pending) > max_event_bytes:
                     raise EventTooLarge(f"an SSE event over {max_event_bytes} bytes")
-                if line:
-                    lines.append(line)
-                    continue
-                if lines and _relay_event(lines, stream, batch):
-                    return b"".join(batch)
-                lines, size = [], 0
-            if size + len(pending) > max_event_bytes:
-                raise EventTooLarge(f"an SSE event over {max_event_bytes} bytes")
-        except BaseException:
-            if batch:  # what came before the failure reaches the client
+            except BaseException:
+                if batch:  # what came before the failure reaches the client
+                    await out.write(b"".join(batch))
+                raise
+            if batch:
                 await out.write(b"".join(batch))
-            raise
-        if batch:
-            await out.write(b"".join(batch))
-
+    raise StreamBroken("worker closed the stream before its terminal event")
 
 def _relay_event(lines: list[bytes], stream: EventStream, batch: list[bytes]) -> bool:
     """Append one whole event (its lines, as the worker sent them) to `batch`, noting what
     `stream` keeps; True when it is the terminal event."""
     payload = b"\n".join(line[5:].lstrip(b" ") for line in lines if line.startswith(b"data:"))
-    obj = _decode(payload)
+    obj = decode_event(payload)
     event = obj[0] if obj is not None else None
     kind = event.get("type") if isinstance(event, dict) else None
     if kind is None:  # `event:` names the type when the data does not
@@ -166,4 +150,4 @@ def failure_events(stream: EventStream, message: str) -> bytes:
 
 
 def _event(kind: str, data: dict[str, Any]) -> bytes:
-    return b"event: " + kind.encode() + b"\ndata: " + _std_encode(data) + b"\n\n"
+    return b"event: " + kind.encode() + b"\ndata: " + encode_json(data) + b"\n\n"
