@@ -509,20 +509,21 @@ def test_a_responses_stream_broken_by_a_sigkill_ends_with_the_failure_events(
     """A `/v1/responses` stream whose worker is SIGKILLed mid-answer is not resumed: the OpenAI
     client gets the deltas sent so far, then the API's `error` event and `response.failed`
     (the created response, status failed), numbered on from the worker's last event, and the
-    stream ends (`router/streaming/responses_api.py`)."""
+    stream ends (`router/streaming/responses_api.py`). Through replica B: A was SIGKILLed by
+    the replica test above."""
     w4 = start_vllm(tiny.path, cluster.logs)
     cluster.workers["w4"] = w4
     try:
         w4.wait_healthy()
         _agent(cluster, "w4", w4)
-        wait_until(lambda: "w4" in (_quiet(lambda: cluster.worker_ids("A")) or ()), timeout=60)
+        wait_until(lambda: "w4" in (_quiet(lambda: cluster.worker_ids("B")) or ()), timeout=60)
         body = {"model": "tiny", "input": "Tell a long story", "max_output_tokens": 200,
                 "temperature": 0, "ignore_eos": True}
         sid = next(s for s in (f"resp-kill-{i}" for i in range(40))
-                   if cluster.http("A").post("/v1/responses", headers={"X-Session-Id": s},
+                   if cluster.http("B").post("/v1/responses", headers={"X-Session-Id": s},
                                              json={**body, "max_output_tokens": 1}
                                              ).headers["X-KVKeep-Worker"] == "w4")
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{cluster.router_ports['A']}/v1",
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{cluster.router_ports['B']}/v1",
                                api_key="unused", max_retries=0)
         events = []
         for event in client.responses.create(
