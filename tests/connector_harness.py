@@ -49,7 +49,7 @@ def engine_block_shape(fingerprint: Any) -> tuple[int, ...]:
 # Tests that count saves right after `generate` returns would race the saver thread, so the
 # harness lets each step wait for them (bounded) unless a test sets `save_timeout_ms` itself;
 # `tests/test_connector_save_stall.py` runs the default.
-HARNESS_SAVE_TIMEOUT_MS = 5000
+HARNESS_SAVE_TIMEOUT_MS = 2000  # the connector's old default: what these tests were written against
 
 
 def kv_transfer_config(store: dict[str, Any], **extra: Any) -> dict[str, Any]:
