@@ -234,10 +234,15 @@ class DaemonClient:
     def lookup(self, scope: Scope, block_hashes: Sequence[bytes], *,
                timeout: float) -> list[bool]:
         """Which of `block_hashes` the daemon holds: over the data plane when blocks use it
-        (a third of a gRPC round trip), else (or for a daemon without the op) over gRPC."""
+        (or its address is known from the registration), else (or for a daemon without the
+        op) over gRPC."""
         deadline = time.monotonic() + timeout
         what = f"lookup on {self.node_id}"
-        transport = self.block_transport(deadline)
+        # The transport blocks already use; a lookup never pays for the Stat probe that
+        # choosing one may take (a one-off client asks over gRPC, in one call as before).
+        transport = self._blocks
+        if transport is None and self._tcp_allowed and self._data_address is not None:
+            transport = self.block_transport(deadline)  # the address is known: no probe
         if isinstance(transport, TcpBlockTransport) and self._tcp_lookups:
             try:
                 return transport.lookup(scope, block_hashes, timeout=_left(deadline, what))
