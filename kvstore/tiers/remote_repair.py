@@ -1,5 +1,6 @@
 """Read repair: a read that found a block's owners lacking it, or holding it corrupt, copies the
-good copy to them in the background; a manifest read does the same for owners that lag.
+good copy to them in the background. (A manifest read repairs its lagging owners itself,
+before it returns: `RemoteTier.get_manifest`.)
 
 The source copy is read again and verified in full before it is written anywhere: a repair
 never spreads a copy it has not checked.
@@ -10,12 +11,10 @@ from __future__ import annotations
 import time
 
 from kvstore.keys import BlockKey
-from kvstore.manifest import SessionManifest
 from kvstore.net.scope import scope_of
-from kvstore.tiers.remote_calls import manifest_put_call
 from kvstore.tiers.remote_peers import PeerSet, call_timeout
 
-__all__ = ["repair_block", "repair_manifest"]
+__all__ = ["repair_block"]
 
 
 def repair_block(peers: PeerSet, owners: list[str], key: BlockKey, source: str,
@@ -25,12 +24,6 @@ def repair_block(peers: PeerSet, owners: list[str], key: BlockKey, source: str,
     targets = [n for n in lacking + corrupt if n in owners]
     if targets:
         peers.submit(_copy_block, peers, key, source, targets, set(corrupt))
-
-
-def repair_manifest(peers: PeerSet, nodes: list[str], manifest: SessionManifest) -> None:
-    """Schedule writing `manifest` to `nodes` (owners whose copy is missing or older)."""
-    for node in nodes:
-        peers.submit(_put_manifest, peers, node, manifest)
 
 
 def _copy_block(peers: PeerSet, key: BlockKey, source: str, targets: list[str],
@@ -58,6 +51,3 @@ def _copy_block(peers: PeerSet, key: BlockKey, source: str, targets: list[str],
             peers.count("repairs")
 
 
-def _put_manifest(peers: PeerSet, node: str, manifest: SessionManifest) -> None:
-    deadline = time.monotonic() + peers.config.call_timeout
-    manifest_put_call(peers, node, manifest, deadline)()
