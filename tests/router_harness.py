@@ -30,15 +30,17 @@ import threading
 import time
 import zlib
 from collections.abc import Callable, Coroutine, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from aiohttp import web
 
-from router.config import RouterConfig
+from router.config import RouterConfig, StaticWorker
+from router.policy import Thresholds, policy_preset
 from router.proxy import build_app
 from router.service import RouterService
 from router.state.base import StateBackend
+from router.workers import WorkerId
 from tests.services import free_port
 
 __all__ = ["LoopThread", "FakeWorker", "RouterHandle", "fake_next_token", "fake_tokenize",
@@ -538,3 +540,32 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, step: float
             raise TimeoutError("condition not met in time")
         time.sleep(step)
     return time.monotonic() - start
+
+
+@contextlib.contextmanager
+def running_fakes(lt: LoopThread, model: str = "fake", names: tuple[str, ...] = ("a", "b")
+                  ) -> Iterator[dict[str, FakeWorker]]:
+    """Fake workers `names` serving `model`, started on `lt` and stopped at the end."""
+    fakes = {name: FakeWorker(model) for name in names}
+    for fake in fakes.values():
+        lt.run(fake.start())
+    try:
+        yield fakes
+    finally:
+        for fake in fakes.values():
+            lt.run(fake.stop())
+
+
+def fake_router_config(fakes: dict[str, FakeWorker], **overrides: Any) -> RouterConfig:
+    """The router the fake-worker tests put in front of `fakes`: each a static worker (a 1 s
+    lease), scraped every 50 ms, no migration cooldown, a 1 s stream idle timeout; `overrides`
+    replace any of these."""
+    settings: dict[str, Any] = {
+        "port": free_port(), "scrape_interval_s": 0.05, "static_ttl_s": 1.0,
+        "static_workers": tuple(StaticWorker(WorkerId(name), fake.url)
+                                for name, fake in fakes.items()),
+        "policy": replace(policy_preset("kvkeep"), thresholds=Thresholds(
+            max_waiting=50, migrate_cooldown_s=0.0)),
+        "stream_idle_timeout_s": 1.0}
+    settings.update(overrides)
+    return RouterConfig(**settings)

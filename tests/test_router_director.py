@@ -11,31 +11,29 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 
 from router.admission import admit
 from router.api import ClientRequest, Endpoint, parse_request
-from router.config import RouterConfig, StaticWorker
 from router.decision import Placement
 from router.director import Reply, RequestDirector
 from router.hooks import Outcome
-from router.policy import Thresholds, policy_preset
 from router.service import RouterService
 from router.streaming.state import StreamState
 from router.tenants import DEFAULT_TENANT
-from router.workers import WorkerId
 from tests.router_harness import (
     FakeWorker,
     LoopThread,
     fake_generate,
+    fake_router_config,
     fake_tokenize,
     loop_thread,
+    running_fakes,
     wait_until,
 )
-from tests.services import free_port
 
 MODEL = "fake"
 
@@ -108,24 +106,13 @@ class Env:
 
 @pytest.fixture(scope="module")
 def env() -> Iterator[Env]:
-    with loop_thread() as lt:
-        fakes = {"a": FakeWorker(MODEL), "b": FakeWorker(MODEL)}
-        for fake in fakes.values():
-            lt.run(fake.start())
-        config = RouterConfig(
-            port=free_port(), scrape_interval_s=0.05, static_ttl_s=1.0,
-            static_workers=tuple(StaticWorker(WorkerId(k), f.url) for k, f in fakes.items()),
-            policy=replace(policy_preset("kvkeep"),
-                           thresholds=Thresholds(max_waiting=50, migrate_cooldown_s=0.0)),
-            stream_idle_timeout_s=1.0)
-        service = RouterService(config)
+    with loop_thread() as lt, running_fakes(lt, MODEL) as fakes:
+        service = RouterService(fake_router_config(fakes))
         lt.run(service.start())
         e = Env(lt, service, fakes)
         wait_until(lambda: e.usable() == {"a", "b"})
         yield e
         lt.run(service.stop())
-        for fake in fakes.values():
-            lt.run(fake.stop())
 
 
 @pytest.fixture(autouse=True)

@@ -15,23 +15,21 @@ import httpx
 import pytest
 
 from router.api import Endpoint, parse_request
-from router.config import RouterConfig, StaticWorker
 from router.errors import BadRequest
-from router.policy import Thresholds, policy_preset
 from router.streaming.relay import StreamBroken
 from router.streaming.responses_api import EventStream, _relay_event
 from router.tenants import ApiKeys
-from router.workers import WorkerId
 from tests.router_harness import (
     FakeWorker,
     LoopThread,
     RouterHandle,
     fake_generate,
+    fake_router_config,
     fake_tokenize,
     loop_thread,
+    running_fakes,
     wait_until,
 )
-from tests.services import free_port
 
 MODEL = "fake"
 KEYS = {"alice": "alice-key-0123456789", "bob": "bob-key-0123456789ab"}
@@ -58,24 +56,13 @@ class Env:
 
 @pytest.fixture(scope="module")
 def env() -> Iterator[Env]:
-    with loop_thread() as lt:
-        fakes = {"a": FakeWorker(MODEL), "b": FakeWorker(MODEL)}
-        for fake in fakes.values():
-            lt.run(fake.start())
-        config = RouterConfig(
-            port=free_port(), scrape_interval_s=0.05, static_ttl_s=1.0,
-            static_workers=tuple(StaticWorker(WorkerId(k), f.url) for k, f in fakes.items()),
-            policy=replace(policy_preset("kvkeep"),
-                           thresholds=Thresholds(max_waiting=50, migrate_cooldown_s=0.0)),
-            stream_idle_timeout_s=1.0)
-        router = RouterHandle(lt, config).start()
+    with loop_thread() as lt, running_fakes(lt, MODEL) as fakes:
+        router = RouterHandle(lt, fake_router_config(fakes)).start()
         e = Env(lt, fakes, router)
         wait_until(lambda: e.usable() == {"a", "b"})
         yield e
         e.http.close()
         router.stop()
-        for fake in fakes.values():
-            lt.run(fake.stop())
 
 
 @pytest.fixture(autouse=True)

@@ -15,28 +15,26 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 import pytest
 
 from router.api import Endpoint, parse_request
-from router.config import RouterConfig, StaticWorker
-from router.policy import Thresholds, policy_preset
 from router.streaming.resume import resume_body
 from router.streaming.state import StreamOverrun, StreamState
-from router.workers import WorkerId
 from tests.router_harness import (
     FakeWorker,
     LoopThread,
     RouterHandle,
     fake_generate_choice,
+    fake_router_config,
     fake_tokenize,
     loop_thread,
+    running_fakes,
     wait_until,
 )
-from tests.services import free_port
 
 MODEL = "fake"
 
@@ -61,24 +59,13 @@ class Env:
 
 @pytest.fixture(scope="module")
 def env() -> Iterator[Env]:
-    with loop_thread() as lt:
-        fakes = {"a": FakeWorker(MODEL), "b": FakeWorker(MODEL)}
-        for fake in fakes.values():
-            lt.run(fake.start())
-        config = RouterConfig(
-            port=free_port(), scrape_interval_s=0.05, static_ttl_s=1.0,
-            static_workers=tuple(StaticWorker(WorkerId(w), f.url) for w, f in fakes.items()),
-            policy=replace(policy_preset("kvkeep"),
-                           thresholds=Thresholds(max_waiting=50, migrate_cooldown_s=0.0)),
-            stream_idle_timeout_s=1.0)
-        router = RouterHandle(lt, config).start()
+    with loop_thread() as lt, running_fakes(lt, MODEL) as fakes:
+        router = RouterHandle(lt, fake_router_config(fakes)).start()
         e = Env(lt, fakes, router)
         wait_until(lambda: e.usable() == {"a", "b"})
         yield e
         e.http.close()
         router.stop()
-        for fake in fakes.values():
-            lt.run(fake.stop())
 
 
 @pytest.fixture(autouse=True)
