@@ -343,7 +343,8 @@ def test_unprotected_tokens_are_computed_blocks_the_store_does_not_hold() -> Non
     assert side.unprotected_tokens() == (0, 0)
     # Reported as gauges, when they change.
     values = [(5 * BS, 3 * BS), (5 * BS, 3 * BS), (0, 0)]
-    reporter = StatsReporter(Counters(), block_size=BS, unprotected=lambda: values.pop(0))
+    reporter = StatsReporter(Counters(), block_size=BS, unprotected=lambda: values.pop(0),
+                             store_interval_s=0)
     first = reporter.take()
     assert first is not None and first.data["gauges"]["unprotected_tokens"] == {"": 5.0 * BS}
     assert first.data["gauges"]["unprotected_tokens_max"] == {"": 3.0 * BS}

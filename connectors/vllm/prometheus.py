@@ -44,6 +44,7 @@ Families (all `kvkeep_connector_*`, labels `model_name`, `engine`, and those sho
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -155,6 +156,7 @@ class StatsReporter:
         self._counters = counters
         self._unprotected = unprotected
         self._last_unprotected: tuple[int, int] | None = None
+        self._unprotected_at = -math.inf
         self._block_size = block_size
         self._store = store
         self._telemetry = telemetry
@@ -179,13 +181,16 @@ class StatsReporter:
                 observations["restore_seconds"] = [r.seconds for r in batch.restores]
             if batch.save_lags:
                 observations["save_lag_seconds"] = list(batch.save_lags)
-        if self._unprotected is not None:
+        now = time.monotonic()
+        # A walk over the requests being served: on the scheduler's step, so at most every
+        # `store_interval_s`, like the store's families.
+        if self._unprotected is not None and now - self._unprotected_at >= self._interval:
+            self._unprotected_at = now
             current = self._unprotected()
             if current != self._last_unprotected:  # a gauge: sent when it changes
                 self._last_unprotected = current
                 stats.data["gauges"]["unprotected_tokens"] = {"": float(current[0])}
                 stats.data["gauges"]["unprotected_tokens_max"] = {"": float(current[1])}
-        now = time.monotonic()
         if self._store is not None and (batch or now - self._store_read_at >= self._interval):
             self._store_read_at = now
             self._store_families(counters, stats.data["gauges"])

@@ -302,7 +302,9 @@ class Saver:
         """On the saver thread: which of `items` a network tier already holds (a prefix
         restored from the daemons, another worker's save), so that they are not sent again.
         A store that cannot say in time holds nothing: the blocks are put (puts are
-        idempotent)."""
+        idempotent). A store of in-memory tiers only was asked already, by the step."""
+        if self._ctx.store.answers_in_process:
+            return [False] * len(items)
         try:
             deadline = time.monotonic() + self._config.restore_deadline_s
             return self._ctx.store.holds([item.key for item in items], deadline=deadline)
