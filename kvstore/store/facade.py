@@ -321,13 +321,21 @@ class TieredStore:
         """Which of `keys` some tier holds: one batched `contains` per tier, each asked only
         for what the tiers above it lacked; a failing tier, or one reached past `deadline`,
         counts as holding nothing."""
+        return [index >= 0 for index in self.locate(keys, deadline=deadline,
+                                                    in_process_only=in_process_only)]
+
+    def locate(self, keys: Sequence[BlockKey], *, deadline: float | None = None,
+               in_process_only: bool = False) -> list[int]:
+        """`holds`, saying where: per key the index (in `tiers`) of the first tier that holds
+        it, the one a `get` reads it from, or -1 (what a restore-or-recompute decision
+        prices)."""
         self._check_open()
         deadline = self.deadline(deadline)
-        found = [False] * len(keys)
+        found = [-1] * len(keys)
         for index, tier in enumerate(self.tiers):
             if in_process_only and not self._in_process[index]:
                 continue
-            ask = [i for i, hit in enumerate(found) if not hit]
+            ask = [i for i, hit in enumerate(found) if hit < 0]
             if not ask:
                 break
             if time.monotonic() >= deadline:
@@ -346,7 +354,7 @@ class TieredStore:
                 self._calls.observe(index, "contains", started)
             for i, hit in zip(ask, flags, strict=True):
                 if hit:
-                    found[i] = True
+                    found[i] = index
         return found
 
     def delete(self, keys: Sequence[BlockKey], *, reject: bool = False) -> int:
