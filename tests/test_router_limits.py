@@ -12,7 +12,6 @@ import asyncio
 import json
 import random
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -24,14 +23,13 @@ from kvstore.cli import build_parser
 from kvstore.errors import ConfigError
 from kvstore.keys import SessionId
 from router.commands import config_from_args
-from router.config import RouterConfig, StaticWorker
 from router.core import RouterCore
 from router.decision import RequestFeatures
 from router.errors import TooManySessions
 from router.hooks import Outcome
 from router.indexer.history import SessionBlocks
 from router.limits import METRICS_MAX_BYTES, Limits, TokenBucket
-from router.policy import Thresholds, build_policy, policy_preset
+from router.policy import build_policy
 from router.scraper import Scraper
 from router.sessions import SessionTable
 from router.tasks import run_now
@@ -42,11 +40,12 @@ from tests.router_harness import (
     LoopThread,
     RouterHandle,
     fake_generate,
+    fake_router_config,
     fake_tokenize,
     loop_thread,
+    running_fakes,
     wait_until,
 )
-from tests.services import free_port
 
 MODEL = "fake"
 KEYS = {"alice": "alice-key-0123456789", "bob": "bob-key-0123456789ab"}
@@ -82,16 +81,10 @@ class Env:
 def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     keys = tmp_path_factory.mktemp("keys") / "keys"
     keys.write_text("".join(f"{k} {t}\n" for t, k in KEYS.items()))
-    with loop_thread() as lt:
-        a, b = FakeWorker(MODEL), FakeWorker(MODEL)
-        lt.run(a.start())
-        lt.run(b.start())
-        config = RouterConfig(
-            port=free_port(), scrape_interval_s=0.05, static_ttl_s=1.0,
-            static_workers=(StaticWorker(WorkerId("a"), a.url), StaticWorker(WorkerId("b"), b.url)),
-            policy=replace(policy_preset("kvkeep"),
-                           thresholds=Thresholds(max_waiting=50, migrate_cooldown_s=0.0)),
-            stream_idle_timeout_s=5.0, api_keys=ApiKeys.load(keys),
+    with loop_thread() as lt, running_fakes(lt, MODEL) as fakes:
+        a, b = fakes["a"], fakes["b"]
+        config = fake_router_config(
+            fakes, stream_idle_timeout_s=5.0, api_keys=ApiKeys.load(keys),
             limits=Limits(max_sessions=6, max_sessions_per_tenant=4,
                           max_response_bytes=256 << 10, max_event_bytes=64 << 10))
         router = RouterHandle(lt, config).start()
@@ -101,8 +94,6 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
         yield e
         e.http.close()
         router.stop()
-        lt.run(a.stop())
-        lt.run(b.stop())
 
 
 @pytest.fixture(autouse=True)

@@ -12,20 +12,18 @@ from typing import Any
 import httpx
 import pytest
 
-from router.config import RouterConfig, StaticWorker
-from router.policy import Thresholds, policy_preset
 from router.tenants import ApiKeys
-from router.workers import WorkerId
 from tests.router_harness import (
     FakeWorker,
     LoopThread,
     RouterHandle,
     fake_generate,
+    fake_router_config,
     fake_tokenize,
     loop_thread,
+    running_fakes,
     wait_until,
 )
-from tests.services import free_port
 
 MODEL = "fake"
 
@@ -47,24 +45,15 @@ class Env:
 
 @pytest.fixture(scope="module")
 def env() -> Iterator[Env]:
-    with loop_thread() as lt:
-        a, b = FakeWorker(MODEL), FakeWorker(MODEL)
-        lt.run(a.start())
-        lt.run(b.start())
-        config = RouterConfig(
-            port=free_port(), scrape_interval_s=0.05, static_ttl_s=1.0, max_body_bytes=64 << 10,
-            static_workers=(StaticWorker(WorkerId("a"), a.url), StaticWorker(WorkerId("b"), b.url)),
-            policy=replace(policy_preset("kvkeep"),
-                           thresholds=Thresholds(max_waiting=50, migrate_cooldown_s=0.0)),
-            stream_idle_timeout_s=1.0)
+    with loop_thread() as lt, running_fakes(lt, MODEL) as fakes:
+        a, b = fakes["a"], fakes["b"]
+        config = fake_router_config(fakes, max_body_bytes=64 << 10)
         router = RouterHandle(lt, config).start()
         e = Env(lt, a, b, router)
         wait_until(lambda: e.usable() == {"a", "b"})
         yield e
         e.http.close()
         router.stop()
-        lt.run(a.stop())
-        lt.run(b.stop())
 
 
 @pytest.fixture(autouse=True)

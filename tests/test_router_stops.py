@@ -14,27 +14,24 @@ from __future__ import annotations
 import itertools
 import json
 from collections.abc import Iterator
-from dataclasses import replace
 from typing import Any
 
 import httpx
 import pytest
 
-from router.config import RouterConfig, StaticWorker
-from router.policy import Thresholds, policy_preset
 from router.streaming.stops import StopText
-from router.workers import WorkerId
 from tests.router_harness import (
     FakeWorker,
     LoopThread,
     RouterHandle,
     fake_generate,
+    fake_router_config,
     fake_tokenize,
     loop_thread,
+    running_fakes,
     stopped_stream,
     wait_until,
 )
-from tests.services import free_port
 
 MODEL = "fake"
 PROMPT = "tell a long story about stops"
@@ -64,26 +61,16 @@ class Env:
 
 @pytest.fixture(scope="module")
 def env() -> Iterator[Env]:
-    with loop_thread() as lt:
-        fakes = {"a": FakeWorker(MODEL), "b": FakeWorker(MODEL)}
-        for fake in fakes.values():
-            lt.run(fake.start())
-        config = RouterConfig(
-            port=free_port(), scrape_interval_s=0.05, static_ttl_s=1.0,
-            static_workers=tuple(StaticWorker(WorkerId(n), f.url) for n, f in fakes.items()),
-            policy=replace(policy_preset("kvkeep"),
-                           thresholds=Thresholds(max_waiting=50, migrate_cooldown_s=0.0)),
-            stream_idle_timeout_s=2.0)
+    with loop_thread() as lt, running_fakes(lt, MODEL) as fakes:
+        config = fake_router_config(fakes, stream_idle_timeout_s=2.0)
         router = RouterHandle(lt, config).start()
         e = Env(lt, fakes, router)
-        assert router.service is not None
-        wait_until(lambda: sum(router.service.core.usable(w)  # type: ignore[union-attr]
-                               for w in router.service.core.workers()) == 2)
+        service = router.service
+        assert service is not None
+        wait_until(lambda: sum(service.core.usable(w) for w in service.core.workers()) == 2)
         yield e
         e.http.close()
         router.stop()
-        for fake in fakes.values():
-            lt.run(fake.stop())
 
 
 @pytest.fixture(autouse=True)
