@@ -172,9 +172,17 @@ class FakeStore:
         self.present = present
         self.manifests: list[Any] = []
 
+    # No tier to price: the restore-or-recompute decision restores every hit.
+    tiers: tuple[Any, ...] = ()
+    metrics = None
+
     def lookup(self, keys: list[Any], *, deadline: float | None = None,
                in_process_only: bool = False) -> int:
         return min(self.present, len(keys))
+
+    def locate(self, keys: list[Any], *, deadline: float | None = None,
+               in_process_only: bool = False) -> list[int]:
+        return [0 if i < self.present else -1 for i in range(len(keys))]
 
     def put_manifest(self, manifest: Any) -> None:
         self.manifests.append(manifest)

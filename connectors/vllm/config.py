@@ -63,6 +63,7 @@ __all__ = [
     "LookupMode",
     "RestorePath",
     "SavePath",
+    "RestorePolicy",
     "DEFAULT_REPLICAS",
 ]
 
@@ -73,6 +74,7 @@ LoadMode = Literal["sync", "async"]
 LookupMode = Literal["auto", "worker"]
 RestorePath = Literal["auto", "device_decode", "staged"]
 SavePath = Literal["auto", "staged"]
+RestorePolicy = Literal["cost", "always"]
 Compression = Literal["none", "auto", "zstd"]
 
 DEFAULT_REPLICAS: Final = 2
@@ -83,7 +85,7 @@ _TOP_KEYS: Final = frozenset({
     "hinted_restore_deadline_ms", "save_timeout_ms", "load_mode", "tenant", "model_id",
     "weights_revision", "max_inflight_saves", "lookup", "restore_first_layers", "mac_key_file",
     "durability",
-    "restore_path", "save_path",
+    "restore_path", "save_path", "restore_policy", "prefill_tokens_per_s",
 })
 _STORE_KEYS: Final = frozenset({"host_bytes", "host_pinned", "nvme", "remote", "redis", "name"})
 _NVME_KEYS: Final = frozenset({"path", "bytes", "durable"})
@@ -199,6 +201,11 @@ class ConnectorConfig:
     """"auto": one frame encoded per block on the saver's thread. "staged": the staging
     pipeline (batches quantized on the device, one copy per batch, hashed on a pool); needs
     `compression: "none"`."""
+    restore_policy: RestorePolicy = "cost"
+    """"cost": restore only the stored prefix that loads faster than it computes
+    (`connectors.vllm.restore_cost`); "always": every hit, whatever it costs."""
+    prefill_tokens_per_s: float | None = None
+    """The engine's prefill rate for the cost decision; None: learned from its own steps."""
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -248,6 +255,9 @@ class ConnectorConfig:
             restore_path=cast(RestorePath, _choice(extra, "restore_path",
                                                    ("auto", "device_decode", "staged"), "auto")),
             save_path=_save_path(extra, compression),
+            restore_policy=cast(RestorePolicy, _choice(extra, "restore_policy",
+                                                       ("cost", "always"), "cost")),
+            prefill_tokens_per_s=_optional_rate(extra, "prefill_tokens_per_s"),
         )
 
     def restore_deadline_for(self, *, hinted: bool) -> float:
@@ -435,6 +445,16 @@ def _non_negative_ms(mapping: Mapping[str, Any], key: str, default_ms: float) ->
             or not math.isfinite(value) or value < 0:
         raise ConfigError(f"{key} must be a number of milliseconds >= 0, got {value!r}")
     return float(value) / 1000.0
+
+
+def _optional_rate(mapping: Mapping[str, Any], key: str) -> float | None:
+    value = mapping.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) \
+            or not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{key} must be a positive number (tokens per second), got {value!r}")
+    return float(value)
 
 
 def _name(value: object, what: str) -> str:

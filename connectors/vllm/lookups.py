@@ -34,12 +34,15 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True, slots=True)
 class FinishedLookup:
     """The answer for one request's blocks [first, first + count): `hit` of them held as a
-    prefix; `failed`: the store raised, and `hit` is 0."""
+    prefix, block i of it on the store's tier `tiers[i]` (the first that holds it: where a
+    load reads it, what the restore-or-recompute decision prices); `failed`: the store
+    raised, and `hit` is 0."""
 
     first: int
     count: int
     hit: int
     failed: bool = False
+    tiers: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,8 +128,8 @@ class BackgroundLookups:
                 self._running = set()
 
     def _answer(self, jobs: list[_Job]) -> list[FinishedLookup]:
-        """One `holds` call for every job's keys (duplicates asked once), then each job's
-        prefix."""
+        """One `locate` call for every job's keys (duplicates asked once), then each job's
+        prefix and where its blocks lie."""
         position: dict[bytes, int] = {}
         keys: list[BlockKey] = []
         for job in jobs:
@@ -136,7 +139,7 @@ class BackgroundLookups:
                     keys.append(key)
         deadline = max(job.deadline for job in jobs)
         try:
-            held = self._store.holds(keys, deadline=deadline) if keys else []
+            where = self._store.locate(keys, deadline=deadline) if keys else []
         except Exception:
             # The store's own tiers already turn their failures into misses; what reaches here
             # is a closed store or a bug, and the requests compute instead.
@@ -144,9 +147,10 @@ class BackgroundLookups:
             return [FinishedLookup(job.first, len(job.keys), 0, failed=True) for job in jobs]
         answers = []
         for job in jobs:
-            hit = next((i for i, key in enumerate(job.keys) if not held[position[key.digest]]),
-                       len(job.keys))
+            tiers = [where[position[key.digest]] for key in job.keys]
+            hit = next((i for i, tier in enumerate(tiers) if tier < 0), len(tiers))
             if time.monotonic() >= job.deadline:
                 hit = 0  # too slow for this request: its load would be late as well
-            answers.append(FinishedLookup(job.first, len(job.keys), hit))
+            answers.append(FinishedLookup(job.first, len(job.keys), hit,
+                                          tiers=tuple(tiers[:hit])))
         return answers

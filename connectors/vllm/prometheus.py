@@ -28,6 +28,11 @@ Families (all `kvkeep_connector_*`, labels `model_name`, `engine`, and those sho
     load_failures_total{cause}                       missing, corrupt, mismatch, late, error
     saved_blocks_total, save_failures_total{cause}   failed, backpressure, load_error
     events_total{event}                              every counter of connectors.vllm.stats
+    restore_decisions_total{decision}                lookups with a hit, by the restore-or-
+                                                     recompute decision: restore, recompute,
+                                                     partial (connectors.vllm.restore_cost)
+    restore_decision_tokens_total{action}            stored tokens it chose to load (restore)
+                                                     or to compute instead (recompute)
     store_<family>_total{...}                        the worker's `TieredStore` counters
                                                      (kvstore/metrics.py): hits, tier_misses
                                                      and corrupt_blocks by tier, misses,
@@ -78,6 +83,11 @@ LOAD_CAUSES: Mapping[Event, str] = {
 _SAVE_CAUSES: Mapping[Event, str] = {
     Event.SAVE_FAILED: "failed", Event.SAVE_BACKPRESSURE: "backpressure",
     Event.SAVE_DROPPED_AFTER_LOAD_ERROR: "load_error"}
+_DECISIONS: Mapping[Event, str] = {
+    Event.DECIDED_RESTORE: "restore", Event.DECIDED_RECOMPUTE: "recompute",
+    Event.DECIDED_PARTIAL: "partial"}
+_DECISION_TOKENS: Mapping[Event, str] = {
+    Event.DECIDED_RESTORE_TOKENS: "restore", Event.DECIDED_RECOMPUTE_TOKENS: "recompute"}
 STORE_COUNTERS: Mapping[str, tuple[str, ...]] = {
     "hits": ("tier",), "tier_misses": ("tier",), "misses": (), "corrupt": ("tier",),
     "errors": ("tier", "op"), "deadline_misses": (), "read_bytes": ("tier",),
@@ -215,6 +225,10 @@ class StatsReporter:
                 _add(counters, "save_failures", _SAVE_CAUSES[event], delta)
             elif event == Event.SAVED_BLOCKS:
                 _add(counters, "saved_blocks", "", delta)
+            elif event in _DECISIONS:
+                _add(counters, "restore_decisions", _DECISIONS[event], delta)
+            elif event in _DECISION_TOKENS:
+                _add(counters, "restore_decision_tokens", _DECISION_TOKENS[event], delta)
 
     def _store_families(self, counters: dict[str, dict[str, float]],
                         gauges: dict[str, dict[str, float]]) -> None:
@@ -278,6 +292,12 @@ class KVKeepPromMetrics(KVConnectorPromMetrics):
         self._counter("save_failures", "Blocks not saved, by cause", ("cause",))
         self._counter("events", "Every counter of the connector (connectors.vllm.stats)",
                       ("event",))
+        self._counter("restore_decisions", "Lookups with a hit, by what the restore-or-"
+                      "recompute decision made of it (restore all, recompute, partial)",
+                      ("decision",))
+        self._counter("restore_decision_tokens", "Stored tokens the restore-or-recompute "
+                      "decision chose to load (restore) or to compute instead (recompute)",
+                      ("action",))
         for attr, labels in STORE_COUNTERS.items():
             family = _FAMILY_OF[attr].removeprefix(PREFIX)
             self._counter(family, f"The connector's store: {attr.replace('_', ' ')}", labels)
@@ -309,6 +329,10 @@ class KVKeepPromMetrics(KVConnectorPromMetrics):
                 self._counters["load_failures"][0].labels(*values, cause)
             for cause in _SAVE_CAUSES.values():
                 self._counters["save_failures"][0].labels(*values, cause)
+            for decision in _DECISIONS.values():
+                self._counters["restore_decisions"][0].labels(*values, decision)
+            for action in _DECISION_TOKENS.values():
+                self._counters["restore_decision_tokens"][0].labels(*values, action)
             for event in Event:
                 self._counters["events"][0].labels(*values, event.value)
             for reason in DROP_REASONS:

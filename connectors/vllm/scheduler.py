@@ -19,6 +19,10 @@ Per request it keeps where its blocks live and which of them are known saved. Ea
   confirmed stored (a store may still evict them later; a restore then recomputes them);
 - gives a request the router sent with a `restore_reason` (its session moved here) the longer
   `hinted_restore_deadline_ms` for its lookup and load;
+- decides, per request, how much of a lookup's hit to restore (`restore_cost`: each block
+  priced on the tier it lies on, against the engine's prefill rate, learned here from the
+  time between steps), and counts what it decided (`decided_*`). Only where the store is in
+  this process: with the multiprocess executor's probes every hit is restored;
 - when vLLM publishes KV events, adds a `BlockStored` for each request's grown saved prefix to
   them (medium `KVKEEP_SHARED` for a store with remote daemons, else `KVKEEP_LOCAL`), so a
   router knows which prefixes the store can restore. Each event carries the whole saved prefix
@@ -51,6 +55,7 @@ from connectors.vllm.metadata import (
     WorkerReport,
 )
 from connectors.vllm.params import RestoreParams, namespace_for, parse_params
+from connectors.vllm.restore_cost import RestoreCostModel, block_bytes_of
 from connectors.vllm.stats import Counter, Counters
 from connectors.vllm.tracking import LookupAnswer, PendingProbe, TrackedRequest
 from kvstore.errors import KVKeepError
@@ -99,6 +104,13 @@ class SchedulerSide:
         # one with tiers across the network gets its lookups off vLLM's scheduler loop.
         self._background = (BackgroundLookups(store)
                             if store is not None and not store.answers_in_process else None)
+        self._cost = (None if store is None else RestoreCostModel(
+            store.tiers, block_size=block_size, block_bytes=block_bytes_of(fingerprint),
+            enabled=config.restore_policy == "cost",
+            prefill_tokens_per_s=config.prefill_tokens_per_s, metrics=store.metrics))
+        # The previous step: (when its metadata was built, its scheduled tokens, whether it
+        # loaded KV, its requests), to time it when the next one is built.
+        self._last_step: tuple[float, int, bool, frozenset[str]] | None = None
         self._manifests: ManifestSink
         if store is None:
             self._manifests = self._relay = ManifestRelay()
@@ -184,6 +196,7 @@ class SchedulerSide:
                     - len(spec_tokens.get(req_id, ())))
             self._plan_saves(running, done, saves)
         saves.extend(self._flushes())
+        self._time_step(scheduler_output, bool(loads))
         probes, self._probes = self._probes, []
         manifests = self._relay.take() if self._relay is not None else ()
         return StepMetadata(tuple(loads), tuple(saves), tuple(probes), manifests)
@@ -301,18 +314,17 @@ class SchedulerSide:
         deadline = now + self._deadline_s(tracked)
         self._counters.add(Counter.LOOKUPS)
         try:
-            hit = self._store.lookup(keys, deadline=deadline)
+            tiers = _prefix(self._store.locate(keys, deadline=deadline))
         except KVKeepError:
             log.warning("kvkeep: lookup failed; computing instead", exc_info=True)
             self._counters.add(Counter.LOOKUP_ERRORS)
-            hit = 0
+            tiers = ()
         if time.monotonic() >= deadline:
             # The store answered with what it had found in time; report none of it, since a
             # store this slow would make the load late too.
             self._counters.add(Counter.LOOKUP_DEADLINE)
-            hit = 0
-        self._record_lookup(tracked, LookupAnswer(first, count, hit, now))
-        return hit
+            tiers = ()
+        return self._record_lookup(tracked, LookupAnswer(first, count, len(tiers), now), tiers)
 
     def _lookup_behind(self, lookups: BackgroundLookups, tracked: TrackedRequest, first: int,
                        count: int, hashes: Sequence[Any], now: float) -> int | None:
@@ -327,9 +339,10 @@ class SchedulerSide:
                 tracked.probe = None
                 if finished.failed:
                     self._counters.add(Counter.LOOKUP_ERRORS)
-                hit = max(finished.hit, probe.inline_hit)
-                self._record_lookup(tracked, LookupAnswer(first, count, hit, now))
-                return hit
+                tiers = finished.tiers if finished.hit >= probe.inline_hit \
+                    else probe.inline_tiers
+                return self._record_lookup(
+                    tracked, LookupAnswer(first, count, len(tiers), now), tiers)
             if now - probe.sent_at < self._deadline_s(tracked):
                 return None
             # The network tiers did not answer in time (a slow or dead daemon): restore what
@@ -337,27 +350,46 @@ class SchedulerSide:
             self._counters.add(Counter.LOOKUP_DEADLINE)
             lookups.forget(tracked.request_id)
             tracked.probe = None
-            self._record_lookup(tracked, LookupAnswer(first, count, probe.inline_hit, now))
-            return probe.inline_hit
+            return self._record_lookup(
+                tracked, LookupAnswer(first, count, probe.inline_hit, now), probe.inline_tiers)
         self._counters.add(Counter.LOOKUPS)
         keys = [BlockKey.of(self._fp, tracked.namespace, bytes(h)) for h in hashes]
         try:
-            inline = self._store.lookup(keys, in_process_only=True)
+            inline = _prefix(self._store.locate(keys, in_process_only=True))
         except KVKeepError:
             log.warning("kvkeep: lookup failed; computing instead", exc_info=True)
             self._counters.add(Counter.LOOKUP_ERRORS)
-            self._record_lookup(tracked, LookupAnswer(first, count, 0, now))
-            return 0
-        if inline == count:
-            self._record_lookup(tracked, LookupAnswer(first, count, inline, now))
-            return inline
-        tracked.probe = PendingProbe(first, count, now, inline)
+            return self._record_lookup(tracked, LookupAnswer(first, count, 0, now), ())
+        if len(inline) == count:
+            return self._record_lookup(tracked, LookupAnswer(first, count, count, now), inline)
+        tracked.probe = PendingProbe(first, count, now, len(inline), inline)
         lookups.submit(tracked.request_id, first, keys, now + self._deadline_s(tracked))
         return None
 
-    def _record_lookup(self, tracked: TrackedRequest, answer: LookupAnswer) -> None:
+    def _record_lookup(self, tracked: TrackedRequest, answer: LookupAnswer,
+                       tiers: Sequence[int] | None = None) -> int:
+        """Count a lookup's answer and decide how much of its hit to restore (`tiers`: where
+        each hit block lies; None: not known, all of it); the blocks to restore."""
         self._counters.add(Counter.LOOKUP_HIT_BLOCKS, answer.hit)
-        tracked.lookup = answer
+        restore = answer.hit
+        if tiers is not None and self._cost is not None and answer.hit:
+            decision = self._cost.decide(tiers[:answer.hit])
+            restore = decision.restore
+            self._counters.add({"restore": Counter.DECIDED_RESTORE,
+                                "recompute": Counter.DECIDED_RECOMPUTE,
+                                "partial": Counter.DECIDED_PARTIAL}[decision.kind])
+            self._counters.add(Counter.DECIDED_RESTORE_TOKENS, decision.restore * self._bs)
+            self._counters.add(Counter.DECIDED_RECOMPUTE_TOKENS, decision.recompute * self._bs)
+            if decision.recompute:
+                log.debug("kvkeep: %s restores %d of %d stored blocks (load %.4f s, compute "
+                          "%.4f s)", tracked.request_id, decision.restore, answer.hit,
+                          decision.load_s, decision.compute_s or 0.0)
+        # What vLLM is told (and reuses on a second ask) is what the decision kept.
+        tracked.lookup = LookupAnswer(answer.first, answer.count, restore, answer.at)
+        self._note_hint(tracked, answer)
+        return restore
+
+    def _note_hint(self, tracked: TrackedRequest, answer: LookupAnswer) -> None:
         params = tracked.params
         if params.hinted and not tracked.hint_checked:
             tracked.hint_checked = True
@@ -371,6 +403,27 @@ class SchedulerSide:
                          params.previous_worker or "an unnamed worker", answer.hit,
                          answer.count)
 
+    def _time_step(self, scheduler_output: SchedulerOutput, loaded: bool) -> None:
+        """The engine's prefill rate, for the decision: the previous step took from its
+        metadata to this one's. Not used when it loaded KV in its forward pass, or when none
+        of its requests runs again now (the engine may have idled in between)."""
+        if self._cost is None:
+            return
+        now = time.monotonic()
+        scheduled = scheduler_output.num_scheduled_tokens
+        last = self._last_step
+        if last is not None:
+            at, tokens, had_loads, req_ids = last
+            if not had_loads and any(req_id in scheduled for req_id in req_ids):
+                self._cost.observe_step(tokens, now - at)
+        total = sum(scheduled.values())
+        self._last_step = (now, total, loaded, frozenset(scheduled)) if total else None
+
+    @property
+    def restore_cost(self) -> RestoreCostModel | None:
+        """The decision's prices (None without the store in this process)."""
+        return self._cost
+
     def _probe(self, tracked: TrackedRequest, first: int, count: int, now: float) -> int | None:
         probe = tracked.probe
         deadline_s = self._deadline_s(tracked)
@@ -380,8 +433,7 @@ class SchedulerSide:
             # The worker did not answer in time (a slow store, a long step): compute.
             self._counters.add(Counter.LOOKUP_DEADLINE)
             tracked.probe = None
-            self._record_lookup(tracked, LookupAnswer(first, count, 0, now))
-            return 0
+            return self._record_lookup(tracked, LookupAnswer(first, count, 0, now))
         self._counters.add(Counter.LOOKUPS)
         tracked.probe = PendingProbe(first, count, now)
         hashes = tracked.request.block_hashes[first:first + count]
@@ -519,3 +571,9 @@ class SchedulerSide:
             total += unsaved
             worst = max(worst, unsaved)
         return total, worst
+
+
+def _prefix(where: Sequence[int]) -> tuple[int, ...]:
+    """The tiers of the held prefix of a `TieredStore.locate` answer."""
+    stop = next((i for i, tier in enumerate(where) if tier < 0), len(where))
+    return tuple(where[:stop])

@@ -18,6 +18,12 @@ scheduler half
     manifests_written, manifest_errors
     published_blocks                 blocks announced in KV events (see `scheduler`), counted
                                      once per event that carries them
+    decided_restore, decided_recompute, decided_partial
+                                     lookups with a hit, by what the restore-or-recompute
+                                     decision (`restore_cost`) made of it: load all of it,
+                                     none, or a shorter prefix
+    decided_restore_tokens           stored tokens the decision chose to load
+    decided_recompute_tokens         stored tokens it chose to compute instead (cheaper)
 worker half
     loaded_blocks                    blocks restored into the paged cache, verified
     load_missing                     blocks the store no longer had (evicted, deleted)
@@ -65,6 +71,11 @@ class Counter(enum.StrEnum):
     MANIFESTS_WRITTEN = "manifests_written"
     MANIFEST_ERRORS = "manifest_errors"
     PUBLISHED_BLOCKS = "published_blocks"
+    DECIDED_RESTORE = "decided_restore"
+    DECIDED_RECOMPUTE = "decided_recompute"
+    DECIDED_PARTIAL = "decided_partial"
+    DECIDED_RESTORE_TOKENS = "decided_restore_tokens"
+    DECIDED_RECOMPUTE_TOKENS = "decided_recompute_tokens"
     LOADED_BLOCKS = "loaded_blocks"
     LOAD_MISSING = "load_missing"
     LOAD_CORRUPT = "load_corrupt"

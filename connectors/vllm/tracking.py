@@ -41,6 +41,8 @@ class PendingProbe:
     count: int
     sent_at: float
     inline_hit: int = 0
+    inline_tiers: tuple[int, ...] = ()
+    """The store tier of each of those `inline_hit` blocks (what the decision prices)."""
 
     def asks(self, first: int, count: int) -> bool:
         return (self.first, self.count) == (first, count)
