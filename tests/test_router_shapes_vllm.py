@@ -7,11 +7,13 @@ random model fills "any whitespace" with whitespace and never closes its JSON). 
 calls no tool on its own: a named or `required` `tool_choice` is what makes it, through
 guided decoding of the tool's parameters schema.
 
-One cluster per module, in file order: w1 and w2 serve the same model; the failover test kills
-w1 while four streams (json_schema, regex, choice, named tool call) run on it, and each is
-replayed on w2 (`router/streaming/replay.py`). The last test kills w2 with w3 left: w3 serves a
-different model under the same name, so the replay differs and the stream must end with an
-error event after only what agreed.
+One cluster per module, in file order: w1 and w2 serve the same model. The lease test freezes
+w1 while seven streams run on it (four replayed shapes, greedy text, n = 2 choices and a
+Responses API stream); the failover test kills w1 while six streams (json_schema, json_object,
+regex, choice, named and required tool calls) run on it, and each is replayed on w2
+(`router/streaming/replay.py`). The last test kills w2 with w3 left: w3 serves a different
+model under the same name, so the replay differs and the stream must end with an error event
+after only what agreed.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import re
 import signal
 import subprocess
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -74,7 +76,16 @@ SHAPES: dict[str, dict[str, Any]] = {
     "tool_required": {"tools": TOOLS, "tool_choice": "required",
                       "parallel_tool_calls": False},
 }
+# Resumed by continuation rather than replay (`router/streaming/resume.py`): greedy text, and
+# n = 2 choices decoded greedily (`top_k` 1: vLLM refuses n > 1 at temperature 0).
+CONTINUED: dict[str, dict[str, Any]] = {
+    "text": {"ignore_eos": True},
+    "n2": {"temperature": 1.0, "top_k": 1, "n": 2, "ignore_eos": True},
+}
 MAX_TOKENS = 120
+# Long: it must still be streaming when the last of the shorter streams around it has begun.
+RESPONSES = {"model": "tiny", "input": MESSAGES, "max_output_tokens": 480, "temperature": 0,
+             "ignore_eos": True}
 # Engines start in about a minute on an idle 2-core machine, several times that on a busy one.
 HEALTHY_S = 600.0
 
@@ -158,6 +169,8 @@ class Streamed:
     """What a client got of one streamed chat answer."""
 
     content: str = ""
+    """Choice 0's text (the only choice but for n > 1)."""
+    texts: dict[int, str] = field(default_factory=dict)
     tool_calls: dict[int, dict[str, str]] = field(default_factory=dict)
     finish: list[str] = field(default_factory=list)
     roles: int = 0
@@ -173,10 +186,17 @@ class Streamed:
             return
         self.ids.add(event["id"])
         for choice in event["choices"]:
-            assert choice["index"] == 0
             delta = choice["delta"]
             self.roles += "role" in delta
-            self.content += delta.get("content") or ""
+            text = delta.get("content") or ""
+            self.texts[choice["index"]] = self.texts.get(choice["index"], "") + text
+            if choice["index"] != 0:
+                assert not delta.get("tool_calls"), event
+                if choice.get("finish_reason"):
+                    self.finish.append(choice["finish_reason"])
+                self.chunks += 1
+                continue
+            self.content += text
             for call in delta.get("tool_calls") or ():
                 seen = self.tool_calls.setdefault(call["index"], {"arguments": ""})
                 for key in ("id", "type"):
@@ -196,7 +216,8 @@ class Streamed:
 def stream(cluster: Cluster, shape: str, sid: str, on_chunk: Any = None,
            body: dict[str, Any] | None = None) -> Streamed:
     got = Streamed()
-    req = {**GREEDY, **SHAPES[shape], "max_tokens": MAX_TOKENS, "stream": True, **(body or {})}
+    req = {**GREEDY, **{**SHAPES, **CONTINUED}[shape], "max_tokens": MAX_TOKENS, "stream": True,
+           **(body or {})}
     with cluster.http.stream("POST", "/v1/chat/completions", json=req,
                              headers={"X-Session-Id": sid}) as resp:
         assert resp.status_code == 200, resp.read()
@@ -211,12 +232,52 @@ def stream(cluster: Cluster, shape: str, sid: str, on_chunk: Any = None,
     return got
 
 
-def direct(server: VllmServer, shape: str) -> dict[str, Any]:
+@dataclass
+class Events:
+    """What a client got of one streamed Responses API answer."""
+
+    events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    chunks: int = 0
+    """Its text deltas so far."""
+    worker: str = ""
+
+    @property
+    def text(self) -> str:
+        return "".join(d["delta"] for n, d in self.events if n == "response.output_text.delta")
+
+
+def stream_responses(cluster: Cluster, sid: str, on_chunk: Any = None) -> Events:
+    got = Events()
+    with cluster.http.stream("POST", "/v1/responses", json={**RESPONSES, "stream": True},
+                             headers={"X-Session-Id": sid}) as resp:
+        assert resp.status_code == 200, resp.read()
+        got.worker = resp.headers["x-kvkeep-worker"]
+        name = ""
+        for line in resp.iter_lines():
+            if line.startswith("event: "):
+                name = line[7:]
+            elif line.startswith("data: "):
+                data = json.loads(line[6:])
+                assert data["type"] == name, (name, data)
+                got.events.append((name, data))
+                if name == "response.output_text.delta":
+                    got.chunks += 1
+                    if on_chunk is not None:
+                        on_chunk(got)
+    return got
+
+
+def direct_answer(server: VllmServer, shape: str) -> dict[str, Any]:
     """The reference: the same greedy request straight to a worker, unbroken, not streamed."""
     r = httpx.post(f"{server.url}/v1/chat/completions", timeout=120,
-                   json={**GREEDY, **SHAPES[shape], "max_tokens": MAX_TOKENS})
+                   json={**GREEDY, **{**SHAPES, **CONTINUED}[shape], "max_tokens": MAX_TOKENS})
     assert r.status_code == 200, r.text
-    choice: dict[str, Any] = r.json()["choices"][0]
+    answer: dict[str, Any] = r.json()
+    return answer
+
+
+def direct(server: VllmServer, shape: str) -> dict[str, Any]:
+    choice: dict[str, Any] = direct_answer(server, shape)["choices"][0]
     return choice
 
 
@@ -259,6 +320,17 @@ def _streamed_calls(got: Streamed) -> list[tuple[str, str]]:
     return [(c["name"], c["arguments"]) for _, c in sorted(got.tool_calls.items())]
 
 
+def assert_same_calls(shape: str, got: Streamed, message: dict[str, Any]) -> None:
+    """The streamed tool calls are the unbroken answer's."""
+    if shape == "tool_required":
+        # vLLM's unstreamed answer re-serializes a required call's arguments (json.dumps);
+        # the stream sends them as generated.
+        assert [(n, json.loads(a)) for n, a in _streamed_calls(got)] == \
+            [(n, json.loads(a)) for n, a in _calls(message)], shape
+    else:
+        assert _streamed_calls(got) == _calls(message), shape
+
+
 class KillWhenAllReach:
     """SIGKILL worker `wid` from the client thread whose chunk makes every stream in `shapes`
     have at least `chunks` chunks: the streams run batched on one worker, so each is then a
@@ -271,9 +343,11 @@ class KillWhenAllReach:
         self.counts: dict[str, int] = {}
         self.lock = threading.Lock()
         self.killed = False
+        self.responses: Events | None = None
+        """The Responses API stream's result, when `run_streams` ran one."""
 
     def hook(self, shape: str) -> Any:
-        def on_chunk(got: Streamed) -> None:
+        def on_chunk(got: Streamed | Events) -> None:
             with self.lock:
                 self.counts[shape] = got.chunks
                 if not self.killed and len(self.counts) == len(self.shapes) \
@@ -284,26 +358,51 @@ class KillWhenAllReach:
 
 
 def run_streams(cluster: Cluster, shapes: tuple[str, ...], sids: dict[str, str],
-                kill: KillWhenAllReach) -> dict[str, Streamed]:
-    results: dict[str, Streamed | BaseException] = {}
+                kill: KillWhenAllReach, *, responses: str | None = None
+                ) -> dict[str, Streamed]:
+    """Stream each of `shapes` (chat) on its session, each in a thread, while `kill` acts;
+    with `responses` (a session), a Responses API stream too (`kill.responses` gets it),
+    started first: vLLM takes longer to its first text delta than to a chat chunk, and the
+    short structured answers would end before it had any."""
+    results: dict[str, Streamed | Events | BaseException] = {}
 
-    def run(shape: str) -> None:
+    def chat(shape: str) -> Callable[[], Streamed | Events]:
+        return lambda: stream(cluster, shape, sids[shape], kill.hook(shape))
+
+    starts = {shape: chat(shape) for shape in shapes}
+    first_delta = threading.Event()
+    if responses is not None:
+        hook = kill.hook("responses")
+
+        def on_delta(got: Events) -> None:
+            first_delta.set()
+            hook(got)
+
+        starts = {"responses": lambda: stream_responses(cluster, responses, on_delta),
+                  **starts}
+
+    def run(name: str) -> None:
         try:
-            results[shape] = stream(cluster, shape, sids[shape], kill.hook(shape))
+            results[name] = starts[name]()
         except BaseException as exc:  # reported by the main thread
-            results[shape] = exc
+            results[name] = exc
 
-    threads = [threading.Thread(target=run, args=(s,), daemon=True) for s in shapes]
+    threads = [threading.Thread(target=run, args=(s,), daemon=True) for s in starts]
     for t in threads:
         t.start()
+        if responses is not None and not first_delta.is_set():
+            first_delta.wait(60)
     for t in threads:
         t.join(300)
     assert kill.killed, f"the streams ended before the kill: {kill.counts} {results}"
-    out = {}
-    for shape in shapes:
-        got = results.get(shape)
-        assert isinstance(got, Streamed), (shape, got)
-        out[shape] = got
+    out: dict[str, Streamed] = {}
+    for name in starts:
+        got = results.get(name)
+        if isinstance(got, Events):
+            kill.responses = got
+            continue
+        assert isinstance(got, Streamed), (name, got)
+        out[name] = got
     return out
 
 
@@ -339,53 +438,83 @@ def test_routed_shapes_conform_and_match_the_worker(cluster: Cluster, shape: str
     got = stream(cluster, shape, f"routed-{shape}")
     assert not got.errors and got.roles == 1 and len(got.ids) == 1
     assert got.content == (message.get("content") or "")
-    if shape == "tool_required":
-        # vLLM's unstreamed answer re-serializes a required call's arguments (json.dumps);
-        # the stream sends them as generated.
-        assert [(n, json.loads(a)) for n, a in _streamed_calls(got)] == \
-            [(n, json.loads(a)) for n, a in _calls(message)]
-    else:
-        assert _streamed_calls(got) == _calls(message)
+    assert_same_calls(shape, got, message)
     assert got.finish == [reference["finish_reason"]]
     if shape.startswith("tool"):
         assert all(c["id"].startswith("chatcmpl-tool-") and c["type"] == "function"
                    for c in got.tool_calls.values())
 
 
-REPLAYED = ("json_schema", "regex", "choice", "tool_named")
+REPLAYED = ("json_schema", "json_object", "regex", "choice", "tool_named", "tool_required")
+# One freeze carries them all: the shapes that replay, those that continue, and the Responses API.
+FROZEN = ("json_schema", "regex", "choice", "tool_named", "text", "n2")
 
 
 def test_a_frozen_worker_s_streams_resume_once_its_lease_expires(cluster: Cluster) -> None:
-    """w1 freezes (SIGSTOP: its sockets stay open and silent; its agent is gone) while two
+    """w1 freezes (SIGSTOP: its sockets stay open and silent; its agent is gone) while seven
     streams run on it: no connection breaks, and the idle timeout (600 s) is past the client's
-    own (120 s). w1's lease expires after its TTL, the router drops it, and each silent stream
-    is replayed on w2 then, whole and conforming. w1 is thawed and rejoins afterwards."""
-    shapes = ("json_schema", "tool_named")
-    references = {shape: direct(cluster.workers["w2"], shape) for shape in shapes}
-    sids = dict(zip(shapes, sessions_on(cluster, "w1", len(shapes), "frozen"), strict=True))
-    warm(cluster.workers["w1"], shapes)
+    own (120 s). w1's lease expires after its TTL, the router drops it (`WorkerLeft`), and then
+    each silent stream is resumed on w2 as a broken one would be: json_schema, regex, choice
+    and a named tool call replayed, whole and conforming; greedy text and n = 2 greedy choices
+    continued from what was sent, each exactly the unbroken answer; and the Responses API
+    stream, which is never resumed, ended with its `error` and `response.failed` events after
+    a prefix of the unbroken answer. w1 is thawed and rejoins afterwards."""
+    w2 = cluster.workers["w2"]
+    references = {shape: direct_answer(w2, shape) for shape in FROZEN}
+    r = httpx.post(f"{w2.url}/v1/responses", json=RESPONSES, timeout=120)
+    assert r.status_code == 200, r.text
+    whole = "".join(part["text"] for item in r.json()["output"] if item["type"] == "message"
+                    for part in item["content"])
+    sessions = sessions_on(cluster, "w1", len(FROZEN) + 1, "frozen")
+    sids = dict(zip(FROZEN, sessions, strict=False))
+    warm(cluster.workers["w1"], tuple(s for s in FROZEN if s in SHAPES))
+    r = httpx.post(f"{cluster.workers['w1'].url}/v1/responses", timeout=120,
+                   json={**RESPONSES, "max_output_tokens": 2})
+    assert r.status_code == 200, r.text
+    kill = KillWhenAllReach(cluster, "w1", (*FROZEN, "responses"), 2, freeze=True)
     try:
-        results = run_streams(cluster, shapes, sids,
-                              KillWhenAllReach(cluster, "w1", shapes, 2, freeze=True))
+        results = run_streams(cluster, FROZEN, sids, kill, responses=sessions[-1])
     finally:
         cluster.workers["w1"].send_signal(signal.SIGCONT)
-    for shape in shapes:
+    for shape in FROZEN:
         got = results[shape]
-        message = references[shape]["message"]
+        answer = references[shape]
+        message = answer["choices"][0]["message"]
         assert got.worker == "w1" and not got.errors, (shape, got.errors)
-        assert got.notes[0]["resumed_on"] == "w2" and got.notes[0]["replay"] is True, shape
-        assert got.roles == 1 and len(got.ids) == 1, shape
+        note = got.notes[0]
+        assert note["resumed_on"] == "w2" and note.get("replay", False) is (shape in SHAPES), \
+            (shape, got.notes)
+        assert len(got.ids) == 1, shape
+        if shape == "n2":  # each choice from its own prefix: both the unbroken run's
+            assert got.roles == 2 and sorted(got.finish) == ["length", "length"]
+            assert got.texts == {c["index"]: c["message"]["content"] for c in answer["choices"]}
+            assert got.texts[0] and got.texts[0] == got.texts[1]  # top_k 1: one greedy path
+            continue
+        assert got.roles == 1 and set(got.texts) <= {0}, shape
         assert got.content == (message.get("content") or ""), shape
-        assert _streamed_calls(got) == _calls(message), shape
-        conforms(shape, got.content, _streamed_calls(got))
+        assert got.finish == [answer["choices"][0]["finish_reason"]], shape
+        if shape in SHAPES:
+            assert_same_calls(shape, got, message)
+            conforms(shape, got.content, _streamed_calls(got))
+    events = kill.responses
+    assert events is not None and events.worker == "w1"
+    names = [name for name, _ in events.events]
+    assert names[-2:] == ["error", "response.failed"] and "response.completed" not in names
+    assert [d["sequence_number"] for _, d in events.events] == list(range(len(names)))
+    error, failed = events.events[-2][1], events.events[-1][1]["response"]
+    assert error["code"] == "server_error" and "not resumed" in error["message"]
+    assert "lease expired" in error["message"]  # by the lease, not by the idle timeout
+    assert failed["status"] == "failed" and failed["id"] == events.events[0][1]["response"]["id"]
+    assert events.chunks >= 2 and whole.startswith(events.text) and events.text != whole
     cluster.join("w1")  # back for the tests after this one
 
 
 def test_sigkill_mid_stream_replays_each_shape_on_another_worker(cluster: Cluster) -> None:
-    """Four streams on w1 (json_schema, regex, choice, named tool call), each with a session
-    bound there; w1 is SIGKILLed once every stream has had some chunks. Each is replayed on w2:
-    the client gets exactly the unbroken answer (nothing doubled, nothing cut, one role, one
-    chunk id, each tool call's id and name once), which conforms."""
+    """Six streams on w1 (json_schema, json_object, regex, choice, named and required tool
+    calls), each with a session bound there; w1 is SIGKILLed once every stream has had some
+    chunks. Each is replayed on w2: the client gets exactly the unbroken answer (nothing
+    doubled, nothing cut, one role, one chunk id, each tool call's id and name once), which
+    conforms."""
     references = {shape: direct(cluster.workers["w2"], shape) for shape in REPLAYED}
     sids = dict(zip(REPLAYED, sessions_on(cluster, "w1", len(REPLAYED), "kill"), strict=True))
     warm(cluster.workers["w1"], REPLAYED)
@@ -396,9 +525,9 @@ def test_sigkill_mid_stream_replays_each_shape_on_another_worker(cluster: Cluste
         assert got.worker == "w1", shape
         assert not got.errors, (shape, got.errors)
         assert got.notes[0]["resumed_on"] == "w2" and got.notes[0]["replay"] is True, shape
-        assert got.roles == 1 and len(got.ids) == 1, shape
+        assert got.roles == 1 and len(got.ids) == 1 and set(got.texts) <= {0}, shape
         assert got.content == (message.get("content") or ""), shape
-        assert _streamed_calls(got) == _calls(message), shape
+        assert_same_calls(shape, got, message)
         assert got.finish == [references[shape]["finish_reason"]], shape
         conforms(shape, got.content, _streamed_calls(got))
     wait_until(lambda: "w1" not in cluster.usable(), timeout=TTL + 5)
