@@ -33,6 +33,7 @@ from connectors.vllm.layouts import check_codec
 from connectors.vllm.metadata import StepMetadata
 from connectors.vllm.prometheus import KVKeepPromMetrics, KVKeepStats, StatsReporter
 from connectors.vllm.scheduler import SchedulerSide
+from connectors.vllm.sleep import workers_asleep
 from connectors.vllm.stats import Counters, CounterSnapshot
 from connectors.vllm.stores import (
     acquire_existing_store,
@@ -49,6 +50,7 @@ if TYPE_CHECKING:
     from collections.abc import Iterable
 
     from vllm.config import VllmConfig
+    from vllm.config.kv_transfer import KVTransferConfig
     from vllm.distributed.kv_events import KVCacheEvent
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
         KVConnectorStats,
@@ -66,20 +68,6 @@ if TYPE_CHECKING:
 __all__ = ["KVKeepConnector"]
 
 log = logging.getLogger(__name__)
-
-
-class _NoSleepMode:
-    """False however vLLM reads it: `c.supports_sleep_mode`, `c.supports_sleep_mode()`,
-    `type(c).supports_sleep_mode()`."""
-
-    def __bool__(self) -> bool:
-        return False
-
-    def __call__(self, *args: object, **kwargs: object) -> bool:
-        return False
-
-    def __repr__(self) -> str:
-        return "False"
 
 
 class KVKeepConnector(KVConnectorBase_V1):
@@ -199,12 +187,12 @@ class KVKeepConnector(KVConnectorBase_V1):
         # pieces, or a replayed graph would attend to blocks that are still loading.
         return True
 
-    # vLLM 0.33 added sleep-mode hooks (`supports_sleep_mode`, `unregister_kv_caches`,
-    # `restore_kv_caches`) whose defaults claim support. This connector has none: a save or a
-    # restore in flight across a sleep would copy whatever the remapped memory then holds. So
-    # it says no, on every vLLM that asks. vLLM 0.33's exact signature was not available where
-    # this was written, so the answer is falsy both read as an attribute and called.
-    supports_sleep_mode = _NoSleepMode()
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig) -> bool:
+        # vLLM 0.33 asks before it lets an engine with `enable_sleep_mode` start. True since
+        # the worker half drains and stops before the unmap and resumes after it
+        # (`unregister_kv_caches`, `restore_kv_caches`, `connectors.vllm.sleep`).
+        return True
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -218,6 +206,14 @@ class KVKeepConnector(KVConnectorBase_V1):
             check_engine_kv_scales(fp8_scales(self._vllm_config),
                                    _engine_kv_scales(self._vllm_config, kv_caches))
         self._need_worker().register_kv_caches(kv_caches)
+
+    def unregister_kv_caches(self) -> None:
+        """vLLM 0.33's sleep mode unmaps the caches next: drain, stop (`connectors.vllm.sleep`)."""
+        self._need_worker().unregister_kv_caches()
+
+    def restore_kv_caches(self) -> None:
+        """vLLM 0.33 woke up and mapped the caches again: register them again, resume."""
+        self._need_worker().restore_kv_caches()
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -257,7 +253,12 @@ class KVKeepConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
-        return self._need_scheduler().get_num_new_matched_tokens(request, num_computed_tokens)
+        scheduler = self._need_scheduler()
+        if workers_asleep(self._config.store):
+            # This process's worker half sleeps (its caches unmapped): nothing to load into.
+            # A worker in another process answers its probes with 0 itself.
+            return 0, False
+        return scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:

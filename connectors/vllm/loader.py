@@ -245,6 +245,26 @@ class Loader:
             self._account(job)
             self._ctx.outbox.finished_recving(job.req_ids)
 
+    def drain(self, timeout: float) -> int:
+        """Wait up to `timeout` for every load in flight, then cancel the ones still running
+        (their blocks fail late); how many were cancelled. Once it returns no load writes into
+        the caches again (a cancel takes the lock each write holds): vLLM's sleep mode unmaps
+        them next."""
+        give_up = time.monotonic() + timeout
+        with self._lock:
+            jobs = list(self._async_jobs)
+        if self._step_job is not None:
+            jobs.append(self._step_job)
+        cancelled = 0
+        for job in jobs:
+            if not job.finished.wait(max(0.0, give_up - time.monotonic())):
+                job.cancel(Counter.LOAD_LATE)
+                cancelled += 1
+        tensors = self._ctx.caches.tensors
+        if tensors and tensors[0].is_cuda:
+            torch.cuda.synchronize()  # scatters enqueued on the loader's stream before a cancel
+        return cancelled
+
     def shutdown(self) -> None:
         job = self._step_job
         if job is not None:

@@ -151,6 +151,17 @@ class Saver:
                 break  # it finishes in the background and is reported when it does
         self._ctx.counters.add(Counter.SAVE_WAIT_US, int((time.monotonic() - started) * 1e6))
 
+    def drain(self, timeout: float) -> bool:
+        """Wait up to `timeout` for every save handed to the saver thread so far; True if they
+        all ended. (Its saves encode gathered copies, never the paged cache: one still running
+        afterwards reads nothing vLLM's sleep mode unmaps.)"""
+        marker = self._executor.submit(lambda: None)  # one thread, in order: after the others
+        try:
+            marker.result(timeout=timeout)
+        except TimeoutError:
+            return False
+        return True
+
     def shutdown(self) -> None:
         self._executor.shutdown(wait=True)
         if self._pipeline is not None:

@@ -34,6 +34,7 @@ from connectors.vllm.metadata import (
 )
 from connectors.vllm.outbox import WorkerOutbox
 from connectors.vllm.saver import Saver
+from connectors.vllm.sleep import SLEEP_DRAIN_S, SleepGate, refuse_step
 from connectors.vllm.stats import Counter, Counters
 from connectors.vllm.telemetry import Telemetry
 from connectors.vllm.worker_context import WorkerContext
@@ -71,17 +72,50 @@ class WorkerSide:
                               path=config.restore_path)
         self._saver = Saver(context, config)
         self._manifests = ManifestWriter(store, counters)
+        self._sleep = SleepGate(config.store)
+        self._registered: dict[str, torch.Tensor] = {}
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._registered = dict(kv_caches)
         self._caches.register(kv_caches)
         self._loader.prepare()
         self._saver.prepare()
 
+    @property
+    def asleep(self) -> bool:
+        return self._sleep.asleep
+
+    def unregister_kv_caches(self) -> None:
+        """vLLM's sleep mode is about to unmap the caches (`connectors.vllm.sleep`): stop
+        planning saves and loads, let the ones in flight end (bounded; loads still running
+        are cancelled), and touch the caches no more until `restore_kv_caches`."""
+        if not self._sleep.close():
+            return
+        cancelled = self._loader.drain(SLEEP_DRAIN_S)
+        saves_done = self._saver.drain(SLEEP_DRAIN_S)
+        log.info("kvkeep: KV caches unregistered for sleep (%d load(s) cancelled%s)", cancelled,
+                 "" if saves_done else "; saves of gathered copies still finishing")
+
+    def restore_kv_caches(self) -> None:
+        """vLLM mapped the caches again after sleep (same tensors, contents discarded): bind
+        them again and resume."""
+        if not self._sleep.asleep:
+            return
+        if self._registered:
+            self._caches.register(self._registered)
+            self._loader.prepare()
+            self._saver.prepare()
+        self._sleep.open()
+        log.info("kvkeep: KV caches registered again after sleep")
+
     def begin_step(self, meta: StepMetadata) -> None:
         """Before the forward pass: answer the scheduler's probes, queue its manifests, and
         decide which of the step's planned blocks to gather."""
-        for probe in meta.probes:
-            self._answer(probe)
+        if self._sleep.asleep:
+            refuse_step(meta, self._outbox)
+        else:
+            for probe in meta.probes:
+                self._answer(probe)
         for encoded in meta.manifests:
             try:
                 manifest = SessionManifest.decode(encoded)
@@ -90,10 +124,11 @@ class WorkerSide:
                 self._counters.add(Counter.MANIFEST_ERRORS)
                 continue
             self._manifests.submit(manifest)
-        self._saver.plan(meta.saves)
+        self._saver.plan(() if self._sleep.asleep else meta.saves)
 
     def start_load_kv(self, loads: Sequence[LoadSpec]) -> None:
-        self._loader.start(loads)
+        if not self._sleep.asleep:  # asleep: `begin_step` failed them already
+            self._loader.start(loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         index = self._caches.index_of(layer_name)
@@ -106,6 +141,8 @@ class WorkerSide:
             self._saver.save_layer(index)
 
     def wait_for_save(self, saves: Sequence[SaveSpec]) -> None:
+        if self._sleep.asleep:
+            return  # `begin_step` reported this step's saves failed and released its flushes
         loads_ok = self._loader.finish_step()
         self._saver.finish_step(saves, loads_ok=loads_ok)
 
@@ -124,6 +161,7 @@ class WorkerSide:
         self._manifests.drain(timeout)
 
     def shutdown(self) -> None:
+        self._sleep.open()  # leaves this process's registry of sleeping workers
         self._loader.shutdown()
         self._saver.shutdown()
         self._manifests.shutdown()
