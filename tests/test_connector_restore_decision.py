@@ -277,11 +277,14 @@ def slow_daemon(tmp_path: Path) -> Iterator[str]:
         yield links["slow"].address
 
 
-def test_an_engine_recomputes_a_prefix_on_a_slow_daemon(tiny: TinyModel,
-                                                        slow_daemon: str) -> None:
+@pytest.mark.parametrize("policy", ["cost", "always"])
+def test_an_engine_recomputes_a_prefix_on_a_slow_daemon(tiny: TinyModel, slow_daemon: str,
+                                                        policy: str) -> None:
+    """`always` is the contrast: the same engine and daemon, and the prefix is loaded."""
     store = {"remote": {"daemons": {"slow": slow_daemon}, "replicas": 1, "timeout_ms": 20000},
-             "name": "decision-slow"}
-    config = kv_transfer_config(store, save_timeout_ms=0, restore_deadline_ms=30000)
+             "name": f"decision-slow-{policy}"}
+    config = kv_transfer_config(store, save_timeout_ms=0, restore_deadline_ms=30000,
+                                restore_policy=policy)
     with open_engine(tiny.path, config) as llm:
         first, second = _compute_then_ask_again(llm)
         cost = scheduler_connector(llm)._scheduler.restore_cost  # type: ignore[union-attr]
@@ -291,7 +294,11 @@ def test_an_engine_recomputes_a_prefix_on_a_slow_daemon(tiny: TinyModel,
         loaded = worker_connector().counters()[Counter.LOADED_BLOCKS]
     restorable = (len(PROMPT) - 1) // BLOCK_SIZE * BLOCK_SIZE
     assert second.tokens == first.tokens
-    assert not (second.kv_transfer_params or {}).get("restored_tokens")
-    assert loaded == 0
+    restored = (second.kv_transfer_params or {}).get("restored_tokens") or 0
+    if policy == "always":
+        assert restored == restorable and loaded == restorable // BLOCK_SIZE
+        assert decided["decided_restore"] == 1 and decided["decided_recompute"] == 0
+        return
+    assert restored == 0 and loaded == 0
     assert decided["decided_recompute"] == 1 and decided["decided_restore"] == 0
     assert decided["decided_recompute_tokens"] == restorable
