@@ -52,7 +52,7 @@ def kv_transfer_params(creq: ClientRequest, placement: Placement, *,
 def upstream_body(creq: ClientRequest, placement: Placement) -> dict[str, Any]:
     """The client's request as the worker gets it."""
     body = dict(creq.body)
-    if creq.stream or creq.session_id is not None:
+    if (creq.stream or creq.session_id is not None) and not _echoes_prompt_text(creq):
         # Token ids let a broken stream resume exactly, count every choice of a stream
         # against its limit (`streaming/state.py`), and give the next turn a precise prefix;
         # they are stripped from the reply unless the client asked.
@@ -65,6 +65,15 @@ def upstream_body(creq: ClientRequest, placement: Placement) -> dict[str, Any]:
     if params is not None:
         body["kv_transfer_params"] = params
     return body
+
+
+def _echoes_prompt_text(creq: ClientRequest) -> bool:
+    """A completions request with `echo` whose client did not ask for token ids: vLLM 0.32
+    echoes the prompt's text only without `return_token_ids` (with them it sends the prompt's
+    ids and no text), so the router does not ask for them. Such a stream is never resumed
+    (`api._NOT_RESUMABLE`) and needs none; its choices go uncounted against their limit."""
+    return creq.endpoint is Endpoint.COMPLETIONS and bool(creq.body.get("echo")) \
+        and not creq.wants_token_ids
 
 
 @dataclass(slots=True)

@@ -101,18 +101,30 @@ class Streamed:
     resumed_on: list[str]
     usages: list[dict[str, Any]]
     """Every usage object, in order (one stream must report one)."""
+    finishes: dict[int, tuple[str, Any]]
+    """Each choice's (`finish_reason`, `stop_reason`)."""
+    order: list[str]
+    """"finish:<index>" and "resumed", in the order the client got them."""
+    logprobs: dict[int, list[dict[str, Any]]]
+    """Each chat choice's log-probability entries."""
 
 
 def stream(env: Env, path: str, body: dict[str, Any], headers: dict[str, str] | None = None,
-           *, on_event: threading.Semaphore | None = None) -> Streamed:
-    """Stream `body` through the router; `on_event` is released once, at the 10th event."""
+           *, on_event: threading.Semaphore | None = None, after_finish: int | None = None
+           ) -> Streamed:
+    """Stream `body` through the router; `on_event` is released once, at the 10th event (or
+    the first after it by which choice `after_finish` has finished)."""
     texts: dict[int, str] = {}
     ids: dict[int, list[int]] = {}
     errors: list[dict[str, Any]] = []
     resumed: list[str] = []
     usages: list[dict[str, Any]] = []
+    finishes: dict[int, tuple[str, Any]] = {}
+    order: list[str] = []
+    logprobs: dict[int, list[dict[str, Any]]] = {}
     usage = summary = None
     events = 0
+    released = False
     with env.http.stream("POST", path, json={**body, "stream": True},
                          headers=headers or {}) as resp:
         assert resp.status_code == 200, resp.read()
@@ -124,11 +136,14 @@ def stream(env: Env, path: str, body: dict[str, Any], headers: dict[str, str] | 
                     summary = note
                 elif "resumed_on" in note:
                     resumed.append(note["resumed_on"])
+                    order.append("resumed")
             elif line.startswith("data: ") and line != "data: [DONE]":
                 event = json.loads(line[6:])
                 events += 1
-                if on_event is not None and events == 10:
+                if on_event is not None and not released and events >= 10 \
+                        and (after_finish is None or after_finish in finishes):
                     on_event.release()
+                    released = True
                 if "error" in event:
                     errors.append(event["error"])
                     continue
@@ -142,7 +157,14 @@ def stream(env: Env, path: str, body: dict[str, Any], headers: dict[str, str] | 
                     texts[i] = texts.get(i, "") + (text or "")
                     if choice.get("token_ids") is not None:
                         ids.setdefault(i, []).extend(choice["token_ids"])
-    return Streamed(texts, ids, errors, usage, summary, got, resumed, usages)
+                    if delta is not None and (choice.get("logprobs") or {}).get("content"):
+                        logprobs.setdefault(i, []).extend(choice["logprobs"]["content"])
+                    if choice.get("finish_reason"):
+                        assert i not in finishes, (i, choice)
+                        finishes[i] = (choice["finish_reason"], choice.get("stop_reason"))
+                        order.append(f"finish:{i}")
+    return Streamed(texts, ids, errors, usage, summary, got, resumed, usages, finishes, order,
+                    logprobs)
 
 
 def test_the_h1_probe_leaves_every_worker_usable(env: Env) -> None:
@@ -299,6 +321,62 @@ def test_an_answer_larger_than_the_router_relays_is_the_clients_error(env: Env) 
         assert r.status_code == 200, r.text
 
 
+def test_suffix_and_streamed_prompt_logprobs_are_vllms_400_not_a_failure(env: Env) -> None:
+    """The shapes the router would never resume that vLLM 0.32 never streams here: `suffix`
+    (vLLM renders it only for models with fill-in-the-middle rendering, which the tiny Llama
+    lacks) and streamed `prompt_logprobs` > 0 (vLLM refuses them with `stream`). Each is
+    vLLM's own 400, passed through as it is: nothing tried on another worker, no worker
+    marked. (`prompt_logprobs: 0` streams, and vLLM streams no prompt log-probabilities: it
+    resumes as text does, in the SIGKILL test below.)"""
+    before = env.failures()
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    for path, extra, param in (
+            ("/v1/completions", {"prompt": "The licence", "suffix": " ends here"}, "suffix"),
+            ("/v1/completions", {"prompt": "The licence", "prompt_logprobs": 1},
+             "prompt_logprobs"),
+            ("/v1/chat/completions", {**chat, "prompt_logprobs": 2}, "prompt_logprobs")):
+        for streamed in (True, False) if param == "suffix" else (True,):
+            r = env.http.post(path, json={"model": "tiny", "max_tokens": 8, "temperature": 0,
+                                          "stream": streamed, **extra})
+            assert r.status_code == 400, (extra, r.text)
+            assert param in r.json()["error"]["message"], r.text
+            assert r.headers["X-KVKeep-Failover"] == "0"
+    assert env.failures() == before
+    assert env.usable() == {"w1", "w2"}
+
+
+def test_echo_through_the_router_is_the_workers_own(env: Env) -> None:
+    """Completions with `echo`, unary (with a session: the router asks its requests for token
+    ids) and streamed: the prompt's text and the answer, exactly what the worker itself
+    answers (vLLM echoes no text when asked for token ids: the router asks none of an echo)."""
+    prompt = "Permission is hereby"
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0,
+            "echo": True}
+    direct = httpx.post(f"{env.workers['w1'].url}/v1/completions", json=body, timeout=120)
+    want = direct.json()["choices"][0]["text"]
+    assert want.startswith(prompt) and len(want) > len(prompt)
+    r = env.http.post("/v1/completions", json=body, headers={"X-Session-Id": "echo-routed"})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == want, r.text
+    got = stream(env, "/v1/completions", body, {"X-Session-Id": "echo-routed"})
+    assert got.errors == [] and got.texts == {0: want}
+
+
+def _stop_in_first_tokens(tokenizer: Any, answer: dict[str, Any]) -> str:
+    """A stop string that ends choice 0 of `answer` (unbroken, token ids returned) within its
+    first few tokens and that choice 1's whole text lacks: the text of choice 0's first
+    tokens, at least 4 characters of it."""
+    by_index = {c["index"]: c for c in answer["choices"]}
+    first, other = by_index[0], by_index[1]["message"]["content"]
+    assert first["message"]["content"] != other  # the premise: two different draws
+    for k in range(2, 6):
+        head = tokenizer.decode(first["token_ids"][:k], skip_special_tokens=True)
+        if len(head) >= 4:
+            assert first["message"]["content"].startswith(head)
+            assert head not in other, (head, other)
+            return str(head)
+    raise AssertionError(f"choice 0 has no 4 characters in its first 5 tokens: {first}")
+
+
 # --- last: it SIGKILLs a worker ----------------------------------------------------------------
 def _on(env: Env, worker: str, count: int, prefix: str) -> list[str]:
     """`count` new sessions that the router bound to `worker`."""
@@ -328,8 +406,16 @@ def test_penalties_sampling_and_usage_across_a_sigkill(env: Env, tiny: TinyModel
     - n = 2 choices, chat and completions, decoded greedily (`top_k` 1: vLLM refuses n > 1
       at temperature 0): each choice resumed from its own prefix in one continuation (a batch
       of token-id prompts), each exactly the unbroken run's, usage once over both; and
-      sampled with a seed: every token of each choice once, its text their decoding."""
-    sids = _on(env, "w1", 6, "kill")
+      sampled with a seed: every token of each choice once, its text their decoding;
+    - n = 2 sampled with a seed and a stop string that ends choice 0 within its first tokens,
+      before the break (deterministic: vLLM seeds choice i with `seed + i`, and the stop is
+      taken from an unbroken run's choice 0): choice 0 is not continued (it ended before the
+      resumption, exactly the unbroken run's text, "stop"); choice 1, at another length, is
+      continued alone under the same stop string;
+    - completions with `echo` (never resumed: the continuation's prompt is not the client's):
+      the echoed prompt and what was generated before the break, then a 502 error event;
+    - completions with `prompt_logprobs: 0` (nothing of it is streamed): resumed, identical."""
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny.path))
     prompt = [{"role": "user", "content": "Tell a long story about penalties"}]
     shapes: dict[str, dict[str, Any]] = {
         "frequency": {"temperature": 0, "frequency_penalty": 0.5,
@@ -337,16 +423,23 @@ def test_penalties_sampling_and_usage_across_a_sigkill(env: Env, tiny: TinyModel
         "sampled": {"temperature": 0.9, "seed": 11, "return_token_ids": True},
         "presence": {"temperature": 0, "presence_penalty": 0.5},
         "choices": {"temperature": 1.0, "top_k": 1, "n": 2, "return_token_ids": True,
+                    "logprobs": True, "top_logprobs": 2,
                     "stream_options": {"include_usage": True}},
         "completions": {"temperature": 1.0, "top_k": 1, "n": 2,
                         "stream_options": {"include_usage": True}},
         "choices_sampled": {"temperature": 0.9, "seed": 5, "n": 2, "return_token_ids": True},
+        "choices_stop": {"temperature": 0.9, "seed": 21, "n": 2, "return_token_ids": True},
+        "choices_frequency": {"temperature": 1.0, "top_k": 1, "n": 2, "frequency_penalty": 0.5},
+        "echo": {"temperature": 0, "echo": True},
+        "prompt_logprobs": {"temperature": 0, "prompt_logprobs": 0},
     }
     bodies = {name: {"model": "tiny", "messages": prompt, "max_tokens": 160, "ignore_eos": True,
                      **extra} for name, extra in shapes.items()}
-    completions = bodies["completions"]
-    del completions["messages"]
-    completions["prompt"] = "Once upon a time, two stories began"
+    for name, text in (("completions", "Once upon a time, two stories began"),
+                       ("echo", "Once upon a time, an echo began"),
+                       ("prompt_logprobs", "Once upon a time, a story began")):
+        del bodies[name]["messages"]
+        bodies[name]["prompt"] = text
     paths = {name: "/v1/completions" if "prompt" in body else "/v1/chat/completions"
              for name, body in bodies.items()}
 
@@ -357,12 +450,20 @@ def test_penalties_sampling_and_usage_across_a_sigkill(env: Env, tiny: TinyModel
 
     ref = unbroken("frequency")
     refs = {name: unbroken(name) for name in ("choices", "completions")}
+    echoed, logprobs_ref = unbroken("echo"), unbroken("prompt_logprobs")
+    stop = _stop_in_first_tokens(tokenizer, unbroken("choices_stop"))
+    bodies["choices_stop"]["stop"] = [stop]
+    stopped = {c["index"]: c for c in unbroken("choices_stop")["choices"]}
+    assert stopped[0]["finish_reason"] == "stop" and stopped[1]["finish_reason"] == "length"
+    sids = _on(env, "w1", len(shapes), "kill")
+    failures = env.failures()
     results: dict[str, Streamed] = {}
     started = threading.Semaphore(0)
 
     def run(name: str, sid: str) -> None:
         results[name] = stream(env, paths[name], bodies[name], {"X-Session-Id": sid},
-                               on_event=started)
+                               on_event=started,
+                               after_finish=0 if name == "choices_stop" else None)
 
     threads = [threading.Thread(target=run, args=(name, sid))
                for name, sid in zip(shapes, sids, strict=True)]
@@ -389,7 +490,6 @@ def test_penalties_sampling_and_usage_across_a_sigkill(env: Env, tiny: TinyModel
     sampled = results["sampled"]
     assert len(sampled.token_ids[0]) == 160
     # the whole answer's decoding, special tokens skipped as vLLM's streamed text skips them
-    tokenizer = AutoTokenizer.from_pretrained(str(tiny.path))
     assert sampled.texts[0] == tokenizer.decode(sampled.token_ids[0], skip_special_tokens=True)
     presence = results["presence"]
     assert len(presence.errors) == 1 and presence.errors[0]["code"] == 502
@@ -406,9 +506,51 @@ def test_penalties_sampling_and_usage_across_a_sigkill(env: Env, tiny: TinyModel
                                "completion_tokens": 320,
                                "total_tokens": want["usage"]["prompt_tokens"] + 320}], name
     assert {i: len(ids) for i, ids in results["choices"].token_ids.items()} == {0: 160, 1: 160}
+    # each choice's log-probabilities continue across the break: one entry a token, greedy
+    assert {i: len(e) for i, e in results["choices"].logprobs.items()} == {0: 160, 1: 160}
+    for entries in results["choices"].logprobs.values():
+        for entry in entries:
+            best = entry["top_logprobs"]
+            assert len(best) == 2 and entry["token"] == best[0]["token"]
+            assert entry["logprob"] == pytest.approx(best[0]["logprob"])
+    frequency_n = results["choices_frequency"]  # one continuation has one logit_bias
+    assert frequency_n.resumed_on == [] and len(frequency_n.errors) == 1
+    assert frequency_n.errors[0]["code"] == 502
+    assert "frequency penalty of n > 1 choices" in frequency_n.errors[0]["message"]
     choices_sampled = results["choices_sampled"]
     assert choices_sampled.errors == [] and choices_sampled.resumed_on == ["w2"]
     for i in (0, 1):
         assert len(choices_sampled.token_ids[i]) == 160
         assert choices_sampled.texts[i] == tokenizer.decode(choices_sampled.token_ids[i],
                                                             skip_special_tokens=True)
+    # n = 2, choice 0 ended by its stop string before the break: not continued
+    cs = results["choices_stop"]
+    assert cs.errors == [] and cs.resumed_on == ["w2"], cs.errors
+    assert cs.order.index("finish:0") < cs.order.index("resumed"), cs.order
+    assert cs.finishes[0] == ("stop", stop)
+    assert cs.texts[0] == stopped[0]["message"]["content"] and stop not in cs.texts[0]
+    assert cs.token_ids[0] == stopped[0]["token_ids"]
+    # choice 1 continued alone under the same stop: the router finds it across the break
+    whole = str(tokenizer.decode(cs.token_ids[1], skip_special_tokens=True))
+    assert stop not in cs.texts[1] and whole.startswith(cs.texts[1])
+    if cs.finishes[1][0] == "length":
+        assert len(cs.token_ids[1]) == 160 and cs.texts[1] == whole
+    else:  # its continuation drew the stop string: cut before it, as vLLM cuts
+        assert cs.finishes[1] == ("stop", stop) and whole.find(stop) == len(cs.texts[1])
+    assert cs.summary is not None
+    assert cs.summary["choice_tokens"] == [len(stopped[0]["token_ids"]), len(cs.token_ids[1])]
+    # echo: not resumed, an error event after the echoed prompt and the tokens before the break
+    echo = results["echo"]
+    assert echo.resumed_on == [] and len(echo.errors) == 1, echo.errors
+    assert echo.errors[0]["code"] == 502 and echo.errors[0]["type"] == "upstream_error"
+    assert "worker failed mid-stream" in echo.errors[0]["message"]
+    full = echoed["choices"][0]["text"]
+    assert full.startswith(bodies["echo"]["prompt"]) and full.startswith(echo.texts[0])
+    assert len(bodies["echo"]["prompt"]) < len(echo.texts[0]) < len(full)
+    # prompt_logprobs 0: resumed as text is
+    pl = results["prompt_logprobs"]
+    assert pl.errors == [] and pl.resumed_on == ["w2"]
+    assert pl.texts[0] == logprobs_ref["choices"][0]["text"]
+    # the streams broken on w1 marked it
+    assert env.failures() > failures
+    wait_until(lambda: "w1" not in env.usable(), timeout=30)

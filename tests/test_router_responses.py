@@ -366,3 +366,24 @@ def test_completions_with_echo_end_with_an_error_event_on_a_break(env: Env,
     assert "worker failed mid-stream" in error["message"]
     assert env.failures(home) == before + 1
     assert len(env.fakes[other].requests) == asked  # nothing resumed there
+
+
+def test_an_echo_is_not_asked_for_token_ids(env: Env) -> None:
+    """vLLM 0.32 echoes a completions prompt's text only when `return_token_ids` is off (with
+    it, the prompt's ids and no text): the router, which asks every stream and every session's
+    request for token ids, asks none of an echo (found by the real-vLLM SIGKILL test, where
+    the echoed prompt never reached the client). A client asking them itself gets them, and
+    vLLM's own answer to that."""
+    sid = {"X-Session-Id": "echo-ids"}
+    body = {"model": MODEL, "prompt": "e", "max_tokens": 3}
+    for extra, asked in (({"echo": True}, False), ({"echo": True, "stream": True}, False),
+                         ({"echo": True, "return_token_ids": True}, True),
+                         ({"stream": True}, True), ({}, True)):
+        r = env.http.post("/v1/completions", headers=sid, json={**body, **extra})
+        assert r.status_code == 200, r.text
+        sent = env.fakes[r.headers["X-KVKeep-Worker"]].requests[-1]
+        assert bool(sent.get("return_token_ids")) is asked, extra
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "e"}], "echo": True,
+            "max_tokens": 3, "stream": True}  # chat echoes the last message either way
+    r = env.http.post("/v1/chat/completions", headers=sid, json=chat)
+    assert env.fakes[r.headers["X-KVKeep-Worker"]].requests[-1]["return_token_ids"] is True
