@@ -28,6 +28,7 @@ from connectors.vllm.restore_cost import (
     PrefillRate,
     RestoreCostModel,
     TierCost,
+    read_parallelism,
     tier_kind,
 )
 from connectors.vllm.scheduler import SchedulerSide
@@ -83,10 +84,11 @@ def test_the_decision_is_the_prefix_that_saves_the_most(latencies: list[float],
     tiers = [p % len(latencies) for p in picks]
     decision = model.decide(tiers)
     apply_s = model.block_bytes / APPLY_BYTES_PER_S
-    gains = [per_token * BS - (latencies[t] + apply_s) for t in tiers]
+    reads = [latencies[t] for t in tiers]
 
-    def saved(k: int) -> float:
-        return sum(gains[:k])
+    def saved(k: int) -> float:  # brute force: every prefix priced on its own
+        return per_token * BS * k - (sum(reads[:k]) / read_parallelism(k) + apply_s * k) \
+            if k else 0.0
 
     best = max(saved(k) for k in range(len(tiers) + 1))
     assert decision.restore + decision.recompute == len(tiers)
@@ -103,6 +105,10 @@ def test_a_fast_tier_before_a_slow_one_restores_only_the_fast_blocks() -> None:
     assert (partial.kind, partial.restore, partial.recompute) == ("partial", 2, 3)
     # One slow block among fast ones: worth loading if the fast ones after it pay for it.
     assert model.decide([0, 1] + [0] * 400).restore == 402
+    # Reads overlap as the loader's do (up to 4 at once): 16 blocks of 1 ms each load in 4 ms.
+    assert [read_parallelism(n) for n in (1, 4, 8, 16, 100)] == [1, 1, 2, 4, 4]
+    overlapped = _model(per_token_s=0.5e-3 / BS, latencies=[1e-3])  # a block computes in 0.5 ms
+    assert overlapped.decide([0] * 16).restore == 16 and overlapped.decide([0]).restore == 0
 
 
 def test_without_a_prefill_rate_or_with_always_every_hit_is_restored() -> None:

@@ -6,25 +6,26 @@ can take longer per block than prefilling its 16-32 tokens, and a request that w
 load then gets a worse time to first token than one that just computes. So the scheduler half
 prices every block of a lookup's hit, where it lies:
 
-- **load**, per tier: `latency + block_bytes / bandwidth` (the tier's read of one block) plus
-  `block_bytes / APPLY_BYTES_PER_S` (verification, decode and scatter into the paged cache,
-  the same for every tier). Until a tier is measured it has a prior by kind (`PRIORS`: host
-  RAM, nvme, remote daemon, Redis). Measured from the store's own timings of this process
-  (`kvstore.metrics.StoreMetrics.latency{tier, op}`, `read_bytes{tier}`, `hits{tier}`): the
-  latency is the mean `contains` round trip (the lookup asks every tier it prices, so a tier
-  is measured by the very lookup that needs its price), the bandwidth the bytes of its reads
-  over their time less that latency; both are moving averages (`EWMA_WEIGHT` per refresh), so
-  a daemon that becomes slow is priced slow within a few refreshes. The reads measured are
-  the connector's own loads (the worker half's `get_many`), whose store the scheduler half
-  shares in vLLM's in-process executor.
+- **load**, per tier: `latency + block_bytes / bandwidth` (the tier's read of one block),
+  overlapped as the loader overlaps its reads (`read_parallelism`: up to 4 store calls in
+  flight), plus `block_bytes / APPLY_BYTES_PER_S` per block (verification, decode and scatter
+  into the paged cache, the same for every tier). Until a tier is measured it has a prior by
+  kind (`PRIORS`: host RAM, nvme, remote daemon, Redis). Measured from the store's own timings
+  of this process (`kvstore.metrics.StoreMetrics.latency{tier, op}`, `read_bytes{tier}`,
+  `hits{tier}`): the latency is the mean `contains` round trip (the lookup asks every tier it
+  prices, so a tier is measured by the very lookup that needs its price), the bandwidth the
+  bytes of its reads over their time less that latency; both are moving averages (`EWMA_WEIGHT`
+  per refresh), so a daemon that becomes slow is priced slow within a few refreshes. The reads
+  measured are the connector's own loads (the worker half's `get_many`), whose store the
+  scheduler half shares in vLLM's in-process executor.
 - **recompute**: `seconds_per_token * block_size`, from `prefill_tokens_per_s` when configured,
   else learned from the engine's own steps (the time from one step's metadata to the next,
   over its scheduled tokens, less a per-step overhead learned from decode-only steps; steps
   that loaded KV inline, or after which the engine went idle, are not used). Until a prefill
   step has been seen there is no price: the whole hit is restored, as without the decision.
 
-The decision restores the prefix [0, k) that maximizes the time saved, sum over i < k of
-(recompute_i - load_i): all of it (`restore`), none (`recompute`), or a shorter prefix than
+The decision restores the prefix [0, k) that maximizes the time saved, `k x recompute - load
+of [0, k)`: all of it (`restore`), none (`recompute`), or a shorter prefix than
 the hit (`partial`), e.g. the blocks on the host tier when the rest lies on a slow daemon (a
 block can only be used after all before it, so it is a prefix, never a set).
 
@@ -49,12 +50,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final, Literal
 
+from connectors.vllm.loader import _MIN_BLOCKS_PER_READ, _READ_THREADS
 from kvstore.keys import ModelFingerprint
 from kvstore.metrics import StoreMetrics
 from kvstore.tiers.base import Tier
 
 __all__ = ["PRIORS", "APPLY_BYTES_PER_S", "Decision", "PrefillRate", "RestoreCostModel",
-           "TierCost", "TierPrior", "block_bytes_of", "tier_kind"]
+           "TierCost", "TierPrior", "block_bytes_of", "load_seconds", "read_parallelism",
+           "tier_kind"]
 
 TierKind = Literal["host", "nvme", "remote", "redis", "network"]
 DecisionKind = Literal["restore", "recompute", "partial"]
@@ -95,6 +98,13 @@ MIN_PREFILL_TOKENS: Final = 64
 
 MAX_DECODE_TOKENS: Final = 8
 """A step with this many or fewer measures the per-step overhead."""
+
+
+def read_parallelism(blocks: int) -> int:
+    """Store reads a load of `blocks` has in flight at once: the loader splits them over up
+    to `_READ_THREADS` calls of at least `_MIN_BLOCKS_PER_READ` blocks (`loader.py`), so
+    their read times overlap that many ways."""
+    return max(1, min(_READ_THREADS, blocks // _MIN_BLOCKS_PER_READ))
 
 
 def tier_kind(tier: Tier) -> TierKind:
@@ -243,19 +253,20 @@ class RestoreCostModel:
             nbytes = self.block_bytes
             apply_s = nbytes / APPLY_BYTES_PER_S
             known = all(0 <= t < len(self.tiers) for t in tiers)
-            loads = [self.tiers[t].read_seconds(nbytes) + apply_s if known else 0.0
-                     for t in tiers]
+            reads = [self.tiers[t].read_seconds(nbytes) if known else 0.0 for t in tiers]
         if not self.enabled or per_token is None or not known:
             # Nothing to weigh (off, no prefill rate yet, a tier it cannot price): all of it.
-            return Decision(n, 0, _sum_finite(loads), None if per_token is None
-                            else per_token * self.block_size * n)
+            return Decision(n, 0, load_seconds(reads, apply_s),
+                            None if per_token is None else per_token * self.block_size * n)
         compute = per_token * self.block_size
-        best, best_k, saved = 0.0, 0, 0.0
-        for i, load in enumerate(loads):
-            saved += compute - load
+        best, best_k, best_load, read = 0.0, 0, 0.0, 0.0
+        for k in range(1, n + 1):
+            read += reads[k - 1]
+            load = read / read_parallelism(k) + apply_s * k
+            saved = compute * k - load
             if saved >= best and saved > 0:  # ties: load (the KV is there, compute is shared)
-                best, best_k = saved, i + 1
-        return Decision(best_k, n - best_k, _sum_finite(loads[:best_k]), compute * n)
+                best, best_k, best_load = saved, k, load
+        return Decision(best_k, n - best_k, best_load, compute * n)
 
     def observe_step(self, tokens: int, seconds: float) -> None:
         with self._lock:
@@ -315,5 +326,7 @@ def _ewma(old: float, new: float) -> float:
     return (1.0 - EWMA_WEIGHT) * old + EWMA_WEIGHT * new
 
 
-def _sum_finite(values: Sequence[float]) -> float:
-    return sum(v for v in values if math.isfinite(v))
+def load_seconds(reads: Sequence[float], apply_s: float) -> float:
+    """A load of blocks whose reads take `reads` seconds each: overlapped as the loader
+    overlaps them, plus each block's decode and scatter."""
+    return sum(reads) / read_parallelism(len(reads)) + apply_s * len(reads)
