@@ -8,7 +8,7 @@ calls no tool on its own: a named or `required` `tool_choice` is what makes it, 
 guided decoding of the tool's parameters schema.
 
 One cluster per module, in file order: w1 and w2 serve the same model. The lease test freezes
-w1 while seven streams run on it (four replayed shapes, greedy text, n = 2 choices and a
+w1 while nine streams run on it (the six replayed shapes, greedy text, n = 2 choices and a
 Responses API stream); the failover test kills w1 while six streams (json_schema, json_object,
 regex, choice, named and required tool calls) run on it, and each is replayed on w2
 (`router/streaming/replay.py`). The last test kills w2 with w3 left: w3 serves a different
@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import signal
 import subprocess
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -82,9 +84,13 @@ CONTINUED: dict[str, dict[str, Any]] = {
     "text": {"ignore_eos": True},
     "n2": {"temperature": 1.0, "top_k": 1, "n": 2, "ignore_eos": True},
 }
+# Refused a resumption: a replay of a sampled stream without a seed would differ.
+REFUSED: dict[str, dict[str, Any]] = {
+    "json_object_unseeded": {"response_format": {"type": "json_object"}, "temperature": 0.7},
+}
+ALL_SHAPES = {**SHAPES, **CONTINUED, **REFUSED}
 MAX_TOKENS = 120
-# Long: it must still be streaming when the last of the shorter streams around it has begun.
-RESPONSES = {"model": "tiny", "input": MESSAGES, "max_output_tokens": 480, "temperature": 0,
+RESPONSES = {"model": "tiny", "input": MESSAGES, "max_output_tokens": 200, "temperature": 0,
              "ignore_eos": True}
 # Engines start in about a minute on an idle 2-core machine, several times that on a busy one.
 HEALTHY_S = 600.0
@@ -119,6 +125,12 @@ class Cluster:
         """The node is gone: its agent and its vLLM (API server and engine core)."""
         self.agents[wid].send_signal(signal.SIGKILL)
         self.workers[wid].kill(signal.SIGKILL)
+
+    def inflight(self, wid: str) -> int:
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            return next(int(w["inflight"]) for w in self.http.get("/kvkeep/workers").json()
+                        if w["id"] == wid)
+        return -1
 
     def freeze(self, wid: str) -> None:
         """The node hangs (or is cut off) with its connections open: its vLLM stopped, its
@@ -216,7 +228,7 @@ class Streamed:
 def stream(cluster: Cluster, shape: str, sid: str, on_chunk: Any = None,
            body: dict[str, Any] | None = None) -> Streamed:
     got = Streamed()
-    req = {**GREEDY, **{**SHAPES, **CONTINUED}[shape], "max_tokens": MAX_TOKENS, "stream": True,
+    req = {**GREEDY, **ALL_SHAPES[shape], "max_tokens": MAX_TOKENS, "stream": True,
            **(body or {})}
     with cluster.http.stream("POST", "/v1/chat/completions", json=req,
                              headers={"X-Session-Id": sid}) as resp:
@@ -270,7 +282,7 @@ def stream_responses(cluster: Cluster, sid: str, on_chunk: Any = None) -> Events
 def direct_answer(server: VllmServer, shape: str) -> dict[str, Any]:
     """The reference: the same greedy request straight to a worker, unbroken, not streamed."""
     r = httpx.post(f"{server.url}/v1/chat/completions", timeout=120,
-                   json={**GREEDY, **{**SHAPES, **CONTINUED}[shape], "max_tokens": MAX_TOKENS})
+                   json={**GREEDY, **ALL_SHAPES[shape], "max_tokens": MAX_TOKENS})
     assert r.status_code == 200, r.text
     answer: dict[str, Any] = r.json()
     return answer
@@ -360,26 +372,18 @@ class KillWhenAllReach:
 def run_streams(cluster: Cluster, shapes: tuple[str, ...], sids: dict[str, str],
                 kill: KillWhenAllReach, *, responses: str | None = None
                 ) -> dict[str, Streamed]:
-    """Stream each of `shapes` (chat) on its session, each in a thread, while `kill` acts;
-    with `responses` (a session), a Responses API stream too (`kill.responses` gets it),
-    started first: vLLM takes longer to its first text delta than to a chat chunk, and the
-    short structured answers would end before it had any."""
+    """Stream each of `shapes` (chat) on its session, each in a thread, admitted together on
+    `kill`'s worker, while `kill` acts; with `responses` (a session), a Responses API stream
+    too (`kill.responses` gets it)."""
     results: dict[str, Streamed | Events | BaseException] = {}
 
     def chat(shape: str) -> Callable[[], Streamed | Events]:
         return lambda: stream(cluster, shape, sids[shape], kill.hook(shape))
 
     starts = {shape: chat(shape) for shape in shapes}
-    first_delta = threading.Event()
     if responses is not None:
-        hook = kill.hook("responses")
-
-        def on_delta(got: Events) -> None:
-            first_delta.set()
-            hook(got)
-
-        starts = {"responses": lambda: stream_responses(cluster, responses, on_delta),
-                  **starts}
+        starts["responses"] = lambda: stream_responses(cluster, responses,
+                                                       kill.hook("responses"))
 
     def run(name: str) -> None:
         try:
@@ -388,10 +392,9 @@ def run_streams(cluster: Cluster, shapes: tuple[str, ...], sids: dict[str, str],
             results[name] = exc
 
     threads = [threading.Thread(target=run, args=(s,), daemon=True) for s in starts]
-    for t in threads:
-        t.start()
-        if responses is not None and not first_delta.is_set():
-            first_delta.wait(60)
+    with admitted_together(cluster, kill.wid, len(threads)):
+        for t in threads:
+            t.start()
     for t in threads:
         t.join(300)
     assert kill.killed, f"the streams ended before the kill: {kill.counts} {results}"
@@ -404,6 +407,44 @@ def run_streams(cluster: Cluster, shapes: tuple[str, ...], sids: dict[str, str],
         assert isinstance(got, Streamed), (name, got)
         out[name] = got
     return out
+
+
+def engine_cores(server: VllmServer) -> list[int]:
+    """The pids of `server`'s engine core processes (`VLLM::EngineCore`, under its API
+    server)."""
+    found, todo = [], [server.proc.pid]
+    while todo:
+        pid = todo.pop()
+        with contextlib.suppress(OSError):
+            for task in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{task}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if f.read().startswith(b"VLLM::EngineCore"):
+                    found.append(pid)
+    assert found, f"no engine core under vLLM {server.proc.pid}"
+    return found
+
+
+@contextlib.contextmanager
+def admitted_together(cluster: Cluster, wid: str, streams: int) -> Iterator[None]:
+    """Hold `wid`'s engine core (SIGSTOP: its API server goes on accepting) while the body
+    starts `streams` streams, until the router has sent them all there and the API server has
+    had time to hand them over; then let it go, so that they decode in lockstep. Started as
+    they come, the last would be many tokens behind the first under a busy machine's load (its
+    API server prepares requests one at a time), and the short structured answers would end
+    before the last stream had begun."""
+    cores = engine_cores(cluster.workers[wid])
+    for pid in cores:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+        wait_until(lambda: cluster.inflight(wid) >= streams, timeout=60)
+        time.sleep(2.0)  # the API server renders, tokenizes and enqueues each
+    finally:
+        for pid in cores:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
 
 
 def warm(server: VllmServer, shapes: tuple[str, ...]) -> None:
@@ -447,18 +488,19 @@ def test_routed_shapes_conform_and_match_the_worker(cluster: Cluster, shape: str
 
 REPLAYED = ("json_schema", "json_object", "regex", "choice", "tool_named", "tool_required")
 # One freeze carries them all: the shapes that replay, those that continue, and the Responses API.
-FROZEN = ("json_schema", "regex", "choice", "tool_named", "text", "n2")
+FROZEN = (*REPLAYED, "text", "n2")
 
 
 def test_a_frozen_worker_s_streams_resume_once_its_lease_expires(cluster: Cluster) -> None:
-    """w1 freezes (SIGSTOP: its sockets stay open and silent; its agent is gone) while seven
+    """w1 freezes (SIGSTOP: its sockets stay open and silent; its agent is gone) while nine
     streams run on it: no connection breaks, and the idle timeout (600 s) is past the client's
     own (120 s). w1's lease expires after its TTL, the router drops it (`WorkerLeft`), and then
-    each silent stream is resumed on w2 as a broken one would be: json_schema, regex, choice
-    and a named tool call replayed, whole and conforming; greedy text and n = 2 greedy choices
-    continued from what was sent, each exactly the unbroken answer; and the Responses API
-    stream, which is never resumed, ended with its `error` and `response.failed` events after
-    a prefix of the unbroken answer. w1 is thawed and rejoins afterwards."""
+    each silent stream is resumed on w2 as a broken one would be: json_schema, json_object,
+    regex, choice, named and required tool calls replayed, whole and conforming; greedy text
+    and n = 2 greedy choices continued from what was sent, each exactly the unbroken answer;
+    and the Responses API stream, which is never resumed, ended with its `error` and
+    `response.failed` events after a prefix of the unbroken answer. w1 is thawed and rejoins
+    afterwards."""
     w2 = cluster.workers["w2"]
     references = {shape: direct_answer(w2, shape) for shape in FROZEN}
     r = httpx.post(f"{w2.url}/v1/responses", json=RESPONSES, timeout=120)
@@ -514,11 +556,20 @@ def test_sigkill_mid_stream_replays_each_shape_on_another_worker(cluster: Cluste
     calls), each with a session bound there; w1 is SIGKILLed once every stream has had some
     chunks. Each is replayed on w2: the client gets exactly the unbroken answer (nothing
     doubled, nothing cut, one role, one chunk id, each tool call's id and name once), which
-    conforms."""
+    conforms. A seventh, json_object sampled without a seed, cannot be replayed (another draw
+    would differ): it ends with an error event saying so."""
     references = {shape: direct(cluster.workers["w2"], shape) for shape in REPLAYED}
-    sids = dict(zip(REPLAYED, sessions_on(cluster, "w1", len(REPLAYED), "kill"), strict=True))
+    shapes = (*REPLAYED, *REFUSED)
+    sids = dict(zip(shapes, sessions_on(cluster, "w1", len(shapes), "kill"), strict=True))
     warm(cluster.workers["w1"], REPLAYED)
-    results = run_streams(cluster, REPLAYED, sids, KillWhenAllReach(cluster, "w1", REPLAYED, 2))
+    results = run_streams(cluster, shapes, sids, KillWhenAllReach(cluster, "w1", shapes, 2))
+    refused = results["json_object_unseeded"]
+    assert refused.worker == "w1" and refused.notes == [] and refused.finish == []
+    assert len(refused.errors) == 1, refused.errors
+    error = refused.errors[0]
+    assert error["code"] == 502 and error["type"] == "upstream_error"
+    assert "without a `seed` cannot be replayed" in error["message"], error
+    assert refused.content.startswith("{")
     for shape in REPLAYED:
         got = results[shape]
         message = references[shape]["message"]
