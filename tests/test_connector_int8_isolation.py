@@ -4,7 +4,7 @@ sharing one store.
 The int8 figures are measured on two models, and both are reported:
 
 - the tiny Llama trained for a few hundred steps on the local licence texts
-  (`build_trained_tiny_llama`), with prompts cut from licences it was never trained on: a model
+  (`build_trained_llama("tiny")`), with prompts cut from licences it was never trained on: a model
   with real next-token preferences, the kind a KV codec is judged on;
 - the random-weight tiny Llama every other test uses, with random token ids as before. Its
   next-token distributions are nearly flat (about 3 % of its greedy choices win by < 0.02 nats,
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from deploy.local.model import build_trained_tiny_llama
+from deploy.local.model import build_trained_llama
 from deploy.local.training import heldout_prompts
 from tests.connector_harness import (
     BLOCK_SIZE,
@@ -42,8 +42,12 @@ FORCED_EVERY = 4  # teacher-forced points: every 4th position of each reference 
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
-    return build_trained_tiny_llama(tmp_path_factory.getbasetemp() / "tiny-llama-trained")
+def trained() -> TinyModel:
+    # The machine-wide cache (~/.cache/kvkeep/models, or $KVKEEP_MODEL_CACHE) that
+    # benchmarks.quant (tests/test_benchmark_quant.py) reads too: the same model
+    # (TRAINED_SHAPES["tiny"] is build_trained_tiny_llama's), trained once per machine
+    # instead of ~60 s in every test session.
+    return build_trained_llama("tiny")
 
 
 def match_rate(got: list[tuple[int, ...]], want: list[tuple[int, ...]]) -> float:
