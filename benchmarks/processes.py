@@ -13,7 +13,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from kvstore.commands import MALLOC_ENV
@@ -42,14 +42,15 @@ def stop_process(proc: subprocess.Popen[bytes], timeout: float = 20.0) -> None:
 
 @contextlib.contextmanager
 def bench_daemon(data_dir: Path, *, mem_budget: int | str, disk_budget: int | str,
-                 node_id: str = "bench", timeout: float = 30.0) -> Iterator[tuple[str, int]]:
+                 node_id: str = "bench", timeout: float = 30.0,
+                 extra: Sequence[str] = ()) -> Iterator[tuple[str, int]]:
     """One `python -m kvstore.daemon` on loopback, waited on until its health service says
     SERVING; yields its address and pid, and stops it at the end."""
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvstore.daemon", "--listen", f"127.0.0.1:{port}",
          "--data-dir", str(data_dir), "--mem-budget", str(mem_budget),
-         "--disk-budget", str(disk_budget), "--node-id", node_id],
+         "--disk-budget", str(disk_budget), "--node-id", node_id, *extra],
         env={**os.environ, **MALLOC_ENV}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         probe = DaemonClient(node_id, f"127.0.0.1:{port}")

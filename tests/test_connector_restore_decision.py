@@ -148,6 +148,19 @@ def test_tier_prices_follow_observations() -> None:
     assert cost.read_seconds(1_000_000) == pytest.approx(0.4)
     cost.observe_reads(0, 1.0, 10)  # nothing read: no change
     assert cost.bandwidth == pytest.approx(5e6)
+    # Reads on a faster path than the round trips (a daemon's data plane): reads price reads.
+    fast = TierCost.prior("remote")
+    fast.observe_latency(0.2)
+    fast.observe_reads(10, 0.01, 10 * 1000)
+    assert fast.read_seconds(1000) == pytest.approx(0.001)
+    assert fast.read_seconds(2000) == pytest.approx(0.002)
+    # Round trips without reads pull a price towards them, both ways.
+    for _ in range(30):
+        fast.observe_latency(0.2)
+    assert fast.read_seconds(1000) > 0.1
+    for _ in range(30):
+        fast.observe_latency(1e-4)
+    assert fast.read_seconds(1000) < 0.01
 
 
 def test_a_real_stores_timings_price_its_slow_tier_slow() -> None:
@@ -295,7 +308,7 @@ def test_an_engine_recomputes_a_prefix_on_a_slow_daemon(tiny: TinyModel, slow_da
         first, second = _compute_then_ask_again(llm)
         cost = scheduler_connector(llm)._scheduler.restore_cost  # type: ignore[union-attr]
         assert cost is not None and cost.tiers[0].latency_measured
-        assert cost.tiers[0].latency_s >= LINK_DELAY_S
+        assert cost.tiers[0].latency_s >= LINK_DELAY_S  # the lookup's round trips
         decided = _decisions(llm)
         loaded = worker_connector().counters()[Counter.LOADED_BLOCKS]
     restorable = (len(PROMPT) - 1) // BLOCK_SIZE * BLOCK_SIZE

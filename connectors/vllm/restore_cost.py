@@ -136,39 +136,60 @@ def block_bytes_of(fp: ModelFingerprint) -> int:
 
 @dataclass(slots=True)
 class TierCost:
-    """One tier's price of a block read: `latency_s + nbytes / bandwidth`."""
+    """One tier's price of a block read, from two signals.
+
+    Before any load read from the tier: `latency_s + nbytes / bandwidth`, the latency being
+    the lookups' round trip (`contains`) once measured. Once loads read from it, their mean
+    time per block (`read_s`, at `read_bytes` a block) prices reads: a read may take another
+    path than a lookup (a daemon's bulk data plane beside its gRPC service). A refresh that
+    saw round trips but no reads moves `read_s` towards the round-trip estimate: a tier
+    priced out (so never read again) is priced in again once its round trips are fast, and a
+    stale fast price follows round trips that turned slow.
+    """
 
     kind: str
     latency_s: float
     bandwidth: float
     latency_measured: bool = False
-    bandwidth_measured: bool = False
+    read_s: float | None = None
+    read_bytes: float = 0.0
 
     @classmethod
     def prior(cls, kind: str) -> TierCost:
         p = PRIORS.get(kind, PRIORS["network"])
         return cls(kind, p.latency_s, p.bandwidth)
 
-    def read_seconds(self, nbytes: float) -> float:
+    @property
+    def measured(self) -> bool:
+        return self.latency_measured or self.read_s is not None
+
+    def estimate(self, nbytes: float) -> float:
         return self.latency_s + nbytes / self.bandwidth
 
-    def observe_latency(self, mean_s: float) -> None:
+    def read_seconds(self, nbytes: float) -> float:
+        if self.read_s is None:
+            return self.estimate(nbytes)
+        return self.read_s * nbytes / self.read_bytes if self.read_bytes > 0 else self.read_s
+
+    def observe_latency(self, mean_s: float, *, reads_seen: bool = False) -> None:
         if not (math.isfinite(mean_s) and mean_s >= 0):
             return
         self.latency_s = mean_s if not self.latency_measured else _ewma(self.latency_s, mean_s)
         self.latency_measured = True
+        if not reads_seen and self.read_s is not None:
+            self.read_s = _ewma(self.read_s, self.estimate(self.read_bytes))
 
     def observe_reads(self, reads: float, seconds: float, nbytes: float) -> None:
         """`reads` block reads took `seconds` and returned `nbytes` in all."""
         if reads <= 0 or nbytes <= 0 or not math.isfinite(seconds) or seconds <= 0:
             return
-        # The transfer is what the reads took beyond their round trips; never less than a
-        # tenth of it (a latency measured on a quieter moment must not make reads free).
-        transfer = max(seconds - reads * self.latency_s, seconds * 0.1)
-        bandwidth = nbytes / transfer
-        self.bandwidth = bandwidth if not self.bandwidth_measured \
-            else _ewma(self.bandwidth, bandwidth)
-        self.bandwidth_measured = True
+        per_read, per_bytes = seconds / reads, nbytes / reads
+        self.read_s = per_read if self.read_s is None else _ewma(self.read_s, per_read)
+        self.read_bytes = per_bytes
+        # The bandwidth behind the round-trip estimate: what a read took beyond the round
+        # trip, never less than a tenth of it (a round trip measured on another path, or on
+        # a quieter moment, must not make reads free).
+        self.bandwidth = per_bytes / max(per_read - self.latency_s, per_read * 0.1)
 
 
 @dataclass(slots=True)
@@ -293,9 +314,10 @@ class RestoreCostModel:
                 self._measured_bytes = True
             for name, cost in zip(self._names, self.tiers, strict=True):
                 calls = delta.get((name, "contains_count"), 0.0)
-                if calls > 0:
-                    cost.observe_latency(delta.get((name, "contains_sum"), 0.0) / calls)
                 tier_hits = delta.get((name, "hits"), 0.0)
+                if calls > 0:
+                    cost.observe_latency(delta.get((name, "contains_sum"), 0.0) / calls,
+                                         reads_seen=tier_hits > 0)
                 gets = delta.get((name, "get_count"), 0.0)
                 if tier_hits > 0 and gets > 0:
                     # A get that missed here cost little: price the hits with all of it.
