@@ -52,11 +52,19 @@ def engine_block_shape(fingerprint: Any) -> tuple[int, ...]:
 HARNESS_SAVE_TIMEOUT_MS = 2000  # the connector's old default: what these tests were written against
 
 
+# These tests check restores: on the tiny model a prefill is so cheap that the connector's
+# default restore-or-recompute decision (`restore_policy: "cost"`) could rightly recompute a
+# loopback daemon's blocks under load. So the harness restores every hit unless a test sets
+# `restore_policy` itself (`tests/test_connector_restore_decision.py` runs the decision).
+HARNESS_RESTORE_POLICY = "always"
+
+
 def kv_transfer_config(store: dict[str, Any], **extra: Any) -> dict[str, Any]:
     return {"kv_connector": "KVKeepConnector", "kv_connector_module_path": "connectors.vllm",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"store": store,
-                                          "save_timeout_ms": HARNESS_SAVE_TIMEOUT_MS, **extra}}
+                                          "save_timeout_ms": HARNESS_SAVE_TIMEOUT_MS,
+                                          "restore_policy": HARNESS_RESTORE_POLICY, **extra}}
 
 
 @contextmanager

@@ -275,7 +275,8 @@ def _compute_then_ask_again(llm: Any) -> tuple[Any, Any]:
 
 def test_an_engine_restores_from_the_host_tier(tiny: TinyModel) -> None:
     store = {"host_bytes": 64 << 20, "name": "decision-host"}
-    with open_engine(tiny.path, kv_transfer_config(store, save_timeout_ms=0)) as llm:
+    with open_engine(tiny.path, kv_transfer_config(store, save_timeout_ms=0,
+                                                   restore_policy="cost")) as llm:
         first, second = _compute_then_ask_again(llm)
         cost = scheduler_connector(llm)._scheduler.restore_cost  # type: ignore[union-attr]
         assert cost is not None and cost.prefill.seconds_per_token is not None  # learned
