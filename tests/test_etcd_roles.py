@@ -398,7 +398,7 @@ def test_the_local_tls_cluster_gives_each_part_its_own_user(tmp_path: Path) -> N
     """The etcd flags deploy/local's TLS mode gives each part (deploy/local/tls.py), through
     the real parsers, against an etcd started with its server flags and the roles it sets:
     per id, not per kind (w1's agent cannot write w2's key). `kvkeep demo --tls`
-    (tests/test_local_cluster_tls.py) runs the whole cluster so."""
+    (tests/test_deploy_demo.py) runs the whole cluster so."""
     pki = LocalPki.create(tmp_path / "pki")
     port, peer = free_port(), free_port()
     url, peer_url = f"https://127.0.0.1:{port}", f"http://127.0.0.1:{peer}"
