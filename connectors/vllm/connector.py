@@ -7,8 +7,10 @@ store for the configured spec, and builds only the half its role needs.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
@@ -81,8 +83,9 @@ class KVKeepConnector(KVConnectorBase_V1):
         if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
             raise ConfigError("kvkeep connector: models with several KV cache groups "
                               "(hybrid attention) are not supported")
-        self._config = ConnectorConfig.from_extra(
-            self._kv_transfer_config.kv_connector_extra_config)
+        self._config = _per_rank_store(
+            ConnectorConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config),
+            vllm_config)
         check_block_hashes_reproducible(vllm_config.cache_config.prefix_caching_hash_algo,
                                         os.environ)
         layout = derive_layout(vllm_config)
@@ -320,6 +323,21 @@ def _engine_kv_scales(vllm_config: VllmConfig, kv_caches: dict[str, torch.Tensor
                               f"{name}; refusing to key its KV without them")
         out[name] = (float(k), float(v))
     return out
+
+
+def _per_rank_store(config: ConnectorConfig, vllm_config: VllmConfig) -> ConnectorConfig:
+    """With tensor parallelism each rank is its own process and stores its own shard (its
+    layout id names the rank): an nvme directory serves one process, so each rank gets
+    `<path>/tp<rank>of<world>` and its share of the byte budget. Without, the config as is."""
+    parallel = vllm_config.parallel_config
+    world = parallel.tensor_parallel_size
+    nvme = config.store.nvme
+    if world <= 1 or nvme is None:
+        return config
+    rank = parallel.rank % world
+    shard = dataclasses.replace(nvme, path=str(Path(nvme.path) / f"tp{rank}of{world}"),
+                                byte_budget=max(nvme.byte_budget // world, 1))
+    return dataclasses.replace(config, store=dataclasses.replace(config.store, nvme=shard))
 
 
 def _event_medium(vllm_config: VllmConfig, config: ConnectorConfig) -> str | None:
