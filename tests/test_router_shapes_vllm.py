@@ -45,9 +45,10 @@ from tests.vllm_server import VllmServer, start_vllm
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 TTL = 2.0
-# The local cluster's serving flags (deploy/local/engines.py), with no free whitespace.
-TOOL_FLAGS = tuple(serving_flags(EngineSettings(Path(), structured_outputs={
-    "backend": "xgrammar", "disable_any_whitespace": True})))
+# The local cluster's serving flags (deploy/local/engines.py), with no free whitespace; and
+# requests logged, so that a test sees when vLLM has handed each to its engine core.
+TOOL_FLAGS = (*serving_flags(EngineSettings(Path(), structured_outputs={
+    "backend": "xgrammar", "disable_any_whitespace": True})), "--enable-log-requests")
 MESSAGES = [{"role": "user", "content": "Describe the licence as data"}]
 GREEDY = {"model": "tiny", "temperature": 0, "messages": MESSAGES}
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
@@ -62,10 +63,14 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
          {"type": "function", "function": {"name": "get_time", "parameters": {
              "type": "object", "properties": {"zone": {"type": "string", "maxLength": 8}},
              "required": ["zone"], "additionalProperties": False}}}]
-REGEX = r"[a-z]{6,10}( [a-z]{6,10}){3} [0-9]{3}-[0-9]{4}"
-CHOICES = ["permission is granted to copy and distribute this licence verbatim",
-           "permission is granted to modify and share the covered work freely",
-           "no permission is granted without the written consent of the author"]
+# The regex and choice answers are long (some 60 tokens): every stream of a fault must still be
+# decoding when the slowest of the others has had its first chunks, on a busy machine too.
+REGEX = r"[a-z]{6,10}( [a-z]{6,10}){30} [0-9]{3}-[0-9]{4}"
+_CLAUSE = ("provided that the above copyright notice and this permission notice shall be "
+           "included in all copies or substantial portions of the software")
+CHOICES = [f"permission is granted to copy and distribute this licence verbatim, {_CLAUSE}",
+           f"permission is granted to modify and share the covered work freely, {_CLAUSE}",
+           f"no permission is granted without the written consent of the author, {_CLAUSE}"]
 # One request per shape: the body's extra fields.
 SHAPES: dict[str, dict[str, Any]] = {
     "json_schema": {"response_format": {"type": "json_schema",
@@ -125,12 +130,6 @@ class Cluster:
         """The node is gone: its agent and its vLLM (API server and engine core)."""
         self.agents[wid].send_signal(signal.SIGKILL)
         self.workers[wid].kill(signal.SIGKILL)
-
-    def inflight(self, wid: str) -> int:
-        with contextlib.suppress(httpx.HTTPError, ValueError):
-            return next(int(w["inflight"]) for w in self.http.get("/kvkeep/workers").json()
-                        if w["id"] == wid)
-        return -1
 
     def freeze(self, wid: str) -> None:
         """The node hangs (or is cut off) with its connections open: its vLLM stopped, its
@@ -344,9 +343,8 @@ def assert_same_calls(shape: str, got: Streamed, message: dict[str, Any]) -> Non
 
 
 class KillWhenAllReach:
-    """SIGKILL worker `wid` from the client thread whose chunk makes every stream in `shapes`
-    have at least `chunks` chunks: the streams run batched on one worker, so each is then a
-    few tokens into its answer (a chunk of the tiny model takes ~20 ms, the relay ~1 ms)."""
+    """What to do to worker `wid` (SIGKILL, or freeze) once every stream in `shapes` has had at
+    least `chunks` chunks; `run_streams` does it (`step_until_all_reach`)."""
 
     def __init__(self, cluster: Cluster, wid: str, shapes: tuple[str, ...], chunks: int, *,
                  freeze: bool = False) -> None:
@@ -357,16 +355,19 @@ class KillWhenAllReach:
         self.killed = False
         self.responses: Events | None = None
         """The Responses API stream's result, when `run_streams` ran one."""
+        self.at_kill: dict[str, int] = {}
+        """Each stream's chunks when the worker was killed or frozen (for failures' messages)."""
 
     def hook(self, shape: str) -> Any:
         def on_chunk(got: Streamed | Events) -> None:
             with self.lock:
                 self.counts[shape] = got.chunks
-                if not self.killed and len(self.counts) == len(self.shapes) \
-                        and min(self.counts.values()) >= self.chunks:
-                    self.act(self.wid)
-                    self.killed = True
         return on_chunk
+
+    def reached(self) -> bool:
+        with self.lock:
+            return len(self.counts) == len(self.shapes) \
+                and min(self.counts.values()) >= self.chunks
 
 
 def run_streams(cluster: Cluster, shapes: tuple[str, ...], sids: dict[str, str],
@@ -392,9 +393,13 @@ def run_streams(cluster: Cluster, shapes: tuple[str, ...], sids: dict[str, str],
             results[name] = exc
 
     threads = [threading.Thread(target=run, args=(s,), daemon=True) for s in starts]
-    with admitted_together(cluster, kill.wid, len(threads)):
+    choices = sum(int(ALL_SHAPES[s].get("n", 1)) for s in shapes) + (responses is not None)
+
+    def start() -> None:
         for t in threads:
             t.start()
+
+    step_until_all_reach(kill, choices, start)
     for t in threads:
         t.join(300)
     assert kill.killed, f"the streams ended before the kill: {kill.counts} {results}"
@@ -426,25 +431,53 @@ def engine_cores(server: VllmServer) -> list[int]:
     return found
 
 
-@contextlib.contextmanager
-def admitted_together(cluster: Cluster, wid: str, streams: int) -> Iterator[None]:
-    """Hold `wid`'s engine core (SIGSTOP: its API server goes on accepting) while the body
-    starts `streams` streams, until the router has sent them all there and the API server has
-    had time to hand them over; then let it go, so that they decode in lockstep. Started as
-    they come, the last would be many tokens behind the first under a busy machine's load (its
-    API server prepares requests one at a time), and the short structured answers would end
-    before the last stream had begun."""
-    cores = engine_cores(cluster.workers[wid])
-    for pid in cores:
-        os.kill(pid, signal.SIGSTOP)
-    try:
-        yield
-        wait_until(lambda: cluster.inflight(wid) >= streams, timeout=60)
-        time.sleep(2.0)  # the API server renders, tokenizes and enqueues each
-    finally:
+STEP_S = 0.05
+"""How long the held engine core runs at a time: a few decoding steps."""
+
+
+def step_until_all_reach(kill: KillWhenAllReach, requests: int, start: Callable[[], Any]
+                         ) -> None:
+    """Hold the worker's engine core (SIGSTOP: its API server goes on accepting and relaying)
+    while `start` starts the streams, until vLLM's API server has handed it `requests` engine
+    requests (one per choice: its "Added request" log lines); then let it decode `STEP_S` at a
+    time, each time waiting for the clients to read all it sent, until every stream has had
+    its chunks; then kill or freeze the worker. Run freely, the streams would start many
+    tokens apart (the API server prepares requests one at a time) and the worker would run
+    far ahead of a busy machine's client threads: the short structured answers would be
+    whole before the slowest client had read its first chunks."""
+    server = kill.cluster.workers[kill.wid]
+    cores = engine_cores(server)
+    offset = server.log_path.stat().st_size
+
+    def added() -> int:
+        with server.log_path.open("rb") as f:
+            f.seek(offset)
+            return f.read().count(b"Added request ")
+
+    def signal_cores(sig: int) -> None:
         for pid in cores:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGCONT)
+                os.kill(pid, sig)
+
+    signal_cores(signal.SIGSTOP)
+    try:
+        start()
+        wait_until(lambda: added() >= requests, timeout=120)
+        deadline = time.monotonic() + 120
+        while not kill.reached():
+            assert time.monotonic() < deadline, f"the streams never reached: {kill.counts}"
+            signal_cores(signal.SIGCONT)
+            time.sleep(STEP_S)
+            signal_cores(signal.SIGSTOP)
+            # what the worker sent in that step reaches the clients (0.5 s: a busy machine)
+            with contextlib.suppress(TimeoutError):
+                wait_until(kill.reached, timeout=0.5)
+        kill.at_kill = dict(kill.counts)
+        kill.act(kill.wid)
+        kill.killed = True
+    finally:
+        if not kill.killed or kill.act == kill.cluster.kill:
+            signal_cores(signal.SIGCONT)  # a frozen worker is thawed whole by its test
 
 
 def warm(server: VllmServer, shapes: tuple[str, ...]) -> None:
@@ -518,6 +551,7 @@ def test_a_frozen_worker_s_streams_resume_once_its_lease_expires(cluster: Cluste
         results = run_streams(cluster, FROZEN, sids, kill, responses=sessions[-1])
     finally:
         cluster.workers["w1"].send_signal(signal.SIGCONT)
+    print("at the freeze:", json.dumps(kill.at_kill))  # shown when the test fails
     for shape in FROZEN:
         got = results[shape]
         answer = references[shape]
@@ -525,7 +559,7 @@ def test_a_frozen_worker_s_streams_resume_once_its_lease_expires(cluster: Cluste
         assert got.worker == "w1" and not got.errors, (shape, got.errors)
         note = got.notes[0]
         assert note["resumed_on"] == "w2" and note.get("replay", False) is (shape in SHAPES), \
-            (shape, got.notes)
+            (shape, got.notes, kill.at_kill)
         assert len(got.ids) == 1, shape
         if shape == "n2":  # each choice from its own prefix: both the unbroken run's
             assert got.roles == 2 and sorted(got.finish) == ["length", "length"]
