@@ -363,18 +363,22 @@ def test_echo_through_the_router_is_the_workers_own(env: Env) -> None:
 
 def _stop_in_first_tokens(tokenizer: Any, answer: dict[str, Any]) -> str:
     """A stop string that ends choice 0 of `answer` (unbroken, token ids returned) within its
-    first few tokens and that choice 1's whole text lacks: the text of choice 0's first
-    tokens, at least 4 characters of it."""
+    first few tokens and that choice 1's whole text lacks: the text of choice 0's tokens
+    after its first, at least 4 characters of it."""
     by_index = {c["index"]: c for c in answer["choices"]}
     first, other = by_index[0], by_index[1]["message"]["content"]
-    assert first["message"]["content"] != other  # the premise: two different draws
+    text = first["message"]["content"]
+    assert text != other  # the premise: two different draws
+    ids = first["token_ids"]
+    lead = str(tokenizer.decode(ids[:1], skip_special_tokens=True))
     for k in range(2, 6):
-        head = tokenizer.decode(first["token_ids"][:k], skip_special_tokens=True)
-        if len(head) >= 4:
-            assert first["message"]["content"].startswith(head)
-            assert head not in other, (head, other)
-            return str(head)
-    raise AssertionError(f"choice 0 has no 4 characters in its first 5 tokens: {first}")
+        head = str(tokenizer.decode(ids[:k], skip_special_tokens=True))
+        stop = head[len(lead):]
+        if len(stop) >= 4:
+            assert text.startswith(head) and head.startswith(lead)
+            assert stop not in other, (stop, other)
+            return stop
+    raise AssertionError(f"choice 0 has no 4 characters in its tokens 2-5: {first}")
 
 
 # --- last: it SIGKILLs a worker ----------------------------------------------------------------
@@ -402,7 +406,8 @@ def test_penalties_sampling_and_usage_across_a_sigkill(env: Env, tiny: TinyModel
       chunk with the original prompt's tokens and all completion tokens;
     - seeded sampling (`temperature` 0.9): resumed with no token lost or doubled: as many
       tokens as asked, and the text the client got is the decoding of the token ids it got;
-    - `presence_penalty` (which no continuation can carry): an OpenAI-shaped error event;
+    - `presence_penalty`, or `frequency_penalty` with a `repetition_penalty` (which no
+      continuation can carry): an OpenAI-shaped error event;
     - n = 2 choices, chat and completions, decoded greedily (`top_k` 1: vLLM refuses n > 1
       at temperature 0): each choice resumed from its own prefix in one continuation (a batch
       of token-id prompts), each exactly the unbroken run's, usage once over both; and
@@ -422,6 +427,8 @@ def test_penalties_sampling_and_usage_across_a_sigkill(env: Env, tiny: TinyModel
                       "stream_options": {"include_usage": True}},
         "sampled": {"temperature": 0.9, "seed": 11, "return_token_ids": True},
         "presence": {"temperature": 0, "presence_penalty": 0.5},
+        "frequency_repetition": {"temperature": 0, "frequency_penalty": 0.5,
+                                 "repetition_penalty": 1.2},
         "choices": {"temperature": 1.0, "top_k": 1, "n": 2, "return_token_ids": True,
                     "logprobs": True, "top_logprobs": 2,
                     "stream_options": {"include_usage": True}},
@@ -491,9 +498,11 @@ def test_penalties_sampling_and_usage_across_a_sigkill(env: Env, tiny: TinyModel
     assert len(sampled.token_ids[0]) == 160
     # the whole answer's decoding, special tokens skipped as vLLM's streamed text skips them
     assert sampled.texts[0] == tokenizer.decode(sampled.token_ids[0], skip_special_tokens=True)
-    presence = results["presence"]
-    assert len(presence.errors) == 1 and presence.errors[0]["code"] == 502
-    assert presence.errors[0]["type"] == "upstream_error"
+    for name in ("presence", "frequency_repetition"):  # neither carried over: not resumed
+        refused = results[name]
+        assert refused.resumed_on == [] and len(refused.errors) == 1, name
+        assert refused.errors[0]["code"] == 502, name
+        assert refused.errors[0]["type"] == "upstream_error", name
     for name, want in refs.items():  # n = 2: each choice from its own prefix
         got = results[name]
         assert got.errors == [], (name, got.errors)
