@@ -38,6 +38,12 @@ class EngineSettings:
     remote_replicas: int = 2
     checkpoint_tokens: int = 32
     restore_deadline_ms: int = 3000
+    restore_policy: str = "always"
+    """The connector's `restore_policy`. "always" here, not the connector's default "cost": the
+    local cluster's tiny model prefills a prompt faster than any tier reads it back, so the cost
+    decision (rightly) recomputes, and the demo, the chaos runs and the tests that build this
+    cluster exist to show and check the restore path. `benchmarks.restore_decision` and
+    tests/test_connector_restore_decision.py are where "cost" is shown to choose."""
     tenant: str = "demo"
     connector: bool = True
     """False: plain vLLM, no kvkeep connector and no store (a baseline for what the store adds)."""
@@ -83,6 +89,7 @@ def kv_transfer_config(settings: EngineSettings, etcd_url: str,
             "codec": "raw",
             "checkpoint_tokens": settings.checkpoint_tokens,
             "restore_deadline_ms": settings.restore_deadline_ms,
+            "restore_policy": settings.restore_policy,
             "tenant": settings.tenant,
         },
     }
