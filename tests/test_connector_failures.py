@@ -170,18 +170,19 @@ def test_slow_store_misses_the_restore_deadline(tiny: TinyModel, tmp_path: Path,
         assert counters["load_late"] == sum((len(p) - 1) // BLOCK_SIZE for p in PROMPTS)
         assert counters["loaded_blocks"] == 0
 
-        real_lookup = store.lookup
+        # The scheduler half asks `locate` (lookup's answer with the tier of each key).
+        real_locate = store.locate
 
-        def slow_lookup(*args: Any, **kwargs: Any) -> int:
+        def slow_locate(*args: Any, **kwargs: Any) -> list[int]:
             time.sleep(0.4)
-            return real_lookup(*args, **kwargs)
+            return real_locate(*args, **kwargs)
 
-        store.lookup = slow_lookup  # type: ignore[method-assign]
+        store.locate = slow_locate  # type: ignore[method-assign]
         try:
             llm.reset_prefix_cache()
             results = generate(llm, PROMPTS, MAX_TOKENS)
         finally:
-            del store.lookup
+            del store.locate
         _same_tokens(results, reference)
         assert all(r.num_cached_tokens == 0 for r in results)
         assert scheduler_connector(llm).counters()["lookup_deadline"] == len(PROMPTS)

@@ -60,18 +60,19 @@ def test_hinted_restores_wait_longer_than_cold_ones(tiny: TinyModel, tmp_path: P
     with open_engine(tiny.path, config) as llm:
         spec = scheduler_connector(llm).config.store
         store = acquire_store(spec)
-        real_get_many, real_lookup = store.get_many, store.lookup
+        real_get_many, real_locate = store.get_many, store.locate
 
         def slow_get_many(*args: Any, **kwargs: Any) -> Any:
             time.sleep(0.5)
             return real_get_many(*args, **kwargs)
 
-        def slow_lookup(*args: Any, **kwargs: Any) -> int:
+        def slow_locate(*args: Any, **kwargs: Any) -> list[int]:
+            # `locate`: what the scheduler half asks (each key's tier, for the decision)
             time.sleep(0.4)
-            return real_lookup(*args, **kwargs)
+            return real_locate(*args, **kwargs)
 
         try:
-            for method, slow in (("get_many", slow_get_many), ("lookup", slow_lookup)):
+            for method, slow in (("get_many", slow_get_many), ("locate", slow_locate)):
                 setattr(store, method, slow)
                 try:
                     # Separate steps: loads of one step share its forward pass, and its wait.
