@@ -48,10 +48,10 @@ typecheck: $(STAMP)
 pytest: $(STAMP)
 	$(PY) -m pytest -q --durations=30
 
-## proto: regenerate proto/gen/ from proto/*.proto (generated code is committed, never edited)
+## proto: regenerate kvstore/_proto/ from proto/*.proto (generated code is committed, never edited)
 .PHONY: proto
 proto: $(STAMP)
-	$(PY) -m proto.generate
+	$(PY) proto/generate.py
 
 ## bench: the quick benchmarks, JSON into bench-results/
 bench: setup

@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("kvstore", "router", "connectors", "deploy", "benchmarks", "proto")
+PACKAGES = ("kvstore", "router", "connectors", "deploy", "benchmarks")
 SIZE_CHECKED = ("kvstore", "connectors", "router")
 # What one role needs (issue 20): a tight cap split single concepts over sibling files.
 MAX_LINES = 800
-GENERATED = REPO / "proto" / "gen"
+GENERATED = REPO / "kvstore" / "_proto"
 
 
 def module_name(path: Path) -> str:

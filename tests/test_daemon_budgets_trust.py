@@ -25,6 +25,7 @@ from pathlib import Path
 import grpc  # type: ignore[import-untyped, unused-ignore]
 import pytest
 
+from kvstore._proto import kvstore_pb2 as pb
 from kvstore.daemon.budgets import (
     ENTRY_OVERHEAD_BYTES,
     FS_BLOCK_BYTES,
@@ -52,7 +53,6 @@ from kvstore.tiers.host import HostTier
 from kvstore.tiers.nvme import NvmeTier
 from kvstore.tiers.remote import RemoteTier
 from kvstore.tiers.remote_config import RemoteConfig
-from proto.gen import kvstore_pb2 as pb
 from tests.blockframes import FINGERPRINT, block_key, make_frame
 from tests.daemon_process import DaemonProcess, running_daemons, start_daemon
 
