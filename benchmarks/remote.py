@@ -39,7 +39,7 @@ the CPU seconds per GB it cost this process and the daemon together (`*_cpu_s_pe
 neighbours, while the CPU a transport burns per byte is its own.
 
 `redis_cluster` is the Redis Cluster row: a real cluster of 3 masters and 3 replicas on loopback
-(formed as the tests form it, tests/services.py), the redis tier over it (`RedisTier` with seed
+(deploy/local/services.py, as in the tests), the redis tier over it (`RedisTier` with seed
 nodes: redis-py's `RedisCluster` + hiredis, frames of more than 4 MiB in 4 MiB chunks on one
 slot) against redis-py's own `RedisCluster` GET/SET of plain values of the same size on the
 same cluster, interleaved round by round (AB, then BA), medians; its `*_over_redis` are the
@@ -325,8 +325,8 @@ def _measure_cluster(tmp: Path, total: int, repeats: int) -> dict[str, Any]:
     import redis
     from redis.cluster import ClusterNode
 
+    from deploy.local.services import start_redis_cluster
     from kvstore.tiers.redis import RedisConfig, RedisTier
-    from tests.services import start_redis_cluster
 
     rates = _Rates()
     ratios: dict[str, list[float]] = {}

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from deploy.local.daemons import REPO_ROOT, DaemonProcess, running_daemon
 from tests.connector_harness import (
     BLOCK_SIZE,
     block_hashes,
@@ -28,7 +29,6 @@ from tests.connector_harness import (
     scheduler_connector,
     worker_connector,
 )
-from tests.daemon_process import REPO_ROOT, DaemonProcess, running_daemon
 from tests.models import TinyModel
 
 pytestmark = pytest.mark.slow

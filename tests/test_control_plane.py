@@ -19,6 +19,7 @@ import aetcd  # type: ignore[import-untyped]
 import httpx
 import pytest
 
+from deploy.local.services import EtcdServer
 from kvstore.cluster.retry import LOOP_RETRY, Backoff, RetryPolicy
 from kvstore.cluster.supervisor import supervise
 from kvstore.daemon.registration import Registrar
@@ -28,7 +29,6 @@ from kvstore.tiers.discovery import DaemonInfo, EtcdDiscovery
 from router.allowlist import WorkerAllowList
 from router.workers import WorkerId, WorkerInfo
 from tests.router_harness import FakeWorker, LoopThread, RouterHandle, loop_thread, wait_until
-from tests.services import EtcdServer
 from tests.test_etcd_poison import MODEL, PREFIX, Agents, _ignored, _registered, _router
 
 

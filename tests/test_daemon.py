@@ -13,6 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from deploy.local.daemons import DaemonProcess, start_daemon
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore._proto import kvstore_pb2_grpc
 from kvstore.errors import TierUnavailable
@@ -24,7 +25,6 @@ from kvstore.net.grpc_messages import scope_to_pb
 from kvstore.net.limits import MAX_FRAME_BYTES, MAX_KEYS_PER_CALL, MAX_MESSAGE_BYTES
 from kvstore.net.scope import scope_of
 from tests.blockframes import FINGERPRINT, block_key, corrupt, make_frame, session_key
-from tests.daemon_process import DaemonProcess, start_daemon
 
 T = 10.0  # generous per-call timeout on a loaded 2-core machine
 

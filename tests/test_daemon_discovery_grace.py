@@ -17,6 +17,8 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
+from deploy.local.daemons import running_daemons
+from deploy.local.services import EtcdServer
 from kvstore.etcd import etcd_client
 from kvstore.tiers.discovery import (
     DEFAULT_PREFIX,
@@ -24,8 +26,6 @@ from kvstore.tiers.discovery import (
     EtcdDiscovery,
     MembershipWatcher,
 )
-from tests.daemon_process import running_daemons
-from tests.services import EtcdServer
 
 GRACE_S = 1.5
 LEASE_TTL = 2

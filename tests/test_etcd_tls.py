@@ -28,6 +28,8 @@ from connectors.lmcache.config import PluginSettings
 from connectors.lmcache.transport import connect
 from connectors.vllm.config import ConnectorConfig
 from connectors.vllm.stores import tier_specs
+from deploy.local.daemons import REPO_ROOT, start_daemon
+from deploy.local.services import EtcdServer, free_port, stop_process
 from deploy.pki import Authority, registration_keypair
 from kvstore.cli import build_parser
 from kvstore.daemon.registration import Registrar
@@ -43,10 +45,8 @@ from router.commands import config_from_args
 from router.errors import StateUnavailable
 from router.state.etcd import EtcdBackend
 from router.workers import WorkerId, WorkerInfo
-from tests.daemon_process import REPO_ROOT, start_daemon
 from tests.etcd_secure import SecureEtcd, start_secure_etcd
 from tests.router_harness import FakeWorker, loop_thread, wait_until
-from tests.services import EtcdServer, free_port, stop_process
 
 T = TypeVar("T")
 PASSWORD = "kvkeep-etcd-password-0123"

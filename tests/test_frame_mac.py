@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from deploy.local.daemons import DaemonProcess, running_daemon
 from kvstore import frame as frame_module
 from kvstore.block import decode_layers, encode_block
 from kvstore.errors import ConfigError, CorruptBlock, ForgedBlock
@@ -34,7 +35,6 @@ from kvstore.tiers.host import HostTier
 from kvstore.tiers.nvme import NvmeTier
 from kvstore.tiers.remote import RemoteConfig, RemoteTier
 from tests.blockframes import block_key
-from tests.daemon_process import DaemonProcess, running_daemon
 
 KEY = MacKey(bytes(range(32)))
 OTHER = MacKey(bytes(range(1, 33)))

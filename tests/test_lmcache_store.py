@@ -20,11 +20,11 @@ from connectors.lmcache.frames import frame_size, matches_object, write_frame
 from connectors.lmcache.install import install_stubs
 from connectors.lmcache.keys import OBJECT_FORMAT, ObjectRef, ScopeMapper, block_hash_of, salt_name
 from connectors.lmcache.store import ObjectStore
+from deploy.local.daemons import DaemonProcess, running_daemons, start_daemon
+from deploy.local.services import EtcdServer
 from kvstore.errors import ConfigError, InvalidKey
 from kvstore.frame import BlockRead
 from kvstore.keys import Namespace
-from tests.daemon_process import DaemonProcess, running_daemons, start_daemon
-from tests.services import EtcdServer
 
 # Objects of one byte, one page, a typical LMCache chunk slice, and one that spans several
 # 4 MiB wire chunks with an odd tail.

@@ -17,11 +17,11 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from deploy.local.daemons import REPO_ROOT
+from deploy.local.services import EtcdServer, free_port, stop_process
 from kvstore.errors import ConfigError
 from router.metrics_relay import MetricsRelay, parse_listen
-from tests.daemon_process import REPO_ROOT
 from tests.router_harness import wait_until
-from tests.services import EtcdServer, free_port, stop_process
 
 PAGE = b'# TYPE kvkeep_connector_restored_tokens_total counter\n' \
        b'kvkeep_connector_restored_tokens_total{engine="0"} 96.0\n'

@@ -20,6 +20,7 @@ import aiohttp
 import httpx
 import pytest
 
+from deploy.local.services import free_port
 from kvstore.cli import build_parser
 from kvstore.errors import ConfigError
 from kvstore.keys import SessionId
@@ -46,7 +47,6 @@ from tests.router_harness import (
     loop_thread,
     wait_until,
 )
-from tests.services import free_port
 
 MODEL = "fake"
 KEYS = {"alice": "alice-key-0123456789", "bob": "bob-key-0123456789ab"}

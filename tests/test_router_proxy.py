@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
+from deploy.local.services import free_port
 from router.config import RouterConfig, StaticWorker
 from router.policy import Thresholds, policy_preset
 from router.tenants import ApiKeys
@@ -25,7 +26,6 @@ from tests.router_harness import (
     loop_thread,
     wait_until,
 )
-from tests.services import free_port
 
 MODEL = "fake"
 

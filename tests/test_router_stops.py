@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
+from deploy.local.services import free_port
 from router.config import RouterConfig, StaticWorker
 from router.policy import Thresholds, policy_preset
 from router.streaming.stops import StopText
@@ -34,7 +35,6 @@ from tests.router_harness import (
     stopped_stream,
     wait_until,
 )
-from tests.services import free_port
 
 MODEL = "fake"
 PROMPT = "tell a long story about stops"

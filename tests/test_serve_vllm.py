@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from deploy.local.services import free_port
 from deploy.serve_vllm import VLLM_SERVER_MODULE, server_argv
 from tests.models import TinyModel
-from tests.services import free_port
 from tests.vllm_server import vllm_env
 
 KVKEEP = [sys.executable, "-m", "kvstore.cli"]

@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 import redis
 
+from deploy.local.daemons import DaemonProcess
+from deploy.local.services import RedisServer
 from kvstore import block, frame
 from kvstore.block import decode_frame, decode_layer, decode_layers
 from kvstore.errors import CorruptBlock
@@ -26,8 +28,6 @@ from kvstore.tiers.host import HostTier
 from kvstore.tiers.nvme import NvmeTier
 from kvstore.tiers.remote import RemoteTier
 from tests.blockframes import block_key, make_frame
-from tests.daemon_process import DaemonProcess
-from tests.services import RedisServer
 
 LAYERS, SEGMENT = 4, 8192
 NO_PROMOTION = StoreConfig(promote=False, get_deadline_s=10.0)
