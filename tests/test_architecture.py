@@ -169,3 +169,17 @@ def test_no_module_is_over_the_line_cap(package: str) -> None:
     assert sizes, f"no modules found under {package}/"
     over = {path: n for path, n in sizes.items() if n > MAX_LINES}
     assert not over, f"modules over {MAX_LINES} lines: {over}"
+
+
+def test_nothing_outside_tests_imports_tests() -> None:
+    # Benchmarks and deploy tools run from a checkout without the test suite's helpers; what
+    # both need (services, daemons) lives in deploy/local. Deferred imports count here too.
+    offenders = sorted(
+        f"{name} -> {target}"
+        for name, path in our_modules().items()
+        for node in ast.walk(ast.parse(path.read_text(), str(path)))
+        if isinstance(node, ast.Import | ast.ImportFrom)
+        for target in ([a.name for a in node.names] if isinstance(node, ast.Import)
+                       else [node.module or ""])
+        if target == "tests" or target.startswith("tests."))
+    assert not offenders, "modules importing tests/:\n" + "\n".join(offenders)
