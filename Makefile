@@ -100,7 +100,7 @@ bench-cluster: setup $(INFERENCE_PERF_VENV)/.installed $(AIPERF_VENV)/.installed
 
 ## demo: a worker SIGKILLed mid-stream on a real local cluster; summary in bench-results/
 demo: setup
-	$(PY) -m kvstore.cli demo --json bench-results/demo.json
+	$(PY) -m kvstore.commands demo --json bench-results/demo.json
 
 clean:
 	rm -rf $(VENV) bench-results .pytest_cache .mypy_cache .ruff_cache

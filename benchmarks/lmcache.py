@@ -58,7 +58,7 @@ from benchmarks.baselines import (
 )
 from deploy.local.daemons import DaemonProcess, start_daemon
 from deploy.local.services import start_redis
-from kvstore.commands import MALLOC_ENV
+from kvstore.commands.store import MALLOC_ENV
 
 __all__ = ["main", "run"]
 

@@ -53,7 +53,7 @@ here: HTTP/2 frames up to 4 MiB, larger TCP read chunks and write buffers, no BD
 messages; see kvstore/net/grpc_options.py.)
 
 Fairness: the process re-executes itself once with the glibc allocator settings the daemon
-also uses (see kvstore/commands.py), so redis-py and the remote tier's client run under the
+also uses (see kvstore/commands/store.py), so redis-py and the remote tier's client run under the
 same settings (`settings` in the JSON says so). Redis and the remote tier are measured
 interleaved, round by round, and after each remote put phase the run waits until the daemon
 has written those blocks to disk (its write-behind), so that persisting them does not steal
@@ -83,7 +83,7 @@ from benchmarks.baselines import tcp_loopback_gbps
 from benchmarks.plots import RatioPanel, write_ratio_plots
 from benchmarks.processes import bench_daemon, free_port, stop_process
 from benchmarks.progress import progress
-from kvstore.commands import MALLOC_ENV
+from kvstore.commands.store import MALLOC_ENV
 from kvstore.frame import CodecId, Compression, DType, build_frame
 from kvstore.keys import BlockKey, ModelFingerprint, Namespace
 from kvstore.net.daemon_client import DaemonClient, DaemonStat

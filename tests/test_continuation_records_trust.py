@@ -22,7 +22,7 @@ from aiohttp import web
 
 from deploy.local.daemons import DaemonProcess, start_daemon
 from deploy.local.services import free_port
-from kvstore.cli import build_parser
+from kvstore.commands.kvkeep import build_parser
 from kvstore.errors import ConfigError, ForgedBlock
 from kvstore.etcd import EtcdSpec
 from kvstore.keys import Namespace, SessionId, SessionKey

@@ -36,7 +36,7 @@ from connectors.vllm.stores import tier_specs
 from deploy.k8s_secrets import CA_SECRET, STORE_SERVER_NAME, build_secrets, identities, main
 from deploy.local.daemons import REPO_ROOT, DaemonProcess
 from deploy.local.services import free_port, stop_process, wait_for_port
-from kvstore.cli import build_parser
+from kvstore.commands.kvkeep import build_parser
 from kvstore.etcd import EtcdSpec, etcd_client
 from kvstore.etcd.flags import etcd_spec_from_args
 from kvstore.keys import Namespace
@@ -519,7 +519,7 @@ def test_manifest_settings_work_together(tmp_path: Path) -> None:
         env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
 
         def probe_ok() -> bool:
-            done = subprocess.run([sys.executable, "-m", "kvstore.cli", *probe], env=env,
+            done = subprocess.run([sys.executable, "-m", "kvstore.commands", *probe], env=env,
                                   capture_output=True, timeout=30, check=False)
             return done.returncode == 0
         try:

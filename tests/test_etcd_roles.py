@@ -26,8 +26,8 @@ import pytest
 
 from deploy.local.services import free_port, stop_process, wait_for_port
 from deploy.local.tls import LocalPki
-from kvstore.cli import build_parser
 from kvstore.cluster.discovery import DaemonInfo, MembershipWatcher
+from kvstore.commands.kvkeep import build_parser
 from kvstore.daemon.registration import Registrar
 from kvstore.errors import ConfigError
 from kvstore.etcd import EtcdSpec, etcd_client

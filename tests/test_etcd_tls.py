@@ -31,7 +31,7 @@ from connectors.vllm.stores import tier_specs
 from deploy.local.daemons import REPO_ROOT, start_daemon
 from deploy.local.services import EtcdServer, free_port, stop_process
 from deploy.pki import Authority, registration_keypair
-from kvstore.cli import build_parser
+from kvstore.commands.kvkeep import build_parser
 from kvstore.daemon.registration import Registrar
 from kvstore.errors import ConfigError
 from kvstore.etcd import EtcdSpec, etcd_client
@@ -306,7 +306,7 @@ def test_every_command_takes_the_etcd_flags(tmp_path: Path) -> None:
     for argv in (["store", "serve", "--listen", "127.0.0.1:0", "--data-dir",
                   str(tmp_path / "d"), "--node-id", "n"], ["router", "serve"],
                  ["worker", "--url", "http://127.0.0.1:1"]):
-        done = subprocess.run([sys.executable, "-m", "kvstore.cli", *argv, "--etcd",
+        done = subprocess.run([sys.executable, "-m", "kvstore.commands", *argv, "--etcd",
                                "https://127.0.0.1:1", "--etcd-ca", str(tmp_path / "nope.pem")],
                               capture_output=True, text=True, timeout=60, env=env, check=False)
         assert done.returncode == 2, (argv, done.stderr)
@@ -376,7 +376,7 @@ def test_agent_and_router_processes_over_mutual_tls(tmp_path: Path) -> None:
                               (["router", "serve", "--listen", f"127.0.0.1:{port}",
                                 *flags], logs[1])):
                 with log.open("wb") as out:
-                    procs.append(subprocess.Popen([sys.executable, "-m", "kvstore.cli", *argv],
+                    procs.append(subprocess.Popen([sys.executable, "-m", "kvstore.commands", *argv],
                                                   env=env, stdout=out,
                                                   stderr=subprocess.STDOUT))
 

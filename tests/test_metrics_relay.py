@@ -125,7 +125,7 @@ def test_kvkeep_worker_relays_while_it_registers(etcd_server: EtcdServer,
     server's page; a taken port is a clear error and exit status 2."""
     metrics = free_port()
     with _vllm() as upstream:
-        argv = [sys.executable, "-m", "kvstore.cli", "worker", "--etcd", etcd_server.url,
+        argv = [sys.executable, "-m", "kvstore.commands", "worker", "--etcd", etcd_server.url,
                 "--url", upstream, "--id", "w0", "--metrics-listen", f"127.0.0.1:{metrics}"]
         log = tmp_path / "agent.log"
         with log.open("wb") as out:

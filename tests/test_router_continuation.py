@@ -15,7 +15,7 @@ import pytest
 from aiohttp import web
 
 from deploy.local.services import free_port
-from kvstore.cli import build_parser
+from kvstore.commands.kvkeep import build_parser
 from kvstore.errors import ConfigError, TierUnavailable
 from kvstore.etcd import etcd_spec
 from kvstore.keys import SessionId

@@ -25,7 +25,7 @@ ep = pytest.importorskip("envoy.service.ext_proc.v3.external_processor_pb2",
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2  # noqa: E402
 
 from deploy.local.services import free_port  # noqa: E402
-from kvstore.cli import build_parser  # noqa: E402
+from kvstore.commands.kvkeep import build_parser  # noqa: E402
 from kvstore.errors import ConfigError  # noqa: E402
 from router.commands import config_from_args  # noqa: E402
 from router.config import RouterConfig, StaticWorker  # noqa: E402

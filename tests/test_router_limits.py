@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from deploy.local.services import free_port
-from kvstore.cli import build_parser
+from kvstore.commands.kvkeep import build_parser
 from kvstore.errors import ConfigError
 from kvstore.keys import SessionId
 from router.commands import config_from_args

@@ -24,7 +24,7 @@ import msgpack  # type: ignore[import-untyped]
 import pytest
 
 from deploy.local.services import EtcdServer, free_port
-from kvstore.cli import build_parser
+from kvstore.commands.kvkeep import build_parser
 from kvstore.errors import ConfigError
 from router.allowlist import AllowEntry, WorkerAllowList
 from router.commands import config_from_args

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from deploy.local.services import free_port, stop_process
-from kvstore.commands import MALLOC_ENV
+from kvstore.commands.store import MALLOC_ENV
 from kvstore.errors import KVKeepError
 from kvstore.net.daemon_client import DaemonClient
 
