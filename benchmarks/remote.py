@@ -89,7 +89,7 @@ from kvstore.keys import BlockKey, ModelFingerprint, Namespace
 from kvstore.net.daemon_client import DaemonClient, DaemonStat
 from kvstore.net.grpc_options import channel_options
 from kvstore.tiers.base import Tier
-from kvstore.tiers.remote import RemoteConfig, RemoteTier
+from kvstore.tiers.remote.tier import RemoteConfig, RemoteTier
 
 __all__ = ["main", "run"]
 

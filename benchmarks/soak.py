@@ -60,7 +60,7 @@ from benchmarks.processes import bench_daemon
 from kvstore.commands.store import MALLOC_ENV
 from kvstore.frame import CodecId, Compression, DType, build_frame
 from kvstore.keys import BlockKey, ModelFingerprint, Namespace
-from kvstore.tiers.remote import RemoteConfig, RemoteTier
+from kvstore.tiers.remote.tier import RemoteConfig, RemoteTier
 
 __all__ = ["main", "rss_mib", "fit_slope"]
 

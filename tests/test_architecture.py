@@ -153,8 +153,8 @@ def test_relative_imports_resolve_against_the_package() -> None:
 def test_the_graph_sees_our_imports() -> None:
     graph = import_graph(our_modules())
     # A known edge each way a module is named: `from x import y` and `from x.y import z`.
-    assert "kvstore.tiers.remote_peers" in graph["kvstore.tiers.remote"]
-    assert "kvstore.errors" in graph["kvstore.tiers.remote_config"]
+    assert "kvstore.tiers.remote.peers" in graph["kvstore.tiers.remote.tier"]
+    assert "kvstore.errors" in graph["kvstore.tiers.remote.config"]
 
 
 def test_no_import_cycles_among_our_modules() -> None:

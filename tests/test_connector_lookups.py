@@ -25,7 +25,7 @@ from deploy.local.daemons import start_daemon
 from kvstore.keys import BlockKey, ModelFingerprint, Namespace
 from kvstore.store import TieredStore
 from kvstore.tiers.factory import RemoteSpec, build_tiers
-from kvstore.tiers.host import HostTier
+from kvstore.tiers.memory.host import HostTier
 from tests.blockframes import make_frame
 from tests.test_connector_units import BS, FakeRequest
 

@@ -12,8 +12,8 @@ from connectors.vllm.stores import acquire_store, release_store, tier_specs
 from deploy.local.services import RedisServer
 from kvstore.errors import ConfigError
 from kvstore.tiers.factory import HostSpec, NvmeSpec, RedisSpec, RemoteSpec
-from kvstore.tiers.host import HostTier
-from kvstore.tiers.nvme import NvmeTier
+from kvstore.tiers.memory.host import HostTier
+from kvstore.tiers.nvme.tier import NvmeTier
 from kvstore.tiers.redis import RedisTier
 from tests.blockframes import block_key, make_frame
 from tests.connector_harness import (

@@ -20,12 +20,12 @@ import httpx
 import pytest
 
 from deploy.local.services import EtcdServer
+from kvstore.cluster.daemon_trust import DaemonTrust, identities
+from kvstore.cluster.discovery import DaemonInfo, EtcdDiscovery
 from kvstore.cluster.retry import LOOP_RETRY, Backoff, RetryPolicy
 from kvstore.cluster.supervisor import supervise
 from kvstore.daemon.registration import Registrar
 from kvstore.errors import ConfigError
-from kvstore.tiers.daemon_trust import DaemonTrust, identities
-from kvstore.tiers.discovery import DaemonInfo, EtcdDiscovery
 from router.allowlist import WorkerAllowList
 from router.workers import WorkerId, WorkerInfo
 from tests.router_harness import FakeWorker, LoopThread, RouterHandle, loop_thread, wait_until

@@ -49,11 +49,11 @@ from kvstore.net.refusal import Refusal
 from kvstore.net.scope import Scope, scope_of
 from kvstore.net.tcp_protocol import OP_GET, REPLY_HEAD, decode_reply_head, encode_request
 from kvstore.store import StoreConfig, TieredStore
-from kvstore.tiers.durable_files import write_chunked
-from kvstore.tiers.host import HostTier
-from kvstore.tiers.nvme import NvmeTier
-from kvstore.tiers.remote import RemoteTier
-from kvstore.tiers.remote_config import RemoteConfig
+from kvstore.tiers.memory.host import HostTier
+from kvstore.tiers.nvme.durable_files import write_chunked
+from kvstore.tiers.nvme.tier import NvmeTier
+from kvstore.tiers.remote.config import RemoteConfig
+from kvstore.tiers.remote.tier import RemoteTier
 from tests.blockframes import FINGERPRINT, block_key, make_frame
 
 T = 10.0

@@ -19,13 +19,13 @@ from pathlib import Path
 
 from deploy.local.daemons import running_daemons
 from deploy.local.services import EtcdServer
-from kvstore.etcd import etcd_client
-from kvstore.tiers.discovery import (
+from kvstore.cluster.discovery import (
     DEFAULT_PREFIX,
     DaemonInfo,
     EtcdDiscovery,
     MembershipWatcher,
 )
+from kvstore.etcd import etcd_client
 
 GRACE_S = 1.5
 LEASE_TTL = 2

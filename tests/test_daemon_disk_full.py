@@ -28,8 +28,8 @@ from kvstore.daemon.catalog import KeyCatalog
 from kvstore.errors import TierFull
 from kvstore.net.daemon_client import DaemonClient
 from kvstore.net.scope import Scope
-from kvstore.tiers.nvme import NvmeTier
-from kvstore.tiers.remote import RemoteConfig, RemoteTier
+from kvstore.tiers.nvme.tier import NvmeTier
+from kvstore.tiers.remote.tier import RemoteConfig, RemoteTier
 from tests.blockframes import FINGERPRINT, NAMESPACE, block_key, make_frame
 
 SCOPE = Scope(FINGERPRINT.digest, NAMESPACE)

@@ -41,7 +41,7 @@ from kvstore.etcd import EtcdSpec, etcd_client
 from kvstore.etcd.flags import etcd_spec_from_args
 from kvstore.keys import Namespace
 from kvstore.tiers.factory import build_tiers
-from kvstore.tiers.remote import RemoteTier
+from kvstore.tiers.remote.tier import RemoteTier
 from router.commands import config_from_args
 from router.state.etcd import EtcdBackend
 from router.workers import WorkerId, WorkerInfo

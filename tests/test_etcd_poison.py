@@ -23,14 +23,14 @@ import httpx
 import pytest
 
 from deploy.local.services import EtcdServer, free_port
+from kvstore.cluster.discovery import DaemonInfo, EtcdDiscovery
 from kvstore.cluster.watcher import PrefixWatcher
 from kvstore.daemon.registration import Registrar
 from kvstore.keys import SessionId
-from kvstore.tiers.discovery import DaemonInfo, EtcdDiscovery
-from router.agent import AgentConfig, WorkerAgent
 from router.allowlist import WorkerAllowList
 from router.bindings import Binding
 from router.config import RouterConfig
+from router.node.agent import AgentConfig, WorkerAgent
 from router.policy import Thresholds, policy_preset
 from router.state import EtcdBackend
 from router.workers import WorkerId, WorkerInfo

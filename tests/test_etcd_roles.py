@@ -34,9 +34,9 @@ from kvstore.etcd import EtcdSpec, etcd_client
 from kvstore.etcd.flags import etcd_spec_from_args
 from kvstore.etcd.roles import Layout, principals, worker
 from kvstore.keys import SessionId
-from router.agent import AgentConfig, WorkerAgent
 from router.bindings import Binding, VersionedBinding
 from router.commands import config_from_args
+from router.node.agent import AgentConfig, WorkerAgent
 from router.state.etcd import EtcdBackend, EtcdLease
 from router.workers import WorkerId, WorkerInfo
 from tests.etcd_secure import SecureEtcd, start_secure_etcd

@@ -31,15 +31,15 @@ from connectors.vllm.stores import tier_specs
 from deploy.local.daemons import REPO_ROOT, start_daemon
 from deploy.local.services import EtcdServer, free_port, stop_process
 from deploy.pki import Authority, registration_keypair
+from kvstore.cluster.discovery import DaemonInfo, EtcdDiscovery, MembershipWatcher
 from kvstore.commands.kvkeep import build_parser
 from kvstore.daemon.registration import Registrar
 from kvstore.errors import ConfigError
 from kvstore.etcd import EtcdSpec, etcd_client
 from kvstore.etcd.flags import etcd_spec_from_args
 from kvstore.keys import SessionId
-from kvstore.tiers.discovery import DaemonInfo, EtcdDiscovery, MembershipWatcher
 from kvstore.tiers.factory import build_tiers
-from kvstore.tiers.remote import RemoteTier
+from kvstore.tiers.remote.tier import RemoteTier
 from router.bindings import Binding
 from router.commands import config_from_args
 from router.errors import StateUnavailable

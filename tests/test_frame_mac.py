@@ -31,9 +31,9 @@ from kvstore.frame import (
 )
 from kvstore.mac import MacKey, verify_mac
 from kvstore.store import TieredStore
-from kvstore.tiers.host import HostTier
-from kvstore.tiers.nvme import NvmeTier
-from kvstore.tiers.remote import RemoteConfig, RemoteTier
+from kvstore.tiers.memory.host import HostTier
+from kvstore.tiers.nvme.tier import NvmeTier
+from kvstore.tiers.remote.tier import RemoteConfig, RemoteTier
 from tests.blockframes import block_key
 
 KEY = MacKey(bytes(range(32)))

@@ -1,4 +1,4 @@
-"""The worker agent's `/metrics` relay (router/metrics_relay.py): vLLM's `/metrics` page, and
+"""The worker agent's `/metrics` relay (router/node/metrics_relay.py): vLLM's `/metrics` page, and
 nothing else, on a port of its own. Against a stand-in vLLM (a real HTTP server on loopback)
 here; tests/test_observability.py scrapes real vLLM servers through it (the dashboard's
 `kvkeep-worker` job) and finds every connector series there."""
@@ -20,7 +20,7 @@ import pytest
 from deploy.local.daemons import REPO_ROOT
 from deploy.local.services import EtcdServer, free_port, stop_process
 from kvstore.errors import ConfigError
-from router.metrics_relay import MetricsRelay, parse_listen
+from router.node.metrics_relay import MetricsRelay, parse_listen
 from tests.router_harness import wait_until
 
 PAGE = b'# TYPE kvkeep_connector_restored_tokens_total counter\n' \

@@ -25,7 +25,7 @@ from kvstore.manifest import SessionManifest
 from kvstore.store import TieredStore
 from kvstore.tiers.base import Tier
 from kvstore.tiers.factory import RedisSpec, build_tier
-from kvstore.tiers.host import HostTier
+from kvstore.tiers.memory.host import HostTier
 from kvstore.tiers.redis import RedisConfig, RedisTier
 from tests.blockframes import block_key, make_frame, session_key
 from tests.connector_harness import (

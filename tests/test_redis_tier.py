@@ -13,7 +13,7 @@ from kvstore.frame import BlockRead, FrameHeader, LayerRange
 from kvstore.manifest import SessionManifest
 from kvstore.store import TieredStore
 from kvstore.tiers.base import Tier
-from kvstore.tiers.host import HostTier
+from kvstore.tiers.memory.host import HostTier
 from kvstore.tiers.redis import RedisConfig, RedisTier
 from tests.blockframes import block_key, corrupt, make_frame, session_key
 

@@ -20,9 +20,9 @@ from kvstore.manifest import SessionManifest
 from kvstore.net.daemon_client import DaemonClient
 from kvstore.net.scope import scope_of
 from kvstore.tiers.base import Tier
-from kvstore.tiers.placement import place, rank, rank_many
-from kvstore.tiers.remote import RemoteConfig, RemoteTier
-from kvstore.tiers.resilience import BreakerState, CircuitBreaker, RetryPolicy
+from kvstore.tiers.remote.placement import place, rank, rank_many
+from kvstore.tiers.remote.resilience import BreakerState, CircuitBreaker, RetryPolicy
+from kvstore.tiers.remote.tier import RemoteConfig, RemoteTier
 from tests.blockframes import block_key, make_frame, session_key
 
 T = 10.0

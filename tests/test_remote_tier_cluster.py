@@ -19,7 +19,7 @@ from kvstore.keys import BlockKey
 from kvstore.manifest import SessionManifest
 from kvstore.net.daemon_client import DaemonClient
 from kvstore.net.scope import scope_of
-from kvstore.tiers.remote import RemoteConfig, RemoteTier
+from kvstore.tiers.remote.tier import RemoteConfig, RemoteTier
 from tests.blockframes import block_key, make_frame, session_key
 
 T = 10.0

@@ -247,7 +247,7 @@ def test_worker_agent_registers_and_revokes_on_failed_probes(
     after two failed probes (well inside one TTL)."""
     import aiohttp
 
-    from router.agent import AgentConfig, WorkerAgent
+    from router.node.agent import AgentConfig, WorkerAgent
     from tests.router_harness import FakeWorker
 
     async def main() -> None:

@@ -21,8 +21,8 @@ from kvstore.keys import BlockKey
 from kvstore.net.daemon_client import DaemonClient
 from kvstore.net.scope import scope_of
 from kvstore.store import TieredStore
-from kvstore.tiers.host import HostTier
-from kvstore.tiers.remote import RemoteConfig, RemoteTier
+from kvstore.tiers.memory.host import HostTier
+from kvstore.tiers.remote.tier import RemoteConfig, RemoteTier
 from tests.blockframes import block_key, make_frame
 
 MiB = 1 << 20

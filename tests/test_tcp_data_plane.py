@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from deploy.local.daemons import DaemonProcess, start_daemon
 from deploy.local.services import free_port
+from kvstore.cluster.discovery import DaemonInfo
 from kvstore.daemon.budgets import DaemonLimits
 from kvstore.daemon.catalog import KeyCatalog
 from kvstore.daemon.config import DaemonConfig
@@ -63,9 +64,8 @@ from kvstore.net.tcp_protocol import (
 from kvstore.net.tcp_transport import LookupUnsupported, TcpBlockTransport
 from kvstore.net.transport import TransportUnreachable
 from kvstore.store import TieredStore
-from kvstore.tiers.discovery import DaemonInfo
-from kvstore.tiers.host import HostTier
-from kvstore.tiers.nvme import NvmeTier
+from kvstore.tiers.memory.host import HostTier
+from kvstore.tiers.nvme.tier import NvmeTier
 from tests.blockframes import FINGERPRINT, NAMESPACE, block_key, corrupt, make_frame
 
 T = 10.0

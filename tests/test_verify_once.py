@@ -24,9 +24,9 @@ from kvstore.frame import BlockRead, FrameBytes, LayerRange
 from kvstore.keys import BlockKey
 from kvstore.store import StoreConfig, TieredStore
 from kvstore.tiers.factory import HostSpec, RedisSpec, RemoteSpec
-from kvstore.tiers.host import HostTier
-from kvstore.tiers.nvme import NvmeTier
-from kvstore.tiers.remote import RemoteTier
+from kvstore.tiers.memory.host import HostTier
+from kvstore.tiers.nvme.tier import NvmeTier
+from kvstore.tiers.remote.tier import RemoteTier
 from tests.blockframes import block_key, make_frame
 
 LAYERS, SEGMENT = 4, 8192
