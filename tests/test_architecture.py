@@ -183,3 +183,23 @@ def test_nothing_outside_tests_imports_tests() -> None:
                        else [node.module or ""])
         if target == "tests" or target.startswith("tests."))
     assert not offenders, "modules importing tests/:\n" + "\n".join(offenders)
+
+
+def test_installed_packages_import_only_installed_packages() -> None:
+    # pyproject installs some top-level folders only; the rest (benchmarks, tests, proto/) run
+    # from a checkout, so a console script that reached them would fail on an installed tree.
+    import tomllib
+
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())
+    installed = {p.rstrip("*") for p in config["tool"]["setuptools"]["packages"]["find"]["include"]}
+    assert installed == {"kvstore", "connectors", "router", "deploy"}
+    ours = {*PACKAGES, "tests", "proto"}
+    offenders = sorted(
+        f"{name} -> {target}"
+        for name, path in our_modules().items() if name.split(".")[0] in installed
+        for node in ast.walk(ast.parse(path.read_text(), str(path)))
+        if isinstance(node, ast.Import | ast.ImportFrom) and not getattr(node, "level", 0)
+        for target in ([a.name for a in node.names] if isinstance(node, ast.Import)
+                       else [node.module or ""])
+        if target.split(".")[0] in ours - installed)
+    assert not offenders, "installed modules importing uninstalled ones:\n" + "\n".join(offenders)
