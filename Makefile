@@ -48,10 +48,10 @@ typecheck: $(STAMP)
 pytest: $(STAMP)
 	$(PY) -m pytest -q --durations=30
 
-## proto: regenerate proto/gen/ from proto/*.proto (generated code is committed, never edited)
+## proto: regenerate kvstore/_proto/ from proto/*.proto (generated code is committed, never edited)
 .PHONY: proto
 proto: $(STAMP)
-	$(PY) -m proto.generate
+	$(PY) proto/generate.py
 
 ## bench: the quick benchmarks, JSON into bench-results/
 bench: setup
@@ -100,7 +100,7 @@ bench-cluster: setup $(INFERENCE_PERF_VENV)/.installed $(AIPERF_VENV)/.installed
 
 ## demo: a worker SIGKILLed mid-stream on a real local cluster; summary in bench-results/
 demo: setup
-	$(PY) -m kvstore.cli demo --json bench-results/demo.json
+	$(PY) -m kvstore.commands demo --json bench-results/demo.json
 
 clean:
 	rm -rf $(VENV) bench-results .pytest_cache .mypy_cache .ruff_cache

@@ -46,7 +46,7 @@ from kvstore.block import decode_layer, decode_layer_batch, encode_block
 from kvstore.codecs import get_codec, torch_ops, warmup
 from kvstore.frame import BlockRead, Compression, DType, build_frame
 from kvstore.keys import BlockKey, ModelFingerprint, Namespace
-from kvstore.tiers.host import HostTier
+from kvstore.tiers.memory.host import HostTier
 
 if TYPE_CHECKING:
     import torch
@@ -222,7 +222,7 @@ def _restorer(reads: list[BlockRead], keys: list[BlockKey], bound: list[BoundLay
 
 
 def _hbm(keys: list[BlockKey], repeats: int) -> dict[str, float]:
-    from kvstore.tiers.hbm import HbmTier
+    from kvstore.tiers.memory.hbm import HbmTier
 
     rng = np.random.default_rng(1)
     frames = [encode_block([rng.standard_normal(BLOCK_SHAPE, dtype=np.float32).astype(np.float16)

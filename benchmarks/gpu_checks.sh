@@ -23,7 +23,7 @@ python3 -c "import torch, numpy, numba; print('torch', torch.__version__, 'numpy
 'numba', numba.__version__, 'cuda', torch.cuda.is_available())" 2>&1 | tee "$OUT/versions.txt"
 python3 -c "import vllm; print('vllm', vllm.__version__)" >> "$OUT/versions.txt" 2>&1 || true
 # what the project imports on this machine (a missing wheel shows here first)
-python3 -c "import kvstore.store, kvstore.tiers.hbm, connectors.vllm.loader, benchmarks.gpu" \
+python3 -c "import kvstore.store, kvstore.tiers.memory.hbm, connectors.vllm.loader, benchmarks.gpu" \
     >> "$OUT/versions.txt" 2>&1 && echo "kvkeep imports: ok" >> "$OUT/versions.txt"
 status=0
 step() {  # step NAME SECONDS COMMAND...: run it under a timeout, log it, note its status

@@ -40,7 +40,7 @@ from kvstore.codecs import DEFAULT_INT8, get_codec
 from kvstore.frame import BlockRead, FrameHeader, LayerRange
 from kvstore.keys import BlockKey, ModelFingerprint, Namespace
 from kvstore.store import StoreConfig, TieredStore
-from kvstore.tiers.host import HostTier
+from kvstore.tiers.memory.host import HostTier
 
 __all__ = ["Shape", "measure_staged", "TARGETS"]
 

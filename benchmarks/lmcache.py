@@ -56,9 +56,9 @@ from benchmarks.baselines import (
     memcpy_gbps,
     tcp_loopback_gbps,
 )
-from kvstore.commands import MALLOC_ENV
-from tests.daemon_process import DaemonProcess, start_daemon
-from tests.services import start_redis
+from deploy.local.daemons import DaemonProcess, start_daemon
+from deploy.local.services import start_redis
+from kvstore.commands.store import MALLOC_ENV
 
 __all__ = ["main", "run"]
 

@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from kvstore.commands import MALLOC_ENV
+from kvstore.commands.store import MALLOC_ENV
 from kvstore.net.daemon_client import DaemonClient
 
 __all__ = ["free_port", "stop_process", "bench_daemon"]

@@ -39,7 +39,7 @@ the CPU seconds per GB it cost this process and the daemon together (`*_cpu_s_pe
 neighbours, while the CPU a transport burns per byte is its own.
 
 `redis_cluster` is the Redis Cluster row: a real cluster of 3 masters and 3 replicas on loopback
-(formed as the tests form it, tests/services.py), the redis tier over it (`RedisTier` with seed
+(deploy/local/services.py, as in the tests), the redis tier over it (`RedisTier` with seed
 nodes: redis-py's `RedisCluster` + hiredis, frames of more than 4 MiB in 4 MiB chunks on one
 slot) against redis-py's own `RedisCluster` GET/SET of plain values of the same size on the
 same cluster, interleaved round by round (AB, then BA), medians; its `*_over_redis` are the
@@ -53,7 +53,7 @@ here: HTTP/2 frames up to 4 MiB, larger TCP read chunks and write buffers, no BD
 messages; see kvstore/net/grpc_options.py.)
 
 Fairness: the process re-executes itself once with the glibc allocator settings the daemon
-also uses (see kvstore/commands.py), so redis-py and the remote tier's client run under the
+also uses (see kvstore/commands/store.py), so redis-py and the remote tier's client run under the
 same settings (`settings` in the JSON says so). Redis and the remote tier are measured
 interleaved, round by round, and after each remote put phase the run waits until the daemon
 has written those blocks to disk (its write-behind), so that persisting them does not steal
@@ -83,13 +83,13 @@ from benchmarks.baselines import tcp_loopback_gbps
 from benchmarks.plots import RatioPanel, write_ratio_plots
 from benchmarks.processes import bench_daemon, free_port, stop_process
 from benchmarks.progress import progress
-from kvstore.commands import MALLOC_ENV
+from kvstore.commands.store import MALLOC_ENV
 from kvstore.frame import CodecId, Compression, DType, build_frame
 from kvstore.keys import BlockKey, ModelFingerprint, Namespace
 from kvstore.net.daemon_client import DaemonClient, DaemonStat
 from kvstore.net.grpc_options import channel_options
 from kvstore.tiers.base import Tier
-from kvstore.tiers.remote import RemoteConfig, RemoteTier
+from kvstore.tiers.remote.tier import RemoteConfig, RemoteTier
 
 __all__ = ["main", "run"]
 
@@ -325,8 +325,8 @@ def _measure_cluster(tmp: Path, total: int, repeats: int) -> dict[str, Any]:
     import redis
     from redis.cluster import ClusterNode
 
+    from deploy.local.services import start_redis_cluster
     from kvstore.tiers.redis import RedisConfig, RedisTier
-    from tests.services import start_redis_cluster
 
     rates = _Rates()
     ratios: dict[str, list[float]] = {}

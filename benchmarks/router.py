@@ -329,7 +329,7 @@ def fake_worker_behind_router(chunks: int, interval_s: float) -> Iterator[Routed
     try:
         _wait_http(f"http://127.0.0.1:{fake_port}/health")
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "kvstore.cli", "router", "serve",
+            [sys.executable, "-m", "kvstore.commands", "router", "serve",
              "--listen", f"127.0.0.1:{router_port}", "--log-level", "WARNING",
              "--worker", f"fake=http://127.0.0.1:{fake_port}"], env=env))
         _wait_http(f"http://127.0.0.1:{router_port}/health")

@@ -57,10 +57,10 @@ from typing import Any
 from benchmarks.baselines import tcp_loopback_gbps
 from benchmarks.cli import run_benchmark
 from benchmarks.processes import bench_daemon
-from kvstore.commands import MALLOC_ENV
+from kvstore.commands.store import MALLOC_ENV
 from kvstore.frame import CodecId, Compression, DType, build_frame
 from kvstore.keys import BlockKey, ModelFingerprint, Namespace
-from kvstore.tiers.remote import RemoteConfig, RemoteTier
+from kvstore.tiers.remote.tier import RemoteConfig, RemoteTier
 
 __all__ = ["main", "rss_mib", "fit_slope"]
 
@@ -238,7 +238,7 @@ def _extra(parser: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> int:
     if os.environ.get("KVKEEP_NO_MALLOC_TUNING") != "1" and any(
             os.environ.get(k) != v for k, v in MALLOC_ENV.items()):
-        # The client runs under the daemon's allocator settings too (see kvstore/commands.py).
+        # The client runs under the daemon's allocator settings too (see kvstore/commands/store.py).
         args = [sys.executable, "-m", "benchmarks.soak", *(argv or sys.argv[1:])]
         os.execve(sys.executable, args, {**os.environ, **MALLOC_ENV})
     return run_benchmark("soak", _measure, _render, argv, _extra)

@@ -51,7 +51,7 @@ from kvstore.keys import BlockKey, ModelFingerprint, Namespace
 from kvstore.store import TieredStore
 from kvstore.tiers.base import Tier
 from kvstore.tiers.factory import RemoteSpec, build_tiers
-from kvstore.tiers.host import HostTier
+from kvstore.tiers.memory.host import HostTier
 
 __all__ = ["main"]
 

@@ -48,8 +48,8 @@ from kvstore.codecs import get_codec, warmup
 from kvstore.frame import DType
 from kvstore.keys import BlockKey, ModelFingerprint, Namespace
 from kvstore.store import StoreConfig, TieredStore
-from kvstore.tiers.host import HostTier
-from kvstore.tiers.nvme import NvmeTier
+from kvstore.tiers.memory.host import HostTier
+from kvstore.tiers.nvme.tier import NvmeTier
 
 LAYERS, TOKENS, HEADS, HEAD_SIZE = 32, 32, 8, 128
 LAYER_SHAPE = (2, TOKENS, HEADS, HEAD_SIZE)

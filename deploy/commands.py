@@ -1,4 +1,4 @@
-"""`kvkeep demo` and `kvkeep chaos` (registered into the `kvkeep` CLI by kvstore/cli.py).
+"""`kvkeep demo` and `kvkeep chaos` (registered into the CLI by kvstore/commands/kvkeep.py).
 
     kvkeep demo [--json OUT.json] [--keep] [--model-dir DIR]
     kvkeep chaos [--kills 2] [--sessions 6] [--seed 0] [--json OUT.json]

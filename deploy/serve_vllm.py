@@ -6,7 +6,7 @@ module: `python -m vllm.entrypoints.openai.api_server ARGS...` takes the same ar
 `vllm serve MODEL ...` with the model as `--model MODEL`. This command execs exactly that, in
 this process (same pid), so signals reach vLLM and its exit status is the command's.
 
-Registered into the `kvkeep` CLI by kvstore/cli.py (which hands every word after
+Registered into the `kvkeep` CLI by kvstore/commands/kvkeep.py (which hands every word after
 `serve-vllm` to `run` untouched: argparse would take vLLM's options for its own); building the
 parser imports nothing of vLLM.
 """

@@ -79,7 +79,7 @@ class DeadlineExceeded(KVKeepError, TimeoutError):
 
 
 class UntrustedRegistration(KVKeepError):
-    """A daemon registration a client does not believe (kvstore/tiers/daemon_trust.py):
+    """A daemon registration a client does not believe (kvstore/cluster/daemon_trust.py):
     malformed, unsigned, badly signed, or unprovable; `reason` is the short word it is
     counted under."""
 

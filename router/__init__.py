@@ -8,7 +8,8 @@ Layout, one concept per module:
 - `decision`, `context`, `scheduler`, `policy`, `policy_file`: deciding (pure, synchronous) and
   what decides, from presets or a config file, with the extension points `filters/`,
   `scorers/`, `pickers/`;
-- `workers`, `registry`, `scraper`, `agent`, `gpu`: who the workers are and how loaded;
+- `workers`, `registry`, `scraper`: who the workers are and how loaded; `node/`: the
+  `kvkeep worker` sidecar beside each worker (`agent`, `gpu`, `metrics_relay`);
 - `bindings`, `sessions`, `state/`, `failover`: session bindings, the etcd / in-process
   backends, rebinding a dead worker's sessions;
 - `indexer/`: where prefixes are cached (routing history, vLLM KV events over ZMQ or fed

@@ -130,7 +130,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     worker.add_argument("--ttl", type=float, default=3.0, metavar="SECONDS")
     worker.add_argument("--metrics-listen", default=None, metavar="HOST:PORT",
                         help="relay the server's /metrics (only that page) on HOST:PORT, so "
-                             "Prometheus need not reach vLLM's API port (router/metrics_relay.py)")
+                             "Prometheus need not reach vLLM's API port "
+                             "(router/node/metrics_relay.py)")
     worker.add_argument("--log-level", default="INFO")
     worker.set_defaults(handler=_worker_command)
 
@@ -256,7 +257,7 @@ def _worker_command(args: argparse.Namespace) -> int:
     _logging(args.log_level)
     from urllib.parse import urlsplit
 
-    from router.metrics_relay import parse_listen
+    from router.node.metrics_relay import parse_listen
 
     url = str(args.url).rstrip("/")
     parts = urlsplit(url)
@@ -284,8 +285,8 @@ async def run_worker_agent(etcd_url: EtcdSpec | str, prefix: str, worker_id: Wor
                            ) -> None:
     import aiohttp
 
-    from router.agent import AgentConfig, WorkerAgent
-    from router.metrics_relay import MetricsRelay
+    from router.node.agent import AgentConfig, WorkerAgent
+    from router.node.metrics_relay import MetricsRelay
     from router.state.etcd import EtcdBackend
 
     backend = EtcdBackend(etcd_url, prefix)

@@ -16,13 +16,13 @@ from typing import Any
 import aiohttp
 
 from kvstore.cluster.supervisor import supervise
-from router.agent import AgentConfig, WorkerAgent
 from router.config import RouterConfig
 from router.continuation import Continuations, ConversationRecords, StoreRecords
 from router.core import RouterCore
 from router.dispatch import Dispatcher
 from router.indexer.subscriber import KVEventSubscriber
 from router.metrics import RouterMetrics
+from router.node.agent import AgentConfig, WorkerAgent
 from router.scraper import Scraper
 from router.state.base import StateBackend
 from router.state.etcd import EtcdBackend

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
+from deploy.local.daemons import DaemonProcess, running_daemon, running_daemons
+from deploy.local.services import EtcdServer, RedisServer, start_etcd, start_redis
 from kvstore.net.daemon_client import DaemonClient
-from tests.daemon_process import DaemonProcess, running_daemon, running_daemons
 from tests.models import TinyModel, build_tiny_llama
-from tests.services import EtcdServer, RedisServer, start_etcd, start_redis
 
 # On a noisy 2-core machine a per-example deadline measures the neighbours, not our code; and
 # in CI (CI=true) the examples are derandomized so that a red run can be reproduced exactly.

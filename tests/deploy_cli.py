@@ -16,7 +16,7 @@ def run_cli(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]
     """`kvkeep ARGS` in a subprocess. On timeout it gets SIGTERM first, so that it stops the
     cluster it started (its children live in their own process groups), then SIGKILL."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", *args], cwd=REPO, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "kvstore.commands", *args], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -34,5 +34,5 @@ def spawn_cli(args: list[str], log: Path) -> subprocess.Popen[bytes]:
     """`kvkeep ARGS` started in the background, its output to `log`; the caller stops it."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     with log.open("wb") as out:
-        return subprocess.Popen([sys.executable, "-m", "kvstore.cli", *args], stdout=out,
+        return subprocess.Popen([sys.executable, "-m", "kvstore.commands", *args], stdout=out,
                                 stderr=subprocess.STDOUT, env=env)

@@ -7,7 +7,7 @@ free loopback port, with the certificates made for it by deploy/pki.py.
         etcd.etcdctl("get", "--prefix", "/")
 
 Users get a role with read-write access to every key; `root` exists (etcd requires it before
-`auth enable`). Stopped by pid like tests/services.py's etcd.
+`auth enable`). Stopped by pid like deploy/local/services.py's etcd.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from deploy.local.services import free_port, stop_process, wait_for_port
 from deploy.pki import Authority, CertPaths
-from tests.services import free_port, stop_process, wait_for_port
 
 __all__ = ["SecureEtcd", "start_secure_etcd"]
 

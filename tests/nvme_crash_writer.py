@@ -25,7 +25,7 @@ import numpy as np
 from kvstore.frame import CodecId, Compression, DType, build_frame
 from kvstore.keys import BlockHash, BlockKey, Namespace, SessionKey, validate_session_id
 from kvstore.manifest import SessionManifest
-from kvstore.tiers.nvme import NvmeTier
+from kvstore.tiers.nvme.tier import NvmeTier
 
 __all__ = ["block_key", "expected_frame", "manifest_for", "session_key", "BUDGET", "SESSIONS"]
 

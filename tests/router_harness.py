@@ -35,13 +35,13 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
+from deploy.local.services import free_port
 from router.config import RouterConfig, StaticWorker
 from router.policy import Thresholds, policy_preset
 from router.proxy import build_app
 from router.service import RouterService
 from router.state.base import StateBackend
 from router.workers import WorkerId
-from tests.services import free_port
 
 __all__ = ["LoopThread", "FakeWorker", "RouterHandle", "fake_next_token", "fake_tokenize",
            "fake_generate", "loop_thread"]

@@ -7,10 +7,10 @@ import ipaddress
 
 import pytest
 
+from kvstore.cluster.daemon_trust import DaemonTrust
+from kvstore.cluster.discovery import DaemonInfo
 from kvstore.errors import UntrustedRegistration
 from kvstore.net.addresses import ip_literal, is_loopback
-from kvstore.tiers.daemon_trust import DaemonTrust
-from kvstore.tiers.discovery import DaemonInfo
 from router.allowlist import is_loopback as router_is_loopback
 
 

@@ -20,12 +20,12 @@ import pytest
 from deploy.chaos.counters import daemon_counters
 from deploy.chaos.registrations import RegistrationWatch
 from deploy.chaos.storage import CorruptedBlock, corrupt_blocks, probe_corrupted
+from deploy.local.daemons import start_daemon
 from deploy.local.disks import FILLER_NAME, fill, mount_tmpfs, tmpfs_available, unmount
 from deploy.local.netns import Fabric, netns_available
+from deploy.local.services import EtcdServer
 from kvstore.net.scope import Scope
 from tests.blockframes import FINGERPRINT, NAMESPACE, block_key, make_frame
-from tests.daemon_process import start_daemon
-from tests.services import EtcdServer
 
 
 def _drained(address: str) -> bool:

@@ -32,6 +32,7 @@ import httpx
 import pytest
 
 from deploy.chaos.slow_link import SlowLink, slow_links
+from deploy.local.daemons import DaemonProcess, running_daemons
 from kvstore.metrics import COPY_LAG_BUCKETS
 from tests.connector_harness import (
     BLOCK_SIZE,
@@ -42,7 +43,6 @@ from tests.connector_harness import (
     random_prompts,
     worker_connector,
 )
-from tests.daemon_process import DaemonProcess, running_daemons
 from tests.metrics_scrape import Scrape, wait_for_sample
 from tests.models import TinyModel
 from tests.test_store_replicated import copies_on

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import zmq
 
+from deploy.local.daemons import start_daemon
+from deploy.local.services import free_port
 from router.indexer.events import SHARED, KVBlockIndex
 from router.indexer.subscriber import KVEventSubscriber
 from router.workers import WorkerId
@@ -24,9 +26,7 @@ from tests.connector_harness import (
     random_prompts,
     scheduler_connector,
 )
-from tests.daemon_process import start_daemon
 from tests.models import TinyModel
-from tests.services import free_port
 
 pytestmark = pytest.mark.slow
 

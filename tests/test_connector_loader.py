@@ -22,7 +22,7 @@ from kvstore.block import decode_layer, encode_block
 from kvstore.frame import BlockRead, CodecId, LayerRange
 from kvstore.keys import BlockKey, ModelFingerprint, Namespace
 from kvstore.store import TieredStore
-from kvstore.tiers.host import HostTier
+from kvstore.tiers.memory.host import HostTier
 
 LAYERS, HEADS, HEAD_SIZE, BLOCK = 4, 2, 16, 8
 NUM_BLOCKS = 24

@@ -21,12 +21,12 @@ import pytest
 from connectors.vllm.config import ConnectorConfig
 from connectors.vllm.scheduler import SchedulerSide
 from connectors.vllm.stats import Counter, Counters
+from deploy.local.daemons import start_daemon
 from kvstore.keys import BlockKey, ModelFingerprint, Namespace
 from kvstore.store import TieredStore
 from kvstore.tiers.factory import RemoteSpec, build_tiers
-from kvstore.tiers.host import HostTier
+from kvstore.tiers.memory.host import HostTier
 from tests.blockframes import make_frame
-from tests.daemon_process import start_daemon
 from tests.test_connector_units import BS, FakeRequest
 
 FP = ModelFingerprint("m", "w", "bfloat16", 2, 2, 32, BS, "cpu/tnhd", "raw")

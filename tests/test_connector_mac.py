@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from deploy.local.daemons import DaemonProcess, running_daemon
 from kvstore.block import encode_block
 from kvstore.keys import BlockKey, Namespace
 from kvstore.mac import MacKey, verify_mac
@@ -30,7 +31,6 @@ from tests.connector_harness import (
     scheduler_connector,
     worker_connector,
 )
-from tests.daemon_process import DaemonProcess, running_daemon
 from tests.models import TinyModel
 
 pytestmark = pytest.mark.slow

@@ -27,6 +27,8 @@ from connectors.vllm.prometheus import STORE_COUNTERS, KVKeepStats, StatsReporte
 from connectors.vllm.stats import Counter as Event
 from connectors.vllm.stats import Counters
 from connectors.vllm.telemetry import Telemetry
+from deploy.local.daemons import DaemonProcess, running_daemon
+from deploy.local.services import free_port
 from kvstore.errors import ConfigError
 from kvstore.metrics import StoreMetrics
 from kvstore.store import TieredStore
@@ -40,10 +42,8 @@ from tests.connector_harness import (
     random_prompts,
     worker_connector,
 )
-from tests.daemon_process import DaemonProcess, running_daemon
 from tests.metrics_scrape import Scrape, scrape, wait_for_sample
 from tests.models import TinyModel
-from tests.services import free_port
 from tests.vllm_server import VllmServer, start_vllm, vllm_env
 
 T = 60.0

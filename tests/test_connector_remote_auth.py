@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from deploy.local.daemons import DaemonProcess, running_daemon
 from tests.connector_harness import (
     Result,
     generate,
@@ -16,7 +17,6 @@ from tests.connector_harness import (
     random_prompts,
     scheduler_connector,
 )
-from tests.daemon_process import DaemonProcess, running_daemon
 from tests.models import TinyModel
 
 pytestmark = pytest.mark.slow

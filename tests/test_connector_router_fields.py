@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from deploy.local.daemons import REPO_ROOT, DaemonProcess, running_daemon
 from tests.connector_harness import (
     BLOCK_SIZE,
     block_hashes,
@@ -28,7 +29,6 @@ from tests.connector_harness import (
     scheduler_connector,
     worker_connector,
 )
-from tests.daemon_process import REPO_ROOT, DaemonProcess, running_daemon
 from tests.models import TinyModel
 
 pytestmark = pytest.mark.slow
@@ -164,7 +164,7 @@ def test_stale_worker_cannot_overwrite_the_holders_manifest(tiny: TinyModel, tmp
     session to worker B (epoch 1, restore_reason failover). A keeps checkpointing; its later,
     longer manifests must not replace B's on the daemons they share."""
     from kvstore.keys import Namespace, SessionKey
-    from kvstore.tiers.remote import RemoteConfig, RemoteTier
+    from kvstore.tiers.remote.tier import RemoteConfig, RemoteTier
 
     prompt = random_prompts(1, 70, seed=42)[0]
     remote = {"daemons": {daemon.node_id: daemon.address}, "timeout_ms": 2000}

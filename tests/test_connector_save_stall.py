@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from deploy.local.daemons import running_daemon
 from tests.connector_harness import (
     BLOCK_SIZE,
     generate,
@@ -26,7 +27,6 @@ from tests.connector_harness import (
     random_prompts,
     worker_connector,
 )
-from tests.daemon_process import running_daemon
 from tests.models import TinyModel
 from tests.router_harness import wait_until
 

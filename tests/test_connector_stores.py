@@ -9,10 +9,11 @@ import pytest
 
 from connectors.vllm.config import ConnectorConfig, StoreSpec
 from connectors.vllm.stores import acquire_store, release_store, tier_specs
+from deploy.local.services import RedisServer
 from kvstore.errors import ConfigError
 from kvstore.tiers.factory import HostSpec, NvmeSpec, RedisSpec, RemoteSpec
-from kvstore.tiers.host import HostTier
-from kvstore.tiers.nvme import NvmeTier
+from kvstore.tiers.memory.host import HostTier
+from kvstore.tiers.nvme.tier import NvmeTier
 from kvstore.tiers.redis import RedisTier
 from tests.blockframes import block_key, make_frame
 from tests.connector_harness import (
@@ -24,7 +25,6 @@ from tests.connector_harness import (
     worker_connector,
 )
 from tests.models import TinyModel
-from tests.services import RedisServer
 
 
 def parse(store: dict[str, object]) -> StoreSpec:

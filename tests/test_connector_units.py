@@ -480,7 +480,7 @@ def test_two_workers_of_one_session_write_fenced_manifests() -> None:
     stays. Two scheduler halves share one host tier, as two workers share the daemons."""
     from kvstore.keys import Namespace, SessionKey
     from kvstore.store import TieredStore
-    from kvstore.tiers.host import HostTier
+    from kvstore.tiers.memory.host import HostTier
 
     store = TieredStore([HostTier(8 << 20)])
     try:

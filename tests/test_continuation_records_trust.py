@@ -20,7 +20,9 @@ import httpx
 import pytest
 from aiohttp import web
 
-from kvstore.cli import build_parser
+from deploy.local.daemons import DaemonProcess, start_daemon
+from deploy.local.services import free_port
+from kvstore.commands.kvkeep import build_parser
 from kvstore.errors import ConfigError, ForgedBlock
 from kvstore.etcd import EtcdSpec
 from kvstore.keys import Namespace, SessionId, SessionKey
@@ -34,9 +36,7 @@ from router.continuation.records import RecordKey, conversation_fingerprint, rec
 from router.proxy import build_app
 from router.service import RouterService
 from router.workers import WorkerId
-from tests.daemon_process import DaemonProcess, start_daemon
 from tests.router_harness import FakeWorker, LoopThread, fake_generate, wait_until
-from tests.services import free_port
 
 STORE_TENANT = "conversations"
 SECRET = bytes(range(32))

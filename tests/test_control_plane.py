@@ -19,16 +19,16 @@ import aetcd  # type: ignore[import-untyped]
 import httpx
 import pytest
 
+from deploy.local.services import EtcdServer
+from kvstore.cluster.daemon_trust import DaemonTrust, identities
+from kvstore.cluster.discovery import DaemonInfo, EtcdDiscovery
 from kvstore.cluster.retry import LOOP_RETRY, Backoff, RetryPolicy
 from kvstore.cluster.supervisor import supervise
 from kvstore.daemon.registration import Registrar
 from kvstore.errors import ConfigError
-from kvstore.tiers.daemon_trust import DaemonTrust, identities
-from kvstore.tiers.discovery import DaemonInfo, EtcdDiscovery
 from router.allowlist import WorkerAllowList
 from router.workers import WorkerId, WorkerInfo
 from tests.router_harness import FakeWorker, LoopThread, RouterHandle, loop_thread, wait_until
-from tests.services import EtcdServer
 from tests.test_etcd_poison import MODEL, PREFIX, Agents, _ignored, _registered, _router
 
 

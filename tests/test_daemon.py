@@ -13,6 +13,9 @@ from pathlib import Path
 import grpc
 import pytest
 
+from deploy.local.daemons import DaemonProcess, start_daemon
+from kvstore._proto import kvstore_pb2 as pb
+from kvstore._proto import kvstore_pb2_grpc
 from kvstore.errors import TierUnavailable
 from kvstore.frame import BlockRead, FrameHeader, LayerRange
 from kvstore.keys import BlockKey, Namespace
@@ -21,10 +24,7 @@ from kvstore.net.daemon_client import DaemonClient
 from kvstore.net.grpc_messages import scope_to_pb
 from kvstore.net.limits import MAX_FRAME_BYTES, MAX_KEYS_PER_CALL, MAX_MESSAGE_BYTES
 from kvstore.net.scope import scope_of
-from proto.gen import kvstore_pb2 as pb
-from proto.gen import kvstore_pb2_grpc
 from tests.blockframes import FINGERPRINT, block_key, corrupt, make_frame, session_key
-from tests.daemon_process import DaemonProcess, start_daemon
 
 T = 10.0  # generous per-call timeout on a loaded 2-core machine
 

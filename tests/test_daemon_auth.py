@@ -14,6 +14,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from deploy.local.daemons import REPO_ROOT, DaemonProcess, running_daemon, start_daemon
+from deploy.local.services import free_port
+from kvstore._proto import kvstore_pb2 as pb
 from kvstore.errors import ConfigError
 from kvstore.keys import Namespace
 from kvstore.manifest import SessionManifest
@@ -21,10 +24,7 @@ from kvstore.net.daemon_client import ClientTLS, DaemonClient
 from kvstore.net.grpc_messages import scope_to_pb
 from kvstore.net.limits import MAX_MESSAGE_BYTES
 from kvstore.net.scope import scope_of
-from proto.gen import kvstore_pb2 as pb
 from tests.blockframes import block_key, make_frame, session_key
-from tests.daemon_process import REPO_ROOT, DaemonProcess, running_daemon, start_daemon
-from tests.services import free_port
 
 T = 10.0
 TOKEN_A = "token-tenant-a-0123456789"

@@ -8,7 +8,7 @@ own and a generation far ahead of the clock is refused (M7).
 
 M2 and M3 need a disk that stalls on cue: a real daemon core, store and gRPC server run in this
 process, with the nvme tier's file writes (its `write_fn`) held at a gate the test opens; the
-client is the real `DaemonClient` over gRPC. The rest run real daemons (tests/daemon_process.py).
+client is the real `DaemonClient` over gRPC. The rest run real daemons (deploy/local/daemons.py).
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from pathlib import Path
 import grpc  # type: ignore[import-untyped, unused-ignore]
 import pytest
 
+from deploy.local.daemons import DaemonProcess, running_daemons, start_daemon
+from kvstore._proto import kvstore_pb2 as pb
 from kvstore.daemon.budgets import (
     ENTRY_OVERHEAD_BYTES,
     FS_BLOCK_BYTES,
@@ -47,14 +49,12 @@ from kvstore.net.refusal import Refusal
 from kvstore.net.scope import Scope, scope_of
 from kvstore.net.tcp_protocol import OP_GET, REPLY_HEAD, decode_reply_head, encode_request
 from kvstore.store import StoreConfig, TieredStore
-from kvstore.tiers.durable_files import write_chunked
-from kvstore.tiers.host import HostTier
-from kvstore.tiers.nvme import NvmeTier
-from kvstore.tiers.remote import RemoteTier
-from kvstore.tiers.remote_config import RemoteConfig
-from proto.gen import kvstore_pb2 as pb
+from kvstore.tiers.memory.host import HostTier
+from kvstore.tiers.nvme.durable_files import write_chunked
+from kvstore.tiers.nvme.tier import NvmeTier
+from kvstore.tiers.remote.config import RemoteConfig
+from kvstore.tiers.remote.tier import RemoteTier
 from tests.blockframes import FINGERPRINT, block_key, make_frame
-from tests.daemon_process import DaemonProcess, running_daemons, start_daemon
 
 T = 10.0
 TOKEN_A = "token-tenant-a-0123456789"

@@ -23,8 +23,8 @@ from kvstore.daemon.server import open_daemon_store
 from kvstore.keys import Namespace
 from kvstore.net.scope import Scope
 from kvstore.store import TieredStore
-from kvstore.tiers.host import HostTier
-from kvstore.tiers.nvme import NvmeTier
+from kvstore.tiers.memory.host import HostTier
+from kvstore.tiers.nvme.tier import NvmeTier
 from tests.blockframes import FINGERPRINT, block_key, make_frame
 
 SEGMENT = 16_000  # 4 layers: frames of ~64 KB

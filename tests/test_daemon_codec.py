@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvstore._proto import kvstore_pb2 as pb
 from kvstore.errors import InvalidFrame
 from kvstore.net.grpc_messages import (
     decode_get_chunk,
@@ -13,7 +14,6 @@ from kvstore.net.grpc_messages import (
     encode_get_chunk,
     encode_put_chunk,
 )
-from proto.gen import kvstore_pb2 as pb
 
 u32 = st.integers(0, 2**32 - 1)
 u64 = st.integers(0, 2**64 - 1)

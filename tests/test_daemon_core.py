@@ -20,8 +20,8 @@ from kvstore.net.limits import MAX_FRAME_BYTES, MAX_KEYS_PER_CALL
 from kvstore.net.refusal import Refusal, RefusalReason
 from kvstore.net.scope import Scope
 from kvstore.store import TieredStore
-from kvstore.tiers.host import HostTier
-from kvstore.tiers.nvme import NvmeTier
+from kvstore.tiers.memory.host import HostTier
+from kvstore.tiers.nvme.tier import NvmeTier
 from tests.blockframes import FINGERPRINT, NAMESPACE, block_key, corrupt, make_frame
 
 TOKEN_A = "token-tenant-a-0123456789"

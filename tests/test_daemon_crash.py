@@ -8,12 +8,12 @@ import threading
 import time
 from pathlib import Path
 
+from deploy.local.daemons import start_daemon
 from kvstore.errors import KVKeepError
 from kvstore.keys import BlockKey
 from kvstore.net.daemon_client import DaemonClient
 from kvstore.net.scope import scope_of
 from tests.blockframes import block_key, make_frame
-from tests.daemon_process import start_daemon
 
 T = 10.0
 KILLS = 3

@@ -17,15 +17,15 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from kvstore.etcd import etcd_client
-from kvstore.tiers.discovery import (
+from deploy.local.daemons import running_daemons
+from deploy.local.services import EtcdServer
+from kvstore.cluster.discovery import (
     DEFAULT_PREFIX,
     DaemonInfo,
     EtcdDiscovery,
     MembershipWatcher,
 )
-from tests.daemon_process import running_daemons
-from tests.services import EtcdServer
+from kvstore.etcd import etcd_client
 
 GRACE_S = 1.5
 LEASE_TTL = 2

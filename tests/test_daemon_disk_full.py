@@ -23,14 +23,14 @@ from pathlib import Path
 
 import pytest
 
+from deploy.local.daemons import DaemonProcess, running_daemon, start_daemon
 from kvstore.daemon.catalog import KeyCatalog
 from kvstore.errors import TierFull
 from kvstore.net.daemon_client import DaemonClient
 from kvstore.net.scope import Scope
-from kvstore.tiers.nvme import NvmeTier
-from kvstore.tiers.remote import RemoteConfig, RemoteTier
+from kvstore.tiers.nvme.tier import NvmeTier
+from kvstore.tiers.remote.tier import RemoteConfig, RemoteTier
 from tests.blockframes import FINGERPRINT, NAMESPACE, block_key, make_frame
-from tests.daemon_process import DaemonProcess, running_daemon, start_daemon
 
 SCOPE = Scope(FINGERPRINT.digest, NAMESPACE)
 FILLER = "filler"

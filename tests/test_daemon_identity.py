@@ -20,22 +20,22 @@ import pytest
 
 from connectors.vllm.config import ConnectorConfig
 from connectors.vllm.stores import tier_specs
+from deploy.local.daemons import DaemonProcess, start_daemon
+from deploy.local.services import EtcdServer
 from deploy.pki import Authority, registration_keypair
+from kvstore.cluster.daemon_trust import DaemonTrust, RegistrationSigner, load_verify_keys
+from kvstore.cluster.discovery import DEFAULT_PREFIX, DaemonInfo, EtcdDiscovery
 from kvstore.daemon.registration import Registrar
 from kvstore.errors import ConfigError, KVKeepError, UntrustedRegistration
 from kvstore.etcd import etcd_client
 from kvstore.keys import BlockKey
 from kvstore.net.daemon_client import ClientTLS, DaemonClient
 from kvstore.net.scope import scope_of
-from kvstore.tiers.daemon_trust import DaemonTrust, RegistrationSigner, load_verify_keys
-from kvstore.tiers.discovery import DEFAULT_PREFIX, DaemonInfo, EtcdDiscovery
 from kvstore.tiers.factory import build_tiers
-from kvstore.tiers.remote import RemoteConfig, RemoteTier
+from kvstore.tiers.remote.tier import RemoteConfig, RemoteTier
 from tests.blockframes import block_key, make_frame
-from tests.daemon_process import DaemonProcess, start_daemon
 from tests.impostor import GrpcImpostor, RawImpostor, non_loopback_ip
 from tests.router_harness import wait_until
-from tests.services import EtcdServer
 
 TOKEN = "tenant-token-must-not-leak-0123"
 PEER_TOKEN = "peer-token-must-not-leak-456789"

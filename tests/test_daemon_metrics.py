@@ -1,6 +1,6 @@
 """A real daemon's `/metrics`: what its store, core, both fronts and repairs did, scraped.
 
-Daemons run as subprocesses (tests/daemon_process.py); traffic goes over gRPC and over the TCP
+Daemons run as subprocesses (deploy/local/daemons.py); traffic goes over gRPC and over the TCP
 data plane with the real client; values are read back from the Prometheus text the endpoint
 serves.
 """
@@ -13,14 +13,14 @@ from pathlib import Path
 
 import pytest
 
+from deploy.local.daemons import running_daemons, start_daemon
+from deploy.local.services import EtcdServer, free_port
 from kvstore.daemon.config import DaemonConfig
 from kvstore.errors import ConfigError, TierError
 from kvstore.net.daemon_client import DaemonClient
 from kvstore.net.scope import scope_of
 from tests.blockframes import block_key, corrupt, make_frame
-from tests.daemon_process import running_daemons, start_daemon
 from tests.metrics_scrape import scrape, wait_for_sample
-from tests.services import EtcdServer, free_port
 
 T = 10.0
 

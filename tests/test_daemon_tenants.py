@@ -22,6 +22,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from deploy.local.daemons import DaemonProcess, start_daemon
 from kvstore.errors import TierFull
 from kvstore.keys import Namespace
 from kvstore.net.daemon_client import DaemonClient
@@ -30,7 +31,6 @@ from kvstore.net.limits import MAX_FRAME_BYTES
 from kvstore.net.scope import Scope
 from kvstore.net.tcp_protocol import OP_GET, OP_PUT, encode_request
 from tests.blockframes import FINGERPRINT, block_key, make_frame
-from tests.daemon_process import DaemonProcess, start_daemon
 
 T = 10.0
 TOKEN_A = "token-tenant-a-0123456789"

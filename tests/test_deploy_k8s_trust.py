@@ -34,19 +34,19 @@ import yaml
 from connectors.vllm.config import ConnectorConfig
 from connectors.vllm.stores import tier_specs
 from deploy.k8s_secrets import CA_SECRET, STORE_SERVER_NAME, build_secrets, identities, main
-from kvstore.cli import build_parser
+from deploy.local.daemons import REPO_ROOT, DaemonProcess
+from deploy.local.services import free_port, stop_process, wait_for_port
+from kvstore.commands.kvkeep import build_parser
 from kvstore.etcd import EtcdSpec, etcd_client
 from kvstore.etcd.flags import etcd_spec_from_args
 from kvstore.keys import Namespace
 from kvstore.tiers.factory import build_tiers
-from kvstore.tiers.remote import RemoteTier
+from kvstore.tiers.remote.tier import RemoteTier
 from router.commands import config_from_args
 from router.state.etcd import EtcdBackend
 from router.workers import WorkerId, WorkerInfo
 from tests.blockframes import block_key, make_frame
-from tests.daemon_process import REPO_ROOT, DaemonProcess
 from tests.router_harness import wait_until
-from tests.services import free_port, stop_process, wait_for_port
 from tests.test_deploy_manifests import DOCS, POD_ENV, _expand, _one
 
 # -- NetworkPolicy semantics -------------------------------------------------------------------
@@ -519,7 +519,7 @@ def test_manifest_settings_work_together(tmp_path: Path) -> None:
         env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
 
         def probe_ok() -> bool:
-            done = subprocess.run([sys.executable, "-m", "kvstore.cli", *probe], env=env,
+            done = subprocess.run([sys.executable, "-m", "kvstore.commands", *probe], env=env,
                                   capture_output=True, timeout=30, check=False)
             return done.returncode == 0
         try:

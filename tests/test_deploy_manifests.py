@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from connectors.vllm.config import ConnectorConfig
-from kvstore.cli import build_parser
+from kvstore.commands.kvkeep import build_parser
 from kvstore.daemon.auth import TokenTable
 from kvstore.daemon.config import DaemonConfig, parse_size
 from kvstore.etcd import etcd_spec
@@ -191,7 +191,7 @@ def test_daemon_config_builds_from_the_manifest(tmp_path: Path) -> None:
     mount = next(m for m in _one("DaemonSet", "kvkeep-store")["spec"]["template"]["spec"][
         "containers"][0]["volumeMounts"] if m["name"] == "tokens")
     assert Path(parsed.token_file).parent == Path(mount["mountPath"])
-    # What `kvkeep store serve` builds (kvstore/commands.py): a listener beyond loopback is
+    # What `kvkeep store serve` builds (kvstore/commands/store.py): a listener beyond loopback is
     # refused without a token file, so this also proves the manifest's listener is allowed.
     config = DaemonConfig(
         listen=parsed.listen, data_dir=parsed.data_dir, mem_budget=parse_size(parsed.mem_budget),

@@ -22,19 +22,19 @@ import aiohttp
 import httpx
 import pytest
 
+from deploy.local.services import EtcdServer, free_port
+from kvstore.cluster.discovery import DaemonInfo, EtcdDiscovery
 from kvstore.cluster.watcher import PrefixWatcher
 from kvstore.daemon.registration import Registrar
 from kvstore.keys import SessionId
-from kvstore.tiers.discovery import DaemonInfo, EtcdDiscovery
-from router.agent import AgentConfig, WorkerAgent
 from router.allowlist import WorkerAllowList
 from router.bindings import Binding
 from router.config import RouterConfig
+from router.node.agent import AgentConfig, WorkerAgent
 from router.policy import Thresholds, policy_preset
 from router.state import EtcdBackend
 from router.workers import WorkerId, WorkerInfo
 from tests.router_harness import FakeWorker, LoopThread, RouterHandle, loop_thread, wait_until
-from tests.services import EtcdServer, free_port
 
 MODEL = "fake"
 PREFIX = "/poison"
@@ -325,7 +325,7 @@ def test_a_daemon_counts_the_registrations_it_does_not_believe(
         lt: LoopThread, etcd_server: EtcdServer, tmp_path: Path) -> None:
     """A real daemon beside poison and forged records under stores/: it keeps serving and
     exports what it ignored on /metrics (kvkeep_daemon_etcd_records_ignored_total)."""
-    from tests.daemon_process import start_daemon
+    from deploy.local.daemons import start_daemon
     from tests.metrics_scrape import wait_for_sample
 
     prefix = "/kvkeep/stores/"

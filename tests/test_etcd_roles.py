@@ -24,23 +24,23 @@ from typing import Any, TypeVar
 import aiohttp
 import pytest
 
+from deploy.local.services import free_port, stop_process, wait_for_port
 from deploy.local.tls import LocalPki
-from kvstore.cli import build_parser
 from kvstore.cluster.discovery import DaemonInfo, MembershipWatcher
+from kvstore.commands.kvkeep import build_parser
 from kvstore.daemon.registration import Registrar
 from kvstore.errors import ConfigError
 from kvstore.etcd import EtcdSpec, etcd_client
 from kvstore.etcd.flags import etcd_spec_from_args
 from kvstore.etcd.roles import Layout, principals, worker
 from kvstore.keys import SessionId
-from router.agent import AgentConfig, WorkerAgent
 from router.bindings import Binding, VersionedBinding
 from router.commands import config_from_args
+from router.node.agent import AgentConfig, WorkerAgent
 from router.state.etcd import EtcdBackend, EtcdLease
 from router.workers import WorkerId, WorkerInfo
 from tests.etcd_secure import SecureEtcd, start_secure_etcd
 from tests.router_harness import FakeWorker
-from tests.services import free_port, stop_process, wait_for_port
 from tests.test_deploy_k8s_trust import _container, _localize, _materialize, _start_manifest_etcd
 from tests.test_deploy_manifests import POD_ENV
 

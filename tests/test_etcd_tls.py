@@ -28,25 +28,25 @@ from connectors.lmcache.config import PluginSettings
 from connectors.lmcache.transport import connect
 from connectors.vllm.config import ConnectorConfig
 from connectors.vllm.stores import tier_specs
+from deploy.local.daemons import REPO_ROOT, start_daemon
+from deploy.local.services import EtcdServer, free_port, stop_process
 from deploy.pki import Authority, registration_keypair
-from kvstore.cli import build_parser
+from kvstore.cluster.discovery import DaemonInfo, EtcdDiscovery, MembershipWatcher
+from kvstore.commands.kvkeep import build_parser
 from kvstore.daemon.registration import Registrar
 from kvstore.errors import ConfigError
 from kvstore.etcd import EtcdSpec, etcd_client
 from kvstore.etcd.flags import etcd_spec_from_args
 from kvstore.keys import SessionId
-from kvstore.tiers.discovery import DaemonInfo, EtcdDiscovery, MembershipWatcher
 from kvstore.tiers.factory import build_tiers
-from kvstore.tiers.remote import RemoteTier
+from kvstore.tiers.remote.tier import RemoteTier
 from router.bindings import Binding
 from router.commands import config_from_args
 from router.errors import StateUnavailable
 from router.state.etcd import EtcdBackend
 from router.workers import WorkerId, WorkerInfo
-from tests.daemon_process import REPO_ROOT, start_daemon
 from tests.etcd_secure import SecureEtcd, start_secure_etcd
 from tests.router_harness import FakeWorker, loop_thread, wait_until
-from tests.services import EtcdServer, free_port, stop_process
 
 T = TypeVar("T")
 PASSWORD = "kvkeep-etcd-password-0123"
@@ -306,7 +306,7 @@ def test_every_command_takes_the_etcd_flags(tmp_path: Path) -> None:
     for argv in (["store", "serve", "--listen", "127.0.0.1:0", "--data-dir",
                   str(tmp_path / "d"), "--node-id", "n"], ["router", "serve"],
                  ["worker", "--url", "http://127.0.0.1:1"]):
-        done = subprocess.run([sys.executable, "-m", "kvstore.cli", *argv, "--etcd",
+        done = subprocess.run([sys.executable, "-m", "kvstore.commands", *argv, "--etcd",
                                "https://127.0.0.1:1", "--etcd-ca", str(tmp_path / "nope.pem")],
                               capture_output=True, text=True, timeout=60, env=env, check=False)
         assert done.returncode == 2, (argv, done.stderr)
@@ -376,7 +376,7 @@ def test_agent_and_router_processes_over_mutual_tls(tmp_path: Path) -> None:
                               (["router", "serve", "--listen", f"127.0.0.1:{port}",
                                 *flags], logs[1])):
                 with log.open("wb") as out:
-                    procs.append(subprocess.Popen([sys.executable, "-m", "kvstore.cli", *argv],
+                    procs.append(subprocess.Popen([sys.executable, "-m", "kvstore.commands", *argv],
                                                   env=env, stdout=out,
                                                   stderr=subprocess.STDOUT))
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from deploy.local.daemons import DaemonProcess, running_daemon
 from kvstore import frame as frame_module
 from kvstore.block import decode_layers, encode_block
 from kvstore.errors import ConfigError, CorruptBlock, ForgedBlock
@@ -30,11 +31,10 @@ from kvstore.frame import (
 )
 from kvstore.mac import MacKey, verify_mac
 from kvstore.store import TieredStore
-from kvstore.tiers.host import HostTier
-from kvstore.tiers.nvme import NvmeTier
-from kvstore.tiers.remote import RemoteConfig, RemoteTier
+from kvstore.tiers.memory.host import HostTier
+from kvstore.tiers.nvme.tier import NvmeTier
+from kvstore.tiers.remote.tier import RemoteConfig, RemoteTier
 from tests.blockframes import block_key
-from tests.daemon_process import DaemonProcess, running_daemon
 
 KEY = MacKey(bytes(range(32)))
 OTHER = MacKey(bytes(range(1, 33)))

@@ -9,8 +9,8 @@ from kvstore.errors import ConfigError
 from kvstore.frame import FrameHeader, LayerRange
 from kvstore.store import TieredStore
 from kvstore.tiers.base import Tier
-from kvstore.tiers.hbm import HbmTier, cuda_available
-from kvstore.tiers.host import HostTier
+from kvstore.tiers.memory.hbm import HbmTier, cuda_available
+from kvstore.tiers.memory.host import HostTier
 from tests.blockframes import block_key, make_frame
 
 MiB = 1 << 20

@@ -14,7 +14,7 @@ from kvstore.frame import BlockRead, FrameHeader, LayerRange
 from kvstore.keys import BlockKey
 from kvstore.manifest import SessionManifest
 from kvstore.tiers.base import Tier
-from kvstore.tiers.host import HostTier
+from kvstore.tiers.memory.host import HostTier
 from tests.blockframes import block_key, make_frame, session_key
 
 PAGE = 1024

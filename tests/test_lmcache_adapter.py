@@ -34,8 +34,8 @@ from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, Tensor
 from lmcache.v1.platform import consume_fd
 
 from connectors.lmcache.adapter import KVKeepL2Adapter, KVKeepL2AdapterConfig
-from tests.daemon_process import DaemonProcess, running_daemons, start_daemon
-from tests.services import start_etcd
+from deploy.local.daemons import DaemonProcess, running_daemons, start_daemon
+from deploy.local.services import start_etcd
 
 _LAYOUT = MemoryLayoutDesc(shapes=[], dtypes=[])
 _serial = iter(range(1 << 30))

@@ -20,11 +20,11 @@ from connectors.lmcache.frames import frame_size, matches_object, write_frame
 from connectors.lmcache.install import install_stubs
 from connectors.lmcache.keys import OBJECT_FORMAT, ObjectRef, ScopeMapper, block_hash_of, salt_name
 from connectors.lmcache.store import ObjectStore
+from deploy.local.daemons import DaemonProcess, running_daemons, start_daemon
+from deploy.local.services import EtcdServer
 from kvstore.errors import ConfigError, InvalidKey
 from kvstore.frame import BlockRead
 from kvstore.keys import Namespace
-from tests.daemon_process import DaemonProcess, running_daemons, start_daemon
-from tests.services import EtcdServer
 
 # Objects of one byte, one page, a typical LMCache chunk slice, and one that spans several
 # 4 MiB wire chunks with an odd tail.
@@ -322,30 +322,22 @@ def test_tokens_and_tenants(tmp_path: Path) -> None:
 
 
 def test_stubs_install_for_another_environment(tmp_path: Path) -> None:
-    """The installer's overlay: `proto.gen` resolves to freshly generated stubs in a site dir
-    (here with this venv's own grpcio-tools; `make bench-lmcache` does it under protobuf 6)."""
+    """The installer's overlay: `kvstore._proto` resolves to freshly generated stubs in a site
+    dir (here with this venv's own grpcio-tools; `make bench-lmcache` does it under protobuf 6)."""
     site = tmp_path / "site"
     site.mkdir()
     package = install_stubs(site)
     assert (package / "proto_gen" / "kvstore_pb2.py").is_file()
-    probe = ("import site, sys; site.addsitedir(sys.argv[1]); import proto;"
-             "import proto.gen.kvstore_pb2 as pb; import connectors.lmcache.transport;"
-             "print(pb.__file__); print(proto.__file__)")
+    probe = ("import site, sys; site.addsitedir(sys.argv[1]);"
+             "import kvstore._proto.kvstore_pb2 as pb; import connectors.lmcache.transport;"
+             "import proto; print(pb.__file__); print(proto.__file__)")
     root = Path(__file__).resolve().parent.parent
-
-    def imported() -> tuple[Path, Path]:
-        done = subprocess.run([sys.executable, "-c", probe, str(site)], cwd=root, check=True,
-                              capture_output=True, text=True)
-        gen, top = done.stdout.split()
-        return Path(gen).resolve(), Path(top).resolve()
-
-    gen, top = imported()
-    assert gen.is_relative_to(package.resolve())
-    assert top == (root / "proto" / "__init__.py").resolve()  # kvkeep's own `proto`
-    # A `proto` installed in that site (proto-plus, in LMCache's environment) keeps its name;
-    # kvkeep's stubs then load as its `gen` submodule. (A stand-in package, not proto-plus.)
+    # A `proto` installed in that site (proto-plus, in LMCache's environment) keeps its name
+    # beside kvkeep's stubs. (A stand-in package, not proto-plus.)
     (site / "proto").mkdir()
     (site / "proto" / "__init__.py").write_text("PLUS = True\n")
-    gen, top = imported()
+    done = subprocess.run([sys.executable, "-c", probe, str(site)], cwd=root, check=True,
+                          capture_output=True, text=True)
+    gen, top = (Path(line).resolve() for line in done.stdout.split())
     assert gen.is_relative_to(package.resolve())
     assert top == (site / "proto" / "__init__.py").resolve()

@@ -42,7 +42,7 @@ from lmcache.v1.distributed.l2_adapters.config import L2AdaptersConfig
 from lmcache.v1.distributed.l2_adapters.plugin_l2_adapter import PluginL2AdapterConfig
 
 from connectors.lmcache.adapter import KVKeepL2Adapter
-from tests.daemon_process import DaemonProcess, running_daemons
+from deploy.local.daemons import DaemonProcess, running_daemons
 
 SRC = Path(os.environ.get("KVKEEP_LMCACHE_SRC", "/nonexistent"))
 if not (SRC / "tests" / "v1" / "distributed").is_dir():

@@ -13,7 +13,7 @@ def test_tls_cluster_settings_are_the_checked_ones(tmp_path: Path) -> None:
     from connectors.vllm.config import ConnectorConfig
     from deploy.local.engines import EngineSettings, kv_transfer_config
     from deploy.local.tls import STORE_NAME, LocalPki
-    from kvstore.cli import build_parser
+    from kvstore.commands.kvkeep import build_parser
     from kvstore.etcd.flags import etcd_spec_from_args
 
     pki = LocalPki.create(tmp_path / "pki")

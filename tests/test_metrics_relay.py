@@ -1,4 +1,4 @@
-"""The worker agent's `/metrics` relay (router/metrics_relay.py): vLLM's `/metrics` page, and
+"""The worker agent's `/metrics` relay (router/node/metrics_relay.py): vLLM's `/metrics` page, and
 nothing else, on a port of its own. Against a stand-in vLLM (a real HTTP server on loopback)
 here; tests/test_observability.py scrapes real vLLM servers through it (the dashboard's
 `kvkeep-worker` job) and finds every connector series there."""
@@ -17,11 +17,11 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from deploy.local.daemons import REPO_ROOT
+from deploy.local.services import EtcdServer, free_port, stop_process
 from kvstore.errors import ConfigError
-from router.metrics_relay import MetricsRelay, parse_listen
-from tests.daemon_process import REPO_ROOT
+from router.node.metrics_relay import MetricsRelay, parse_listen
 from tests.router_harness import wait_until
-from tests.services import EtcdServer, free_port, stop_process
 
 PAGE = b'# TYPE kvkeep_connector_restored_tokens_total counter\n' \
        b'kvkeep_connector_restored_tokens_total{engine="0"} 96.0\n'
@@ -125,7 +125,7 @@ def test_kvkeep_worker_relays_while_it_registers(etcd_server: EtcdServer,
     server's page; a taken port is a clear error and exit status 2."""
     metrics = free_port()
     with _vllm() as upstream:
-        argv = [sys.executable, "-m", "kvstore.cli", "worker", "--etcd", etcd_server.url,
+        argv = [sys.executable, "-m", "kvstore.commands", "worker", "--etcd", etcd_server.url,
                 "--url", upstream, "--id", "w0", "--metrics-listen", f"127.0.0.1:{metrics}"]
         log = tmp_path / "agent.log"
         with log.open("wb") as out:

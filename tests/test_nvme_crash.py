@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from kvstore.frame import BlockRead
-from kvstore.tiers.nvme import NvmeTier
+from kvstore.tiers.nvme.tier import NvmeTier
 from tests.nvme_crash_writer import (
     BUDGET,
     SESSIONS,

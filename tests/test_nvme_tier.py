@@ -29,9 +29,9 @@ from kvstore.errors import (
 from kvstore.frame import BlockRead, CodecId, Compression, DType, LayerRange, build_frame
 from kvstore.keys import BlockHash, BlockKey, Namespace, SessionKey, validate_session_id
 from kvstore.manifest import SessionManifest
-from kvstore.tiers import durable_files
 from kvstore.tiers.base import Tier
-from kvstore.tiers.nvme import NvmeTier
+from kvstore.tiers.nvme import durable_files
+from kvstore.tiers.nvme.tier import NvmeTier
 
 FP = bytes(range(16))
 NS = Namespace("tenant-a")

@@ -17,6 +17,7 @@ import redis
 from redis.crc import key_slot
 
 from connectors.vllm.config import ConnectorConfig
+from deploy.local.services import RedisCluster, free_port, start_redis_cluster
 from kvstore.errors import ConfigError, TierError, TierUnavailable
 from kvstore.frame import FrameHeader, LayerRange
 from kvstore.keys import BlockKey
@@ -24,7 +25,7 @@ from kvstore.manifest import SessionManifest
 from kvstore.store import TieredStore
 from kvstore.tiers.base import Tier
 from kvstore.tiers.factory import RedisSpec, build_tier
-from kvstore.tiers.host import HostTier
+from kvstore.tiers.memory.host import HostTier
 from kvstore.tiers.redis import RedisConfig, RedisTier
 from tests.blockframes import block_key, make_frame, session_key
 from tests.connector_harness import (
@@ -36,7 +37,6 @@ from tests.connector_harness import (
     worker_connector,
 )
 from tests.models import TinyModel
-from tests.services import RedisCluster, free_port, start_redis_cluster
 
 pytestmark = pytest.mark.skipif(
     shutil.which("redis-server") is None or shutil.which("redis-cli") is None,

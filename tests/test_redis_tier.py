@@ -7,15 +7,15 @@ from pathlib import Path
 import pytest
 import redis
 
+from deploy.local.services import RedisServer, start_redis
 from kvstore.errors import InvalidFrame, TierUnavailable
 from kvstore.frame import BlockRead, FrameHeader, LayerRange
 from kvstore.manifest import SessionManifest
 from kvstore.store import TieredStore
 from kvstore.tiers.base import Tier
-from kvstore.tiers.host import HostTier
+from kvstore.tiers.memory.host import HostTier
 from kvstore.tiers.redis import RedisConfig, RedisTier
 from tests.blockframes import block_key, corrupt, make_frame, session_key
-from tests.services import RedisServer, start_redis
 
 CHUNK = 256 << 10
 

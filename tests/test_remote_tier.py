@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from deploy.local.daemons import DaemonProcess, running_daemons
+from deploy.local.services import free_port
 from kvstore.errors import ConfigError, DeadlineExceeded
 from kvstore.frame import BlockRead, LayerRange
 from kvstore.keys import BlockKey
@@ -18,12 +20,10 @@ from kvstore.manifest import SessionManifest
 from kvstore.net.daemon_client import DaemonClient
 from kvstore.net.scope import scope_of
 from kvstore.tiers.base import Tier
-from kvstore.tiers.placement import place, rank, rank_many
-from kvstore.tiers.remote import RemoteConfig, RemoteTier
-from kvstore.tiers.resilience import BreakerState, CircuitBreaker, RetryPolicy
+from kvstore.tiers.remote.placement import place, rank, rank_many
+from kvstore.tiers.remote.resilience import BreakerState, CircuitBreaker, RetryPolicy
+from kvstore.tiers.remote.tier import RemoteConfig, RemoteTier
 from tests.blockframes import block_key, make_frame, session_key
-from tests.daemon_process import DaemonProcess, running_daemons
-from tests.services import free_port
 
 T = 10.0
 

@@ -12,15 +12,15 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from deploy.local.daemons import DaemonProcess, running_daemons
+from deploy.local.services import EtcdServer
 from kvstore.errors import KVKeepError
 from kvstore.keys import BlockKey
 from kvstore.manifest import SessionManifest
 from kvstore.net.daemon_client import DaemonClient
 from kvstore.net.scope import scope_of
-from kvstore.tiers.remote import RemoteConfig, RemoteTier
+from kvstore.tiers.remote.tier import RemoteConfig, RemoteTier
 from tests.blockframes import block_key, make_frame, session_key
-from tests.daemon_process import DaemonProcess, running_daemons
-from tests.services import EtcdServer
 
 T = 10.0
 N_BLOCKS = 1000

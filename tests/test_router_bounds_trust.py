@@ -15,13 +15,13 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from deploy.local.services import free_port
 from router.api import Endpoint, parse_request
 from router.continuation.render import TokenizeFailed, TurnRenderer
 from router.limits import TOKENIZE_MAX_BYTES
 from router.tokenize import TokenizeSpec
 from router.tokenize_client import PromptTokenizer
 from router.workers import WorkerId, WorkerInfo, WorkerPool, WorkerState
-from tests.services import free_port
 
 
 class Tokenizer:

@@ -23,13 +23,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
+from deploy.local.services import free_port
 from router.config import RouterConfig, StaticWorker
 from router.limits import Limits
 from router.policy import policy_preset
 from router.workers import WorkerId
 from tests.models import TinyModel
 from tests.router_harness import LoopThread, RouterHandle, wait_until
-from tests.services import free_port
 from tests.vllm_server import VllmServer, start_vllm
 
 # Starting two engines on a shared 2-core machine can take minutes on its own.

@@ -14,7 +14,8 @@ import httpx
 import pytest
 from aiohttp import web
 
-from kvstore.cli import build_parser
+from deploy.local.services import free_port
+from kvstore.commands.kvkeep import build_parser
 from kvstore.errors import ConfigError, TierUnavailable
 from kvstore.etcd import etcd_spec
 from kvstore.keys import SessionId
@@ -28,7 +29,6 @@ from router.proxy import build_app
 from router.service import RouterService
 from router.workers import WorkerId
 from tests.router_harness import FakeWorker, LoopThread, fake_generate, wait_until
-from tests.services import free_port
 
 
 @pytest.mark.parametrize(("end", "kept"), [

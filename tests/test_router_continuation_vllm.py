@@ -23,16 +23,16 @@ from typing import Any
 import httpx
 import pytest
 
+from deploy.local.daemons import DaemonProcess, start_daemon
 from deploy.local.engines import EngineSettings, kv_transfer_config
+from deploy.local.services import EtcdServer, free_port, start_etcd, stop_process
 from kvstore.keys import SessionId
 from kvstore.tiers.factory import RemoteSpec
 from router.continuation import StoreRecords
 from router.continuation.records import RecordKey
-from tests.daemon_process import DaemonProcess, start_daemon
 from tests.deploy_cli import spawn_cli
 from tests.models import TinyModel
 from tests.router_harness import wait_until
-from tests.services import EtcdServer, free_port, start_etcd, stop_process
 from tests.vllm_server import VllmServer, start_vllm
 
 pytestmark = pytest.mark.slow

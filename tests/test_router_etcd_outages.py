@@ -13,12 +13,12 @@ import signal
 import aetcd  # type: ignore[import-untyped]
 import pytest
 
+from deploy.local.services import EtcdServer
 from kvstore.keys import SessionId
 from router.bindings import Binding
 from router.errors import StateUnavailable
 from router.state import EtcdBackend
 from router.workers import WorkerId
-from tests.services import EtcdServer
 
 
 def test_a_revoked_bucket_lease_is_replaced_not_failed_on(etcd_server: EtcdServer) -> None:

@@ -23,12 +23,12 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2  # noq
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc  # noqa: E402
 from google.protobuf import struct_pb2  # noqa: E402
 
-from proto.gen import health_pb2  # noqa: E402
+from deploy.local.services import free_port  # noqa: E402
+from kvstore._proto import health_pb2  # noqa: E402
 from router.config import RouterConfig, StaticWorker  # noqa: E402
 from router.policy import Thresholds, policy_preset  # noqa: E402
 from router.workers import WorkerId  # noqa: E402
 from tests.router_harness import FakeWorker, LoopThread, RouterHandle, wait_until  # noqa: E402
-from tests.services import free_port  # noqa: E402
 
 Mode = processing_mode_pb2.ProcessingMode
 CHAT = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}

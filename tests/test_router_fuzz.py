@@ -12,10 +12,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from deploy.local.services import free_port
 from router.config import RouterConfig, StaticWorker
 from router.workers import WorkerId
 from tests.router_harness import FakeWorker, RouterHandle, loop_thread, wait_until
-from tests.services import free_port
 
 MODEL = "fake"
 MAX_BODY = 16 << 10

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from router import gpu
+from router.node import gpu
 
 
 @pytest.mark.gpu

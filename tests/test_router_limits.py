@@ -19,7 +19,8 @@ import aiohttp
 import httpx
 import pytest
 
-from kvstore.cli import build_parser
+from deploy.local.services import free_port
+from kvstore.commands.kvkeep import build_parser
 from kvstore.errors import ConfigError
 from kvstore.keys import SessionId
 from router.commands import config_from_args

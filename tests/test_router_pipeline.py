@@ -764,7 +764,7 @@ def test_nvml_reading_feeds_the_gpu_filter(monkeypatch: pytest.MonkeyPatch) -> N
     import sys
     import types
 
-    from router import gpu
+    from router.node import gpu
 
     class Mem:
         used, total = 60, 64

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.cli import build_parser
+from kvstore.commands.kvkeep import build_parser
 from kvstore.errors import ConfigError
 from kvstore.keys import SessionId
 from router.commands import config_from_args

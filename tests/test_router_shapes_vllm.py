@@ -35,10 +35,10 @@ import httpx
 import pytest
 
 from deploy.local.engines import EngineSettings, serving_flags
+from deploy.local.services import EtcdServer, free_port, start_etcd, stop_process
 from tests.deploy_cli import spawn_cli
 from tests.models import TinyModel, build_tiny_llama
 from tests.router_harness import wait_until
-from tests.services import EtcdServer, free_port, start_etcd, stop_process
 from tests.vllm_server import VllmServer, start_vllm
 
 # Engine starts under a shared machine's load can take several minutes.

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from deploy.local.services import EtcdServer
 from kvstore.keys import SessionId
 from router.bindings import Binding, VersionedBinding
 from router.core import RouterCore
@@ -18,7 +19,6 @@ from router.sessions import SessionTable
 from router.state import EtcdBackend, MemoryBackend, StateBackend
 from router.tasks import BackgroundTasks
 from router.workers import WorkerId, WorkerInfo, WorkerPool
-from tests.services import EtcdServer
 
 W = WorkerId
 
@@ -247,7 +247,7 @@ def test_worker_agent_registers_and_revokes_on_failed_probes(
     after two failed probes (well inside one TTL)."""
     import aiohttp
 
-    from router.agent import AgentConfig, WorkerAgent
+    from router.node.agent import AgentConfig, WorkerAgent
     from tests.router_harness import FakeWorker
 
     async def main() -> None:

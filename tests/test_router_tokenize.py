@@ -22,6 +22,7 @@ import httpx
 import pytest
 from aiohttp import web
 
+from deploy.local.services import free_port
 from kvstore.errors import ConfigError
 from router.api import ClientRequest, Endpoint, parse_request
 from router.config import RouterConfig, StaticWorker
@@ -34,7 +35,6 @@ from router.tokenize_client import PromptTokenizer
 from router.workers import WorkerId, WorkerInfo, WorkerPool
 from tests.models import build_tiny_llama
 from tests.router_harness import RouterHandle, loop_thread, wait_until
-from tests.services import free_port
 from tests.vllm_server import VllmServer, start_vllm
 
 

@@ -23,7 +23,8 @@ import httpx
 import msgpack  # type: ignore[import-untyped]
 import pytest
 
-from kvstore.cli import build_parser
+from deploy.local.services import EtcdServer, free_port
+from kvstore.commands.kvkeep import build_parser
 from kvstore.errors import ConfigError
 from router.allowlist import AllowEntry, WorkerAllowList
 from router.commands import config_from_args
@@ -40,7 +41,6 @@ from router.state import EtcdBackend
 from router.tenants import ApiKeys
 from router.workers import WorkerId, WorkerInfo
 from tests.router_harness import FakeWorker, LoopThread, RouterHandle, loop_thread, wait_until
-from tests.services import EtcdServer, free_port
 
 MODEL = "fake"
 KEYS = {"alice": "alice-key-0123456789", "bob": "bob-key-0123456789ab",

@@ -22,11 +22,11 @@ import httpx
 import openai
 import pytest
 
+from deploy.local.services import EtcdServer, free_port, start_etcd, stop_process
 from router.tenants import ApiKeys
 from tests.deploy_cli import spawn_cli
 from tests.models import TinyModel
 from tests.router_harness import wait_until
-from tests.services import EtcdServer, free_port, start_etcd, stop_process
 from tests.vllm_server import VllmServer, start_vllm
 
 pytestmark = pytest.mark.slow

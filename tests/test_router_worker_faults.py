@@ -24,11 +24,11 @@ import httpx
 import pytest
 from aiohttp import web
 
+from deploy.local.services import free_port
 from router.config import RouterConfig, StaticWorker
 from router.policy import policy_preset
 from router.workers import WorkerId
 from tests.router_harness import FakeWorker, LoopThread, RouterHandle, loop_thread, wait_until
-from tests.services import free_port
 
 SECRET = "SECRET-OF-THE-TARGET"
 

@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
+from deploy.local.services import free_port
 from router.config import RouterConfig, StaticWorker
 from router.policy import Thresholds, policy_preset
 from router.workers import WorkerId
@@ -34,7 +35,6 @@ from tests.router_harness import (
     loop_thread,
     wait_until,
 )
-from tests.services import free_port
 
 MODEL = "fake"
 # Far past the test's own client timeout: a stream resumed only by the idle timeout fails it.

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from deploy.local.services import free_port
 from deploy.serve_vllm import VLLM_SERVER_MODULE, server_argv
 from tests.models import TinyModel
-from tests.services import free_port
 from tests.vllm_server import vllm_env
 
-KVKEEP = [sys.executable, "-m", "kvstore.cli"]
+KVKEEP = [sys.executable, "-m", "kvstore.commands"]
 
 
 def test_the_command_line_is_the_server_module_with_every_argument() -> None:
@@ -62,7 +62,7 @@ def test_a_real_server_runs_in_the_same_process_and_stops_on_sigterm(
         # The pid kvkeep started is now vLLM's server: exec'd, not a child.
         cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes().split(b"\0")
         assert VLLM_SERVER_MODULE.encode() in cmdline
-        assert b"kvstore.cli" not in cmdline
+        assert b"kvstore.commands" not in cmdline
         os.kill(proc.pid, signal.SIGTERM)
         assert proc.wait(60) in (0, -signal.SIGTERM)
     finally:

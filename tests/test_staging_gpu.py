@@ -24,7 +24,7 @@ from kvstore.errors import ConfigError
 from kvstore.frame import BlockRead, FrameHeader, LayerRange
 from kvstore.keys import BlockKey, ModelFingerprint, Namespace
 from kvstore.store import StoreConfig, TieredStore
-from kvstore.tiers.host import HostTier
+from kvstore.tiers.memory.host import HostTier
 
 LAYERS, HEADS, HEAD_SIZE, BLOCK, NUM_BLOCKS = 4, 2, 64, 16, 24
 PAGE = 4096

@@ -42,8 +42,8 @@ from kvstore.keys import BlockKey, ModelFingerprint, Namespace
 from kvstore.mac import MacKey
 from kvstore.store import StoreConfig, TieredStore
 from kvstore.tiers.base import Tier
-from kvstore.tiers.host import HostTier
-from kvstore.tiers.nvme import NvmeTier
+from kvstore.tiers.memory.host import HostTier
+from kvstore.tiers.nvme.tier import NvmeTier
 
 LAYERS, HEADS, HEAD_SIZE, BLOCK = 4, 2, 32, 8
 NUM_BLOCKS = 40

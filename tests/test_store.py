@@ -21,8 +21,8 @@ from kvstore.metrics import StoreMetrics
 from kvstore.store import AsyncTieredStore, StoreConfig, TieredStore
 from kvstore.tiers.base import Buffer, TierStats
 from kvstore.tiers.factory import HbmSpec, HostSpec, NvmeSpec, RemoteSpec, build_tiers
-from kvstore.tiers.hbm import cuda_available
-from kvstore.tiers.host import HostTier
+from kvstore.tiers.memory.hbm import cuda_available
+from kvstore.tiers.memory.host import HostTier
 from tests.blockframes import block_key, corrupt, make_frame, session_key
 
 MiB = 1 << 20
@@ -525,13 +525,13 @@ def test_async_wrappers(two_hosts: tuple[TieredStore, HostTier, HostTier]) -> No
 
 def _nvme_tier_class() -> type | None:
     try:
-        from kvstore.tiers.nvme import NvmeTier
+        from kvstore.tiers.nvme.tier import NvmeTier
     except ImportError:
         return None
     return NvmeTier
 
 
-@pytest.mark.skipif(_nvme_tier_class() is None, reason="kvstore.tiers.nvme not available yet")
+@pytest.mark.skipif(_nvme_tier_class() is None, reason="kvstore.tiers.nvme.tier not available yet")
 def test_host_over_nvme(tmp_path: Path) -> None:
     nvme_cls = _nvme_tier_class()
     assert nvme_cls is not None

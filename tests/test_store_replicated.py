@@ -15,15 +15,15 @@ from pathlib import Path
 
 import pytest
 
+from deploy.local.daemons import DaemonProcess, running_daemons
 from kvstore.errors import ConfigError
 from kvstore.keys import BlockKey
 from kvstore.net.daemon_client import DaemonClient
 from kvstore.net.scope import scope_of
 from kvstore.store import TieredStore
-from kvstore.tiers.host import HostTier
-from kvstore.tiers.remote import RemoteConfig, RemoteTier
+from kvstore.tiers.memory.host import HostTier
+from kvstore.tiers.remote.tier import RemoteConfig, RemoteTier
 from tests.blockframes import block_key, make_frame
-from tests.daemon_process import DaemonProcess, running_daemons
 
 MiB = 1 << 20
 T = 10.0

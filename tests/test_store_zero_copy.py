@@ -19,9 +19,9 @@ from kvstore.errors import CorruptBlock, InvalidFrame
 from kvstore.frame import BlockRead, LayerRange, verify_pieces
 from kvstore.keys import BlockKey
 from kvstore.store import StoreConfig, TieredStore
-from kvstore.tiers.durable_files import write_chunked
-from kvstore.tiers.host import HostTier
-from kvstore.tiers.nvme import NvmeTier
+from kvstore.tiers.memory.host import HostTier
+from kvstore.tiers.nvme.durable_files import write_chunked
+from kvstore.tiers.nvme.tier import NvmeTier
 from tests.blockframes import block_key, make_frame
 
 PAGE = 64 << 10

@@ -20,6 +20,9 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from deploy.local.daemons import DaemonProcess, start_daemon
+from deploy.local.services import free_port
+from kvstore.cluster.discovery import DaemonInfo
 from kvstore.daemon.budgets import DaemonLimits
 from kvstore.daemon.catalog import KeyCatalog
 from kvstore.daemon.config import DaemonConfig
@@ -61,12 +64,9 @@ from kvstore.net.tcp_protocol import (
 from kvstore.net.tcp_transport import LookupUnsupported, TcpBlockTransport
 from kvstore.net.transport import TransportUnreachable
 from kvstore.store import TieredStore
-from kvstore.tiers.discovery import DaemonInfo
-from kvstore.tiers.host import HostTier
-from kvstore.tiers.nvme import NvmeTier
+from kvstore.tiers.memory.host import HostTier
+from kvstore.tiers.nvme.tier import NvmeTier
 from tests.blockframes import FINGERPRINT, NAMESPACE, block_key, corrupt, make_frame
-from tests.daemon_process import DaemonProcess, start_daemon
-from tests.services import free_port
 
 T = 10.0
 TOKEN_A = "token-tenant-a-0123456789"

@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 import redis
 
+from deploy.local.daemons import DaemonProcess
+from deploy.local.services import RedisServer
 from kvstore import block, frame
 from kvstore.block import decode_frame, decode_layer, decode_layers
 from kvstore.errors import CorruptBlock
@@ -22,12 +24,10 @@ from kvstore.frame import BlockRead, FrameBytes, LayerRange
 from kvstore.keys import BlockKey
 from kvstore.store import StoreConfig, TieredStore
 from kvstore.tiers.factory import HostSpec, RedisSpec, RemoteSpec
-from kvstore.tiers.host import HostTier
-from kvstore.tiers.nvme import NvmeTier
-from kvstore.tiers.remote import RemoteTier
+from kvstore.tiers.memory.host import HostTier
+from kvstore.tiers.nvme.tier import NvmeTier
+from kvstore.tiers.remote.tier import RemoteTier
 from tests.blockframes import block_key, make_frame
-from tests.daemon_process import DaemonProcess
-from tests.services import RedisServer
 
 LAYERS, SEGMENT = 4, 8192
 NO_PROMOTION = StoreConfig(promote=False, get_deadline_s=10.0)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from deploy.local.engines import vllm_env as local_vllm_env
-from tests.services import free_port
+from deploy.local.services import free_port
 
 __all__ = ["VllmServer", "start_vllm", "vllm_env", "running_vllm"]
 

@@ -25,7 +25,7 @@
         "data_plane": true}}                 # daemons' TCP bulk plane where offered
 
 A token goes only to daemons that prove their identity (mTLS, or signed registrations; see
-kvstore/tiers/daemon_trust.py): without `tls` or `registration_public_key` only daemons on
+kvstore/cluster/daemon_trust.py): without `tls` or `registration_public_key` only daemons on
 loopback are used.
 
 Unknown keys are an error, not a shrug: a typo would otherwise silently run with a default.

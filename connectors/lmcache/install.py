@@ -7,7 +7,7 @@ pins protobuf < 7. The plugin's environment keeps LMCache's pins: kvkeep goes in
 own dependency floors (`pip install --no-deps`, or a checkout on PYTHONPATH, plus the libraries
 the plugin uses), and this script generates kvkeep's gRPC stubs from proto/*.proto with the
 environment's own grpcio-tools into `<site-packages>/kvkeep_lmcache_stubs/`, which a .pth file
-puts in front of `proto.gen` at start-up (connectors/lmcache/stub_finder.py). It then imports
+puts in front of `kvstore._proto` at start-up (connectors/lmcache/stub_finder.py). It imports
 the plugin's transport in a fresh interpreter to prove the stubs load. Re-run it after the
 .proto files change; it replaces what it wrote before.
 """
@@ -35,8 +35,7 @@ _KVKEEP_ROOT = Path(__file__).resolve().parents[2]
 
 def install_stubs(site: Path) -> Path:
     """Generate the stubs into `site`/PACKAGE/proto_gen and enable them; return the package."""
-    # Loaded by path: in an environment the stubs were installed in before, the name `proto`
-    # may be proto-plus's (see stub_finder), and proto/ is outside the type-checked packages.
+    # Loaded by path: proto/ is a folder, not a package (the name `proto` is proto-plus's).
     spec = importlib.util.spec_from_file_location("kvkeep_proto_generate",
                                                   _KVKEEP_ROOT / "proto" / "generate.py")
     if spec is None or spec.loader is None:
@@ -64,8 +63,8 @@ def check_import(python: str = sys.executable) -> None:
     env = {**os.environ}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_KVKEEP_ROOT),
                                                       env.get("PYTHONPATH")]))
-    probe = ("import google.protobuf, proto.gen.kvstore_pb2 as pb, connectors.lmcache.transport;"
-             "print(google.protobuf.__version__, pb.__file__)")
+    probe = ("import google.protobuf, kvstore._proto.kvstore_pb2 as pb;"
+             "import connectors.lmcache.transport; print(google.protobuf.__version__, pb.__file__)")
     done = subprocess.run([python, "-c", probe], env=env, capture_output=True, text=True,
                           check=False)
     if done.returncode != 0:

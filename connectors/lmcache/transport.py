@@ -22,7 +22,7 @@ from kvstore.keys import BlockKey
 from kvstore.net.daemon_client import ClientTLS
 from kvstore.net.limits import MAX_FRAME_BYTES
 from kvstore.tiers.base import Buffer
-from kvstore.tiers.remote import RemoteConfig, RemoteTier
+from kvstore.tiers.remote.tier import RemoteConfig, RemoteTier
 
 __all__ = ["BlockStore", "connect", "MAX_FRAME_BYTES"]
 

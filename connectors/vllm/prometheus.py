@@ -66,7 +66,7 @@ from connectors.vllm.stats import Counters
 from connectors.vllm.telemetry import Telemetry
 from kvstore.metrics import COPY_LAG_BUCKETS, DROP_REASONS, StoreMetrics
 from kvstore.store import TieredStore
-from kvstore.tiers.remote import RemoteTier
+from kvstore.tiers.remote.tier import RemoteTier
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

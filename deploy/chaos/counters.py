@@ -68,8 +68,8 @@ def daemon_counters(address: str, token: str | None, timeout_s: float = 2.0
     """A daemon's Stat counters; None when it does not answer in time."""
     import grpc  # type: ignore[import-untyped, unused-ignore]
 
+    from kvstore._proto import kvstore_pb2 as pb
     from kvstore.net.grpc_options import KVSTORE_SERVICE
-    from proto.gen import kvstore_pb2 as pb
 
     metadata = (("authorization", f"Bearer {token}"),) if token else ()
     channel = grpc.insecure_channel(address)

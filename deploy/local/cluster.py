@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 __all__ = ["ClusterSpec", "LocalCluster", "Worker", "Daemon", "Router", "REPO_ROOT"]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-# The daemon re-executes itself with these set unless they already are (kvstore/commands.py):
+# The daemon re-executes itself with these set unless they already are (kvstore/commands/store.py):
 # set here, it starts once.
 _MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "67108864", "MALLOC_TRIM_THRESHOLD_": "268435456"}
 
@@ -363,12 +363,12 @@ class LocalCluster:
 
     def _kvkeep(self, name: str, args: list[str], env: dict[str, str] | None = None,
                 wrap: Callable[[list[str]], list[str]] = list) -> ManagedProcess:
-        """`kvkeep ARGS` as `python -m kvstore.cli ARGS` (the same entry point, no PATH needed);
+        """`kvkeep ARGS` as `python -m kvstore.commands ARGS` (same entry point, no PATH needed);
         `wrap` turns the command line into one that runs elsewhere (a network namespace)."""
         environ = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT),
                                                               environ.get("PYTHONPATH")]))
-        return ManagedProcess(name, wrap([sys.executable, "-m", "kvstore.cli", *args]),
+        return ManagedProcess(name, wrap([sys.executable, "-m", "kvstore.commands", *args]),
                               self.logs / f"{name}.log", environ, REPO_ROOT)
 
     def _start_etcd(self) -> int:

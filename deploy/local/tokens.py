@@ -5,7 +5,7 @@ without tokens, and clients believe a non-loopback daemon only once it proves it
 - A tenant token for the workers' connectors and an all-tenant (`*`) one for the daemons'
   re-replication and the cluster's own probes, in a `--token-file`.
 - An Ed25519 key pair: daemons sign their registrations (`--registration-key`), connectors get
-  the public key (`store.remote.registration_public_key`, kvstore/tiers/daemon_trust.py).
+  the public key (`store.remote.registration_public_key`, kvstore/cluster/daemon_trust.py).
 
 `tls.py` is the other option (mTLS and etcd TLS, loopback only).
 """

@@ -7,8 +7,8 @@ token-file reader (`tokens`). The daemons' membership lives here too: what a dae
 and the live view of them (`discovery`); kvstore/tiers/ keeps their old names as re-exports.
 
 Daemon registration (kvstore/daemon/registration.py), daemon discovery and the router's worker
-agent and worker and binding watches (router/agent.py, router/state/etcd.py) are built on these,
-so a fix to membership lands once.
+agent and worker and binding watches (router/node/agent.py, router/state/etcd.py) are built on
+these, so a fix to membership lands once.
 
 Submodules are imported by name (`from kvstore.cluster.watcher import PrefixWatcher`): this
 package module imports none of them, so reading one never loads aetcd.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from kvstore.commands import serve_main
+from kvstore.commands.store import serve_main
 
 if __name__ == "__main__":
     sys.exit(serve_main(sys.argv[1:]))

@@ -10,12 +10,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvstore.cluster.discovery import DEFAULT_PREFIX
 from kvstore.daemon.budgets import DaemonLimits
 from kvstore.errors import ConfigError
 from kvstore.etcd import EtcdSpec
 from kvstore.keys import validate_name
 from kvstore.net.grpc_options import Keepalive
-from kvstore.tiers.discovery import DEFAULT_PREFIX
 
 __all__ = ["DaemonConfig", "parse_size", "split_host_port", "is_loopback",
            "add_budget_arguments", "budget_options"]

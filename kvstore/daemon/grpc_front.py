@@ -24,6 +24,7 @@ from typing import Any, NoReturn, TypeVar
 import grpc  # type: ignore[import-untyped, unused-ignore]
 from google.protobuf.message import DecodeError, Message
 
+from kvstore._proto import kvstore_pb2 as pb
 from kvstore.daemon.auth import Principal, bearer_token
 from kvstore.daemon.block_io import IncomingBlock, OutgoingBlock, byte_range
 from kvstore.daemon.core import BlockServiceCore, ServiceStatus
@@ -34,7 +35,6 @@ from kvstore.net.grpc_options import KVSTORE_SERVICE
 from kvstore.net.limits import CHUNK_BYTES
 from kvstore.net.refusal import Refusal, RefusalReason
 from kvstore.net.scope import Scope
-from proto.gen import kvstore_pb2 as pb
 
 __all__ = ["GrpcFront", "abort_with"]
 

@@ -9,8 +9,8 @@ from typing import Any
 
 import grpc  # type: ignore[import-untyped, unused-ignore]
 
+from kvstore._proto import health_pb2
 from kvstore.net.grpc_options import HEALTH_SERVICE, KVSTORE_SERVICE
-from proto.gen import health_pb2
 
 __all__ = ["HealthService"]
 

@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from kvstore.cluster.discovery import DaemonInfo
 from kvstore.daemon.catalog import KeyCatalog
 from kvstore.daemon.core import store_contains
 from kvstore.daemon.metrics import RepairState
@@ -32,8 +33,7 @@ from kvstore.net.daemon_client import ClientTLS, DaemonClient
 from kvstore.net.limits import CHUNK_BYTES
 from kvstore.net.scope import Scope, scope_of
 from kvstore.store import TieredStore
-from kvstore.tiers.discovery import DaemonInfo
-from kvstore.tiers.placement import place
+from kvstore.tiers.remote.placement import place
 
 __all__ = ["Rereplicator", "RepairReport"]
 

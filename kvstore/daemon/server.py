@@ -24,6 +24,8 @@ from typing import Any
 
 import grpc  # type: ignore[import-untyped, unused-ignore]
 
+from kvstore.cluster.daemon_trust import DaemonTrust, RegistrationSigner
+from kvstore.cluster.discovery import DaemonInfo, MembershipWatcher
 from kvstore.daemon.auth import TokenTable
 from kvstore.daemon.catalog import KeyCatalog
 from kvstore.daemon.config import DaemonConfig
@@ -43,8 +45,6 @@ from kvstore.metrics import StoreMetrics
 from kvstore.net.daemon_client import ClientTLS
 from kvstore.net.grpc_options import server_options
 from kvstore.store import StoreConfig, TieredStore
-from kvstore.tiers.daemon_trust import DaemonTrust, RegistrationSigner
-from kvstore.tiers.discovery import DaemonInfo, MembershipWatcher
 from kvstore.tiers.factory import HostSpec, NvmeSpec, TierSpec
 
 __all__ = ["Daemon", "run_daemon"]

@@ -23,6 +23,8 @@ from typing import Any
 
 import grpc  # type: ignore[import-untyped, unused-ignore]
 
+from kvstore._proto import health_pb2
+from kvstore._proto import kvstore_pb2 as pb
 from kvstore.errors import ConfigError, DeadlineExceeded, KVKeepError, TierError
 from kvstore.frame import BlockRead, LayerRange
 from kvstore.keys import SessionKey
@@ -35,8 +37,6 @@ from kvstore.net.scope import Scope, scope_of
 from kvstore.net.tcp_transport import LookupUnsupported, TcpBlockTransport
 from kvstore.net.transport import BlockTransport, FrameBytes, TransportUnreachable
 from kvstore.tiers.base import Buffer
-from proto.gen import health_pb2
-from proto.gen import kvstore_pb2 as pb
 
 _log = logging.getLogger(__name__)
 

@@ -23,10 +23,10 @@ from typing import TypeVar
 
 from google.protobuf.message import DecodeError
 
+from kvstore._proto import kvstore_pb2 as pb
 from kvstore.errors import InvalidFrame
 from kvstore.frame import LayerRange
 from kvstore.net.scope import Scope
-from proto.gen import kvstore_pb2 as pb
 
 __all__ = ["PutChunkView", "GetChunkView", "encode_put_chunk", "decode_put_chunk",
            "encode_get_chunk", "decode_get_chunk", "scope_to_pb", "scope_from_pb",

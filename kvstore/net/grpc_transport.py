@@ -13,6 +13,7 @@ from typing import Any
 
 import grpc  # type: ignore[import-untyped, unused-ignore]
 
+from kvstore._proto import kvstore_pb2 as pb
 from kvstore.errors import CorruptBlock, InvalidFrame, KVKeepError, TierError, TierUnavailable
 from kvstore.frame import BlockRead, FrameHeader, LayerRange
 from kvstore.net.grpc_messages import (
@@ -29,7 +30,6 @@ from kvstore.net.refusal import client_error
 from kvstore.net.scope import Scope
 from kvstore.net.transport import FrameBytes
 from kvstore.tiers.base import Buffer
-from proto.gen import kvstore_pb2 as pb
 
 __all__ = ["GrpcBlockTransport", "translate_rpc_error", "serialize"]
 

@@ -360,7 +360,7 @@ class TieredStore:
     def delete(self, keys: Sequence[BlockKey], *, reject: bool = False) -> int:
         """Remove blocks from every tier (and cancel their queued writes); how many were held.
         `reject`: the caller refused the copies it read (forged, not its engine's): a tier
-        with replicas elsewhere (`reject`, kvstore/tiers/remote.py) drops only the copy it
+        with replicas elsewhere (`reject`, kvstore/tiers/remote/tier.py) drops only the copy it
         served, never the good ones on other nodes (trust review L2).
 
         A write-behind already writing one of the keys when the delete came sees the delete

@@ -11,7 +11,7 @@ so it never needs to know a concrete tier class:
 - `IndexedInProcess`: `contains` is a read of an index in this process's memory (no I/O, no
   network), so vLLM's scheduler loop may ask it inline (the memory and nvme tiers).
 
-The memory tiers (`kvstore.tiers.memory_tier`) implement borrow and reserve over host pages.
+The memory tiers (`kvstore.tiers.memory.tier`) implement borrow and reserve over host pages.
 """
 
 from __future__ import annotations

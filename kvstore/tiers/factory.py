@@ -161,16 +161,16 @@ TierSpec = HbmSpec | HostSpec | NvmeSpec | RemoteSpec | RedisSpec
 def build_tier(spec: TierSpec) -> Tier:
     """The tier `spec` describes; ConfigError when it cannot exist here (no CUDA, bad path)."""
     if isinstance(spec, HostSpec):
-        from kvstore.tiers.host import HostTier
+        from kvstore.tiers.memory.host import HostTier
 
         return HostTier(spec.byte_budget, name=spec.name, prefault=spec.prefault,
                         pinned=spec.pinned)
     if isinstance(spec, HbmSpec):
-        from kvstore.tiers.hbm import HbmTier
+        from kvstore.tiers.memory.hbm import HbmTier
 
         return HbmTier(spec.byte_budget, device=spec.device, name=spec.name)
     if isinstance(spec, NvmeSpec):
-        from kvstore.tiers.nvme import NvmeTier
+        from kvstore.tiers.nvme.tier import NvmeTier
 
         return NvmeTier(spec.path, spec.byte_budget, name=spec.name, durable=spec.durable,
                         verify_on_put=spec.verify_on_put)
@@ -215,7 +215,7 @@ def read_token_file(path: str) -> str:
 
 def _remote(spec: RemoteSpec) -> Tier:
     from kvstore.net.daemon_client import ClientTLS
-    from kvstore.tiers.remote import RemoteConfig, RemoteTier
+    from kvstore.tiers.remote.tier import RemoteConfig, RemoteTier
 
     def path(value: str | None) -> Path | None:
         return None if value is None else Path(value)

@@ -11,7 +11,7 @@
     --store-replicas N                  daemons each record is written to (2)
     --store-tls-ca F [--store-tls-cert F --store-tls-key F] [--store-tls-server-name N]
     --store-registration-pubkey F       how the daemons prove their identity (a token goes
-                                        only to daemons that do: kvstore/tiers/daemon_trust.py)
+                                        only to daemons that do: kvstore/cluster/daemon_trust.py)
 
 Without --store-etcd the records use the router's own etcd; with it, another etcd, reached
 with the router's etcd TLS and credentials all the same.

@@ -23,9 +23,9 @@ import grpc  # type: ignore[import-untyped, unused-ignore]
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
+from kvstore._proto import health_pb2
 from kvstore.errors import ConfigError
 from kvstore.net.addresses import is_loopback
-from proto.gen import health_pb2
 from router.core import RouterCore
 from router.extproc.picker import EndpointPicker
 from router.extproc.stream import RequestStream

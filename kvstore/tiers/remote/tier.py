@@ -21,9 +21,9 @@ Re-replication after a daemon leaves for good is done by the daemons themselves 
 kvstore/daemon/replication.py), not by every client of the cluster.
 
 This module is the tier itself (reads, lookups, manifests, lifecycle); its parts:
-remote_config.py (settings, counters), remote_peers.py (clients, breakers, retries, fan-out,
-background jobs), remote_calls.py (one call to one daemon), remote_writes.py (replicated puts),
-remote_repair.py (read repair); placement.py ranks the daemons.
+config.py (settings, counters), peers.py (clients, breakers, retries, fan-out, background
+jobs), calls.py (one call to one daemon), writes.py (replicated puts), repair.py (read repair);
+placement.py ranks the daemons.
 """
 
 from __future__ import annotations
@@ -34,6 +34,14 @@ import time
 from collections import OrderedDict, defaultdict
 from collections.abc import Mapping, Sequence
 
+from kvstore.cluster.daemon_trust import DaemonTrust
+from kvstore.cluster.discovery import (
+    DEFAULT_PREFIX,
+    DaemonInfo,
+    Discovery,
+    EtcdDiscovery,
+    StaticDiscovery,
+)
 from kvstore.errors import (
     ConfigError,
     CorruptBlock,
@@ -47,26 +55,18 @@ from kvstore.keys import BlockKey, SessionKey
 from kvstore.manifest import SessionManifest
 from kvstore.net.scope import scope_of
 from kvstore.tiers.base import Buffer, TierStats
-from kvstore.tiers.daemon_trust import DaemonTrust
-from kvstore.tiers.discovery import (
-    DEFAULT_PREFIX,
-    DaemonInfo,
-    Discovery,
-    EtcdDiscovery,
-    StaticDiscovery,
-)
-from kvstore.tiers.placement import rank, rank_many
-from kvstore.tiers.remote_calls import (
+from kvstore.tiers.remote.calls import (
     delete_call,
     lookup_call,
     manifest_delete_call,
     manifest_get_call,
     manifest_put_call,
 )
-from kvstore.tiers.remote_config import RemoteConfig, RemoteCounters, WriteAck
-from kvstore.tiers.remote_peers import PeerSet, call_timeout, capture
-from kvstore.tiers.remote_repair import repair_block
-from kvstore.tiers.remote_writes import put_blocks
+from kvstore.tiers.remote.config import RemoteConfig, RemoteCounters, WriteAck
+from kvstore.tiers.remote.peers import PeerSet, call_timeout, capture
+from kvstore.tiers.remote.placement import rank, rank_many
+from kvstore.tiers.remote.repair import repair_block
+from kvstore.tiers.remote.writes import put_blocks
 
 __all__ = ["RemoteConfig", "RemoteTier", "RemoteCounters", "WriteAck"]
 

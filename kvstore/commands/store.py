@@ -1,4 +1,4 @@
-"""`kvkeep store ...` subcommands (registered into the `kvkeep` CLI by kvstore/cli.py).
+"""`kvkeep store ...` subcommands (registered into the CLI by kvstore/commands/kvkeep.py).
 
     kvkeep store serve --listen HOST:PORT --data-dir DIR --mem-budget SIZE --disk-budget SIZE
                        --node-id ID [--etcd URL] [--token-file F]

@@ -17,11 +17,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import ParamSpec, TypeVar
 
+from kvstore.cluster.discovery import DaemonInfo
 from kvstore.errors import DeadlineExceeded, KVKeepError, TierUnavailable
 from kvstore.net.daemon_client import DaemonClient
-from kvstore.tiers.discovery import DaemonInfo
-from kvstore.tiers.remote_config import RemoteConfig
-from kvstore.tiers.resilience import CircuitBreaker
+from kvstore.tiers.remote.config import RemoteConfig
+from kvstore.tiers.remote.resilience import CircuitBreaker
 
 __all__ = ["Peer", "PeerSet", "call_timeout"]
 

@@ -12,7 +12,7 @@ import time
 
 from kvstore.keys import BlockKey
 from kvstore.net.scope import scope_of
-from kvstore.tiers.remote_peers import PeerSet, call_timeout
+from kvstore.tiers.remote.peers import PeerSet, call_timeout
 
 __all__ = ["repair_block"]
 

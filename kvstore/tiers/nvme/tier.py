@@ -1,8 +1,8 @@
 """The `nvme` tier: blocks and session manifests as files on local disk, crash safe.
 
-Files (laid out by nvme_layout) are published with temp + fdatasync + rename + directory fsync
+Files (laid out by layout.py) are published with temp + fdatasync + rename + directory fsync
 (durable_files), so a block is either complete under its final name or absent; the start-up
-scan (nvme_recovery) deletes leftovers and any file whose header does not verify. Every read
+scan (recovery.py) deletes leftovers and any file whose header does not verify. Every read
 verifies the segments it returns and the key binding (and returns the read marked verified, so
 the store and decoding do not hash it again), so even a filesystem that broke its promises
 yields a miss, never wrong KV.
@@ -43,9 +43,9 @@ from kvstore.frame import BlockRead, FrameBytes, LayerRange, checked_frame
 from kvstore.keys import BlockKey, SessionKey
 from kvstore.manifest import SessionManifest
 from kvstore.tiers.base import Buffer, TierStats
-from kvstore.tiers.block_index import Admission, BlockIndex, IndexEntry
-from kvstore.tiers.disk_space import SpaceGuard
-from kvstore.tiers.durable_files import (
+from kvstore.tiers.nvme.block_index import Admission, BlockIndex, IndexEntry
+from kvstore.tiers.nvme.disk_space import SpaceGuard
+from kvstore.tiers.nvme.durable_files import (
     WriteFn,
     create_temp,
     discard_temp,
@@ -53,10 +53,10 @@ from kvstore.tiers.durable_files import (
     is_space_error,
     write_chunked,
 )
-from kvstore.tiers.manifest_files import ManifestFiles
-from kvstore.tiers.nvme_layout import open_and_scan
-from kvstore.tiers.nvme_reads import read_block
-from kvstore.tiers.nvme_recovery import RecoveryReport
+from kvstore.tiers.nvme.layout import open_and_scan
+from kvstore.tiers.nvme.manifest_files import ManifestFiles
+from kvstore.tiers.nvme.reads import read_block
+from kvstore.tiers.nvme.recovery import RecoveryReport
 
 __all__ = ["NvmeTier", "RecoveryReport", "FrameBytes"]
 

@@ -1,5 +1,5 @@
-"""Real services for tests: etcd and redis-server (one, or a Redis Cluster of them) as
-subprocesses on free loopback ports.
+"""Real services for tests and benchmarks: etcd and redis-server (one, or a Redis Cluster of
+them) as subprocesses on free loopback ports.
 
 Each is started in its own temp dir, waited on until it answers, and stopped by pid. Nothing
 here is a mock: tests talk to the same binaries a deployment runs.

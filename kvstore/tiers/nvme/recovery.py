@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 from kvstore.errors import CorruptBlock
 from kvstore.frame import FrameHeader, header_size_from_prefix
-from kvstore.tiers.block_index import IndexEntry
-from kvstore.tiers.durable_files import TEMP_SUFFIX, drop_cache
+from kvstore.tiers.nvme.block_index import IndexEntry
+from kvstore.tiers.nvme.durable_files import TEMP_SUFFIX, drop_cache
 
 __all__ = ["BLOCK_SUFFIX", "MANIFEST_SUFFIX", "RecoveryReport", "ScanResult", "scan"]
 

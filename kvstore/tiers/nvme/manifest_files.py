@@ -27,14 +27,14 @@ from collections.abc import Callable, Sequence
 from kvstore.errors import CorruptBlock
 from kvstore.keys import SessionKey
 from kvstore.manifest import SessionManifest
-from kvstore.tiers.durable_files import (
+from kvstore.tiers.nvme.durable_files import (
     WriteFn,
     create_temp,
     discard_temp,
     finish_temp,
     read_into,
 )
-from kvstore.tiers.nvme_recovery import MANIFEST_SUFFIX
+from kvstore.tiers.nvme.recovery import MANIFEST_SUFFIX
 
 __all__ = ["ManifestFiles"]
 

@@ -13,7 +13,7 @@ from kvstore.frame import FrameBytes
 from kvstore.keys import BlockKey, SessionKey
 from kvstore.manifest import SessionManifest
 from kvstore.net.scope import group_by_scope
-from kvstore.tiers.remote_peers import PeerSet, call_timeout
+from kvstore.tiers.remote.peers import PeerSet, call_timeout
 
 __all__ = ["delete_call", "lookup_call", "manifest_delete_call",
            "manifest_get_call", "manifest_put_call", "put_call"]

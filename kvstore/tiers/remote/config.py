@@ -9,7 +9,7 @@ from typing import Literal
 
 from kvstore.errors import ConfigError
 from kvstore.net.daemon_client import ClientTLS
-from kvstore.tiers.resilience import RetryPolicy
+from kvstore.tiers.remote.resilience import RetryPolicy
 
 __all__ = ["RemoteConfig", "RemoteCounters", "WriteAck"]
 
@@ -40,7 +40,7 @@ class RemoteConfig:
     registration_public_key: Path | None = None
     """Ed25519 public key(s) (PEM) the daemons sign their etcd registrations with: only
     registrations that verify are believed. Without it (and without `tls`) only loopback
-    daemons are (kvstore/tiers/daemon_trust.py)."""
+    daemons are (kvstore/cluster/daemon_trust.py)."""
     name: str = "remote"
     fanout_threads: int = 16
     min_bandwidth: float = 200e6

@@ -15,9 +15,9 @@ from collections.abc import Sequence
 from kvstore.errors import KVKeepError
 from kvstore.frame import FrameBytes
 from kvstore.keys import BlockKey
-from kvstore.tiers.placement import rank_many
-from kvstore.tiers.remote_calls import put_call
-from kvstore.tiers.remote_peers import PeerSet, capture
+from kvstore.tiers.remote.calls import put_call
+from kvstore.tiers.remote.peers import PeerSet, capture
+from kvstore.tiers.remote.placement import rank_many
 
 __all__ = ["put_blocks"]
 

@@ -16,7 +16,7 @@ __all__ = ["main", "build_parser"]
 # (module, what it adds). Imported lazily so that `kvkeep store ...` never imports vllm or the
 # router's web stack.
 _COMPONENTS: tuple[str, ...] = (
-    "kvstore.commands",
+    "kvstore.commands.store",
     "router.commands",
     "deploy.commands",
     "deploy.serve_vllm",

@@ -34,7 +34,7 @@ from kvstore.keys import BlockKey, SessionKey
 from kvstore.manifest import SessionManifest
 from kvstore.tiers.base import Buffer, TierStats, byte_view
 from kvstore.tiers.capabilities import BorrowedBlock, PageReservation
-from kvstore.tiers.slabs import DEFAULT_ARENA_BYTES, DEFAULT_PAGE_BYTES, SlabPool
+from kvstore.tiers.memory.slabs import DEFAULT_ARENA_BYTES, DEFAULT_PAGE_BYTES, SlabPool
 
 __all__ = ["MemoryTier"]
 

@@ -1,4 +1,5 @@
-"""Real kvstore daemons for tests: `python -m kvstore.daemon` subprocesses on free loopback ports.
+"""Real kvstore daemons for tests and benchmarks: `python -m kvstore.daemon` subprocesses on
+free loopback ports.
 
 Each daemon gets its own data dir and log file, is waited on until its health service says
 SERVING, and is stopped by pid (SIGTERM to drain, SIGKILL to crash). Nothing is mocked.
@@ -16,15 +17,15 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvstore.commands import MALLOC_ENV
+from deploy.local.services import free_port, stop_process
+from kvstore.commands.store import MALLOC_ENV
 from kvstore.errors import KVKeepError
 from kvstore.net.daemon_client import DaemonClient
-from tests.services import free_port, stop_process
 
 __all__ = ["DaemonProcess", "start_daemon", "running_daemon", "running_daemons", "wait_healthy",
            "REPO_ROOT"]
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 # Tests run from another environment (the LMCache plugin's, which has protobuf < 7) still
 # start the daemon from kvkeep's own: KVKEEP_DAEMON_PYTHON names its interpreter.
 DAEMON_PYTHON = os.environ.get("KVKEEP_DAEMON_PYTHON") or sys.executable

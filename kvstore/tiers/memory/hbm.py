@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvstore.errors import ConfigError
-from kvstore.tiers.memory_tier import MemoryTier
-from kvstore.tiers.slabs import DEFAULT_ARENA_BYTES
+from kvstore.tiers.memory.slabs import DEFAULT_ARENA_BYTES
+from kvstore.tiers.memory.tier import MemoryTier
 
 if TYPE_CHECKING:
     import torch

@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 
 from kvstore.errors import ConfigError, TierUnavailable
-from kvstore.tiers.nvme_recovery import BLOCK_SUFFIX, ScanResult, scan
+from kvstore.tiers.nvme.recovery import BLOCK_SUFFIX, ScanResult, scan
 
 __all__ = ["StoreLayout", "BLOCK_SHARDS", "MANIFEST_SHARDS", "open_and_scan"]
 

@@ -15,8 +15,8 @@ import numpy as np
 import numpy.typing as npt
 
 from kvstore.errors import ConfigError
-from kvstore.tiers.memory_tier import MemoryTier
-from kvstore.tiers.slabs import DEFAULT_ARENA_BYTES, DEFAULT_PAGE_BYTES
+from kvstore.tiers.memory.slabs import DEFAULT_ARENA_BYTES, DEFAULT_PAGE_BYTES
+from kvstore.tiers.memory.tier import MemoryTier
 
 __all__ = ["HostTier"]
 

@@ -9,8 +9,8 @@ import threading
 from kvstore.errors import CorruptBlock
 from kvstore.frame import BlockRead, FrameHeader, LayerRange
 from kvstore.tiers.base import Buffer
-from kvstore.tiers.block_index import IndexEntry
-from kvstore.tiers.durable_files import drop_cache, read_into
+from kvstore.tiers.nvme.block_index import IndexEntry
+from kvstore.tiers.nvme.durable_files import drop_cache, read_into
 
 __all__ = ["read_block"]
 
