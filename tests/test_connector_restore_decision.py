@@ -34,9 +34,10 @@ from connectors.vllm.restore_cost import (
 from connectors.vllm.scheduler import SchedulerSide
 from connectors.vllm.stats import Counter, Counters
 from deploy.chaos.slow_link import slow_links
+from deploy.local.daemons import running_daemon
 from kvstore.errors import ConfigError
 from kvstore.store import TieredStore
-from kvstore.tiers.host import HostTier
+from kvstore.tiers.memory.host import HostTier
 from tests.connector_harness import (
     BLOCK_SIZE,
     generate,
@@ -46,7 +47,6 @@ from tests.connector_harness import (
     scheduler_connector,
     worker_connector,
 )
-from tests.daemon_process import running_daemon
 from tests.models import TinyModel
 from tests.test_connector_lookups import FP, NetworkLikeTier, _answer, _fill, _key
 from tests.test_connector_units import BS, FakeRequest

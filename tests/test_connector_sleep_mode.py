@@ -31,7 +31,7 @@ from connectors.vllm.worker import WorkerSide
 from kvstore.block import decode_layer
 from kvstore.keys import BlockKey, ModelFingerprint, Namespace
 from kvstore.store import TieredStore
-from kvstore.tiers.host import HostTier
+from kvstore.tiers.memory.host import HostTier
 from tests.test_connector_units import FakeRequest
 
 LAYERS, HEADS, HEAD_SIZE, BLOCK, NUM_BLOCKS = 2, 2, 16, 32, 16

@@ -19,7 +19,6 @@ import aiohttp
 import httpx
 import pytest
 
-from deploy.local.services import free_port
 from kvstore.commands.kvkeep import build_parser
 from kvstore.errors import ConfigError
 from kvstore.keys import SessionId

@@ -108,9 +108,9 @@ def read_parallelism(blocks: int) -> int:
 
 
 def tier_kind(tier: Tier) -> TierKind:
-    from kvstore.tiers.nvme import NvmeTier
+    from kvstore.tiers.nvme.tier import NvmeTier
     from kvstore.tiers.redis import RedisTier
-    from kvstore.tiers.remote import RemoteTier
+    from kvstore.tiers.remote.tier import RemoteTier
 
     if isinstance(tier, RemoteTier):
         return "remote"
