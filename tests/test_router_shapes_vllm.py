@@ -364,6 +364,10 @@ class KillWhenAllReach:
                 self.counts[shape] = got.chunks
         return on_chunk
 
+    def snapshot(self) -> dict[str, int]:
+        with self.lock:
+            return dict(self.counts)
+
     def reached(self) -> bool:
         with self.lock:
             return len(self.counts) == len(self.shapes) \
@@ -431,8 +435,9 @@ def engine_cores(server: VllmServer) -> list[int]:
     return found
 
 
-STEP_S = 0.05
-"""How long the held engine core runs at a time: a few decoding steps."""
+STEP_S = 0.01
+"""How long the held engine core runs at a time: a few decoding steps (a step of two streams
+of the tiny model takes some 4 ms)."""
 
 
 def step_until_all_reach(kill: KillWhenAllReach, requests: int, start: Callable[[], Any]
@@ -469,10 +474,11 @@ def step_until_all_reach(kill: KillWhenAllReach, requests: int, start: Callable[
             signal_cores(signal.SIGCONT)
             time.sleep(STEP_S)
             signal_cores(signal.SIGSTOP)
-            # what the worker sent in that step reaches the clients (0.5 s: a busy machine)
+            # What the worker sent in that step reaches the clients (its API server, the
+            # router and the client threads all lag on a busy machine): 0.5 s.
             with contextlib.suppress(TimeoutError):
                 wait_until(kill.reached, timeout=0.5)
-        kill.at_kill = dict(kill.counts)
+        kill.at_kill = kill.snapshot()
         kill.act(kill.wid)
         kill.killed = True
     finally:
@@ -641,11 +647,12 @@ def test_a_replay_that_differs_ends_with_an_error_not_other_text(cluster: Cluste
     sids = dict(zip(shapes, sessions_on(cluster, "w2", len(shapes), "differ"), strict=True))
     warm(cluster.workers["w2"], shapes)
     warm(cluster.workers["w3"], shapes)
-    results = run_streams(cluster, shapes, sids, KillWhenAllReach(cluster, "w2", shapes, 12))
+    kill = KillWhenAllReach(cluster, "w2", shapes, 12)
+    results = run_streams(cluster, shapes, sids, kill)
     for shape in shapes:
         got = results[shape]
         message = references[shape]["message"]
-        assert len(got.errors) == 1, (shape, got.errors)
+        assert len(got.errors) == 1, (shape, got.errors, kill.at_kill, got.chunks)
         error = got.errors[0]
         assert error["type"] == "upstream_error" and error["code"] == 502
         assert "could not be resumed" in error["message"] and "replay" in error["message"]
