@@ -62,6 +62,7 @@ bench: setup
 	$(PY) -m benchmarks.restore --quick --json bench-results/restore.json
 	$(PY) -m benchmarks.quant --quick --json bench-results/quant.json
 	$(PY) -m benchmarks.stall --quick --json bench-results/stall.json
+	$(PY) -m benchmarks.restore_decision --quick --json bench-results/restore_decision.json
 
 ## bench-lmcache: LMCache 0.5.6 built CPU-only from its source package in .venv-lmcache (which keeps
 ## LMCache's protobuf < 7 away from .venv), LMCache's adapter tests and the plugin's against kvkeep
