@@ -185,6 +185,7 @@ class FakeWorker:
 
     model: str = "fake"
     break_after: int | None = None  # close the stream after this many chunks (once)
+    break_every: bool = False  # `break_after` stays armed: every stream breaks, retries too
     status: int | None = None  # answer every generation request with this status
     delay_s: float = 0.0  # between chunks
     stall_after: int | None = None  # go silent for `stall_s` after this many chunks (once)
@@ -352,7 +353,8 @@ class FakeWorker:
         async def send(chunk: dict[str, Any]) -> None:
             nonlocal sent
             if self.break_after is not None and sent >= self.break_after:
-                self.break_after = None
+                if not self.break_every:
+                    self.break_after = None
                 assert request.transport is not None
                 request.transport.abort()  # the worker "dies" mid-stream
                 raise ConnectionResetError("injected break")
@@ -463,7 +465,8 @@ class FakeWorker:
         async def send(kind: str, data: dict[str, Any]) -> None:
             nonlocal seq
             if self.break_after is not None and seq >= self.break_after:
-                self.break_after = None
+                if not self.break_every:
+                    self.break_after = None
                 assert request.transport is not None
                 request.transport.abort()  # the worker "dies" mid-stream
                 raise ConnectionResetError("injected break")

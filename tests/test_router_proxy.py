@@ -399,16 +399,23 @@ def test_client_leaving_mid_stream_frees_the_worker(env: Env) -> None:
 
 
 def test_unresumable_stream_break_ends_with_error_event(env: Env) -> None:
-    r0 = env.http.post("/v1/completions", headers={"X-Session-Id": "nores"},
-                       json={"model": MODEL, "prompt": "q", "max_tokens": 1})
-    fake = env.fakes[r0.headers["X-KVKeep-Worker"]]
-    # Its chunks 50 ms apart: the first ones reach the router before the connection is reset
-    # (a reset discards what the router has not read yet; with none read, the stream would
-    # rightly start over on the other worker, with nothing to resume).
-    fake.break_after, fake.delay_s = 3, 0.05
-    r = env.http.post("/v1/completions", headers={"X-Session-Id": "nores"},
-                      json={"model": MODEL, "prompt": "q", "max_tokens": 20, "stream": True,
-                            "prompt_logprobs": 1})
+    # Every worker breaks its streams: the session's binding may move between two requests
+    # (the policy weighs load), so arming only the worker of a first request let the stream
+    # land on the other one now and then, unbroken, and left the armed one to break a later
+    # test's stream. Its chunks 50 ms apart: the first ones reach the router before the
+    # connection is reset (a reset discards what the router has not read yet; with none read,
+    # the stream would rightly start over on the other worker, with nothing to resume).
+    # Every stream breaks, a retry's too: a break the router takes for one before the stream's
+    # first byte is rightly sent again elsewhere, and that attempt must break as well.
+    for fake in env.fakes.values():
+        fake.break_after, fake.delay_s, fake.break_every = 3, 0.05, True
+    try:
+        r = env.http.post("/v1/completions", headers={"X-Session-Id": "nores"},
+                          json={"model": MODEL, "prompt": "q", "max_tokens": 20,
+                                "stream": True, "prompt_logprobs": 1})
+    finally:
+        for fake in env.fakes.values():
+            fake.break_after, fake.delay_s, fake.break_every = None, 0.0, False
     events, _ = sse_events(r.text)
     # The fake worker drops its connection right after its third chunk, which may take that
     # chunk with it: up to three chunks, then the error event, and nothing invented.
