@@ -362,7 +362,7 @@ class SchedulerSide:
             return self._record_lookup(tracked, LookupAnswer(first, count, 0, now), ())
         if len(inline) == count:
             return self._record_lookup(tracked, LookupAnswer(first, count, count, now), inline)
-        tracked.probe = PendingProbe(first, count, now, len(inline), inline)
+        tracked.probe = PendingProbe(first, count, now, inline)
         lookups.submit(tracked.request_id, first, keys, now + self._deadline_s(tracked))
         return None
 

@@ -34,15 +34,18 @@ class LookupAnswer:
 @dataclass(frozen=True, slots=True)
 class PendingProbe:
     """A lookup of [first, first + count) sent at `sent_at` (to the worker half, or to the
-    background lookup thread), unanswered; `inline_hit`: the prefix the in-memory tiers were
-    found to hold when it was sent (what a late answer falls back to)."""
+    background lookup thread), unanswered; `inline_tiers`: the store tier of each block of the
+    prefix the in-memory tiers were found to hold when it was sent (what a late answer falls
+    back to, and what the decision prices)."""
 
     first: int
     count: int
     sent_at: float
-    inline_hit: int = 0
     inline_tiers: tuple[int, ...] = ()
-    """The store tier of each of those `inline_hit` blocks (what the decision prices)."""
+
+    @property
+    def inline_hit(self) -> int:
+        return len(self.inline_tiers)
 
     def asks(self, first: int, count: int) -> bool:
         return (self.first, self.count) == (first, count)
