@@ -223,7 +223,8 @@ def _kill_worker(f: KillWorker, record: FaultRecord, ctx: FaultContext) -> None:
     note = ""
     serving = ctx.serving_workers()
     if wanted == "busy":
-        busy, serving = _wait_busy(ctx, f.mid_stream_chunks, timeout_s=20.0)
+        busy, serving = _wait_busy(ctx, f.mid_stream_chunks, f.mid_stream_left,
+                                    timeout_s=20.0)
         wanted = busy or "random"
         note = "mid-stream" if busy else "no stream was live: a random worker"
     # No call between the choice and the kill: a stream of the tiny model moves on by about a
@@ -241,10 +242,10 @@ def _kill_worker(f: KillWorker, record: FaultRecord, ctx: FaultContext) -> None:
                    "restarted, serving again after {:.0f}s")
 
 
-def _wait_busy(ctx: FaultContext, chunks: int, timeout_s: float
+def _wait_busy(ctx: FaultContext, chunks: int, left: int, timeout_s: float
                ) -> tuple[str | None, list[str]]:
-    """A serving worker with a stream past `chunks` chunks and far from its end (None after
-    `timeout_s`), and the workers serving as last seen."""
+    """A serving worker with a stream past `chunks` chunks and `left` tokens from its end
+    (None after `timeout_s`), and the workers serving as last seen."""
     deadline = time.monotonic() + timeout_s
     serving: set[str] = set()
     asked = 0.0
@@ -252,7 +253,7 @@ def _wait_busy(ctx: FaultContext, chunks: int, timeout_s: float
         if time.monotonic() - asked > 0.5:  # the routers' view, twice a second
             serving, asked = set(ctx.serving_workers()), time.monotonic()
         with ctx.lock:
-            busy = {w: n for w, n in ctx.streams.busy(chunks, min_left=24).items()
+            busy = {w: n for w, n in ctx.streams.busy(chunks, min_left=left).items()
                     if w in serving and w not in ctx.held}
         if busy and len(serving) >= 2:
             return max(sorted(busy), key=lambda w: busy[w]), sorted(serving)

@@ -87,6 +87,11 @@ class KillWorker(Fault, tag="kill_worker", frozen=True, forbid_unknown_fields=Tr
     """Seconds until it starts again (vLLM then takes tens of seconds); null: stays dead."""
     mid_stream_chunks: int = 8
     """`busy`: the kill comes once a stream on the victim has sent this many chunks."""
+    mid_stream_left: int = 40
+    """`busy`: ... and has at least this many tokens to go. The client counts what it has read,
+    and it reads behind the engine (tokens wait in the router's and the sockets' buffers, the
+    more so on a loaded machine): with 24 a CI run killed a worker whose stream had already
+    ended there, and no stream was interrupted."""
 
 
 class KillDaemon(Fault, tag="kill_daemon", frozen=True, forbid_unknown_fields=True,

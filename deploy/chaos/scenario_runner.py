@@ -224,7 +224,9 @@ def _verdict(s: Scenario, summary: dict[str, Any], schedule: Schedule, finished:
     if busy_kills:
         report.check("worker kills interrupted live streams", summary["resumed_streams"] > 0,
                      f"{summary['resumed_streams']} streams resumed on another worker after "
-                     f"{len(busy_kills)} kills")
+                     f"{len(busy_kills)} kills"
+                     + "".join(f"; {r.target} at {r.started_s:.1f}s: {r.detail}"
+                               for r in busy_kills))
     unrecovered = [f"{r.kind} {r.target}" for f, r in pairs
                    if r.started_s is not None and not r.skipped and not r.error
                    and _comes_back(f) and r.recovered_s is None]
