@@ -90,8 +90,8 @@ class KillWorker(Fault, tag="kill_worker", frozen=True, forbid_unknown_fields=Tr
     mid_stream_left: int = 40
     """`busy`: ... and has at least this many tokens to go. The client counts what it has read,
     and it reads behind the engine (tokens wait in the router's and the sockets' buffers, the
-    more so on a loaded machine): with 24 a CI run killed a worker whose stream had already
-    ended there, and no stream was interrupted."""
+    more so on a loaded machine). With 24, one CI run's kill interrupted no stream, most likely
+    because the stream had already ended on the worker (that run's report did not say)."""
 
 
 class KillDaemon(Fault, tag="kill_daemon", frozen=True, forbid_unknown_fields=True,
