@@ -83,14 +83,33 @@ def test_salts_map_injectively_to_valid_names() -> None:
         Namespace("t", name)  # every mapped salt is a valid kvkeep salt
 
 
-def test_chunk_hashes_are_kept_or_digested() -> None:
-    assert block_hash_of(b"\xde\xad\xbe\xef") == b"\xde\xad\xbe\xef"
+def test_chunk_hashes_are_kept_or_digested_with_rank_and_group_after() -> None:
+    tail = (0).to_bytes(8, "big") + (0).to_bytes(4, "big")
+    assert block_hash_of(b"\xde\xad\xbe\xef") == b"\xde\xad\xbe\xef" + tail + b"\x00"
+    assert block_hash_of(b"\x01", 3, 2) == (b"\x01" + (3).to_bytes(8, "big")
+                                            + (2).to_bytes(4, "big") + b"\x00")
     long_a, long_b = b"x" * 65 + b"a", b"x" * 65 + b"b"
     assert len(block_hash_of(long_a)) == 64 and block_hash_of(long_a) != block_hash_of(long_b)
-    with pytest.raises(InvalidKey):
-        block_hash_of(b"")
+    # One-to-one: a kept chunk hash never equals a digested one, whatever its bytes.
+    digested = block_hash_of(b"y" * 52)
+    assert block_hash_of(digested[:51]) != digested
+    assert len({block_hash_of(b"z" * n) for n in range(1, 70)}) == 69
+    for bad in [(b"",), (b"\x01", -1), (b"\x01", 1 << 64), (b"\x01", 0, 1 << 32)]:
+        with pytest.raises(InvalidKey):
+            block_hash_of(*bad)  # type: ignore[arg-type]
     with pytest.raises(InvalidKey):
         ScopeMapper("t").key(ObjectRef(b"\x01", "", 0))
+
+
+def test_ranks_and_groups_of_one_model_share_a_scope() -> None:
+    """Rank and group go into the block hash, not the scope: a batch that mixes them (LMCache's
+    benchmark gives every key its own kv_rank) is one request per daemon."""
+    mapper = ScopeMapper("t")
+    keys = [mapper.key(ObjectRef(b"\x01", "m", rank, group))
+            for rank in range(4) for group in range(3)]
+    assert len({(k.fingerprint, k.namespace) for k in keys}) == 1
+    assert len({k.digest for k in keys}) == 12
+    assert mapper.key(ObjectRef(b"\x01", "m2", 0)).fingerprint != keys[0].fingerprint
 
 
 def test_frame_of_an_object_verifies_and_is_bound_to_its_key() -> None:
