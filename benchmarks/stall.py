@@ -43,7 +43,7 @@ from benchmarks.cli import run_benchmark
 from benchmarks.processes import bench_daemon
 from benchmarks.progress import progress
 from connectors.vllm.config import ConnectorConfig
-from connectors.vllm.scheduler import SchedulerSide
+from connectors.vllm.scheduler_side import SchedulerSide
 from connectors.vllm.stats import Counters
 from deploy.chaos.slow_link import SlowLink
 from kvstore.frame import CodecId, Compression, DType, build_frame

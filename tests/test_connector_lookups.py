@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from connectors.vllm.config import ConnectorConfig
-from connectors.vllm.scheduler import SchedulerSide
+from connectors.vllm.scheduler_side import SchedulerSide
 from connectors.vllm.stats import Counter, Counters
 from deploy.local.daemons import start_daemon
 from kvstore.keys import BlockKey, ModelFingerprint, Namespace

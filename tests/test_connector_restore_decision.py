@@ -31,7 +31,7 @@ from connectors.vllm.restore_cost import (
     read_parallelism,
     tier_kind,
 )
-from connectors.vllm.scheduler import SchedulerSide
+from connectors.vllm.scheduler_side import SchedulerSide
 from connectors.vllm.stats import Counter, Counters
 from deploy.chaos.slow_link import slow_links
 from deploy.local.daemons import running_daemon

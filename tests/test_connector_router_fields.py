@@ -110,7 +110,7 @@ def test_hinted_restores_wait_longer_than_cold_ones(tiny: TinyModel, tmp_path: P
             assert store.delete([victim]) == 1
         finally:
             release_store(spec)
-        with caplog.at_level(logging.INFO, logger="connectors.vllm.scheduler"):
+        with caplog.at_level(logging.INFO, logger="connectors.vllm.scheduler_side"):
             (partial,) = generate(llm, PROMPTS[1:2], MAX_TOKENS, FAILOVER)
         assert partial.tokens == reference[1].tokens
         assert partial.num_cached_tokens == 2 * BLOCK_SIZE

@@ -24,7 +24,7 @@ from connectors.vllm import KVKeepConnector
 from connectors.vllm.config import ConnectorConfig
 from connectors.vllm.layouts import LayoutSpec
 from connectors.vllm.metadata import BlockRun, LoadSpec, Probe, SaveSpec, StepMetadata
-from connectors.vllm.scheduler import SchedulerSide
+from connectors.vllm.scheduler_side import SchedulerSide
 from connectors.vllm.sleep import workers_asleep
 from connectors.vllm.stats import Counter, Counters
 from connectors.vllm.worker import WorkerSide

@@ -22,7 +22,7 @@ from connectors.vllm.metadata import (
 )
 from connectors.vllm.params import RestoreParams, namespace_for, parse_params
 from connectors.vllm.prometheus import StatsReporter
-from connectors.vllm.scheduler import SchedulerSide
+from connectors.vllm.scheduler_side import SchedulerSide
 from connectors.vllm.stats import Counter, Counters
 from kvstore.codecs import DEFAULT_INT8
 from kvstore.errors import ConfigError, InvalidKey

@@ -10,7 +10,7 @@ import pytest
 
 from benchmarks.sim.cluster import SimResult, Simulation
 from benchmarks.sim.params import SimParams, load_params
-from benchmarks.sim.router_adapter import PolicySpec, load_policies
+from benchmarks.sim.router_adapter import SimPolicy, load_policies
 from benchmarks.sim.stats import tier_hits
 from benchmarks.sim.workloads import SharedPrefixWorkload
 from kvstore.errors import ConfigError
@@ -21,7 +21,7 @@ def _small() -> SimParams:
     return load_params().with_overrides("engine", kv_tokens=16384, block_size=16)
 
 
-def _run(spec: PolicySpec, *, seed: int = 0, replicas: int = 4, kv_tokens: int = 16384,
+def _run(spec: SimPolicy, *, seed: int = 0, replicas: int = 4, kv_tokens: int = 16384,
          output_tokens: int = 40, rate: float = 12) -> SimResult:
     params = _small().with_overrides("engine", kv_tokens=kv_tokens)
     wl = SharedPrefixWorkload(groups=12, prompts_per_group=4, system_tokens=800,
@@ -74,9 +74,9 @@ def test_precise_policy_reads_kv_events_through_the_routers_index() -> None:
 
 def test_unknown_router_policy_is_the_routers_error() -> None:
     with pytest.raises(ConfigError):
-        PolicySpec(name="x", router_policy="no-such-policy")
+        SimPolicy(name="x", router_policy="no-such-policy")
     with pytest.raises(ConfigError):
-        PolicySpec(name="x", router_policy="kvkeep", weights={"no-such-scorer": 1.0})
+        SimPolicy(name="x", router_policy="kvkeep", weights={"no-such-scorer": 1.0})
 
 
 def test_same_seed_same_outcome_other_seed_other_outcome() -> None:
@@ -126,10 +126,10 @@ def test_the_router_tokenizes_text_prompts_once_each() -> None:
     # KV for a third of the prefixes: evictions the routing history cannot see
     params = _small().with_overrides("router", tokenize_base_s=0.4, tokenize_per_token_s=0.0
                                      ).with_overrides("engine", kv_tokens=4096)
-    precise = PolicySpec(name="t", router_policy="llm-d", input="text",
-                         thresholds={"max_waiting": 10**9})
+    precise = SimPolicy(name="t", router_policy="llm-d", input="text",
+                        thresholds={"max_waiting": 10**9})
 
-    def run(spec: PolicySpec) -> SimResult:
+    def run(spec: SimPolicy) -> SimResult:
         wl = SharedPrefixWorkload(groups=12, prompts_per_group=4, system_tokens=800,
                                   question_tokens=100, output_tokens=100,
                                   stages=((6, 8), (12, 8)), vocab=params.model.vocab,

@@ -25,7 +25,7 @@ from benchmarks.sim.cluster import Kill, SimResult, Simulation
 from benchmarks.sim.params import DEFAULT_PARAMS, SimParams, load_params
 from benchmarks.sim.plots import failover_plot, ladder_plots
 from benchmarks.sim.report import calibration, failover_block, policy_block, summary
-from benchmarks.sim.router_adapter import DEFAULT_POLICIES, PolicySpec, load_policies
+from benchmarks.sim.router_adapter import DEFAULT_POLICIES, SimPolicy, load_policies
 from benchmarks.sim.workloads import LLMD_STAGES, ChatWorkload, SharedPrefixWorkload
 
 __all__ = ["main", "run_ladder", "run_failover", "quick_ladder"]
@@ -47,7 +47,7 @@ def _shared_prefix(params: SimParams, quick: bool, seed: int) -> SharedPrefixWor
     return SharedPrefixWorkload(vocab=params.model.vocab, block_size=eng.block_size, seed=seed)
 
 
-def run_ladder(params: SimParams, specs: dict[str, PolicySpec], *, quick: bool, seed: int,
+def run_ladder(params: SimParams, specs: dict[str, SimPolicy], *, quick: bool, seed: int,
                workload: str, log: Any = None) -> tuple[dict[str, Any], dict[str, SimResult]]:
     replicas = 4 if quick else 8
     blocks: dict[str, Any] = {}
@@ -78,7 +78,7 @@ def _chat(params: SimParams, quick: bool, seed: int) -> ChatWorkload:
                         block_size=eng.block_size, seed=seed)
 
 
-def run_failover(params: SimParams, spec: PolicySpec, *, quick: bool, seed: int,
+def run_failover(params: SimParams, spec: SimPolicy, *, quick: bool, seed: int,
                  kill_at: float, replicas_killed: tuple[int, ...] = (0, 1), node: bool = False
                  ) -> tuple[SimResult, SimResult]:
     replicas = 4 if quick else 8

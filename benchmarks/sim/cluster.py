@@ -22,9 +22,9 @@ import numpy as np
 from benchmarks.sim.engine import Job, Replica
 from benchmarks.sim.params import SimParams
 from benchmarks.sim.router_adapter import (
-    PolicySpec,
     RouteRefused,
     RouterInput,
+    SimPolicy,
     SimRouter,
 )
 from benchmarks.sim.store import KVStore
@@ -102,7 +102,7 @@ class SimResult:
 
 
 class Simulation:
-    def __init__(self, params: SimParams, spec: PolicySpec, workload: Workload, *,
+    def __init__(self, params: SimParams, spec: SimPolicy, workload: Workload, *,
                  replicas: int = 8, seed: int = 0, kills: Sequence[Kill] = (),
                  store: bool | None = None) -> None:
         self.params = params

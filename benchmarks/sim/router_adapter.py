@@ -35,19 +35,18 @@ from router.decision import Placement, RequestFeatures, RouteRequest
 from router.errors import RouterError
 from router.hooks import FAILED, Outcome
 from router.indexer.keys import TEXT_CHUNK_CHARS, text_prefix_keys
-from router.policy import Policy, Thresholds, policy_preset
-from router.policy import PolicySpec as RouterPolicySpec
+from router.policy import Policy, PolicySpec, Thresholds, policy_preset
 from router.tokenize_cache import TokenCache
 from router.workers import WorkerId, WorkerInfo
 
-__all__ = ["PolicySpec", "load_policies", "DEFAULT_POLICIES", "SimRouter", "Routed",
+__all__ = ["SimPolicy", "load_policies", "DEFAULT_POLICIES", "SimRouter", "Routed",
            "RouteRefused", "RouterInput"]
 
 DEFAULT_POLICIES = Path(__file__).with_name("policies.toml")
 
 
 @dataclass(frozen=True, slots=True)
-class PolicySpec:
+class SimPolicy:
     """One simulated policy: a router policy, its overrides and what the router is shown."""
 
     name: str
@@ -90,7 +89,7 @@ class PolicySpec:
             values[name] = int(value) if isinstance(current, int) else float(value)
         return dataclasses.replace(defaults, **values)
 
-    def router_spec(self) -> RouterPolicySpec:
+    def router_spec(self) -> PolicySpec:
         """The router's `PolicySpec` of this policy: its preset with this policy's weights,
         scorer parameters, thresholds, tokenize settings and filters."""
         spec = policy_preset(self.router_policy).with_weights(self.weights)
@@ -126,14 +125,14 @@ class PolicySpec:
         spec = self.router_spec()
         return self.input == "text" and spec.reads_token_blocks and spec.tokenize.enabled
 
-    def with_weights(self, **weights: float) -> PolicySpec:
+    def with_weights(self, **weights: float) -> SimPolicy:
         return dataclasses.replace(self, weights={**self.weights, **weights})
 
 
-def load_policies(path: Path = DEFAULT_POLICIES) -> dict[str, PolicySpec]:
+def load_policies(path: Path = DEFAULT_POLICIES) -> dict[str, SimPolicy]:
     with path.open("rb") as f:
         raw = tomllib.load(f)
-    return {name: PolicySpec(name=name, **body) for name, body in raw.items()}
+    return {name: SimPolicy(name=name, **body) for name, body in raw.items()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,7 +168,7 @@ class RouteRefused(Exception):
 class SimRouter:
     """One router replica running `spec` over `workers`, in simulated time `now`."""
 
-    def __init__(self, spec: PolicySpec, workers: Sequence[str], *, model: str,
+    def __init__(self, spec: SimPolicy, workers: Sequence[str], *, model: str,
                  block_size: int, now: Callable[[], float], seed: int = 0,
                  tokenize_s: Callable[[int], float] = lambda tokens: 0.0) -> None:
         self.spec = spec

@@ -34,7 +34,7 @@ from connectors.vllm.hash_check import check_block_hashes_reproducible
 from connectors.vllm.layouts import check_codec
 from connectors.vllm.metadata import StepMetadata
 from connectors.vllm.prometheus import KVKeepPromMetrics, KVKeepStats, StatsReporter
-from connectors.vllm.scheduler import SchedulerSide
+from connectors.vllm.scheduler_side import SchedulerSide
 from connectors.vllm.sleep import workers_asleep
 from connectors.vllm.stats import Counters, CounterSnapshot
 from connectors.vllm.stores import (
@@ -279,7 +279,7 @@ class KVKeepConnector(KVConnectorBase_V1):
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         """KV events for blocks the store now holds (published by vLLM when it publishes its
-        own; see `connectors.vllm.scheduler`)."""
+        own; see `connectors.vllm.scheduler_side`)."""
         return self._scheduler.take_events() if self._scheduler is not None else ()
 
     def has_pending_push_work(self) -> bool:

@@ -16,7 +16,7 @@ scheduler half
     hinted_blocks_missing            blocks such a request's lookup did not find in the store
                                      (a failover that finds less than its prefix recomputes it)
     manifests_written, manifest_errors
-    published_blocks                 blocks announced in KV events (see `scheduler`), counted
+    published_blocks                 blocks announced in KV events (see `scheduler_side`), counted
                                      once per event that carries them
     decided_restore, decided_recompute, decided_partial
                                      lookups with a hit, by what the restore-or-recompute

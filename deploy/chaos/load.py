@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 from deploy.conversation import ChatSession, Message, Turn, reference_answer
 
-__all__ = ["SessionScript", "scripts", "compute_references", "open_sessions", "RoundResult",
-           "run_round", "InFlight"]
+__all__ = ["RoundsSessionScript", "scripts", "compute_references", "open_sessions",
+           "RoundResult", "run_round", "InFlight"]
 
 _SYSTEM = ("You are a careful assistant. Permission is hereby granted, free of charge, to any "
            "person obtaining a copy of this software and associated documentation files.")
@@ -35,24 +35,27 @@ _QUESTIONS = (
 
 
 @dataclass(frozen=True, slots=True)
-class SessionScript:
+class RoundsSessionScript:
+    """One session of a `--kills` run: its id and one question per round (the scenario
+    runner's sessions are `deploy.chaos.traffic.SessionScript`)."""
+
     session_id: str
     questions: tuple[str, ...]
 
 
-def scripts(count: int, rounds: int, seed: int) -> list[SessionScript]:
+def scripts(count: int, rounds: int, seed: int) -> list[RoundsSessionScript]:
     """`count` conversations of `rounds` questions each, chosen by `seed`."""
     rng = random.Random(seed)
-    return [SessionScript(f"chaos-{seed}-{i}", tuple(rng.choice(_QUESTIONS)
-                                                     for _ in range(rounds)))
+    return [RoundsSessionScript(f"chaos-{seed}-{i}", tuple(rng.choice(_QUESTIONS)
+                                                           for _ in range(rounds)))
             for i in range(count)]
 
 
-def compute_references(router_url: str, model: str, plan: list[SessionScript],
+def compute_references(router_url: str, model: str, plan: list[RoundsSessionScript],
                        max_tokens: int) -> dict[str, list[str]]:
     """Every session's reference answers, turn by turn (sessions in parallel)."""
 
-    def one(script: SessionScript) -> list[str]:
+    def one(script: RoundsSessionScript) -> list[str]:
         messages: list[Message] = [{"role": "system", "content": _SYSTEM}]
         answers: list[str] = []
         for question in script.questions:
@@ -66,7 +69,7 @@ def compute_references(router_url: str, model: str, plan: list[SessionScript],
         return dict(zip((s.session_id for s in plan), pool.map(one, plan), strict=True))
 
 
-def open_sessions(router_url: str, model: str, plan: list[SessionScript]
+def open_sessions(router_url: str, model: str, plan: list[RoundsSessionScript]
                   ) -> dict[str, ChatSession]:
     return {s.session_id: ChatSession(router_url, s.session_id, model=model, system=_SYSTEM)
             for s in plan}
@@ -124,13 +127,13 @@ class RoundResult:
         return sum(1 for t in self.turns.values() if t.resumptions)
 
 
-def run_round(index: int, sessions: dict[str, ChatSession], plan: list[SessionScript],
+def run_round(index: int, sessions: dict[str, ChatSession], plan: list[RoundsSessionScript],
               references: dict[str, list[str]], max_tokens: int, in_flight: InFlight,
               during: Callable[[], None] | None = None) -> RoundResult:
     """Every session's turn `index` at once; `during` runs beside them (the killer)."""
     turns: dict[str, Turn] = {}
 
-    def one(script: SessionScript) -> None:
+    def one(script: RoundsSessionScript) -> None:
         sid = script.session_id
         session = sessions[sid]
         try:

@@ -20,7 +20,7 @@ from deploy.chaos.killers import Killer, KubectlKiller, LocalKiller, usable_work
 from deploy.chaos.load import (
     InFlight,
     RoundResult,
-    SessionScript,
+    RoundsSessionScript,
     compute_references,
     open_sessions,
     run_round,
@@ -171,7 +171,7 @@ def _describe(result: RoundResult, report: Report) -> None:
                                                          if turn.error else ""))
 
 
-def _verdict(router_url: str, plan: list[SessionScript], results: list[RoundResult],
+def _verdict(router_url: str, plan: list[RoundsSessionScript], results: list[RoundResult],
              kills: list[dict[str, object]], options: ChaosOptions, report: Report) -> None:
     report.step("verdict")
     rounds_done = len(results)

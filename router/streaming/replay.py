@@ -3,7 +3,7 @@
 A structured-output stream (`response_format` json_schema / json_object, `structured_outputs`
 regex / choice / grammar, the older `guided_*` fields) or a tool-call stream (`tools`) cannot
 be continued with `/v1/completions` from the delivered tokens, as plain text is
-(`continuation.py`): vLLM's grammar starts at the first generated token, so a continuation
+(`resume.py`): vLLM's grammar starts at the first generated token, so a continuation
 would be held to a new JSON document (or regex match) after a prefix that already began one,
 and a named or required `tool_choice` is itself a grammar (the tool's parameters schema) plus
 the chat endpoint's rewriting of the answer into `tool_calls` deltas, which completions cannot
