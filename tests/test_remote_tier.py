@@ -298,3 +298,49 @@ def test_refused_tokens_are_config_errors_not_misses(tmp_path: Path) -> None:
                     scope_of(key), [key.block_hash], timeout=T)
         finally:
             tier.close()
+
+
+def test_batched_reads_land_in_place_and_fall_back_per_key(daemons: list[DaemonProcess]) -> None:
+    """`get_into`: one pipelined stream per daemon; each payload lands in its own buffer; a key
+    its first daemon lacks is read from a replica (and repaired), an unknown key is None, and a
+    hung daemon costs one deadline, then its keys come from the replicas."""
+    writer = make_tier(daemons)
+    by_id = {d.node_id: d for d in daemons}
+    keys = [block_key(i) for i in range(700, 740)]
+    frames = {k: make_frame(k, layers=2, segment_bytes=8192) for k in keys}
+    assert writer.put_many(list(frames.items())) == [True] * len(keys)
+    writer.close()
+    tier = make_tier(daemons, call_timeout=2.0, breaker_cooldown=60.0, breaker_max_cooldown=120.0)
+    try:
+        lacking = keys[3]
+        primary = by_id[tier.placement(lacking)[0]]
+        DaemonClient("x", primary.address).delete(scope_of(lacking), [lacking.block_hash],
+                                                  timeout=T)
+        unknown = block_key(799)
+        asked = [*keys, unknown]
+        outs = [bytearray(2 * 8192) for _ in asked]
+        outs[5] = bytearray(10)  # too small to land in: still read, into a buffer of its own
+        reads = tier.get_into(asked, outs)
+        assert reads[-1] is None
+        for i, (key, read) in enumerate(zip(keys, reads[:-1], strict=True)):
+            assert read is not None and read.to_frame() == frames[key]
+            if i != 5:
+                assert bytes(read.payload) == bytes(outs[i])  # landed in the caller's buffer
+        assert tier.flush(10)
+        assert primary.node_id in holders(daemons, lacking)  # read repair of the lacking copy
+
+        victim = by_id["d2"]
+        assert victim.proc is not None
+        os.kill(victim.proc.pid, signal.SIGSTOP)
+        try:
+            reads = tier.get_into(keys, [None] * len(keys), deadline=time.monotonic() + 30)
+            assert [r is not None and r.to_frame() == frames[k]
+                    for k, r in zip(keys, reads, strict=True)] == [True] * len(keys)
+            assert tier.breaker_states()["d2"] == "open"
+            errors = tier.counters().errors
+            reads = tier.get_into(keys, [None] * len(keys))  # skipped now: no second timeout
+            assert all(r is not None for r in reads) and tier.counters().errors == errors
+        finally:
+            os.kill(victim.proc.pid, signal.SIGCONT)
+    finally:
+        tier.close()

@@ -12,7 +12,7 @@
         "lookup_timeout_ms": 500,            # a batched lookup
         "store_timeout_ms": 30000,           # a store task (the daemons hold acks while
                                              # their disk catches up: back-pressure)
-        "load_threads": 4,                   # objects of one load task fetched in parallel
+        "load_threads": 1,                   # slices of one load task fetched in parallel
         "put_batch_mb": 64,                  # frames sent per put call at most
         "skip_present": true,                # look up before storing; send only new objects
         "model_revision": "",                # part of every scope: bump it for new weights
@@ -81,7 +81,7 @@ class PluginSettings:
     timeout_s: float = 2.0
     lookup_timeout_s: float = 0.5
     store_timeout_s: float = 30.0
-    load_threads: int = 4
+    load_threads: int = 1
     put_batch_bytes: int = 64 << 20
     skip_present: bool = True
     model_revision: str = ""
@@ -129,7 +129,7 @@ class PluginSettings:
             timeout_s=_number(params, "timeout_ms", 2000.0) / 1000,
             lookup_timeout_s=_number(params, "lookup_timeout_ms", 500.0) / 1000,
             store_timeout_s=_number(params, "store_timeout_ms", 30000.0) / 1000,
-            load_threads=_int(params, "load_threads", 4),
+            load_threads=_int(params, "load_threads", 1),
             put_batch_bytes=int(_number(params, "put_batch_mb", 64.0) * (1 << 20)),
             skip_present=_bool(params, "skip_present", True),
             model_revision=_optional_str(params, "model_revision") or "",

@@ -5,10 +5,12 @@ kvkeep daemons, with every failure turned into a miss. Nothing here imports LMCa
   reusable buffer per thread and sent in batches of up to `put_batch_bytes`, one put stream per
   daemon. With `skip_present`, one batched lookup first leaves out what the daemons hold.
 - lookup: one batched lookup per daemon.
-- load: objects are fetched in parallel (`load_threads`), each straight into the caller's
-  buffer; the remote tier verifies checksums and key binding before a read counts, and a read
-  of another format or size is a miss. A failed or corrupt read may have written into the
-  caller's buffer, but it is reported as a miss, so LMCache never uses those bytes.
+- load: a task's objects are fetched in up to `load_threads` slices in parallel, each slice
+  one pipelined request stream (one round trip, not one per object), each object straight
+  into the caller's buffer; the remote tier verifies checksums and key binding before a read
+  counts, and a read of another format or size is a miss. A failed or corrupt read may have
+  written into the caller's buffer, but it is reported as a miss, so LMCache never uses those
+  bytes.
 - every kvkeep error (a dead daemon, a deadline, a refused token, a corrupt copy, a full
   daemon) is a miss or a failed store, counted by cause in `counters()`; never an exception
   to the caller and never wrong bytes.
@@ -29,6 +31,7 @@ from connectors.lmcache.frames import address_of, byte_view, frame_size, matches
 from connectors.lmcache.keys import ObjectRef, ScopeMapper
 from connectors.lmcache.transport import MAX_FRAME_BYTES, BlockStore, connect
 from kvstore.errors import KVKeepError
+from kvstore.frame import BlockRead
 from kvstore.keys import BlockKey
 
 __all__ = ["ObjectStore", "StoreOutcome"]
@@ -54,7 +57,7 @@ class ObjectStore:
     connections."""
 
     def __init__(self, blocks: BlockStore, mapper: ScopeMapper, *, timeout_s: float = 2.0,
-                 load_threads: int = 4, put_batch_bytes: int = 64 << 20,
+                 load_threads: int = 1, put_batch_bytes: int = 64 << 20,
                  skip_present: bool = True, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
         self._blocks = blocks
         self._mapper = mapper
@@ -117,10 +120,17 @@ class ObjectStore:
         views = [byte_view(out) for out in outs]
         if any(view.readonly for view in views):
             raise ValueError("load buffers must be writable")
-        if len(refs) <= 1 or self._threads == 1:
-            loaded = [self._load_one(k, v) for k, v in zip(keys, views, strict=True)]
+        # A task's objects in up to `load_threads` slices, each one pipelined request stream
+        # per daemon (one round trip per slice, not per object). One slice is the default: on
+        # a 2-core machine, 32 objects of 256 KiB load at 0.87 GB/s in one stream and at
+        # 0.55 in two or four, which contend for the daemon's and this process's interpreter
+        # lock; the remote tier already reads from several daemons in parallel.
+        slices = _slices(len(refs), self._threads)
+        if len(slices) <= 1:
+            loaded = [ok for s in slices for ok in self._load_slice(keys, views, s)]
         else:
-            loaded = list(self._pool.map(self._load_one, keys, views))
+            loaded = [ok for part in self._pool.map(lambda s: self._load_slice(keys, views, s),
+                                                    slices) for ok in part]
         hits = sum(loaded)
         self._count("load_hits", hits)
         self._count("load_misses", len(refs) - hits)
@@ -233,15 +243,24 @@ class ObjectStore:
         self._count("stored", stored)
         self._count("not_stored", len(batch) - stored)
 
-    def _load_one(self, key: BlockKey | None, dest: memoryview) -> bool:
-        if key is None:
-            return False
+    def _load_slice(self, keys: Sequence[BlockKey | None], views: Sequence[memoryview],
+                    span: range) -> list[bool]:
+        wanted = [i for i in span if keys[i] is not None]
+        loaded = [False] * len(span)
+        if not wanted:
+            return loaded
         try:
-            read = self._blocks.get(key, out=dest, deadline=time.monotonic() + self._timeout)
+            reads = self._blocks.get_into(_pick(keys, wanted), [views[i] for i in wanted],
+                                          deadline=time.monotonic() + self._timeout)
         except KVKeepError as exc:
             self._failed("load_errors", exc)
-            return False
-        if read is None:
+            return loaded
+        for i, read in zip(wanted, reads, strict=True):
+            loaded[i - span.start] = self._accept(keys[i], read, views[i])
+        return loaded
+
+    def _accept(self, key: BlockKey | None, read: BlockRead | None, dest: memoryview) -> bool:
+        if key is None or read is None:
             return False
         if not matches_object(read, len(dest)):
             _log.warning("block %s is not an LMCache object of %d bytes: treated as a miss",
@@ -270,6 +289,20 @@ class ObjectStore:
         if n:
             with self._lock:
                 self._counts[what] += n
+
+
+def _slices(count: int, parts: int) -> list[range]:
+    """`range(count)` cut into at most `parts` contiguous slices of near-equal size."""
+    parts = max(1, min(parts, count))
+    step, extra = divmod(count, parts)
+    out: list[range] = []
+    start = 0
+    for p in range(parts):
+        stop = start + step + (1 if p < extra else 0)
+        if stop > start:
+            out.append(range(start, stop))
+        start = stop
+    return out
 
 
 def _pick(keys: Sequence[BlockKey | None], indices: Sequence[int]) -> list[BlockKey]:

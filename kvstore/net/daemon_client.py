@@ -194,6 +194,22 @@ class DaemonClient:
         return self._grpc_blocks.get(scope, block_hash, layers, out=out,
                                      timeout=_left(deadline, what))
 
+    def get_into(self, scope: Scope, items: Sequence[tuple[bytes, Buffer | None]], *,
+                 timeout: float) -> list[BlockRead | None]:
+        """Whole blocks, each payload into its buffer where large enough; unverified, None per
+        miss. Pipelined over the data plane (one round trip per window of blocks); over gRPC,
+        one call per block."""
+        deadline = time.monotonic() + timeout
+        what = f"get from {self.node_id}"
+        transport = self.block_transport(deadline)
+        if isinstance(transport, TcpBlockTransport):
+            try:
+                return transport.get_into(scope, items, timeout=_left(deadline, what))
+            except TransportUnreachable as exc:
+                self._unreachable(transport, exc)
+        return [self._grpc_blocks.get(scope, block_hash, out=out, timeout=_left(deadline, what))
+                for block_hash, out in items]
+
     def get_many(self, scope: Scope, block_hashes: Sequence[bytes],
                  layers: LayerRange | None = None, *, timeout: float) -> list[BlockRead | None]:
         """Several blocks in one gRPC stream (re-replication, benchmarks); unverified."""

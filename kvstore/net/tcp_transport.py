@@ -87,10 +87,30 @@ class TcpBlockTransport:
 
         With `out` large enough, the payload is received straight into it."""
         request = encode_request(OP_GET, scope, block_hash, self._token, layers=layers)
-        (result,) = self._exchange(f"get from {self.node_id}", OP_GET, [request], 1, out,
+        (result,) = self._exchange(f"get from {self.node_id}", OP_GET, [request], 1, [out],
                                    time.monotonic() + timeout)
         assert result is None or isinstance(result, BlockRead)
         return result
+
+    def get_into(self, scope: Scope, items: Sequence[tuple[bytes, Buffer | None]], *,
+                 timeout: float) -> list[BlockRead | None]:
+        """Whole blocks, pipelined: a window of GETs goes out back to back, then their replies
+        are read, each payload straight into its `out` (when large enough), so a batch of
+        blocks costs one round trip per window, not per block. Unverified; None per miss.
+        Raises the first refusal of a window (after reading the rest of it)."""
+        what = f"get from {self.node_id}"
+        deadline = time.monotonic() + timeout
+        reads: list[BlockRead | None] = []
+        for start in range(0, len(items), _WINDOW_BLOCKS):
+            window = items[start:start + _WINDOW_BLOCKS]
+            requests: list[bytes | memoryview] = [
+                encode_request(OP_GET, scope, block_hash, self._token)
+                for block_hash, _ in window]
+            for result in self._exchange(what, OP_GET, requests, len(window),
+                                         [out for _, out in window], deadline):
+                assert result is None or isinstance(result, BlockRead)
+                reads.append(result)
+        return reads
 
     def lookup(self, scope: Scope, block_hashes: Sequence[bytes], *,
                timeout: float) -> list[bool]:
@@ -104,7 +124,7 @@ class TcpBlockTransport:
         except ValueError as exc:
             raise TierError(f"{what}: {exc}") from None
         try:
-            (result,) = self._exchange(what, OP_LOOKUP, parts, 1, None,
+            (result,) = self._exchange(what, OP_LOOKUP, parts, 1, [],
                                        time.monotonic() + timeout)
         except TierError as exc:
             if "unknown op" in str(exc):
@@ -136,7 +156,7 @@ class TcpBlockTransport:
                                       body_len=len(view)), view]
             count, size = count + 1, size + len(view)
             if count == _WINDOW_BLOCKS or size >= _WINDOW_BYTES or i == len(blocks) - 1:
-                results = self._exchange(what, OP_PUT, window, count, None, deadline)
+                results = self._exchange(what, OP_PUT, window, count, [], deadline)
                 done.extend(r is True for r in results)
                 window, count, size = [], 0, 0
         return done
@@ -151,7 +171,7 @@ class TcpBlockTransport:
     # -- private ------------------------------------------------------------------------------
 
     def _exchange(self, what: str, op: int, parts: list[bytes | memoryview], count: int,
-                  out: Buffer | None, deadline: float
+                  outs: Sequence[Buffer | None], deadline: float
                   ) -> list[BlockRead | bool | bytes | None]:
         # A pooled connection may have been closed by a restarted daemon; that shows only when
         # it is used. Such a failure before any reply byte arrived is retried once on a fresh
@@ -160,7 +180,7 @@ class TcpBlockTransport:
             sock, reused = self._connection(what, deadline)
             keep = False
             try:
-                results, keep = self._on(sock, what, op, parts, count, out, deadline)
+                results, keep = self._on(sock, what, op, parts, count, outs, deadline)
                 return results
             except _Refusal as refusal:
                 keep = refusal.keep
@@ -180,10 +200,11 @@ class TcpBlockTransport:
         raise AssertionError("unreachable")
 
     def _on(self, sock: socket.socket, what: str, op: int, parts: list[bytes | memoryview],
-            count: int, out: Buffer | None, deadline: float
+            count: int, outs: Sequence[Buffer | None], deadline: float
             ) -> tuple[list[BlockRead | bool | bytes | None], bool]:
-        """Send `count` requests, read their replies: (results, whether the connection may be
-        reused). A refusal is raised as _Refusal once every reply was read."""
+        """Send `count` requests, read their replies (a GET's payload into `outs[i]` when
+        given): (results, whether the connection may be reused). A refusal is raised as
+        _Refusal once every reply was read."""
         head = bytearray(REPLY_HEAD.size)
         try:
             sock.settimeout(_remaining(what, deadline))
@@ -228,6 +249,7 @@ class TcpBlockTransport:
                         raise CorruptBlock(f"{what}: a lookup reply with a frame header")
                     results.append(self._read(sock, reply.payload_len, what, deadline))
                 else:
+                    out = outs[i] if i < len(outs) else None
                     results.append(self._block(sock, reply, what, out, deadline))
                 if not keep:
                     break

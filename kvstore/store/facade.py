@@ -89,6 +89,8 @@ class TieredStore:
         # Asked per tier on every inline lookup (vLLM's scheduler loop): decided once, since
         # the tiers never change (a runtime Protocol check is an attribute probe per call).
         self._in_process = tuple(_in_process(tier) for tier in tiers)
+        first = tiers[0]
+        self._lender: SupportsBorrow | None = first if isinstance(first, SupportsBorrow) else None
         self._writes = WriteBehind(self._calls, self._config)
         self._replicated = ReplicatedPuts(self._calls, self._writes)
 
@@ -173,8 +175,8 @@ class TieredStore:
         first and hash while the client receives, instead of hashing on the critical path.
         """
         self._check_open()
-        tier = self.tiers[0]
-        if not isinstance(tier, SupportsBorrow):
+        tier = self._lender
+        if tier is None:
             return None
         started = time.monotonic()
         try:
