@@ -1,5 +1,6 @@
 """SIGKILL a daemon in the middle of streams of puts: after a restart no corrupt or partial block
-is ever returned, and the daemon takes new writes."""
+is ever returned, and the daemon takes new writes; with its disk tier fsync'd (the default) and
+without (`--disk-fsync off`, page cache only, which a killed process does not lose either)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import random
 import threading
 import time
 from pathlib import Path
+
+import pytest
 
 from deploy.local.daemons import start_daemon
 from kvstore.errors import KVKeepError
@@ -24,14 +27,16 @@ def frame_for(key: BlockKey, i: int) -> bytes:
     return make_frame(key, layers=4, segment_bytes=(1536 << 10) if i % 3 == 0 else (64 << 10))
 
 
-def test_sigkill_during_puts_never_yields_partial_blocks(tmp_path: Path) -> None:
-    daemon = start_daemon(tmp_path, "crashy")
+@pytest.mark.parametrize(("fsync", "kills"), [("block", KILLS), ("off", 2)])
+def test_sigkill_during_puts_never_yields_partial_blocks(tmp_path: Path, fsync: str,
+                                                          kills: int) -> None:
+    daemon = start_daemon(tmp_path, "crashy", extra=("--disk-fsync", fsync))
     rng = random.Random(7)
     attempted: dict[BlockKey, bytes] = {}
     acked: set[BlockKey] = set()
     next_id = 0
     try:
-        for _ in range(KILLS):
+        for _ in range(kills):
             client = daemon.client()
             stop = threading.Event()
 
@@ -85,3 +90,33 @@ def _check_everything(client: DaemonClient, attempted: dict[BlockKey, bytes]) ->
         assert read.to_frame() == frame, "a block came back different from what was written"
         found += 1
     assert found > 0
+
+
+@pytest.mark.parametrize("fsync", [True, False])
+def test_disk_fsync_setting_reaches_the_disk_tier(tmp_path: Path, fsync: bool,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--disk-fsync off` (DaemonConfig.disk_fsync=False) writes blocks without fdatasync;
+    the default syncs each one."""
+    import os
+
+    from kvstore.daemon.config import DaemonConfig
+    from kvstore.daemon.server import open_daemon_store
+    from kvstore.tiers.nvme.tier import NvmeTier
+
+    synced: list[int] = []
+    real = os.fdatasync
+    monkeypatch.setattr(os, "fdatasync", lambda fd: (synced.append(fd), real(fd))[1])
+    config = DaemonConfig(listen="127.0.0.1:0", data_dir=tmp_path, mem_budget=1 << 20,
+                          disk_budget=4 << 20, node_id="sync", disk_fsync=fsync)
+    store = open_daemon_store(config)
+    try:
+        nvme = store.tiers[-1]
+        assert isinstance(nvme, NvmeTier)
+        key = block_key(1)
+        assert nvme.put(key, make_frame(key, layers=2, segment_bytes=4096))
+        read = nvme.get(key)
+        assert read is not None
+        read.verify()
+    finally:
+        store.close()
+    assert bool(synced) == fsync

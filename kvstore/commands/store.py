@@ -78,6 +78,12 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-dir", required=True, type=Path, help="where the nvme tier lives")
     p.add_argument("--mem-budget", default="1GiB", help="host RAM tier size (e.g. 8GiB)")
     p.add_argument("--disk-budget", default="10GiB", help="nvme tier size (e.g. 500GiB)")
+    p.add_argument("--disk-fsync", choices=("block", "off"), default="block",
+                   help="'block' (default): every block written behind to the nvme tier is "
+                   "fsync'd, so an acknowledged block survives a power loss once written; "
+                   "'off': written to the page cache only (a killed daemon keeps its blocks, a "
+                   "power loss may lose the last ones, read back as misses), which is what "
+                   "LMCache's fs backend and Redis without AOF give")
     p.add_argument("--node-id", required=True, help="this node's unique name")
     add_etcd_arguments(p, help="etcd URL(s), e.g. https://10.0.0.1:2379 (https: TLS); omit to "
                                "run unregistered")
@@ -167,7 +173,8 @@ def _serve_handler(args: argparse.Namespace, argv: list[str] | None = None) -> i
     try:
         config = DaemonConfig(
             listen=args.listen, data_dir=args.data_dir, mem_budget=parse_size(args.mem_budget),
-            disk_budget=parse_size(args.disk_budget), node_id=args.node_id,
+            disk_budget=parse_size(args.disk_budget), disk_fsync=args.disk_fsync == "block",
+            node_id=args.node_id,
             etcd=etcd_spec_from_args(args, check_files=True),
             advertise=args.advertise, lease_ttl=args.lease_ttl, token_file=args.token_file,
             tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,

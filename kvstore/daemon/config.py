@@ -71,6 +71,9 @@ class DaemonConfig:
     mem_budget: int
     disk_budget: int
     node_id: str
+    disk_fsync: bool = True
+    """fsync every block the write-behind puts on the nvme tier (False: page cache only; a
+    torn block after a power loss fails its checksum and reads as a miss, never as wrong KV)."""
     etcd: EtcdSpec | str | None = None
     """etcd URL(s), or an `EtcdSpec` with TLS and credentials (kvstore/etcd/spec.py)."""
     advertise: str | None = None

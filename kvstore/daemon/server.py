@@ -69,7 +69,7 @@ def open_daemon_store(config: DaemonConfig, metrics: StoreMetrics | None = None
     specs: list[TierSpec] = [
         HostSpec(config.mem_budget, name="host"),
         NvmeSpec(str(config.data_dir / "blocks"), config.disk_budget, name="nvme",
-                 verify_on_put=False)]
+                 verify_on_put=False, durable=config.disk_fsync)]
     # A daemon serves remote readers whose own deadlines bound each call; the store's deadline
     # only has to stop a stuck disk read, and its write-behind queue is deep because puts wait
     # on it (back-pressure) rather than dropping background writes. The writer runs at a lower
