@@ -93,23 +93,28 @@ def _check_everything(client: DaemonClient, attempted: dict[BlockKey, bytes]) ->
 
 
 @pytest.mark.parametrize("fsync", [True, False])
-def test_disk_fsync_setting_reaches_the_disk_tier(tmp_path: Path, fsync: bool,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_disk_fsync_and_prefault_settings_reach_their_tiers(
+        tmp_path: Path, fsync: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """`--disk-fsync off` (DaemonConfig.disk_fsync=False) writes blocks without fdatasync;
-    the default syncs each one."""
+    the default syncs each one. `--mem-prefault` allocates the RAM budget up front."""
     import os
 
     from kvstore.daemon.config import DaemonConfig
     from kvstore.daemon.server import open_daemon_store
+    from kvstore.tiers.memory.host import HostTier
     from kvstore.tiers.nvme.tier import NvmeTier
 
     synced: list[int] = []
     real = os.fdatasync
     monkeypatch.setattr(os, "fdatasync", lambda fd: (synced.append(fd), real(fd))[1])
     config = DaemonConfig(listen="127.0.0.1:0", data_dir=tmp_path, mem_budget=1 << 20,
-                          disk_budget=4 << 20, node_id="sync", disk_fsync=fsync)
+                          disk_budget=4 << 20, node_id="sync", disk_fsync=fsync,
+                          mem_prefault=not fsync)
     store = open_daemon_store(config)
     try:
+        host = store.tiers[0]
+        assert isinstance(host, HostTier)
+        assert host.allocated_bytes == (0 if fsync else 1 << 20)
         nvme = store.tiers[-1]
         assert isinstance(nvme, NvmeTier)
         key = block_key(1)

@@ -71,6 +71,8 @@ class DaemonConfig:
     mem_budget: int
     disk_budget: int
     node_id: str
+    mem_prefault: bool = False
+    """Allocate and touch the RAM tier's whole budget at start-up instead of as blocks come."""
     disk_fsync: bool = True
     """fsync every block the write-behind puts on the nvme tier (False: page cache only; a
     torn block after a power loss fails its checksum and reads as a miss, never as wrong KV)."""

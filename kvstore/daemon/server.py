@@ -67,7 +67,7 @@ def open_daemon_store(config: DaemonConfig, metrics: StoreMetrics | None = None
     # commit) and again when the write-behind reads it back from the host tier, so
     # the nvme tier's own check on put would hash each block a third time. Its reads verify.
     specs: list[TierSpec] = [
-        HostSpec(config.mem_budget, name="host"),
+        HostSpec(config.mem_budget, name="host", prefault=config.mem_prefault),
         NvmeSpec(str(config.data_dir / "blocks"), config.disk_budget, name="nvme",
                  verify_on_put=False, durable=config.disk_fsync)]
     # A daemon serves remote readers whose own deadlines bound each call; the store's deadline
