@@ -344,3 +344,21 @@ def test_batched_reads_land_in_place_and_fall_back_per_key(daemons: list[DaemonP
             os.kill(victim.proc.pid, signal.SIGCONT)
     finally:
         tier.close()
+
+
+def test_transports_can_be_chosen_before_the_first_block(daemons: list[DaemonProcess]) -> None:
+    """A client whose first calls are lookups would send them over gRPC until a put or get
+    picked the data plane; `choose_transports` picks it up front (LMCache's plugin does so on
+    open), and an unreachable daemon is left to choose later."""
+    dead = free_port()
+    tier = RemoteTier.from_addresses({**{d.node_id: d.address for d in daemons},
+                                      "gone": f"127.0.0.1:{dead}"}, RemoteConfig(replicas=2))
+    try:
+        assert set(tier.data_plane_addresses().values()) == {None}
+        chosen = tier.choose_transports(timeout=2.0)
+        assert chosen["gone"] is None
+        assert all(chosen[d.node_id] is not None for d in daemons)
+        keys = [block_key(i) for i in range(900, 910)]
+        assert tier.contains(keys) == [False] * len(keys)  # and the tier still answers
+    finally:
+        tier.close()

@@ -129,6 +129,20 @@ class RemoteTier:
         """Per daemon, the bulk data plane address its blocks travel over (None: gRPC)."""
         return {node: peer.client.data_plane_address for node, peer in self._peers.peers()}
 
+    def choose_transports(self, timeout: float = 2.0) -> dict[str, str | None]:
+        """Pick every known daemon's block transport now (one Stat call each, where its data
+        plane address is not known yet) rather than on its first put or get, so that a client
+        whose first calls are lookups (an LMCache instance after a restart) sends them over
+        the data plane too. Unreachable daemons are left to choose later. Returns
+        `data_plane_addresses()`."""
+        deadline = time.monotonic() + timeout
+        for node, peer in self._peers.peers():
+            try:
+                peer.client.block_transport(deadline)
+            except KVKeepError as exc:
+                _log.info("block transport of %s not chosen yet: %s", node, exc)
+        return self.data_plane_addresses()
+
     def placement(self, key: BlockKey | SessionKey) -> list[str]:
         """The daemons a read of `key` tries, best first (owners, then `extra_ranks` more)."""
         return rank(key.digest, self.members())[: self._config.read_depth]
