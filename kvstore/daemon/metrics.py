@@ -34,7 +34,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvstore.errors import KVKeepError
-from kvstore.metrics import StoreMetrics
+from kvstore.metrics import LabelledSeries, StoreMetrics
 from kvstore.net.refusal import OK, RefusalReason, status_name
 from kvstore.tiers.base import TierStats
 
@@ -63,6 +63,7 @@ class DaemonMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self._series = LabelledSeries()
         reg = self.registry
         self.store = StoreMetrics(reg)
         """Give this to the daemon's `TieredStore`."""
@@ -106,8 +107,8 @@ class DaemonMetrics:
             self.record(front, rpc, call.code, time.perf_counter() - started)
 
     def record(self, front: str, rpc: str, code: int, seconds: float) -> None:
-        self.requests.labels(front, rpc, status_name(code)).inc()
-        self.request_seconds.labels(front, rpc).observe(seconds)
+        self._series(self.requests, front, rpc, status_name(code)).inc()
+        self._series(self.request_seconds, front, rpc).observe(seconds)
         if rpc == "Put" and code in _REFUSALS:
             self.put_refusals.labels(front, RefusalReason(code).name).inc()
 

@@ -19,7 +19,7 @@ from typing import Literal, Protocol
 from kvstore.errors import CorruptBlock, DeadlineExceeded
 from kvstore.frame import BlockRead, FrameBytes, LayerRange
 from kvstore.keys import BlockKey
-from kvstore.metrics import StoreMetrics
+from kvstore.metrics import LabelledSeries, StoreMetrics
 from kvstore.tiers.base import Buffer, Tier
 
 __all__ = ["TierCalls", "DeadlinePassed", "DEADLINE_PASSED"]
@@ -47,6 +47,7 @@ class TierCalls:
         self.tiers: tuple[Tier, ...] = tuple(tiers)
         self.names: tuple[str, ...] = tuple(tier.name for tier in tiers)
         self.metrics = metrics
+        self._series = LabelledSeries()
         metrics.declare_tiers(self.names)
         self._reads = threading.Condition()
         self._reads_in_flight = [0] * len(self.tiers)
@@ -77,7 +78,7 @@ class TierCalls:
         finally:
             self.observe(index, "get", started)
         if read is None:
-            self.metrics.tier_misses.labels(self.names[index]).inc()
+            self._series(self.metrics.tier_misses, self.names[index]).inc()
             return None
         try:
             if read.layers != (layers if layers is not None else read.header.all_layers):
@@ -132,9 +133,9 @@ class TierCalls:
 
     def count_put(self, index: int, ok: bool, nbytes: int) -> None:
         if ok:
-            self.metrics.written_bytes.labels(self.names[index]).inc(nbytes)
+            self._series(self.metrics.written_bytes, self.names[index]).inc(nbytes)
         else:
-            self.metrics.rejected_puts.labels(self.names[index]).inc()
+            self._series(self.metrics.rejected_puts, self.names[index]).inc()
 
     # -- anything else ------------------------------------------------------------------------
 
@@ -153,25 +154,26 @@ class TierCalls:
     # -- accounting ---------------------------------------------------------------------------
 
     def hit(self, index: int, nbytes: int) -> None:
-        self.metrics.hits.labels(self.names[index]).inc()
-        self.metrics.read_bytes.labels(self.names[index]).inc(nbytes)
+        self._series(self.metrics.hits, self.names[index]).inc()
+        self._series(self.metrics.read_bytes, self.names[index]).inc(nbytes)
 
     def failed(self, index: int, op: str) -> None:
         log.debug("tier %s failed in %s", self.names[index], op, exc_info=True)
-        self.metrics.errors.labels(self.names[index], op).inc()
+        self._series(self.metrics.errors, self.names[index], op).inc()
 
     def corrupt(self, index: int, what: str) -> None:
         log.warning("corrupt %s in tier %s deleted", what, self.names[index])
-        self.metrics.corrupt.labels(self.names[index]).inc()
+        self._series(self.metrics.corrupt, self.names[index]).inc()
 
     def dropped(self, reason: str) -> None:
-        self.metrics.write_behind_dropped.labels(reason).inc()
+        self._series(self.metrics.write_behind_dropped, reason).inc()
 
     def observe(self, index: int, op: str, started: float) -> None:
-        self.metrics.latency.labels(self.names[index], op).observe(time.monotonic() - started)
+        self._series(self.metrics.latency, self.names[index], op).observe(
+            time.monotonic() - started)
 
     def copied(self, index: int, computed_at: float) -> None:
         """Tier `index` acknowledged a block computed at `computed_at` (`time.monotonic()`)."""
         lag = max(time.monotonic() - computed_at, 0.0)
-        self.metrics.copy_lag.labels(self.names[index]).observe(lag)
+        self._series(self.metrics.copy_lag, self.names[index]).observe(lag)
         self.metrics.recent_copy_lags.add(self.names[index], lag)
