@@ -15,7 +15,8 @@
         "load_threads": 1,                   # slices of one load task fetched in parallel
         "put_batch_mb": 64,                  # frames sent per put call at most
         "skip_present": true,                # look up before storing; send only new objects
-        "model_revision": "",                # part of every scope: bump it for new weights
+        "model_revision": "v2",              # part of every scope (default: none): bump it
+                                             # for new weights
         "max_capacity_gb": 0,                # LMCache's usage accounting (0: none)
         "tls": {"ca": "...", "cert": "...", "key": "...",  # optional mTLS to the daemons,
                 "server_name": "kvkeep-store"},        # the name their certificates carry
@@ -29,6 +30,9 @@ kvstore/cluster/daemon_trust.py): without `tls` or `registration_public_key` onl
 loopback are used.
 
 Unknown keys are an error, not a shrug: a typo would otherwise silently run with a default.
+So is a value of the wrong type (`"2"` or 2.0 for 2, 1 for true) or an empty string. `null`
+is the same as leaving the key out for the string keys, `daemons` and `tls`, and an error for
+the others. A bad key or value is a `ConfigError` naming it (the keys: `_Params`'s fields).
 The token is read from a file so that it never sits in the config, which LMCache logs.
 """
 
@@ -37,7 +41,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final, Literal
+from typing import Annotated, Any, Final, Literal
+
+import msgspec
 
 from kvstore.errors import ConfigError, InvalidKey
 from kvstore.etcd import EtcdSpec
@@ -46,15 +52,47 @@ from kvstore.tiers.factory import read_token_file
 
 __all__ = ["PluginSettings", "TLSPaths", "read_token"]
 
-_KEYS: Final = frozenset({
-    "etcd", "prefix", "daemons", "tenant", "token_file", "replicas", "write_ack",
-    "timeout_ms", "lookup_timeout_ms", "store_timeout_ms", "load_threads", "put_batch_mb",
-    "skip_present", "model_revision", "max_capacity_gb", "tls", "data_plane",
-    "registration_public_key", "etcd_ca", "etcd_cert", "etcd_key", "etcd_user",
-    "etcd_password_file",
-})
-_TLS_KEYS: Final = frozenset({"ca", "cert", "key", "server_name"})
 DEFAULT_PREFIX: Final = "/kvkeep/stores/"
+
+_Text = Annotated[str, msgspec.Meta(min_length=1)]
+
+
+class _TLS(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    ca: str
+    cert: str | None = None
+    key: str | None = None
+    server_name: _Text | None = None
+
+
+class _Params(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """`adapter_params` as given, in LMCache's units; `None` where a key may be left out."""
+
+    etcd: _Text | None = None
+    prefix: _Text | None = None
+    daemons: dict[str, str] | list[str] | None = None
+    tenant: _Text | None = None
+    token_file: _Text | None = None
+    replicas: int = 2
+    write_ack: Literal["one", "all"] = "all"
+    timeout_ms: float = 2000.0
+    lookup_timeout_ms: float = 500.0
+    store_timeout_ms: float = 30000.0
+    load_threads: int = 1
+    put_batch_mb: float = 64.0
+    skip_present: bool = True
+    model_revision: _Text | None = None
+    max_capacity_gb: float = 0.0
+    tls: _TLS | None = None
+    data_plane: bool = True
+    registration_public_key: _Text | None = None
+    etcd_ca: _Text | None = None
+    etcd_cert: _Text | None = None
+    etcd_key: _Text | None = None
+    etcd_user: _Text | None = None
+    etcd_password_file: _Text | None = None
+
+
+_KEYS: Final = frozenset(_Params.__struct_fields__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,35 +146,39 @@ class PluginSettings:
     def from_params(cls, params: Mapping[str, Any] | None) -> PluginSettings:
         """Parse LMCache's `adapter_params`; raises ConfigError naming the bad key."""
         params = dict(params or {})
-        unknown = sorted(set(params) - _KEYS)
-        if unknown:
-            raise ConfigError(f"unknown kvkeep LMCache plugin keys {unknown}; "
-                              f"known: {sorted(_KEYS)}")
-        etcd = _optional_str(params, "etcd")
-        security = {key: _optional_str(params, f"etcd_{key}")
-                    for key in ("ca", "cert", "key", "user", "password_file")}
+        try:
+            given = msgspec.convert(params, type=_Params)
+        except msgspec.ValidationError as exc:
+            unknown = sorted(set(params) - _KEYS, key=str)
+            if unknown:  # every typo at once, and the names it could have meant
+                raise ConfigError(f"unknown kvkeep LMCache plugin keys {unknown}; "
+                                  f"known: {sorted(_KEYS)}") from exc
+            raise ConfigError(f"kvkeep LMCache plugin adapter_params: {exc}") from exc
+        tls = given.tls
+        if tls is not None and (tls.cert is None) != (tls.key is None):
+            raise ConfigError("tls: give both 'cert' and 'key', or neither")
         return cls(
-            etcd=None if etcd is None else EtcdSpec(
-                etcd, ca_file=_path(security["ca"]), cert_file=_path(security["cert"]),
-                key_file=_path(security["key"]), user=security["user"],
-                password_file=_path(security["password_file"])),
-            daemons=_daemons(params.get("daemons")),
-            prefix=_optional_str(params, "prefix") or DEFAULT_PREFIX,
-            tenant=_optional_str(params, "tenant") or "default",
-            token_file=_optional_str(params, "token_file"),
-            replicas=_int(params, "replicas", 2),
-            write_ack=_write_ack(params.get("write_ack", "all")),
-            timeout_s=_number(params, "timeout_ms", 2000.0) / 1000,
-            lookup_timeout_s=_number(params, "lookup_timeout_ms", 500.0) / 1000,
-            store_timeout_s=_number(params, "store_timeout_ms", 30000.0) / 1000,
-            load_threads=_int(params, "load_threads", 1),
-            put_batch_bytes=int(_number(params, "put_batch_mb", 64.0) * (1 << 20)),
-            skip_present=_bool(params, "skip_present", True),
-            model_revision=_optional_str(params, "model_revision") or "",
-            max_capacity_bytes=int(_number(params, "max_capacity_gb", 0.0) * (1 << 30)),
-            tls=_tls(params.get("tls")),
-            data_plane=_bool(params, "data_plane", True),
-            registration_public_key=_optional_str(params, "registration_public_key"),
+            etcd=None if given.etcd is None else EtcdSpec(
+                given.etcd, ca_file=_path(given.etcd_ca), cert_file=_path(given.etcd_cert),
+                key_file=_path(given.etcd_key), user=given.etcd_user,
+                password_file=_path(given.etcd_password_file)),
+            daemons=_daemons(given.daemons),
+            prefix=given.prefix or DEFAULT_PREFIX,
+            tenant=given.tenant or "default",
+            token_file=given.token_file,
+            replicas=given.replicas,
+            write_ack=given.write_ack,
+            timeout_s=given.timeout_ms / 1000,
+            lookup_timeout_s=given.lookup_timeout_ms / 1000,
+            store_timeout_s=given.store_timeout_ms / 1000,
+            load_threads=given.load_threads,
+            put_batch_bytes=int(given.put_batch_mb * (1 << 20)),
+            skip_present=given.skip_present,
+            model_revision=given.model_revision or "",
+            max_capacity_bytes=int(given.max_capacity_gb * (1 << 30)),
+            tls=None if tls is None else TLSPaths(tls.ca, tls.cert, tls.key, tls.server_name),
+            data_plane=given.data_plane,
+            registration_public_key=given.registration_public_key,
         )
 
 
@@ -152,83 +194,20 @@ def _valid_name(value: str, what: str) -> None:
         raise ConfigError(str(exc)) from exc
 
 
-def _optional_str(params: Mapping[str, Any], key: str) -> str | None:
-    value = params.get(key)
-    if value is None:
-        return None
-    if not isinstance(value, str) or not value:
-        raise ConfigError(f"{key} must be a non-empty string")
-    return value
-
-
-def _int(params: Mapping[str, Any], key: str, default: int) -> int:
-    value = params.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{key} must be an integer, not {value!r}")
-    return value
-
-
-def _number(params: Mapping[str, Any], key: str, default: float) -> float:
-    value = params.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ConfigError(f"{key} must be a number, not {value!r}")
-    return float(value)
-
-
-def _bool(params: Mapping[str, Any], key: str, default: bool) -> bool:
-    value = params.get(key, default)
-    if not isinstance(value, bool):
-        raise ConfigError(f"{key} must be true or false, not {value!r}")
-    return value
-
-
-def _write_ack(value: object) -> Literal["one", "all"]:
-    if value == "one":
-        return "one"
-    if value == "all":
-        return "all"
-    raise ConfigError(f"write_ack must be 'one' or 'all', not {value!r}")
-
-
-def _daemons(value: object) -> tuple[tuple[str, str], ...]:
+def _daemons(value: dict[str, str] | list[str] | None) -> tuple[tuple[str, str], ...]:
     """A mapping node id -> host:port, or a list of host:port (node ids d0, d1, ...)."""
     if value is None:
         return ()
-    if isinstance(value, Mapping):
-        pairs = list(value.items())
-    elif isinstance(value, list | tuple):
-        pairs = [(f"d{i}", address) for i, address in enumerate(value)]
-    else:
-        raise ConfigError("daemons must map node ids to host:port, or list host:port")
-    out: list[tuple[str, str]] = []
+    pairs = (list(value.items()) if isinstance(value, dict)
+             else [(f"d{i}", address) for i, address in enumerate(value)])
+    if not pairs:
+        raise ConfigError("daemons is empty")
     for node, address in pairs:
-        if not isinstance(node, str) or not isinstance(address, str):
-            raise ConfigError("daemons: node ids and addresses must be strings")
         _valid_name(node, "daemon node id")
         host, sep, port = address.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ConfigError(f"daemons: {address!r} is not host:port")
-        out.append((node, address))
-    if not out:
-        raise ConfigError("daemons is empty")
-    return tuple(sorted(out))
-
-
-def _tls(value: object) -> TLSPaths | None:
-    if value is None:
-        return None
-    if not isinstance(value, Mapping) or not isinstance(value.get("ca"), str):
-        raise ConfigError("tls must be an object with at least 'ca'")
-    unknown = sorted(set(value) - _TLS_KEYS)
-    if unknown:
-        raise ConfigError(f"unknown tls keys {unknown}")
-    cert, key = value.get("cert"), value.get("key")
-    if (cert is None) != (key is None):
-        raise ConfigError("tls: give both 'cert' and 'key', or neither")
-    server_name = value.get("server_name")
-    if server_name is not None and (not isinstance(server_name, str) or not server_name):
-        raise ConfigError("tls.server_name must be a non-empty string")
-    return TLSPaths(value["ca"], cert, key, server_name)
+    return tuple(sorted(pairs))
 
 
 def _path(value: str | None) -> Path | None:
