@@ -60,10 +60,21 @@ def test_full_config_parses() -> None:
     {"store": {"nvme": {"bytes": 5}}},
     {"store": {"remote": {"replicas": 2}}},
     {"store": {"remote": {"etcd": "http://e", "daemons": {"a": "h:1"}}}},
+    {"store": {"nvme": {"path": "/d", "durable": "false"}}},  # bool("false") would be True
+    {"store": {"host_bytes": 1, "host_pinned": "yes"}},
+    {"store": {"remote": {"etcd": "http://e", "prefix": 5}}},
 ])
 def test_bad_configs_are_rejected(extra: dict[str, Any]) -> None:
     with pytest.raises(ConfigError):
         ConnectorConfig.from_extra(extra)
+
+
+def test_an_empty_remote_prefix_is_the_default_one() -> None:
+    for prefix in (None, ""):
+        config = ConnectorConfig.from_extra(
+            {"store": {"remote": {"etcd": "http://e:2379", "prefix": prefix}}})
+        assert config.store.remote is not None
+        assert config.store.remote.prefix == "/kvkeep/stores/"  # not "None"
 
 
 def test_checkpoint_interval_is_at_least_a_block() -> None:

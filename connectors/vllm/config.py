@@ -291,7 +291,7 @@ def _store(raw: object) -> StoreSpec:
             raise ConfigError("store.nvme needs a 'path'")
         nvme = NvmeSpec(_nonempty_str(spec["path"], "store.nvme.path"),
                         _positive_int(spec.get("bytes", 64 << 30), "store.nvme.bytes"),
-                        bool(spec.get("durable", True)))
+                        _flag(spec.get("durable", True), "store.nvme.durable"))
     remote = None
     if store.get("remote") is not None:
         spec = store["remote"]
@@ -309,7 +309,8 @@ def _store(raw: object) -> StoreSpec:
             raise ConfigError("store.remote needs exactly one of 'etcd' and 'daemons'")
         remote = RemoteSpec(
             etcd=None if etcd is None else _etcd(spec),
-            prefix=str(spec.get("prefix", "/kvkeep/stores/")),
+            prefix=_nonempty_str(spec.get("prefix") or "/kvkeep/stores/",
+                                 "store.remote.prefix"),
             replicas=_replicas(spec, daemons),
             daemons=daemons,
             timeout_s=_positive_ms(spec, "timeout_ms", 1000),
@@ -322,11 +323,8 @@ def _store(raw: object) -> StoreSpec:
         )
     redis = None if store.get("redis") is None else _redis(store["redis"])
     name = _name(store.get("name", "default"), "store.name")
-    pinned = store.get("host_pinned", False)
-    if not isinstance(pinned, bool):
-        raise ConfigError(f"store.host_pinned must be true or false, got {pinned!r}")
     return StoreSpec(host_bytes=host, nvme=nvme, remote=remote, name=name, redis=redis,
-                     host_pinned=pinned)
+                     host_pinned=_flag(store.get("host_pinned", False), "store.host_pinned"))
 
 
 def _etcd(remote: Mapping[str, Any]) -> EtcdSpec:
@@ -462,6 +460,13 @@ def _name(value: object, what: str) -> str:
         return validate_name(str(value), what)
     except InvalidKey as exc:
         raise ConfigError(str(exc)) from None
+
+
+def _flag(value: object, what: str) -> bool:
+    """A JSON boolean; anything else is refused (bool("false") is True)."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"{what} must be true or false, not {value!r}")
+    return value
 
 
 def _nonempty_str(value: object, what: str) -> str:
