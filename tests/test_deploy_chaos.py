@@ -58,6 +58,8 @@ def test_ci_scenario_meets_every_target(model_dir: Path, tmp_path: Path) -> None
     assert result["resumed_streams"] >= 1 and result["restored_tokens"] > 0
     assert result["recomputed_tokens"] > 0
     assert struck["kill_worker"]["detect_s"] is not None
+    # Struck while its engine ran a request (not the fallback after no stream was live).
+    assert "mid-stream" in struck["kill_worker"]["detail"], struck["kill_worker"]["detail"]
     assert result["failover_detect_s"]["max"] is not None
     assert result["resume_ttft_s"]["p50"] is not None
 

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
+import httpx
+
 from deploy.chaos import storage
 from deploy.chaos.counters import Poller, daemon_counters, daemon_refusals
 from deploy.chaos.forgeries import Forgery
@@ -227,8 +229,9 @@ def _kill_worker(f: KillWorker, record: FaultRecord, ctx: FaultContext) -> None:
                                     timeout_s=20.0)
         wanted = busy or "random"
         note = "mid-stream" if busy else "no stream was live: a random worker"
-    # No call between the choice and the kill: a stream of the tiny model moves on by about a
-    # token every 10 ms, so a kill that waits on the routers would land past its end.
+    # No call between the choice and the kill but `_wait_busy`'s one look at the engine (a few
+    # ms): a stream of the tiny model moves on by about a token every 10 ms, so a kill that
+    # waits on the routers would land past its end.
     target = ctx.pick(wanted, serving)
     live = ctx.streams.busy(0).get(target, 0)
     _strike(record, ctx, target)
@@ -245,7 +248,12 @@ def _kill_worker(f: KillWorker, record: FaultRecord, ctx: FaultContext) -> None:
 def _wait_busy(ctx: FaultContext, chunks: int, left: int, timeout_s: float
                ) -> tuple[str | None, list[str]]:
     """A serving worker with a stream past `chunks` chunks and `left` tokens from its end
-    (None after `timeout_s`), and the workers serving as last seen."""
+    (None after `timeout_s`), and the workers serving as last seen.
+
+    The streams are counted as the client reads them, which is behind the engine (tokens wait
+    in the router's and the sockets' buffers), so a stream the client sees `left` tokens from
+    its end may have ended on the worker; a candidate is taken only once its engine says it is
+    running a request (vLLM's `num_requests_running`), so the kill lands on a live stream."""
     deadline = time.monotonic() + timeout_s
     serving: set[str] = set()
     asked = 0.0
@@ -256,9 +264,21 @@ def _wait_busy(ctx: FaultContext, chunks: int, left: int, timeout_s: float
             busy = {w: n for w, n in ctx.streams.busy(chunks, min_left=left).items()
                     if w in serving and w not in ctx.held}
         if busy and len(serving) >= 2:
-            return max(sorted(busy), key=lambda w: busy[w]), sorted(serving)
+            chosen = max(sorted(busy), key=lambda w: busy[w])
+            if _engine_running(ctx.cluster.workers[chosen].url) > 0:
+                return chosen, sorted(serving)
         time.sleep(0.01)
     return None, sorted(serving)
+
+
+def _engine_running(worker_url: str) -> float:
+    """Requests vLLM is running now (its `num_requests_running` gauge); 0 when unreadable."""
+    try:
+        text = httpx.get(f"{worker_url}/metrics", timeout=1.0).text
+    except httpx.HTTPError:
+        return 0.0
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:num_requests_running"))
 
 
 def _kill_daemon(f: KillDaemon, record: FaultRecord, ctx: FaultContext) -> None:
