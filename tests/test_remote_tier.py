@@ -362,3 +362,49 @@ def test_transports_can_be_chosen_before_the_first_block(daemons: list[DaemonPro
         assert tier.contains(keys) == [False] * len(keys)  # and the tier still answers
     finally:
         tier.close()
+
+
+def test_a_tiered_store_reads_a_batch_tier_by_tier(daemons: list[DaemonProcess]) -> None:
+    """`TieredStore.get_many` over RAM and the daemons: keys the RAM tier lacks go to the
+    daemons in one batched call (`get_into`), hits there are verified and promoted into RAM,
+    unknown keys are misses, counted as `get` counts them; a layer range reads per key."""
+    from kvstore.store import TieredStore
+    from kvstore.tiers.memory.host import HostTier
+
+    writer = make_tier(daemons)
+    remote_keys = [block_key(i) for i in range(1000, 1012)]
+    frames = {k: make_frame(k, layers=4, segment_bytes=4096) for k in remote_keys}
+    assert writer.put_many(list(frames.items())) == [True] * len(remote_keys)
+    writer.close()
+    remote = make_tier(daemons)
+    batches: list[int] = []
+    real_get_into = remote.get_into
+
+    def counting(keys: list[BlockKey], outs: list[object], **kw: object) -> list[BlockRead | None]:
+        batches.append(len(keys))
+        return real_get_into(keys, outs, **kw)  # type: ignore[arg-type]
+
+    remote.get_into = counting  # type: ignore[method-assign]
+    store = TieredStore([HostTier(16 << 20), remote])
+    try:
+        local = block_key(1099)
+        local_frame = make_frame(local, layers=4, segment_bytes=4096)
+        assert store.tiers[0].put(local, local_frame)
+        unknown = block_key(1098)
+        keys = [local, *remote_keys, unknown]
+        reads = store.get_many(keys)
+        assert batches == [len(remote_keys) + 1]  # one batched call: 12 remote keys + unknown
+        assert reads[0] is not None and reads[0].to_frame() == local_frame
+        assert reads[-1] is None
+        for key, read in zip(remote_keys, reads[1:-1], strict=True):
+            assert read is not None and read.verified and read.to_frame() == frames[key]
+        assert store.flush(10)
+        assert store.tiers[0].contains(remote_keys) == [True] * len(remote_keys)  # promoted
+        stats = store.stats()
+        assert stats.misses == 1
+        # A layer range is read per key, from RAM now.
+        part = store.get_many(remote_keys[:3], LayerRange(1, 3))
+        assert all(r is not None and r.layers == LayerRange(1, 3) for r in part)
+        assert batches == [len(remote_keys) + 1]
+    finally:
+        store.close()

@@ -39,6 +39,7 @@ import logging
 import time
 from collections.abc import Sequence
 from types import TracebackType
+from typing import Literal
 
 from kvstore.errors import ConfigError, CorruptBlock, InvalidFrame, TierFull, TierUnavailable
 from kvstore.frame import (
@@ -55,13 +56,14 @@ from kvstore.metrics import StoreMetrics
 from kvstore.store.config import StoreConfig
 from kvstore.store.replicated import ReplicatedPuts
 from kvstore.store.stats import StoreStats
-from kvstore.store.tier_calls import DEADLINE_PASSED, TierCalls
+from kvstore.store.tier_calls import DEADLINE_PASSED, DeadlinePassed, TierCalls
 from kvstore.store.write_behind import WriteBehind
 from kvstore.tiers.base import Buffer, Tier, TierStats
 from kvstore.tiers.capabilities import (
     BorrowedBlock,
     IndexedInProcess,
     PageReservation,
+    SupportsBatchedGet,
     SupportsBorrow,
     SupportsReserve,
 )
@@ -91,6 +93,7 @@ class TieredStore:
         self._in_process = tuple(_in_process(tier) for tier in tiers)
         first = tiers[0]
         self._lender: SupportsBorrow | None = first if isinstance(first, SupportsBorrow) else None
+        self._batched = tuple(isinstance(tier, SupportsBatchedGet) for tier in tiers)
         self._writes = WriteBehind(self._calls, self._config)
         self._replicated = ReplicatedPuts(self._calls, self._writes)
 
@@ -153,12 +156,53 @@ class TieredStore:
     def get_many(self, keys: Sequence[BlockKey], layers: LayerRange | None = None, *,
                  outs: Sequence[Buffer] | None = None, deadline: float | None = None
                  ) -> list[BlockRead | None]:
-        """`get` for each key under one shared deadline; `outs`, if given, one buffer per key."""
+        """`get` for each key under one shared deadline; `outs`, if given, one buffer per key.
+
+        Tier by tier: each tier is asked for the keys no tier above it had, and a tier that
+        reads batches (`SupportsBatchedGet`: the remote daemons, one pipelined stream per node)
+        gets them in one call when whole blocks are wanted, instead of one round trip per
+        block. The results are what `get` per key gives: verified, promoted, counted."""
         if outs is not None and len(outs) != len(keys):
             raise ConfigError(f"get_many: {len(keys)} keys but {len(outs)} output buffers")
+        self._check_open()
         deadline = self.deadline(deadline)
-        return [self.get(key, layers, out=None if outs is None else outs[i], deadline=deadline)
-                for i, key in enumerate(keys)]
+        reads: list[BlockRead | None] = [None] * len(keys)
+        pending = list(range(len(keys)))
+        for index in range(len(self._calls)):
+            if not pending:
+                break
+            if time.monotonic() >= deadline:
+                self.metrics.deadline_misses.inc()
+                break
+            found = self._read_tier(index, keys, layers, outs, pending, deadline)
+            if found is DEADLINE_PASSED:
+                break
+            for i, read in zip(pending, found, strict=True):
+                if read is not None:
+                    if index > 0 and self._config.promote:
+                        self._writes.promote(keys[i], index, read.header)
+                    reads[i] = read
+            pending = [i for i in pending if reads[i] is None]
+        if pending:
+            self.metrics.misses.inc(len(pending))
+        return reads
+
+    def _read_tier(self, index: int, keys: Sequence[BlockKey], layers: LayerRange | None,
+                   outs: Sequence[Buffer] | None, pending: Sequence[int], deadline: float
+                   ) -> list[BlockRead | None] | Literal[DeadlinePassed.DEADLINE]:
+        """Tier `index`'s verified reads of `keys[i]` for i in `pending` (in that order)."""
+        if layers is None and self._batched[index] and len(pending) > 1:
+            return self._calls.read_many(index, [keys[i] for i in pending],
+                                         [None if outs is None else outs[i] for i in pending],
+                                         deadline)
+        found: list[BlockRead | None] = []
+        for i in pending:
+            outcome = self._calls.read(index, keys[i], layers,
+                                       None if outs is None else outs[i], deadline)
+            if outcome is DEADLINE_PASSED:
+                return DEADLINE_PASSED
+            found.append(outcome)
+        return found
 
     def borrow(self, key: BlockKey, layers: LayerRange | None = None, *,
                verify: bool = True) -> BorrowedBlock | None:

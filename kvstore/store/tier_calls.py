@@ -14,13 +14,14 @@ import logging
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from typing import Literal, Protocol
+from typing import Literal, Protocol, cast
 
 from kvstore.errors import CorruptBlock, DeadlineExceeded
 from kvstore.frame import BlockRead, FrameBytes, LayerRange
 from kvstore.keys import BlockKey
 from kvstore.metrics import LabelledSeries, StoreMetrics
 from kvstore.tiers.base import Buffer, Tier
+from kvstore.tiers.capabilities import SupportsBatchedGet
 
 __all__ = ["TierCalls", "DeadlinePassed", "DEADLINE_PASSED"]
 
@@ -80,9 +81,44 @@ class TierCalls:
         if read is None:
             self._series(self.metrics.tier_misses, self.names[index]).inc()
             return None
+        return self._checked(index, key, layers, read)
+
+    def read_many(self, index: int, keys: Sequence[BlockKey], outs: Sequence[Buffer | None],
+                  deadline: float
+                  ) -> list[BlockRead | None] | Literal[DeadlinePassed.DEADLINE]:
+        """`read` of whole blocks for several keys at once, from a `SupportsBatchedGet` tier:
+        per key the verified read or None (a miss there, counted as `read` counts it), or
+        DEADLINE_PASSED when the tier ran out of time for the batch."""
+        tier = cast(SupportsBatchedGet, self.tiers[index])  # the store checked it once
+        started = time.monotonic()
+        try:
+            with self._reading(index):
+                got = tier.get_into(keys, outs, deadline=deadline)
+        except DeadlineExceeded:
+            self.metrics.deadline_misses.inc()
+            return DEADLINE_PASSED
+        except Exception:  # TierUnavailable, OSError, a bug: a sick tier is an empty one
+            self.failed(index, "get")
+            return [None] * len(keys)
+        finally:
+            self.observe(index, "get", started)
+        reads: list[BlockRead | None] = []
+        for key, read in zip(keys, got, strict=True):
+            if read is None:
+                self._series(self.metrics.tier_misses, self.names[index]).inc()
+                reads.append(None)
+            else:
+                reads.append(self._checked(index, key, None, read))
+        return reads
+
+    def _checked(self, index: int, key: BlockKey, layers: LayerRange | None, read: BlockRead
+                 ) -> BlockRead | None:
+        """A tier's read verified for `key` (and `layers`), counted a hit; None (the copy
+        deleted where corrupt) otherwise."""
         try:
             if read.layers != (layers if layers is not None else read.header.all_layers):
-                raise CorruptBlock(f"{tier.name} returned layers {read.layers}, not {layers}")
+                raise CorruptBlock(f"{self.names[index]} returned layers {read.layers}, "
+                                   f"not {layers}")
             read = read.verified_for(key.digest)
         except CorruptBlock:
             self.discard(index, key)

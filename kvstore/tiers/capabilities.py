@@ -6,6 +6,8 @@ so it never needs to know a concrete tier class:
 - `SupportsPutMany`: store a batch as one (the nvme tier syncs it once);
 - `SupportsBorrow`: lend a block's bytes in place, pinned, to send from (`BorrowedBlock`);
 - `SupportsReserve`: set pages aside to receive a frame into (`PageReservation`);
+- `SupportsBatchedGet`: read whole blocks of a batch in one pipelined stream per node (the
+  remote tier's daemons), not one round trip per block;
 - `SupportsReplicas`: keep each block on several nodes and say how many acknowledged it (the
   remote tier's daemons), for puts that must be durable before they return;
 - `IndexedInProcess`: `contains` is a read of an index in this process's memory (no I/O, no
@@ -20,10 +22,12 @@ from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 from kvstore.errors import TierError
-from kvstore.frame import FrameBytes, FrameHeader, LayerRange
+from kvstore.frame import BlockRead, FrameBytes, FrameHeader, LayerRange
 from kvstore.keys import BlockKey
+from kvstore.tiers.base import Buffer
 
 __all__ = ["SupportsPutMany", "SupportsBorrow", "SupportsReserve", "SupportsReplicas",
+           "SupportsBatchedGet",
            "IndexedInProcess", "BorrowedBlock", "PageReservation"]
 
 
@@ -104,6 +108,17 @@ class SupportsReserve(Protocol):
 
     def reserve(self, key: BlockKey, size: int, *, evict: bool = True
                 ) -> PageReservation | None: ...
+
+
+@runtime_checkable
+class SupportsBatchedGet(Protocol):
+    """A tier that reads whole blocks of a batch together, cheaper than one `get` each (one
+    pipelined stream per node): per key a read (verified, or for the store to verify) or None;
+    each payload lands in its `outs[i]` where that is large enough. It may raise what `get`
+    raises."""
+
+    def get_into(self, keys: Sequence[BlockKey], outs: Sequence[Buffer | None], *,
+                 deadline: float | None = None) -> list[BlockRead | None]: ...
 
 
 @runtime_checkable
