@@ -19,7 +19,9 @@ special-cases a tier by name, and it imports no concrete tier: what a tier can d
   `time.monotonic()` instant, default `StoreConfig.get_deadline_s` from now); past it the get is
   a miss. A hit below the first tier schedules a promotion: a background job that copies the
   block up into the tiers above it (in the background because it needs the whole frame and a
-  copy, and a get must not pay for either).
+  copy, and a get must not pay for either). `get_many` walks tier by tier with the keys no
+  tier above had; a tier that reads batches (`SupportsBatchedGet`) gets a batch of whole-block
+  reads in one call (one pipelined stream per remote node, not a round trip per block).
 - reads before writes: background writers wait while reads are in flight on the tier they are
   about to write to, for at most `read_priority_max_wait_s` per batch so they cannot starve.
 - lookup: the longest contiguous prefix of keys held by any tier, one batched `contains` per
