@@ -87,9 +87,12 @@ VOCAB = 8192
 
 
 def _kv_config(store: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    # restore_policy "always": this measures each tier's restore, so every hit must load; the
+    # default "cost" policy restores only what it predicts loads faster than it computes. The
+    # decision itself is `benchmarks.restore_decision`'s.
     return {"kv_connector": "KVKeepConnector", "kv_connector_module_path": "connectors.vllm",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"store": store, **extra}}
+            "kv_connector_extra_config": {"store": store, "restore_policy": "always", **extra}}
 
 
 @contextlib.contextmanager
@@ -120,6 +123,30 @@ def _generate(llm: LLM, prompts: Sequence[Sequence[int]], max_tokens: int,
                         use_tqdm=False)
     return ([tuple(o.outputs[0].token_ids) for o in outs],
             [int(o.num_cached_tokens or 0) for o in outs])
+
+
+def _saved_blocks() -> int:
+    """Blocks the in-process engine's connector has saved so far, or found in the store
+    already (an engine on the same daemon as an earlier one saves nothing new)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    counters = get_kv_transfer_group().counters()  # type: ignore[attr-defined]
+    return int(counters["saved_blocks"]) + int(counters["save_skipped_present"])
+
+
+def _compute_and_save(llm: LLM, prompt: Sequence[int], timeout_s: float = 60.0) -> None:
+    """Prefill `prompt` and wait until its blocks are in the store: saves run behind the
+    engine's steps (they never hold one), so a one-token request returns before its last
+    blocks land, and a restore measured at once would find only part of them."""
+    before = _saved_blocks()
+    _generate(llm, [prompt], 1)
+    want = before + (len(prompt) - 1) // BLOCK
+    deadline = time.monotonic() + timeout_s
+    while _saved_blocks() < want:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{want - _saved_blocks()} blocks still unsaved after "
+                               f"{timeout_s:.0f} s")
+        time.sleep(0.01)
 
 
 def _ttft(llm: LLM, prompt: Sequence[int], trials: int, *, expect_cached: int | None = None
@@ -308,7 +335,7 @@ def run(*, quick: bool, hidden: int = 1024, layers: int | None = None,
                              **engine_kwargs) as llm:
                     times = []
                     for ctx in contexts:
-                        _generate(llm, [prompts[ctx]], 1)  # computes and saves the blocks
+                        _compute_and_save(llm, prompts[ctx])
                         seconds, _ = _ttft(llm, prompts[ctx], trials,
                                            expect_cached=restorable[ctx])
                         times.append(seconds)
