@@ -57,7 +57,9 @@ DEFAULT_PREFIX: Final = "/kvkeep/stores/"
 _Text = Annotated[str, msgspec.Meta(min_length=1)]
 
 
-class _TLS(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+class TLSPaths(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """`tls`: the CA, and a client certificate and key (both or neither), as files."""
+
     ca: str
     cert: str | None = None
     key: str | None = None
@@ -82,7 +84,7 @@ class _Params(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     skip_present: bool = True
     model_revision: _Text | None = None
     max_capacity_gb: float = 0.0
-    tls: _TLS | None = None
+    tls: TLSPaths | None = None
     data_plane: bool = True
     registration_public_key: _Text | None = None
     etcd_ca: _Text | None = None
@@ -93,14 +95,6 @@ class _Params(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
 
 _KEYS: Final = frozenset(_Params.__struct_fields__)
-
-
-@dataclass(frozen=True, slots=True)
-class TLSPaths:
-    ca: str
-    cert: str | None = None
-    key: str | None = None
-    server_name: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,7 +170,7 @@ class PluginSettings:
             skip_present=given.skip_present,
             model_revision=given.model_revision or "",
             max_capacity_bytes=int(given.max_capacity_gb * (1 << 30)),
-            tls=None if tls is None else TLSPaths(tls.ca, tls.cert, tls.key, tls.server_name),
+            tls=tls,
             data_plane=given.data_plane,
             registration_public_key=given.registration_public_key,
         )

@@ -273,12 +273,14 @@ def _wait_busy(ctx: FaultContext, chunks: int, left: int, timeout_s: float
 
 def _engine_running(worker_url: str) -> float:
     """Requests vLLM is running now (its `num_requests_running` gauge); 0 when unreadable."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     try:
         text = httpx.get(f"{worker_url}/metrics", timeout=1.0).text
     except httpx.HTTPError:
         return 0.0
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("vllm:num_requests_running"))
+    return sum(sample.value for family in text_string_to_metric_families(text)
+               if family.name == "vllm:num_requests_running" for sample in family.samples)
 
 
 def _kill_daemon(f: KillDaemon, record: FaultRecord, ctx: FaultContext) -> None:

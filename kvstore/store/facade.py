@@ -139,21 +139,8 @@ class TieredStore:
         With `out`, the payload is copied into it and the result's payload is a view of it.
         Returns None on a miss, including a deadline passed, corrupt copies, failing tiers.
         """
-        self._check_open()
-        deadline = self.deadline(deadline)
-        for index in range(len(self._calls)):
-            if time.monotonic() >= deadline:
-                self.metrics.deadline_misses.inc()
-                break
-            outcome = self._calls.read(index, key, layers, out, deadline)
-            if outcome is DEADLINE_PASSED:
-                break
-            if outcome is not None:
-                if index > 0 and self._config.promote:
-                    self._writes.promote(key, index, outcome.header)
-                return outcome
-        self.metrics.misses.inc()
-        return None
+        return self.get_many([key], layers, outs=None if out is None else [out],
+                             deadline=deadline)[0]
 
     def get_many(self, keys: Sequence[BlockKey], layers: LayerRange | None = None, *,
                  outs: Sequence[Buffer] | None = None, deadline: float | None = None

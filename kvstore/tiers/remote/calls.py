@@ -9,13 +9,14 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvstore.errors import CorruptBlock
-from kvstore.frame import FrameBytes
+from kvstore.frame import BlockRead, FrameBytes
 from kvstore.keys import BlockKey, SessionKey
 from kvstore.manifest import SessionManifest
 from kvstore.net.scope import group_by_scope
+from kvstore.tiers.base import Buffer
 from kvstore.tiers.remote.peers import PeerSet, call_timeout
 
-__all__ = ["delete_call", "lookup_call", "manifest_delete_call",
+__all__ = ["delete_call", "get_into_call", "lookup_call", "manifest_delete_call",
            "manifest_get_call", "manifest_put_call", "put_call"]
 
 
@@ -31,6 +32,23 @@ def lookup_call(peers: PeerSet, node: str, keys: list[BlockKey], deadline: float
             for i, hit in zip(idx, flags, strict=True):
                 hits[i] = hit
         return hits
+    return call
+
+
+def get_into_call(peers: PeerSet, node: str, keys: list[BlockKey], outs: list[Buffer | None],
+                  deadline: float) -> Callable[[], list[BlockRead | None]]:
+    """Whole blocks from one daemon, pipelined (its client's `get_into`), each payload into
+    its buffer; per key the unverified read or None."""
+    def call() -> list[BlockRead | None]:
+        peer = peers.checked(node)
+        reads: list[BlockRead | None] = [None] * len(keys)
+        for scope, idx in group_by_scope(keys).items():
+            timeout = call_timeout(deadline, peers.config.call_timeout)
+            got = peers.guard(peer, peer.client.get_into, scope,
+                              [(keys[i].block_hash, outs[i]) for i in idx], timeout=timeout)
+            for i, read in zip(idx, got, strict=True):
+                reads[i] = read
+        return reads
     return call
 
 

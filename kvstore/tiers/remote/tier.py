@@ -32,7 +32,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict, defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from kvstore.cluster.daemon_trust import DaemonTrust
 from kvstore.cluster.discovery import (
@@ -53,10 +53,11 @@ from kvstore.etcd import EtcdSpec
 from kvstore.frame import BlockRead, FrameBytes, LayerRange
 from kvstore.keys import BlockKey, SessionKey
 from kvstore.manifest import SessionManifest
-from kvstore.net.scope import Scope, scope_of
+from kvstore.net.scope import scope_of
 from kvstore.tiers.base import Buffer, TierStats
 from kvstore.tiers.remote.calls import (
     delete_call,
+    get_into_call,
     lookup_call,
     manifest_delete_call,
     manifest_get_call,
@@ -239,9 +240,9 @@ class RemoteTier:
     def get_into(self, keys: Sequence[BlockKey], outs: Sequence[Buffer | None], *,
                  deadline: float | None = None) -> list[BlockRead | None]:
         """Verified whole blocks, each payload into its buffer where large enough; None per
-        miss. Every key is asked of its best-ranked usable daemon, pipelined per daemon and
-        scope (one round trip per window of blocks, not per block); a key that daemon lacks,
-        fails on or serves corrupt is then read alone by `get` (the other replicas, read
+        miss. Every key is asked of its best-ranked usable daemon, pipelined per daemon (one
+        round trip per window of blocks, not per block; daemons in parallel); a key that daemon
+        lacks, fails on or serves corrupt is then read alone by `get` (the other replicas, read
         repair), so the result is what `get` per key would give."""
         if len(keys) != len(outs):
             raise ValueError(f"{len(keys)} keys for {len(outs)} buffers")
@@ -250,28 +251,26 @@ class RemoteTier:
             deadline = time.monotonic() + self._config.call_timeout
         reads: list[BlockRead | None] = [None] * len(keys)
         alone: list[int] = []
-        groups: dict[str, dict[Scope, list[int]]] = defaultdict(lambda: defaultdict(list))
+        by_node: dict[str, list[int]] = defaultdict(list)
         nodes = self.members()
         usable = {n: peers.usable(n) for n in nodes}
         ranked = ([nodes] * len(keys) if len(nodes) == 1 else
                   rank_many([k.digest for k in keys], nodes, self._config.read_depth))
-        for i, key in enumerate(keys):
+        for i in range(len(keys)):
             first = next((n for n in ranked[i] if usable[n]), None)
-            if first is None:
-                alone.append(i)
-            else:
-                groups[first][scope_of(key)].append(i)
-        calls = {node: self._get_into_call(node, by_scope, keys, outs, deadline)
-                 for node, by_scope in groups.items()}
-        for node, outcome in peers.fanout(calls).items():
-            if isinstance(outcome, KVKeepError):  # the call catches its own; read alone
-                alone.extend(i for idx in groups[node].values() for i in idx)
+            (alone if first is None else by_node[first]).append(i)
+        calls = {node: get_into_call(peers, node, [keys[i] for i in idx],
+                                     [outs[i] for i in idx], deadline)
+                 for node, idx in by_node.items()}
+        for node, got in peers.fanout(calls).items():
+            idx = by_node[node]
+            if isinstance(got, KVKeepError):  # a sick or refusing daemon: its keys read alone
+                alone.extend(idx)
                 continue
-            for i, read in outcome:
-                if read is None:
+            for i, raw in zip(idx, got, strict=True):
+                reads[i] = self._verified(raw, keys[i], node)
+                if reads[i] is None:
                     alone.append(i)
-                else:
-                    reads[i] = read
         for i in sorted(alone):
             if time.monotonic() >= deadline:
                 break
@@ -280,40 +279,6 @@ class RemoteTier:
             except KVKeepError as exc:
                 _log.info("get of %s failed: %s", keys[i].storage_name, exc)
         return reads
-
-    def _get_into_call(self, node: str, by_scope: Mapping[Scope, list[int]],
-                       keys: Sequence[BlockKey], outs: Sequence[Buffer | None], deadline: float
-                       ) -> Callable[[], list[tuple[int, BlockRead | None]]]:
-        """`get_into`'s pipelined reads from one daemon, a thunk for `PeerSet.fanout`: per
-        key, its verified read, or None where it must be read alone."""
-        peers = self._peers
-
-        def call() -> list[tuple[int, BlockRead | None]]:
-            done: list[tuple[int, BlockRead | None]] = []
-            peer = peers.peer(node)
-            for scope, idx in by_scope.items():
-                if peer is None or not peers.allow(peer):
-                    done.extend((i, None) for i in idx)
-                    continue
-                timeout = call_timeout(deadline, self._config.call_timeout)
-                try:
-                    got = peer.client.get_into(
-                        scope, [(keys[i].block_hash, outs[i]) for i in idx], timeout=timeout)
-                except (TierUnavailable, DeadlineExceeded) as exc:
-                    peers.failed(peer, exc)
-                    done.extend((i, None) for i in idx)
-                    continue
-                except KVKeepError as exc:  # a refusal (auth, ...) is not a sick daemon
-                    peer.breaker.record_success()
-                    peers.count("errors")
-                    _log.warning("batched get from %s refused: %s", node, exc)
-                    done.extend((i, None) for i in idx)
-                    continue
-                peer.breaker.record_success()
-                for i, raw in zip(idx, got, strict=True):
-                    done.append((i, self._verified(raw, keys[i], node)))
-            return done
-        return call
 
     def _verified(self, read: BlockRead | None, key: BlockKey, node: str) -> BlockRead | None:
         """A batched read of `key` from `node`, verified (and counted a hit), or None where the
