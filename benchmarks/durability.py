@@ -40,6 +40,7 @@ from typing import Any
 from benchmarks.cli import run_benchmark
 from benchmarks.plots import RatioPanel
 from benchmarks.progress import progress
+from deploy.local.ports import free_port
 
 for _name, _value in {"HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                       "OMP_NUM_THREADS": "1", "VLLM_NO_USAGE_STATS": "1",
@@ -53,12 +54,6 @@ VOCAB = 8192
 ROUNDS = 2
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @contextlib.contextmanager
 def _daemons(tmp: Path, count: int) -> Iterator[dict[str, str]]:
     """`count` daemons on loopback, by node id."""
@@ -66,7 +61,7 @@ def _daemons(tmp: Path, count: int) -> Iterator[dict[str, str]]:
     addresses: dict[str, str] = {}
     try:
         for i in range(count):
-            port = _free_port()
+            port = free_port()
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "kvstore.daemon", "--listen", f"127.0.0.1:{port}",
                  "--data-dir", str(tmp / f"daemon-{i}"), "--mem-budget", "1GiB",

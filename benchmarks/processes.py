@@ -9,23 +9,17 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from deploy.local.ports import free_port
 from kvstore.commands.store import MALLOC_ENV
 from kvstore.net.daemon_client import DaemonClient
 
 __all__ = ["free_port", "stop_process", "bench_daemon"]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def stop_process(proc: subprocess.Popen[bytes], timeout: float = 20.0) -> None:

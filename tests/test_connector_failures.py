@@ -214,11 +214,9 @@ def test_full_disk_degrades_to_no_saves(tiny: TinyModel, tmp_path: Path,
 
 def test_dead_remote_daemon_is_an_empty_tier(tiny: TinyModel, reference: list[Result]) -> None:
     """A remote tier whose only daemon is down: saves stay in RAM, lookups below it miss."""
-    import socket
+    from deploy.local.ports import free_port
 
-    with socket.socket() as probe:  # a port nobody listens on
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()  # nobody listens on it
     store = {"host_bytes": 64 << 20, "name": "dead-remote",
              "remote": {"daemons": {"d1": f"127.0.0.1:{port}"}, "timeout_ms": 200}}
     with open_engine(tiny.path, kv_transfer_config(store)) as llm:

@@ -287,11 +287,16 @@ def test_streams_reuse_worker_connections(env: Env) -> None:
                                      ).headers["X-KVKeep-Worker"]]
     worker.eof_delay_s = 0.02
     before = len(worker.peers)
+    service = env.router.service
+    assert service is not None
     for _ in range(6):
         r = env.http.post("/v1/completions", headers={"X-Session-Id": "reuse"},
                           json={"model": MODEL, "prompt": "r", "max_tokens": 3, "stream": True})
         assert sse_events(r.text)[0][-1]["choices"][0]["finish_reason"] == "length"
-        time.sleep(0.05)  # the terminator after [DONE] is read in the background
+        # The terminator after [DONE] is read in the background: wait until the attempt is
+        # finished (its keep-alive read deferred) and every deferred task has ended, so the
+        # next stream finds the connection back in the pool however slow the machine is.
+        wait_until(lambda: env.idle() and len(service.background) == 0)
     assert len(set(worker.peers[before:])) <= 2
 
 

@@ -229,8 +229,8 @@ def _kill_worker(f: KillWorker, record: FaultRecord, ctx: FaultContext) -> None:
                                     timeout_s=20.0)
         wanted = busy or "random"
         note = "mid-stream" if busy else "no stream was live: a random worker"
-    # No call between the choice and the kill but `_wait_busy`'s one look at the engine (a few
-    # ms): a stream of the tiny model moves on by about a token every 10 ms, so a kill that
+    # No call between the choice (`_wait_busy`'s last look at the client's streams) and the
+    # kill: a stream of the tiny model moves on by about a token every 10 ms, so a kill that
     # waits on the routers would land past its end.
     target = ctx.pick(wanted, serving)
     live = ctx.streams.busy(0).get(target, 0)
@@ -265,7 +265,11 @@ def _wait_busy(ctx: FaultContext, chunks: int, left: int, timeout_s: float
                     if w in serving and w not in ctx.held}
         if busy and len(serving) >= 2:
             chosen = max(sorted(busy), key=lambda w: busy[w])
-            if _engine_running(ctx.cluster.workers[chosen].url) > 0:
+            # The engine's answer takes a while on a loaded machine (one CI run's kill landed
+            # after the chosen stream had ended: "0 tokens to go"), so the client's count is
+            # read again after it: the kill follows a look at both that found the stream live.
+            if _engine_running(ctx.cluster.workers[chosen].url) > 0 and \
+                    chosen in ctx.streams.busy(chunks, min_left=left // 2):
                 return chosen, sorted(serving)
         time.sleep(0.01)
     return None, sorted(serving)

@@ -11,24 +11,14 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from deploy.local.ports import free_port
+
 __all__ = ["ManagedProcess", "free_port"]
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now.
-
-    The kernel may hand it out again before the child binds it; on loopback with a handful of
-    children that race is rare, and a child that fails to bind fails its health wait loudly.
-    """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass

@@ -19,15 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from deploy.local.ports import free_port
+
 __all__ = ["free_port", "EtcdServer", "RedisCluster", "RedisClusterNode", "RedisServer",
            "start_etcd", "start_redis", "start_redis_cluster", "stop_process", "wait_for_port"]
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def wait_for_port(port: int, timeout: float = 15.0, proc: subprocess.Popen[bytes] | None = None
