@@ -32,7 +32,7 @@ class SessionManifest:
     """Optional: the session's token ids so far, so a new worker can recompute what is missing."""
     mac: bytes = b""
     """Optional: a writer's keyed MAC over the manifest (the router's conversation records,
-    router/continuation/records.py); the store keeps it as it is and vouches for nothing."""
+    router/conversations/records.py); the store keeps it as it is and vouches for nothing."""
 
     def encode(self) -> bytes:
         fields: dict[str, object] = {

@@ -18,7 +18,7 @@ Layout, one concept per module:
   front's one entry point); `api`, `proxy`: the OpenAI-compatible HTTP front over it;
   `dispatch`, `upstream`: sending to workers (the one place/send/classify/release loop);
   `streaming/`: relaying a stream to a sink, and what resumes it elsewhere when it breaks
-  (`resume`); `continuation/`: stateful conversations;
+  (`resume`); `conversations/`: stateful conversations;
 - `service`, `metrics`, `commands`: one replica assembled, its Prometheus metrics,
   `kvkeep router serve` and `kvkeep worker`.
 """

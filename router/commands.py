@@ -30,7 +30,7 @@ from kvstore.etcd.flags import add_etcd_arguments, etcd_spec_from_args
 from kvstore.mac import MacKey
 from router.allowlist import WorkerAllowList
 from router.config import RouterConfig, parse_static_worker
-from router.continuation import config as continuation_config
+from router.conversations import config as continuation_config
 from router.policy import POLICIES, Thresholds, parse_weights
 from router.policy_file import load_policy_file, resolve_limits, resolve_policy
 from router.tenants import ApiKeys

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from kvstore.errors import ConfigError
 from kvstore.etcd import EtcdSpec
 from router.allowlist import WorkerAllowList, is_loopback
-from router.continuation.config import ContinuationConfig
+from router.conversations.config import ContinuationConfig
 from router.limits import Limits
 from router.policy import PolicySpec, policy_preset
 from router.tenants import ApiKeys
@@ -87,7 +87,7 @@ class RouterConfig:
     workers_allow: WorkerAllowList = field(default_factory=WorkerAllowList)
     limits: Limits = field(default_factory=Limits)
     continuation: ContinuationConfig | None = None
-    """Stateful continuation's store (`router/continuation/`); None: off."""
+    """Stateful continuation's store (`router/conversations/`); None: off."""
     extproc_listen: str | None = None
     """HOST:PORT of the Envoy ext_proc endpoint picker (`router/extproc/`); None: off."""
     extproc_fallbacks: int = 2

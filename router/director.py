@@ -5,7 +5,7 @@ happens to a request once it is admitted (parsed, its tenant's salt and `kv_tran
 set: `router/admission.py`), in order:
 
 1. the model is one the pool serves (else 404);
-2. a stateful continuation is rebuilt (`router/continuation/`: the recorded conversation +
+2. a stateful continuation is rebuilt (`router/conversations/`: the recorded conversation +
    the new turn; 409 without a usable record, 400 with continuation off);
 3. placed and sent (`Dispatcher.send`, the one place / send / classify / retry loop: the core
    places, the core's pre-request hooks run, a worker that fails before anything reached the
@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from router.api import ClientRequest, Endpoint
-from router.continuation import (
+from router.conversations import (
     CONTINUE_FIELD,
     HISTORY_HEADER,
     Continuations,

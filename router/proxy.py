@@ -46,7 +46,7 @@ from aiohttp import web
 from kvstore.keys import SessionId
 from router.admission import admit
 from router.api import SESSION_HEADER, Endpoint, parse_request
-from router.continuation import CONTINUE_HEADER
+from router.conversations import CONTINUE_HEADER
 from router.director import Reply, RequestDirector
 from router.errors import (
     Forbidden,

@@ -17,7 +17,7 @@ import aiohttp
 
 from kvstore.cluster.supervisor import supervise
 from router.config import RouterConfig
-from router.continuation import Continuations, ConversationRecords, StoreRecords
+from router.conversations import Continuations, ConversationRecords, StoreRecords
 from router.core import RouterCore
 from router.dispatch import Dispatcher
 from router.indexer.subscriber import KVEventSubscriber

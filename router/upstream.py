@@ -59,7 +59,7 @@ def upstream_body(creq: ClientRequest, placement: Placement) -> dict[str, Any]:
         body["return_token_ids"] = True
     params = kv_transfer_params(creq, placement)
     if creq.endpoint is Endpoint.CHAT and creq.prompt_tokens is not None:
-        # A stateful continuation (router/continuation/): vLLM takes the rebuilt prompt's ids
+        # A stateful continuation (router/conversations/): vLLM takes the rebuilt prompt's ids
         # as they are instead of rendering `messages`.
         params = {**(params or {}), "prompt_token_ids": list(creq.prompt_tokens)}
     if params is not None:

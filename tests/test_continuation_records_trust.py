@@ -30,9 +30,9 @@ from kvstore.manifest import SessionManifest
 from kvstore.tiers.factory import RemoteSpec
 from router.commands import config_from_args
 from router.config import RouterConfig, StaticWorker
-from router.continuation import StoreRecords
-from router.continuation.config import ContinuationConfig
-from router.continuation.records import RecordKey, conversation_fingerprint, record_scope
+from router.conversations import StoreRecords
+from router.conversations.config import ContinuationConfig
+from router.conversations.records import RecordKey, conversation_fingerprint, record_scope
 from router.proxy import build_app
 from router.service import RouterService
 from router.workers import WorkerId

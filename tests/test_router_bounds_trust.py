@@ -17,7 +17,7 @@ from aiohttp import web
 
 from deploy.local.services import free_port
 from router.api import Endpoint, parse_request
-from router.continuation.render import TokenizeFailed, TurnRenderer
+from router.conversations.render import TokenizeFailed, TurnRenderer
 from router.limits import TOKENIZE_MAX_BYTES
 from router.tokenize import TokenizeSpec
 from router.tokenize_client import PromptTokenizer

@@ -22,8 +22,8 @@ from kvstore.keys import SessionId
 from router.api import Endpoint, parse_request
 from router.commands import config_from_args
 from router.config import RouterConfig, StaticWorker
-from router.continuation import MemoryRecords, TurnEnd, asks_continuation
-from router.continuation.service import conversation_tokens
+from router.conversations import MemoryRecords, TurnEnd, asks_continuation
+from router.conversations.service import conversation_tokens
 from router.errors import BadRequest
 from router.proxy import build_app
 from router.service import RouterService
@@ -202,7 +202,7 @@ def test_records_are_filed_per_tenant() -> None:
     """Two API tenants using the same session id never read each other's history."""
     import asyncio
 
-    from router.continuation.records import record_scope
+    from router.conversations.records import record_scope
 
     async def scenario() -> None:
         records = MemoryRecords()

@@ -28,8 +28,8 @@ from deploy.local.engines import EngineSettings, kv_transfer_config
 from deploy.local.services import EtcdServer, free_port, start_etcd, stop_process
 from kvstore.keys import SessionId
 from kvstore.tiers.factory import RemoteSpec
-from router.continuation import StoreRecords
-from router.continuation.records import RecordKey
+from router.conversations import StoreRecords
+from router.conversations.records import RecordKey
 from tests.deploy_cli import spawn_cli
 from tests.models import TinyModel
 from tests.router_harness import wait_until

@@ -535,7 +535,7 @@ class BlockServiceCore:
             raise Refusal(R.PERMISSION_DENIED,
                           "the manifest's tenant is not granted to this token")
         # Generations are wall-clock microseconds plus a minute per router epoch (connectors/
-        # vllm/manifests.py, router/continuation/records.py): one far ahead of the clock would
+        # vllm/manifests.py, router/conversations/records.py): one far ahead of the clock would
         # pin the session, every later write silently losing to it (M7).
         ahead = manifest.generation - time.time_ns() // 1000
         if ahead > MAX_GENERATION_AHEAD_US:

@@ -1,7 +1,7 @@
 """Resuming a broken stream on another worker: what the new worker is sent, and what the
 stream's record does once it took it. The relay and the decision to resume are the request
 director's (`router/director.py`), which sends what this module builds through the dispatcher
-(not to be confused with `router/continuation/`, stateful conversations: a client sending only
+(not to be confused with `router/conversations/`, stateful conversations: a client sending only
 its new turn).
 
 A stream breaks when the worker producing it does (connection lost, engine error event,

@@ -33,7 +33,7 @@ from kvstore.etcd.flags import etcd_spec_from_args
 from kvstore.keys import validate_name
 from kvstore.mac import MacKey
 from kvstore.tiers.factory import RemoteSpec
-from router.continuation.records import RecordKey
+from router.conversations.records import RecordKey
 
 __all__ = ["ContinuationConfig", "add_arguments", "from_args", "STORE_TENANT",
            "SHARED_TENANTS"]

@@ -37,8 +37,8 @@ from prometheus_client import Counter
 from kvstore.errors import ForgedBlock, KVKeepError
 from kvstore.keys import SessionId
 from router.api import ClientRequest, Endpoint
-from router.continuation.records import ConversationRecords, generation_after, record_scope
-from router.continuation.render import TokenizeFailed, TurnRenderer, token_ids
+from router.conversations.records import ConversationRecords, generation_after, record_scope
+from router.conversations.render import TokenizeFailed, TurnRenderer, token_ids
 from router.core import RouterCore
 from router.errors import BadRequest, HistoryUnavailable, UpstreamError
 
