@@ -14,7 +14,7 @@ from typing import Any
 from benchmarks.plots import RatioPanel, write_ratio_plots
 from benchmarks.progress import progress
 
-__all__ = ["run_benchmark"]
+__all__ = ["run_benchmark", "as_json"]
 
 
 def run_benchmark(name: str, measure: Callable[[argparse.Namespace], dict[str, Any]],
@@ -37,7 +37,10 @@ def run_benchmark(name: str, measure: Callable[[argparse.Namespace], dict[str, A
                        "seconds": round(time.perf_counter() - started, 1)}
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
+        # Whole or not at all: a run killed while writing leaves the previous results.
+        tmp = args.json.with_name(args.json.name + ".tmp")
+        tmp.write_text(json.dumps(results, indent=2) + "\n")
+        tmp.replace(args.json)
         if plots is not None:
             png = write_ratio_plots(args.json, f"benchmarks.{name}", plots(results))
             if png is not None:
@@ -46,3 +49,8 @@ def run_benchmark(name: str, measure: Callable[[argparse.Namespace], dict[str, A
     if not args.quick or not args.json:
         sys.stdout.write(render(results) + "\n")
     return 0
+
+
+def as_json(results: dict[str, Any]) -> str:
+    """The `render` of a benchmark whose results read best as they are."""
+    return json.dumps(results, indent=2)

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import restore as cpu_bench  # its engine helpers; sets vLLM's env first
+from benchmarks.cli import as_json, run_benchmark
 from benchmarks.progress import progress
 
 __all__ = ["main"]
@@ -105,27 +106,22 @@ def run(contexts: list[int], paths: list[str], trials: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_vllm",
-                                     description=__doc__.split("\n\n")[0])
-    parser.add_argument("--json", type=Path, help="write the results here")
-    parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192])
-    parser.add_argument("--paths", nargs="+", choices=("auto", "device_decode", "staged"),
-                        default=["auto", "staged"])
-    parser.add_argument("--trials", type=int, default=3)
-    args = parser.parse_args(argv)
-    why = _why_not()
-    started = time.perf_counter()
-    results: dict[str, Any] = ({"skipped": why} if why is not None
-                               else run(args.contexts, args.paths, args.trials))
-    results["wall_s"] = round(time.perf_counter() - started, 1)
-    text = json.dumps(results, indent=2)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text + "\n")
-    sys.stdout.write(text + "\n")
-    if why is not None:
-        progress(f"skipped: {why}")
-    return 0
+    def shape(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--contexts", type=int, nargs="+",
+                            help="prompt lengths (default 2048 8192; --quick: 2048)")
+        parser.add_argument("--paths", nargs="+", choices=("auto", "device_decode", "staged"),
+                            default=["auto", "staged"])
+        parser.add_argument("--trials", type=int, default=3)
+
+    def measure(args: argparse.Namespace) -> dict[str, Any]:
+        why = _why_not()
+        if why is not None:
+            progress(f"skipped: {why}")
+            return {"skipped": why}
+        contexts = args.contexts or ([2048] if args.quick else [2048, 8192])
+        return run(contexts, args.paths, args.trials)
+
+    return run_benchmark("gpu_vllm", measure, as_json, argv, extra_args=shape)
 
 
 if __name__ == "__main__":

@@ -58,6 +58,7 @@ from benchmarks.baselines import (
     memcpy_gbps,
     tcp_loopback_gbps,
 )
+from benchmarks.cli import run_benchmark
 from deploy.local.daemons import DaemonProcess, start_daemon
 from deploy.local.services import start_redis
 from kvstore.commands.store import MALLOC_ENV
@@ -352,44 +353,37 @@ def _ratios(adapters: dict[str, dict[str, dict[str, Any]]], baseline: dict[str, 
     return out
 
 
-def _print_table(result: dict[str, Any]) -> None:
+def _table(result: dict[str, Any]) -> str:
+    lines: list[str] = []
+    add = lines.append
     base = result["baseline"]
-    print(f"baselines: memcpy {base['memcpy_gbps']:.1f}, disk write {base['disk_write_gbps']:.2f}"
-          f" (+fsync {base['disk_write_fsync_gbps']:.2f}), cold read "
-          f"{base['disk_cold_read_gbps']:.2f}, loopback TCP {base['tcp_loopback_gbps']:.2f} GB/s")
-    print(f"{'adapter':>10} {'size':>7} {'store':>7} {'load':>7} {'cold':>7} {'lookup us/key':>14}")
+    add(f"baselines: memcpy {base['memcpy_gbps']:.1f}, disk write {base['disk_write_gbps']:.2f}"
+        f" (+fsync {base['disk_write_fsync_gbps']:.2f}), cold read "
+        f"{base['disk_cold_read_gbps']:.2f}, loopback TCP {base['tcp_loopback_gbps']:.2f} GB/s")
+    add(f"{'adapter':>10} {'size':>7} {'store':>7} {'load':>7} {'cold':>7} {'lookup us/key':>14}")
     for name, by_size in result["adapters"].items():
         for label, r in by_size.items():
-            print(f"{name:>10} {label:>7} {r['store_gbps']:7.2f} {r['load_gbps']:7.2f} "
-                  f"{r['load_cold_gbps']:7.2f} {r['lookup_us_per_key']:14.1f}")
+            add(f"{name:>10} {label:>7} {r['store_gbps']:7.2f} {r['load_gbps']:7.2f} "
+                f"{r['load_cold_gbps']:7.2f} {r['lookup_us_per_key']:14.1f}")
     for label, rs in base["redis_get_gbps"].items():
-        print(f"{label}: redis-py SET {base['redis_set_gbps'][label]:.2f}, GET {rs:.2f} GB/s; "
-              f"disk write+fsync per object {base['disk_write_fsync_gbps_per_object'][label]:.2f}"
-              f" GB/s")
+        add(f"{label}: redis-py SET {base['redis_set_gbps'][label]:.2f}, GET {rs:.2f} GB/s; "
+            f"disk write+fsync per object {base['disk_write_fsync_gbps_per_object'][label]:.2f}"
+            f" GB/s")
     for pair in ("kvkeep/fs_native", "kvkeep/resp", "kvkeep_nofsync/fs_native",
                  "kvkeep_nofsync/resp"):
         for label, r in result["ratios"][pair].items():
-            print(f"{pair} {label}: " + ", ".join(f"{m.removesuffix('_gbps')} x{v:.2f}"
-                                                  for m, v in r.items()))
+            add(f"{pair} {label}: " + ", ".join(f"{m.removesuffix('_gbps')} x{v:.2f}"
+                                                for m, v in r.items()))
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="two sizes, one repetition")
-    parser.add_argument("--json", type=Path, default=None, help="write the figures here")
-    parser.add_argument("--lmcache-venv", type=Path, default=ROOT / ".venv-lmcache",
-                        help="the venv `make bench-lmcache` builds (default .venv-lmcache)")
-    args = parser.parse_args(argv)
-    started = time.monotonic()
-    result = run(args.quick, args.lmcache_venv.resolve())
-    _print_table(result)
-    print(f"({time.monotonic() - started:.1f} s)")
-    if args.json:
-        tmp = args.json.with_suffix(args.json.suffix + ".tmp")
-        tmp.write_text(json.dumps(result, indent=2) + "\n")
-        tmp.replace(args.json)
-    return 0
+    def lmcache_venv(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--lmcache-venv", type=Path, default=ROOT / ".venv-lmcache",
+                            help="the venv `make bench-lmcache` builds (default .venv-lmcache)")
+
+    return run_benchmark("lmcache", lambda args: run(args.quick, args.lmcache_venv.resolve()),
+                         _table, argv, extra_args=lmcache_venv)
 
 
 if __name__ == "__main__":

@@ -65,7 +65,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import shutil
 import socket
@@ -80,7 +79,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.baselines import tcp_loopback_gbps
-from benchmarks.plots import RatioPanel, write_ratio_plots
+from benchmarks.cli import run_benchmark
+from benchmarks.plots import RatioPanel
 from benchmarks.processes import bench_daemon, free_port, stop_process
 from benchmarks.progress import progress
 from kvstore.commands.store import MALLOC_ENV
@@ -501,58 +501,61 @@ def plots(result: dict[str, Any]) -> list[RatioPanel]:
     return panels
 
 
-def _print_table(result: dict[str, object]) -> None:
+def _table(result: dict[str, object]) -> str:
+    lines: list[str] = []
+    add = lines.append
     base = result["baseline"]
     remote = result["remote"]
     assert isinstance(base, dict) and isinstance(remote, dict)
     tcp = base["tcp_loopback_gbps"]
-    print(f"loopback TCP: {tcp:.2f} GB/s")
-    print(f"{'size':>6} {'get':>7} {'redis get':>10} {'ratio':>6} {'put':>7} "
-          f"{'redis set':>10} {'ratio':>6} {'get/tcp':>8}")
+    add(f"loopback TCP: {tcp:.2f} GB/s")
+    add(f"{'size':>6} {'get':>7} {'redis get':>10} {'ratio':>6} {'put':>7} "
+        f"{'redis set':>10} {'ratio':>6} {'get/tcp':>8}")
     for label in SIZES:
         g, rg = remote["get_gbps"][label], base["redis_get_gbps"][label]
         p, rs = remote["put_gbps"][label], base["redis_set_gbps"][label]
-        print(f"{label:>6} {g:7.2f} {rg:10.2f} {g / rg:6.2f} {p:7.2f} {rs:10.2f} {p / rs:6.2f} "
-              f"{g / tcp:8.2f}")
-    print(f"lookup of 1,000 keys: p99 {remote['lookup_p99_ms']:.2f} ms "
-          f"(p50 {remote['lookup_p50_ms']:.2f}; redis 1,000 EXISTS pipelined: p99 "
-          f"{base['redis_exists_1000_p99_ms']:.2f} ms); transport: {remote['transport']}")
+        add(f"{label:>6} {g:7.2f} {rg:10.2f} {g / rg:6.2f} {p:7.2f} {rs:10.2f} {p / rs:6.2f} "
+            f"{g / tcp:8.2f}")
+    add(f"lookup of 1,000 keys: p99 {remote['lookup_p99_ms']:.2f} ms "
+        f"(p50 {remote['lookup_p50_ms']:.2f}; redis 1,000 EXISTS pipelined: p99 "
+        f"{base['redis_exists_1000_p99_ms']:.2f} ms); transport: {remote['transport']}")
     one = remote["lookup_1_p50_us"]
-    print(f"lookup of 1 key, p50: data plane {one['tcp']:.0f} us, gRPC {one['grpc']:.0f} us, "
-          f"redis EXISTS {base['redis_exists_1_p50_us']:.0f} us")
+    add(f"lookup of 1 key, p50: data plane {one['tcp']:.0f} us, gRPC {one['grpc']:.0f} us, "
+        f"redis EXISTS {base['redis_exists_1_p50_us']:.0f} us")
     kinds = result["transports"]
     ratio = result["tcp_over_grpc"]
     assert isinstance(kinds, dict) and isinstance(ratio, dict)
-    print("block transports, ABBA rounds (GB/s, medians; ratio: median of per-round TCP/gRPC):")
-    print(f"{'size':>6} {'tcp get':>8} {'grpc get':>9} {'ratio':>6} {'tcp put':>8} "
-          f"{'grpc put':>9} {'ratio':>6}")
+    add("block transports, ABBA rounds (GB/s, medians; ratio: median of per-round TCP/gRPC):")
+    add(f"{'size':>6} {'tcp get':>8} {'grpc get':>9} {'ratio':>6} {'tcp put':>8} "
+        f"{'grpc put':>9} {'ratio':>6}")
     for label in SIZES:
         tg, gg = kinds["tcp"]["get_gbps"][label], kinds["grpc"]["get_gbps"][label]
         tp, gp = kinds["tcp"]["put_gbps"][label], kinds["grpc"]["put_gbps"][label]
-        print(f"{label:>6} {tg:8.2f} {gg:9.2f} {ratio['get'][label]:6.2f} {tp:8.2f} {gp:9.2f} "
-              f"{ratio['put'][label]:6.2f}")
+        add(f"{label:>6} {tg:8.2f} {gg:9.2f} {ratio['get'][label]:6.2f} {tp:8.2f} {gp:9.2f} "
+            f"{ratio['put'][label]:6.2f}")
     cpu = result["grpc_cpu_over_tcp"]
     assert isinstance(cpu, dict)
-    print("CPU s per GB (this process + the daemon), gRPC / TCP, median of rounds: "
-          + ", ".join(f"{label} get {cpu['get'][label]:.2f} put {cpu['put'][label]:.2f}"
-                      for label in SIZES))
+    add("CPU s per GB (this process + the daemon), gRPC / TCP, median of rounds: "
+        + ", ".join(f"{label} get {cpu['get'][label]:.2f} put {cpu['put'][label]:.2f}"
+                    for label in SIZES))
     cluster = result["redis_cluster"]
     assert isinstance(cluster, dict)
-    print("Redis Cluster (3 masters + 3 replicas), GB/s, medians; ratio: median of per-round "
-          "kvkeep/redis-py; daemons: the remote tier above:")
-    print(f"{'size':>6} {'kvkeep get':>11} {'redis get':>10} {'ratio':>6} {'daemons':>8} "
-          f"{'kvkeep put':>11} {'redis set':>10} {'ratio':>6} {'daemons':>8}")
+    add("Redis Cluster (3 masters + 3 replicas), GB/s, medians; ratio: median of per-round "
+        "kvkeep/redis-py; daemons: the remote tier above:")
+    add(f"{'size':>6} {'kvkeep get':>11} {'redis get':>10} {'ratio':>6} {'daemons':>8} "
+        f"{'kvkeep put':>11} {'redis set':>10} {'ratio':>6} {'daemons':>8}")
     for label in SIZES:
-        print(f"{label:>6} {cluster['kvkeep_get_gbps'][label]:11.2f} "
-              f"{cluster['redis_get_gbps'][label]:10.2f} "
-              f"{cluster['get_over_redis'][label]:6.2f} {remote['get_gbps'][label]:8.2f} "
-              f"{cluster['kvkeep_put_gbps'][label]:11.2f} "
-              f"{cluster['redis_set_gbps'][label]:10.2f} "
-              f"{cluster['put_over_redis'][label]:6.2f} {remote['put_gbps'][label]:8.2f}")
-    print(f"lookup of 1,000 keys on the cluster: kvkeep p99 "
-          f"{cluster['kvkeep_lookup_1000_p99_ms']:.2f} ms (p50 "
-          f"{cluster['kvkeep_lookup_1000_p50_ms']:.2f}); redis-py 1,000 EXISTS pipelined: p99 "
-          f"{cluster['redis_exists_1000_p99_ms']:.2f} ms")
+        add(f"{label:>6} {cluster['kvkeep_get_gbps'][label]:11.2f} "
+            f"{cluster['redis_get_gbps'][label]:10.2f} "
+            f"{cluster['get_over_redis'][label]:6.2f} {remote['get_gbps'][label]:8.2f} "
+            f"{cluster['kvkeep_put_gbps'][label]:11.2f} "
+            f"{cluster['redis_set_gbps'][label]:10.2f} "
+            f"{cluster['put_over_redis'][label]:6.2f} {remote['put_gbps'][label]:8.2f}")
+    add(f"lookup of 1,000 keys on the cluster: kvkeep p99 "
+        f"{cluster['kvkeep_lookup_1000_p99_ms']:.2f} ms (p50 "
+        f"{cluster['kvkeep_lookup_1000_p50_ms']:.2f}); redis-py 1,000 EXISTS pipelined: p99 "
+        f"{cluster['redis_exists_1000_p99_ms']:.2f} ms")
+    return "\n".join(lines)
 
 
 def _reexec_with_allocator_settings() -> None:
@@ -565,26 +568,14 @@ def _reexec_with_allocator_settings() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="fewer bytes and repeats (<60 s)")
-    parser.add_argument("--json", type=Path, default=None, help="write the figures here")
-    args = parser.parse_args(argv)
     if argv is None:
         _reexec_with_allocator_settings()
-    started = time.monotonic()
-    progress("starting redis-server and a kvstore daemon")
-    result = run(args.quick)
-    _print_table(result)
-    print(f"({time.monotonic() - started:.1f} s)")
-    if args.json:
-        tmp = args.json.with_suffix(args.json.suffix + ".tmp")
-        tmp.write_text(json.dumps(result, indent=2) + "\n")
-        tmp.replace(args.json)
-        png = write_ratio_plots(args.json, "benchmarks.remote", plots(result))
-        progress(f"plot: {png}")
-    progress("done")
-    return 0
+
+    def measure(args: argparse.Namespace) -> dict[str, Any]:
+        progress("starting redis-server and a kvstore daemon")
+        return dict(run(args.quick))
+
+    return run_benchmark("remote", measure, _table, argv, plots=plots)
 
 
 if __name__ == "__main__":

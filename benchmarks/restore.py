@@ -57,7 +57,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import json
 import os
 import random
 import statistics
@@ -68,7 +67,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from benchmarks.plots import RatioPanel, write_ratio_plots
+from benchmarks.cli import as_json, run_benchmark
+from benchmarks.plots import RatioPanel
 from benchmarks.processes import bench_daemon
 from benchmarks.progress import progress
 
@@ -384,27 +384,17 @@ def plots(results: dict[str, Any]) -> list[RatioPanel]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.restore",
-                                     description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="8 layers, contexts up to 2048")
-    parser.add_argument("--json", type=Path, help="write the results here")
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--layers", type=int)
-    parser.add_argument("--contexts", type=int, nargs="+")
-    parser.add_argument("--trials", type=int)
-    args = parser.parse_args(argv)
-    started = time.perf_counter()
-    results = run(quick=args.quick, hidden=args.hidden, layers=args.layers,
-                  contexts=args.contexts, trials=args.trials)
-    results["wall_s"] = round(time.perf_counter() - started, 1)
-    text = json.dumps(results, indent=2)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text + "\n")
-        progress(f"plot: {write_ratio_plots(args.json, 'benchmarks.restore', plots(results))}")
-    print(text)
-    progress("done")
-    return 0
+    def shape(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--hidden", type=int, default=1024)
+        parser.add_argument("--layers", type=int)
+        parser.add_argument("--contexts", type=int, nargs="+")
+        parser.add_argument("--trials", type=int)
+
+    def measure(args: argparse.Namespace) -> dict[str, Any]:
+        return run(quick=args.quick, hidden=args.hidden, layers=args.layers,
+                   contexts=args.contexts, trials=args.trials)
+
+    return run_benchmark("restore", measure, as_json, argv, extra_args=shape, plots=plots)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.plots import RatioPanel, write_ratio_plots
+from benchmarks.cli import as_json, run_benchmark
+from benchmarks.plots import RatioPanel
 from benchmarks.processes import free_port, stop_process
 from benchmarks.progress import progress
 from kvstore.keys import SessionId
@@ -492,10 +493,10 @@ def plots(result: dict[str, Any]) -> list[RatioPanel]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.router", description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="fewer requests (about 1 minute)")
-    parser.add_argument("--json", type=Path, default=None, help="write results here")
-    args = parser.parse_args(argv)
+    return run_benchmark("router", measure, as_json, argv, plots=plots)
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
     decisions = 20_000 if args.quick else 100_000
     requests = 1280 if args.quick else 6400
     result: dict[str, Any] = {}
@@ -513,14 +514,7 @@ def main(argv: list[str] | None = None) -> int:
         result["replay"][policy] = replay(policy, turns=turns)
     progress(f"policy replay: kvkeep without the store, {turns} turns")
     result["replay"]["kvkeep-no-store"] = replay("kvkeep", turns=turns, store=False)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text + "\n")
-        progress(f"plot: {write_ratio_plots(args.json, 'benchmarks.router', plots(result))}")
-    progress("done")
-    return 0
+    return result
 
 
 if __name__ == "__main__":
