@@ -44,7 +44,7 @@ from benchmarks.processes import bench_daemon
 from benchmarks.progress import progress
 from connectors.vllm.config import ConnectorConfig
 from connectors.vllm.scheduler_side import SchedulerSide
-from connectors.vllm.stats import Counters
+from connectors.vllm.stats import Counts
 from deploy.chaos.slow_link import SlowLink
 from kvstore.frame import CodecId, Compression, DType, build_frame
 from kvstore.keys import BlockKey, ModelFingerprint, Namespace
@@ -163,7 +163,7 @@ def _side(store: TieredStore, *, inline: bool) -> SchedulerSide:
     config = ConnectorConfig.from_extra({"store": {"host_bytes": 1},
                                          "restore_deadline_ms": 2000})
     side = SchedulerSide(config=config, fingerprint=FP, store=store, block_size=BLOCK_SIZE,
-                         num_layers=2, counters=Counters())
+                         num_layers=2, counters=Counts())
     if inline and side._background is not None:
         # The connector before issue 18: the whole lookup inside the step.
         side._background.close()

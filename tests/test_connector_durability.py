@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from connectors.vllm.config import DEFAULT_DURABILITY_TIMEOUT_MS, ConnectorConfig
 from connectors.vllm.prometheus import KVKeepPromMetrics, KVKeepStats, StatsReporter
-from connectors.vllm.stats import Counters
+from connectors.vllm.stats import Counts
 from connectors.vllm.telemetry import Telemetry
 from kvstore.errors import ConfigError
 from kvstore.metrics import COPY_LAG_BUCKETS, RecentObservations
@@ -76,7 +76,7 @@ def test_recent_observations_are_taken_once_and_bounded() -> None:
 def test_copy_lags_reach_the_api_servers_histogram_by_tier() -> None:
     store = TieredStore.from_specs([HostSpec(1 << 20)])
     try:
-        reporter = StatsReporter(Counters(), block_size=BS, store=store, telemetry=Telemetry(),
+        reporter = StatsReporter(Counts(), block_size=BS, store=store, telemetry=Telemetry(),
                                  store_interval_s=0)
         for i in range(3):
             key = block_key(i)

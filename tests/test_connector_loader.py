@@ -16,7 +16,7 @@ from connectors.vllm.layouts import LayoutSpec
 from connectors.vllm.loader import Loader, layer_stages
 from connectors.vllm.metadata import BlockRun, LoadSpec
 from connectors.vllm.outbox import WorkerOutbox
-from connectors.vllm.stats import Counter, Counters
+from connectors.vllm.stats import Count, Counts
 from connectors.vllm.worker_context import WorkerContext
 from kvstore.block import decode_layer, encode_block
 from kvstore.frame import BlockRead, CodecId, LayerRange
@@ -88,7 +88,7 @@ def test_loader_restores_what_frames_hold(store: TieredStore, layout: tuple[str,
         return reads
 
     store.get_many = get_many  # type: ignore[method-assign]
-    counters, outbox = Counters(), WorkerOutbox()
+    counters, outbox = Counts(), WorkerOutbox()
     codec_id = CodecId.INT8 if codec == "int8" else CodecId.RAW
     loader = Loader(WorkerContext(store, caches, fp, codec_id, outbox, counters),
                     deadline_s=10.0, first_layers=first_layers)
@@ -101,8 +101,8 @@ def test_loader_restores_what_frames_hold(store: TieredStore, layout: tuple[str,
     finally:
         loader.shutdown()
     snapshot = counters.snapshot()
-    assert snapshot[Counter.LOAD_MISSING] == 2 and snapshot[Counter.LOAD_CORRUPT] == 1
-    assert snapshot[Counter.LOADED_BLOCKS] == 13
+    assert snapshot[Count.LOAD_MISSING] == 2 and snapshot[Count.LOAD_CORRUPT] == 1
+    assert snapshot[Count.LOADED_BLOCKS] == 13
     assert outbox.take_load_errors() == {targets[1], targets[2], targets[4]}
     report = outbox.take_report()
     assert report is not None and [(r.first, r.count, r.restored) for r in report.loads] == [
@@ -136,7 +136,7 @@ def test_a_cancelled_load_writes_nothing_more(store: TieredStore) -> None:
         return real_get_many(*args, **kwargs)  # type: ignore[arg-type]
 
     store.get_many = slow_get_many  # type: ignore[method-assign,assignment]
-    counters, outbox = Counters(), WorkerOutbox()
+    counters, outbox = Counts(), WorkerOutbox()
     loader = Loader(WorkerContext(store, caches, fp, CodecId.RAW, outbox, counters),
                     deadline_s=0.2)
     try:
@@ -147,7 +147,7 @@ def test_a_cancelled_load_writes_nothing_more(store: TieredStore) -> None:
     finally:
         loader.shutdown()
         del store.get_many
-    assert counters.snapshot()[Counter.LOAD_LATE] == 1
+    assert counters.snapshot()[Count.LOAD_LATE] == 1
     assert not any(t[5].any() for t in caches.tensors)
 
 

@@ -20,7 +20,7 @@ import pytest
 
 from connectors.vllm.config import ConnectorConfig
 from connectors.vllm.scheduler_side import SchedulerSide
-from connectors.vllm.stats import Counter, Counters
+from connectors.vllm.stats import Count, Counts
 from deploy.local.daemons import start_daemon
 from kvstore.keys import BlockKey, ModelFingerprint, Namespace
 from kvstore.store import TieredStore
@@ -58,7 +58,7 @@ class NetworkLikeTier(HostTier):
 def _side(store: TieredStore, **extra: object) -> SchedulerSide:
     config = ConnectorConfig.from_extra({"store": {"host_bytes": 1}, **extra})
     return SchedulerSide(config=config, fingerprint=FP, store=store, block_size=BS,
-                         num_layers=2, counters=Counters())
+                         num_layers=2, counters=Counts())
 
 
 def _key(request: FakeRequest, i: int) -> BlockKey:
@@ -118,7 +118,7 @@ def test_network_lookups_leave_the_scheduler_loop_and_come_back() -> None:
         assert side.get_num_new_matched_tokens(short, 0) == (2 * BS, False)  # type: ignore[arg-type]
         assert slow.calls == 1
         counters = side._counters.snapshot()
-        assert counters[Counter.LOOKUPS] == 2 and counters[Counter.LOOKUP_DEADLINE] == 0
+        assert counters[Count.LOOKUPS] == 2 and counters[Count.LOOKUP_DEADLINE] == 0
     finally:
         side.shutdown()
         store.close()
@@ -162,7 +162,7 @@ def test_a_late_network_tier_restores_what_memory_holds_and_counts_the_deadline(
         _fill(slow, req, range(5))
         assert side.get_num_new_matched_tokens(req, 0) == (None, False)  # type: ignore[arg-type]
         assert _answer(side, req) == 2 * BS  # past 100 ms: the host tier's two blocks
-        assert side._counters.snapshot()[Counter.LOOKUP_DEADLINE] == 1
+        assert side._counters.snapshot()[Count.LOOKUP_DEADLINE] == 1
         # The late answer, when it comes, is dropped rather than kept for a request that
         # already moved on.
         background = side._background
@@ -206,7 +206,7 @@ def test_a_stopped_daemon_never_holds_the_scheduler(stopped_daemon: str) -> None
             asks += 1
             time.sleep(0.01)
         assert answer == BS and asks > 1  # never blocked: vLLM was told to ask again
-        assert side._counters.snapshot()[Counter.LOOKUP_DEADLINE] == 1
+        assert side._counters.snapshot()[Count.LOOKUP_DEADLINE] == 1
     finally:
         side.shutdown()
         store.close()

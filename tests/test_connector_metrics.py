@@ -24,8 +24,7 @@ from connectors.vllm.hash_check import (
     check_block_hashes_reproducible,
 )
 from connectors.vllm.prometheus import STORE_COUNTERS, KVKeepStats, StatsReporter
-from connectors.vllm.stats import Counter as Event
-from connectors.vllm.stats import Counters
+from connectors.vllm.stats import Count, Counts
 from connectors.vllm.telemetry import Telemetry
 from deploy.local.daemons import DaemonProcess, running_daemon
 from deploy.local.services import free_port
@@ -63,7 +62,7 @@ def test_every_store_counter_is_forwarded() -> None:
 
 
 def test_reports_are_deltas_that_survive_msgpack() -> None:
-    counters, telemetry = Counters(), Telemetry()
+    counters, telemetry = Counts(), Telemetry()
     store = TieredStore.from_specs([HostSpec(1 << 20)])
     try:
         reporter = StatsReporter(counters, block_size=16, store=store, telemetry=telemetry,
@@ -71,8 +70,8 @@ def test_reports_are_deltas_that_survive_msgpack() -> None:
         key = block_key(1)
         assert store.put(key, make_frame(key))
         assert store.get(key) is not None
-        counters.add(Event.LOADED_BLOCKS, 3)
-        counters.add(Event.LOAD_CORRUPT)
+        counters.add(Count.LOADED_BLOCKS, 3)
+        counters.add(Count.LOAD_CORRUPT)
         telemetry.restore(0.02, blocks=4, restored=3)
         telemetry.saved(0.5)
         first = reporter.take()
@@ -87,7 +86,7 @@ def test_reports_are_deltas_that_survive_msgpack() -> None:
         assert 0 <= host_lag < 60
         assert observations == {"restore_seconds": [0.02], "save_lag_seconds": [0.5]}
         assert reporter.take() is None  # nothing new, and the store is not read again yet
-        counters.add(Event.LOADED_BLOCKS)
+        counters.add(Count.LOADED_BLOCKS)
         second = reporter.take()
         assert second is not None and second.data["counters"] == {
             "events": {"loaded_blocks": 1}}

@@ -32,7 +32,7 @@ from connectors.vllm.restore_cost import (
     tier_kind,
 )
 from connectors.vllm.scheduler_side import SchedulerSide
-from connectors.vllm.stats import Counter, Counters
+from connectors.vllm.stats import Count, Counts
 from deploy.chaos.slow_link import slow_links
 from deploy.local.daemons import running_daemon
 from kvstore.errors import ConfigError
@@ -202,7 +202,7 @@ def test_policy_and_prefill_rate_are_checked_config_keys() -> None:
 def _side(store: TieredStore, **extra: object) -> SchedulerSide:
     config = ConnectorConfig.from_extra({"store": {"host_bytes": 1}, **extra})
     return SchedulerSide(config=config, fingerprint=FP, store=store, block_size=BS,
-                         num_layers=2, counters=Counters())
+                         num_layers=2, counters=Counts())
 
 
 @pytest.mark.parametrize("policy", ["cost", "always"])
@@ -219,17 +219,17 @@ def test_the_host_prefix_is_restored_and_the_slow_rest_computed(policy: str) -> 
         counters = side._counters
         if policy == "always":
             assert _answer(side, req) == 5 * BS
-            assert counters.snapshot()[Counter.DECIDED_RESTORE] == 1
+            assert counters.snapshot()[Count.DECIDED_RESTORE] == 1
             return
         assert _answer(side, req) == 2 * BS
         snap = counters.snapshot()
-        assert snap[Counter.DECIDED_PARTIAL] == 1 and snap[Counter.DECIDED_RESTORE] == 0
-        assert snap[Counter.DECIDED_RESTORE_TOKENS] == 2 * BS
-        assert snap[Counter.DECIDED_RECOMPUTE_TOKENS] == 3 * BS
-        assert snap[Counter.LOOKUP_HIT_BLOCKS] == 5  # what the store held, before the decision
+        assert snap[Count.DECIDED_PARTIAL] == 1 and snap[Count.DECIDED_RESTORE] == 0
+        assert snap[Count.DECIDED_RESTORE_TOKENS] == 2 * BS
+        assert snap[Count.DECIDED_RECOMPUTE_TOKENS] == 3 * BS
+        assert snap[Count.LOOKUP_HIT_BLOCKS] == 5  # what the store held, before the decision
         # vLLM asking again gets the decided answer, without a second decision.
         assert side.get_num_new_matched_tokens(req, 0) == (2 * BS, False)  # type: ignore[arg-type]
-        assert counters.snapshot()[Counter.DECIDED_PARTIAL] == 1
+        assert counters.snapshot()[Count.DECIDED_PARTIAL] == 1
 
         # On /metrics: the decision families, from the scheduler half's reporter.
         stats = StatsReporter(counters, block_size=BS).take()
@@ -251,7 +251,7 @@ MAX_TOKENS = 8
 
 def _wait_saved(blocks: int, timeout: float = 60.0) -> None:
     give_up = time.monotonic() + timeout
-    while worker_connector().counters()[Counter.SAVED_BLOCKS] < blocks:
+    while worker_connector().counters()[Count.SAVED_BLOCKS] < blocks:
         assert time.monotonic() < give_up, "the engine's saves did not land"
         time.sleep(0.05)
 
@@ -311,7 +311,7 @@ def test_an_engine_recomputes_a_prefix_on_a_slow_daemon(tiny: TinyModel, slow_da
         assert cost is not None and cost.tiers[0].latency_measured
         assert cost.tiers[0].latency_s >= LINK_DELAY_S  # the lookup's round trips
         decided = _decisions(llm)
-        loaded = worker_connector().counters()[Counter.LOADED_BLOCKS]
+        loaded = worker_connector().counters()[Count.LOADED_BLOCKS]
     restorable = (len(PROMPT) - 1) // BLOCK_SIZE * BLOCK_SIZE
     assert second.tokens == first.tokens
     restored = (second.kv_transfer_params or {}).get("restored_tokens") or 0

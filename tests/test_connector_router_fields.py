@@ -47,7 +47,7 @@ def test_hinted_restores_wait_longer_than_cold_ones(tiny: TinyModel, tmp_path: P
                                                     caplog: pytest.LogCaptureFixture) -> None:
     """With a store slower than `restore_deadline_ms` but faster than
     `hinted_restore_deadline_ms`: cold requests recompute, moved sessions restore."""
-    from connectors.vllm.stats import Counter
+    from connectors.vllm.stats import Count
     from connectors.vllm.stores import acquire_store, release_store
 
     store_spec = {"nvme": {"path": str(tmp_path / "nvme"), "bytes": 256 << 20}}
@@ -94,10 +94,10 @@ def test_hinted_restores_wait_longer_than_cold_ones(tiny: TinyModel, tmp_path: P
         worker = worker_connector().counters()
         sched = scheduler_connector(llm).counters()
         blocks = _restorable(PROMPTS[0]) // BLOCK_SIZE
-        assert worker[Counter.LOAD_LATE] == blocks  # the cold load, abandoned at its deadline
-        assert worker[Counter.LOADED_BLOCKS] == 2 * blocks  # both moved restores
-        assert sched[Counter.LOOKUP_DEADLINE] == 1  # the cold lookup behind the slow store
-        assert sched[Counter.RESTORES_HINTED] == 2 and sched[Counter.HINTED_BLOCKS_MISSING] == 0
+        assert worker[Count.LOAD_LATE] == blocks  # the cold load, abandoned at its deadline
+        assert worker[Count.LOADED_BLOCKS] == 2 * blocks  # both moved restores
+        assert sched[Count.LOOKUP_DEADLINE] == 1  # the cold lookup behind the slow store
+        assert sched[Count.RESTORES_HINTED] == 2 and sched[Count.HINTED_BLOCKS_MISSING] == 0
 
         # A moved session whose KV is partly gone: counted, logged with where it came from,
         # and recomputed from the first missing block.
@@ -115,7 +115,7 @@ def test_hinted_restores_wait_longer_than_cold_ones(tiny: TinyModel, tmp_path: P
         assert partial.tokens == reference[1].tokens
         assert partial.num_cached_tokens == 2 * BLOCK_SIZE
         missing = _restorable(PROMPTS[1]) // BLOCK_SIZE - 2
-        assert scheduler_connector(llm).counters()[Counter.HINTED_BLOCKS_MISSING] == missing
+        assert scheduler_connector(llm).counters()[Count.HINTED_BLOCKS_MISSING] == missing
         assert any("worker-7" in r.getMessage() and "failover" in r.getMessage()
                    for r in caplog.records)
 

@@ -26,7 +26,7 @@ from connectors.vllm.layouts import LayoutSpec
 from connectors.vllm.metadata import BlockRun, LoadSpec, Probe, SaveSpec, StepMetadata
 from connectors.vllm.scheduler_side import SchedulerSide
 from connectors.vllm.sleep import workers_asleep
-from connectors.vllm.stats import Counter, Counters
+from connectors.vllm.stats import Count, Counts
 from connectors.vllm.worker import WorkerSide
 from kvstore.block import decode_layer
 from kvstore.keys import BlockKey, ModelFingerprint, Namespace
@@ -47,7 +47,7 @@ class Rig:
     config: ConnectorConfig
     fingerprint: ModelFingerprint
     layout: LayoutSpec
-    counters: Counters
+    counters: Counts
     caches: list[torch.Tensor]
 
     def block(self, layer: int, block_id: int) -> torch.Tensor:
@@ -79,7 +79,7 @@ def rig(request: pytest.FixtureRequest) -> Iterator[Rig]:
     fp = ModelFingerprint("m", "w", "bfloat16", LAYERS, HEADS, HEAD_SIZE, BLOCK,
                           layout.layout_id, "raw")
     store = TieredStore([HostTier(32 << 20)])
-    counters = Counters()
+    counters = Counts()
     gen = torch.Generator().manual_seed(7)
     caches = [torch.randn((NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD_SIZE), generator=gen)
               .to(torch.bfloat16) for _ in range(LAYERS)]
@@ -145,7 +145,7 @@ def test_a_save_in_flight_when_sleep_starts_is_waited_for_and_reads_only_its_cop
     release.set()
     sleeper.join(30)
     assert not sleeper.is_alive()
-    assert rig.counters.snapshot()[Counter.SAVED_BLOCKS] == 2
+    assert rig.counters.snapshot()[Count.SAVED_BLOCKS] == 2
     for j, block_hash in enumerate(HASHES[:2]):
         for layer in range(LAYERS):
             assert torch.equal(rig.stored(block_hash, layer), expected[j][layer])
@@ -193,8 +193,8 @@ def test_a_load_in_flight_when_sleep_starts_is_cancelled_and_writes_nothing_afte
     for cache, snapshot in zip(rig.caches, before, strict=True):
         assert torch.equal(cache, snapshot)
     assert rig.worker.get_block_ids_with_load_errors() == {8, 9}
-    assert rig.counters.snapshot()[Counter.LOAD_LATE] == 2
-    assert rig.counters.snapshot()[Counter.LOADED_BLOCKS] == 0
+    assert rig.counters.snapshot()[Count.LOAD_LATE] == 2
+    assert rig.counters.snapshot()[Count.LOADED_BLOCKS] == 0
 
 
 def _scheduler_connector(rig: Rig) -> KVKeepConnector:
@@ -205,14 +205,14 @@ def _scheduler_connector(rig: Rig) -> KVKeepConnector:
     connector._worker = None
     connector._scheduler = SchedulerSide(
         config=rig.config, fingerprint=rig.fingerprint, store=rig.store, block_size=BLOCK,
-        num_layers=LAYERS, counters=Counters(), event_medium=None)
+        num_layers=LAYERS, counters=Counts(), event_medium=None)
     return connector
 
 
 def test_asleep_lookups_find_nothing_and_no_step_touches_the_caches(rig: Rig) -> None:
     rig.run_step(StepMetadata(saves=(_save((0, 1, 2, 3), HASHES),)))  # all four stored
     rig.worker.drain_manifests()
-    _until(lambda: rig.counters.snapshot()[Counter.SAVED_BLOCKS] == 4, "saves never ended")
+    _until(lambda: rig.counters.snapshot()[Count.SAVED_BLOCKS] == 4, "saves never ended")
     rig.worker.take_report()
     connector = _scheduler_connector(rig)
     request = FakeRequest("q", list(range(4 * BLOCK + 1)), 4 * BLOCK + 1)

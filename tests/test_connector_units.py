@@ -23,7 +23,7 @@ from connectors.vllm.metadata import (
 from connectors.vllm.params import RestoreParams, namespace_for, parse_params
 from connectors.vllm.prometheus import StatsReporter
 from connectors.vllm.scheduler_side import SchedulerSide
-from connectors.vllm.stats import Counter, Counters
+from connectors.vllm.stats import Count, Counts
 from kvstore.codecs import DEFAULT_INT8
 from kvstore.errors import ConfigError, InvalidKey
 from kvstore.keys import ModelFingerprint, SessionId
@@ -134,10 +134,10 @@ def test_load_reports_count_the_run_before_the_first_failure() -> None:
     job = LoadJob(tuple([LoadBlock(10 + i, keys[i], "r1", 2 + i) for i in range(4)]
                         + [LoadBlock(20 + i, keys[4 + i], "r2", i) for i in range(3)]),
                   ("r1", "r2"), 0.0, 2)
-    job.fail(12, Counter.LOAD_CORRUPT)  # r1's block 4: vLLM recomputes 4 and 5, keeps 2, 3
-    job.fail(13, Counter.LOAD_MISSING)
+    job.fail(12, Count.LOAD_CORRUPT)  # r1's block 4: vLLM recomputes 4 and 5, keeps 2, 3
+    job.fail(13, Count.LOAD_MISSING)
     assert set(job.reports()) == {LoadReport("r1", 2, 4, 2), LoadReport("r2", 0, 3, 3)}
-    job.fail(20, Counter.LOAD_LATE)
+    job.fail(20, Count.LOAD_LATE)
     assert LoadReport("r2", 0, 3, 0) in job.reports()
     # With tensor parallelism a block is restored only where every rank loaded it.
     a = WorkerReport(loads=(LoadReport("r1", 2, 4, 4), LoadReport("r2", 0, 3, 3)))
@@ -203,7 +203,7 @@ def _side(store: FakeStore, event_medium: str | None = None, **extra: Any) -> Sc
     config = ConnectorConfig.from_extra({"store": {"host_bytes": 1}, **extra})
     fp = ModelFingerprint("m", "w", "bfloat16", 2, 2, 32, BS, "cpu/tnhd", config.codec)
     return SchedulerSide(config=config, fingerprint=fp, store=store,  # type: ignore[arg-type]
-                         block_size=BS, num_layers=2, counters=Counters(),
+                         block_size=BS, num_layers=2, counters=Counts(),
                          event_medium=event_medium)
 
 
@@ -362,7 +362,7 @@ def test_unprotected_tokens_are_computed_blocks_the_store_does_not_hold() -> Non
     assert side.unprotected_tokens() == (0, 0)
     # Reported as gauges, when they change.
     values = [(5 * BS, 3 * BS), (5 * BS, 3 * BS), (0, 0)]
-    reporter = StatsReporter(Counters(), block_size=BS, unprotected=lambda: values.pop(0),
+    reporter = StatsReporter(Counts(), block_size=BS, unprotected=lambda: values.pop(0),
                              store_interval_s=0)
     first = reporter.take()
     assert first is not None and first.data["gauges"]["unprotected_tokens"] == {"": 5.0 * BS}
@@ -474,8 +474,8 @@ def test_hinted_requests_get_the_longer_deadline_and_count_misses() -> None:
     deadlines = {load.run.req_id: load.deadline_s for load in meta.loads}
     assert deadlines == {"a": 0.7, "b": 0.1}
     snapshot = counters.snapshot()
-    assert snapshot[Counter.RESTORES_HINTED] == 1
-    assert snapshot[Counter.HINTED_BLOCKS_MISSING] == 5 - 2  # asked 5, the store held 2
+    assert snapshot[Count.RESTORES_HINTED] == 1
+    assert snapshot[Count.HINTED_BLOCKS_MISSING] == 5 - 2  # asked 5, the store held 2
     assert snapshot["restores_hinted"] == 1  # by value as well as by member
 
     probing = _side(FakeStore(), lookup="worker", restore_deadline_ms=100,
@@ -514,7 +514,7 @@ def test_two_workers_of_one_session_write_fenced_manifests() -> None:
         manifest = store.get_manifest(key)
         assert manifest is not None and manifest.token_count == 4 * BS  # the holder's
         assert manifest.token_ids == tuple(new.all_token_ids)
-        assert stale._counters.snapshot()[Counter.MANIFESTS_WRITTEN] == 1  # tried, refused
+        assert stale._counters.snapshot()[Count.MANIFESTS_WRITTEN] == 1  # tried, refused
 
         # A lagging router replica sends the old worker a request after the takeover, with
         # the old epoch: it began later, and still loses. With the holder's epoch it wins.

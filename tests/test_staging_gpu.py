@@ -17,7 +17,7 @@ from connectors.vllm.staging import RestorePipeline, SavePipeline, StagingConfig
 from connectors.vllm.staging.jobs import BatchJob, StagedBlock
 from connectors.vllm.staging.restore import _pinned
 from connectors.vllm.staging.streams import is_cuda_event, lane_for
-from connectors.vllm.stats import Counter
+from connectors.vllm.stats import Count
 from kvstore.block import encode_block
 from kvstore.codecs import get_codec
 from kvstore.errors import ConfigError
@@ -145,7 +145,7 @@ def test_staged_restore_on_the_device(pinned_store: TieredStore, variant: str) -
     if variant == "trusted":
         assert not job.failed
     else:
-        assert job.failed == {targets[3]: Counter.LOAD_CORRUPT}
+        assert job.failed == {targets[3]: Count.LOAD_CORRUPT}
     restored = [caches.bound[i].gather(caches.tensors[i], torch.tensor(targets, device="cuda"))
                 for i in range(LAYERS)]
     for layer in range(LAYERS):

@@ -31,7 +31,7 @@ from connectors.vllm.outbox import WorkerOutbox
 from connectors.vllm.staging import RestorePipeline, SavePipeline, StagingConfig
 from connectors.vllm.staging.frames import FrameLayout
 from connectors.vllm.staging.ring import Cancelled, StagingRing, split
-from connectors.vllm.stats import Counter, Counters
+from connectors.vllm.stats import Count, Counts
 from connectors.vllm.worker_context import WorkerContext
 from kvstore import frame
 from kvstore.block import decode_layer, encode_block
@@ -101,8 +101,8 @@ def _flip_in_host_pages(store: TieredStore, key: BlockKey, data: bytes, layer: i
 
 def _loader(store: TieredStore, caches: PagedCaches, fp: ModelFingerprint, codec: str,
             config: StagingConfig, *, first_layers: int = 0, deadline_s: float = 10.0,
-            mac_key: MacKey | None = None) -> tuple[Loader, Counters, WorkerOutbox]:
-    counters, outbox = Counters(), WorkerOutbox()
+            mac_key: MacKey | None = None) -> tuple[Loader, Counts, WorkerOutbox]:
+    counters, outbox = Counts(), WorkerOutbox()
     context = WorkerContext(store, caches, fp, get_codec(codec).codec_id, outbox, counters,
                             mac_key)
     loader = Loader(context, deadline_s=deadline_s, first_layers=first_layers, path="staged",
@@ -163,10 +163,10 @@ def test_staged_restore_writes_what_frames_hold(store: TieredStore, layout: str,
     finally:
         loader.shutdown()
     snapshot = counters.snapshot()
-    assert snapshot[Counter.LOAD_MISSING] == 1
-    assert snapshot[Counter.LOAD_CORRUPT] == 1
-    assert snapshot[Counter.LOAD_MISMATCH] == 1
-    assert snapshot[Counter.LOADED_BLOCKS] == 11
+    assert snapshot[Count.LOAD_MISSING] == 1
+    assert snapshot[Count.LOAD_CORRUPT] == 1
+    assert snapshot[Count.LOAD_MISMATCH] == 1
+    assert snapshot[Count.LOADED_BLOCKS] == 11
     assert outbox.take_load_errors() == {targets[1], targets[4], targets[9]}
     assert store.get(keys[1]) is None and store.get(keys[9]) is None  # deleted
     for i, (key, block_id) in enumerate(zip(keys, targets, strict=True)):
@@ -236,7 +236,7 @@ def test_verbatim_host_caches_are_written_in_place(store: TieredStore,
         assert _load(loader, targets, hashes)
     finally:
         loader.shutdown()
-    assert counters.snapshot()[Counter.LOADED_BLOCKS] == 9
+    assert counters.snapshot()[Count.LOADED_BLOCKS] == 9
     assert reads == [1]  # only the block the host tier did not hold
     segment = get_codec("raw").encoded_size(caches.block_shape, caches.dtype)
     # every segment hashed exactly once: 8 lent blocks where they lie, 1 by the nvme tier
@@ -270,7 +270,7 @@ def test_trusted_host_pages_are_not_hashed_again(store: TieredStore,
         assert _load(loader, (1, 2, 3, 4, 5), hashes)
     finally:
         loader.shutdown()
-    assert counters.snapshot()[Counter.LOADED_BLOCKS] == 5
+    assert counters.snapshot()[Count.LOADED_BLOCKS] == 5
     for key, block_id in zip(keys, (1, 2, 3, 4, 5), strict=True):
         assert torch.equal(_restored(caches, 2, block_id), _expected(caches, frames[key], 2))
 
@@ -295,8 +295,8 @@ def test_signed_frames_need_the_tenant_key(store: TieredStore, layout: str) -> N
         assert not _load(loader, (11, 12, 13, 14), hashes)
     finally:
         loader.shutdown()
-    assert counters.snapshot()[Counter.LOAD_FORGED] == 1
-    assert counters.snapshot()[Counter.LOADED_BLOCKS] == 3
+    assert counters.snapshot()[Count.LOAD_FORGED] == 1
+    assert counters.snapshot()[Count.LOADED_BLOCKS] == 3
     assert outbox.take_load_errors() == {13}
     assert not any(t.any() for t in (caches.bound[0].gather(caches.tensors[0],
                                                             torch.tensor([13])),))
@@ -328,7 +328,7 @@ def test_a_late_staged_restore_writes_nothing(store: TieredStore, layout: str,
         time.sleep(0.2)  # the loader thread, released, finds the job cancelled
     finally:
         loader.shutdown()
-    assert counters.snapshot()[Counter.LOAD_LATE] == 1
+    assert counters.snapshot()[Count.LOAD_LATE] == 1
     assert not any(t.any() for t in caches.tensors)
 
 
@@ -514,7 +514,7 @@ def test_device_decode_path_restores_what_frames_hold(store: TieredStore, layout
     frames = {key: _frame(caches, key, "int8-sym", gen) for key in keys}
     for key in keys:
         assert store.put(key, frames[key])
-    counters, outbox = Counters(), WorkerOutbox()
+    counters, outbox = Counts(), WorkerOutbox()
     loader = Loader(WorkerContext(store, caches, fp, get_codec("int8-sym").codec_id, outbox,
                                   counters), deadline_s=10.0, path="device_decode")
     targets = (2, 4, 6, 8, 10, 12)
@@ -522,7 +522,7 @@ def test_device_decode_path_restores_what_frames_hold(store: TieredStore, layout
         assert _load(loader, targets, hashes)
     finally:
         loader.shutdown()
-    assert counters.snapshot()[Counter.LOADED_BLOCKS] == 6
+    assert counters.snapshot()[Count.LOADED_BLOCKS] == 6
     for key, block_id in zip(keys, targets, strict=True):
         for layer in range(LAYERS):
             assert torch.equal(_restored(caches, layer, block_id),

@@ -36,7 +36,7 @@ from connectors.vllm.metadata import StepMetadata
 from connectors.vllm.prometheus import KVKeepPromMetrics, KVKeepStats, StatsReporter
 from connectors.vllm.scheduler_side import SchedulerSide
 from connectors.vllm.sleep import workers_asleep
-from connectors.vllm.stats import Counters, CounterSnapshot
+from connectors.vllm.stats import Counts, CountSnapshot
 from connectors.vllm.stores import (
     acquire_existing_store,
     acquire_store,
@@ -92,7 +92,7 @@ class KVKeepConnector(KVConnectorBase_V1):
         self._layout = layout
         check_codec(self._config.codec, layout, vllm_config.model_config.dtype)
         self._fingerprint = derive_fingerprint(vllm_config, self._config, layout)
-        self._counters = Counters()
+        self._counters = Counts()
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._store: TieredStore | None = None
@@ -139,18 +139,18 @@ class KVKeepConnector(KVConnectorBase_V1):
         if self._worker is not None:
             self._worker.drain_manifests(timeout)
 
-    def counters(self) -> CounterSnapshot:
+    def counters(self) -> CountSnapshot:
         """This half's counters (see `connectors.vllm.stats`), plus the shared store's own
         (`store_hits`, `store_misses`, `store_corrupt`, `store_errors`, `store_dropped`) and
         each tier's (`tier_<name>_hits`, `_misses`, `_corrupt`, `_errors`, `_rejected_puts`):
         tiers absorb their own failures (a dead daemon is a miss), so this is where they show."""
         mine = self._counters.snapshot().as_dict()
         if self._store is None:
-            return CounterSnapshot(MappingProxyType(mine))
+            return CountSnapshot(MappingProxyType(mine))
         try:
             stats = self._store.stats()
         except KVKeepError:
-            return CounterSnapshot(MappingProxyType(mine))
+            return CountSnapshot(MappingProxyType(mine))
         mine.update(store_hits=stats.hits, store_misses=stats.misses,
                     store_corrupt=stats.corrupt, store_errors=stats.errors,
                     store_dropped=stats.write_behind_dropped)
@@ -160,7 +160,7 @@ class KVKeepConnector(KVConnectorBase_V1):
                          f"tier_{tier.name}_corrupt": tier.corrupt,
                          f"tier_{tier.name}_errors": tier.errors,
                          f"tier_{tier.name}_rejected_puts": tier.rejected_puts})
-        return CounterSnapshot(MappingProxyType(mine))
+        return CountSnapshot(MappingProxyType(mine))
 
     # -- metrics (connectors.vllm.prometheus: they reach vLLM's own /metrics) ------------------
 

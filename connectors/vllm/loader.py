@@ -36,7 +36,7 @@ from connectors.vllm.caches import PagedCaches, recorded_event
 from connectors.vllm.config import RestorePath
 from connectors.vllm.metadata import BlockRun, LoadReport, LoadSpec, SaveReport
 from connectors.vllm.staging import RestorePipeline, StagingConfig
-from connectors.vllm.stats import Counter
+from connectors.vllm.stats import Count
 from connectors.vllm.worker_context import WorkerContext
 from kvstore.block import decode_layer, decode_layer_batch
 from kvstore.errors import CodecError, CorruptBlock, ForgedBlock
@@ -90,7 +90,7 @@ class LoadJob:
     layer_done: list[threading.Event] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
     cancelled: bool = False
-    failed: dict[int, Counter] = field(default_factory=dict)
+    failed: dict[int, Count] = field(default_factory=dict)
     """Paged block id -> why it failed (a `LOAD_FAILURES` counter)."""
     device_done: list[torch.cuda.Event | None] = field(default_factory=list)
     """Per layer, on a GPU: the scatter's completion on the loader's stream, which the forward's
@@ -105,14 +105,14 @@ class LoadJob:
         self.layer_done = [threading.Event() for _ in range(self.num_layers)]
         self.device_done = [None] * self.num_layers
 
-    def fail(self, block_id: int, reason: Counter) -> None:
+    def fail(self, block_id: int, reason: Count) -> None:
         self.failed.setdefault(block_id, reason)
 
-    def fail_all(self, reason: Counter) -> None:
+    def fail_all(self, reason: Count) -> None:
         for block in self.blocks:
             self.fail(block.block_id, reason)
 
-    def cancel(self, reason: Counter) -> None:
+    def cancel(self, reason: Count) -> None:
         """Stop the loader; every block it had not fully loaded fails with `reason`."""
         with self.lock:
             if self.cancelled or self.finished.is_set():
@@ -131,7 +131,7 @@ class LoadJob:
             return False
         if time.monotonic() > self.deadline:
             self.cancelled = True
-            self.fail_all(Counter.LOAD_LATE)
+            self.fail_all(Count.LOAD_LATE)
             return False
         return True
 
@@ -219,7 +219,7 @@ class Loader:
         if job is None:
             return
         if not job.layer_done[layer].wait(max(0.0, job.deadline - time.monotonic())):
-            job.cancel(Counter.LOAD_LATE)
+            job.cancel(Count.LOAD_LATE)
         event = job.device_done[layer]
         if event is not None:
             torch.cuda.current_stream().wait_event(event)
@@ -232,7 +232,7 @@ class Loader:
         if not job.finished.wait(max(0.0, job.deadline - time.monotonic())):
             # Once cancelled (under the loader's scatter lock) the loader writes nothing more,
             # so there is no need to wait for it: it may be stuck in a slow store call.
-            job.cancel(Counter.LOAD_LATE)
+            job.cancel(Count.LOAD_LATE)
         self._account(job)
         return not job.failed
 
@@ -258,7 +258,7 @@ class Loader:
         cancelled = 0
         for job in jobs:
             if not job.finished.wait(max(0.0, give_up - time.monotonic())):
-                job.cancel(Counter.LOAD_LATE)
+                job.cancel(Count.LOAD_LATE)
                 cancelled += 1
         tensors = self._ctx.caches.tensors
         if tensors and tensors[0].is_cuda:
@@ -268,10 +268,10 @@ class Loader:
     def shutdown(self) -> None:
         job = self._step_job
         if job is not None:
-            job.cancel(Counter.LOAD_LATE)
+            job.cancel(Count.LOAD_LATE)
         with self._lock:
             for async_job in self._async_jobs:
-                async_job.cancel(Counter.LOAD_LATE)
+                async_job.cancel(Count.LOAD_LATE)
         self._sync.shutdown(wait=True)
         self._async.shutdown(wait=True)
         self._fetch.shutdown(wait=True)
@@ -306,7 +306,7 @@ class Loader:
         except Exception:  # a bug or a dead store: every block not loaded is recomputed
             log.exception("kvkeep: load failed")
             with job.lock:
-                job.fail_all(Counter.LOAD_ERRORS)
+                job.fail_all(Count.LOAD_ERRORS)
                 job.cancelled = True
         finally:
             job.ended = time.monotonic()
@@ -348,17 +348,17 @@ class Loader:
         fetched: list[_Fetched] = []
         for block, read in zip(wanted, reads, strict=True):
             if read is None:
-                job.fail(block.block_id, Counter.LOAD_LATE if time.monotonic() >= job.deadline
-                         else Counter.LOAD_MISSING)
+                job.fail(block.block_id, Count.LOAD_LATE if time.monotonic() >= job.deadline
+                         else Count.LOAD_MISSING)
             elif (forged := self._forged(read.header)) is not None:
                 log.warning("kvkeep: frame for %s refused: %s", block.key.storage_name, forged)
-                job.fail(block.block_id, Counter.LOAD_FORGED)
+                job.fail(block.block_id, Count.LOAD_FORGED)
                 # This copy only (L2), so that a save of ours can replace it.
                 self._ctx.store.delete([block.key], reject=True)
             elif (reason := self._mismatch(read.header)) is not None:
                 log.warning("kvkeep: frame for %s does not match this engine: %s",
                             block.key.storage_name, reason)
-                job.fail(block.block_id, Counter.LOAD_MISMATCH)
+                job.fail(block.block_id, Count.LOAD_MISMATCH)
                 self._ctx.store.delete([block.key], reject=True)  # unusable under this key
             else:
                 fetched.append(_Fetched(block, read))
@@ -439,7 +439,7 @@ class Loader:
                 except (CorruptBlock, CodecError):
                     # (an int8 segment refused for its scales may be half written: the
                     # block fails, and vLLM recomputes it over whatever is there)
-                    job.fail(block.block_id, Counter.LOAD_CORRUPT)
+                    job.fail(block.block_id, Count.LOAD_CORRUPT)
             self._ctx.store.delete([block.key])
         return True
 
@@ -460,7 +460,7 @@ class Loader:
         targets: list[int] = []  # and the paged blocks they go to
         for row, (entry, error) in enumerate(zip(chunk, errors, strict=True)):
             if error is not None:
-                job.fail(entry.block.block_id, Counter.LOAD_CORRUPT)
+                job.fail(entry.block.block_id, Count.LOAD_CORRUPT)
                 self._ctx.store.delete([entry.block.key])
                 continue
             rows.append(row)
@@ -485,12 +485,12 @@ class Loader:
             return exc
         return None
 
-    def _refusal(self, header: FrameHeader) -> tuple[Counter, str] | None:
+    def _refusal(self, header: FrameHeader) -> tuple[Count, str] | None:
         """The staged pipeline's check of a frame's header: forged, or not this engine's."""
         if (forged := self._forged(header)) is not None:
-            return Counter.LOAD_FORGED, str(forged)
+            return Count.LOAD_FORGED, str(forged)
         if (reason := self._mismatch(header)) is not None:
-            return Counter.LOAD_MISMATCH, reason
+            return Count.LOAD_MISMATCH, reason
         return None
 
     def _mismatch(self, header: FrameHeader) -> str | None:
@@ -505,7 +505,7 @@ class Loader:
     def _account(self, job: LoadJob) -> None:
         for reason in job.failed.values():
             self._ctx.counters.add(reason)
-        self._ctx.counters.add(Counter.LOADED_BLOCKS, job.loaded)
+        self._ctx.counters.add(Count.LOADED_BLOCKS, job.loaded)
         reports = job.reports()
         self._ctx.telemetry.restore((job.ended or time.monotonic()) - job.started,
                                     blocks=len(job.blocks),

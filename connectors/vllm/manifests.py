@@ -37,7 +37,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Final, Protocol
 
-from connectors.vllm.stats import Counter, Counters
+from connectors.vllm.stats import Count, Counts
 from kvstore.errors import KVKeepError
 from kvstore.manifest import SessionManifest
 from kvstore.store import TieredStore
@@ -80,7 +80,7 @@ class ManifestSink(Protocol):
 class ManifestWriter:
     """Writes manifests to a store on one thread, in submission order."""
 
-    def __init__(self, store: TieredStore, counters: Counters) -> None:
+    def __init__(self, store: TieredStore, counters: Counts) -> None:
         self._store = store
         self._counters = counters
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvkeep-manifest")
@@ -102,10 +102,10 @@ class ManifestWriter:
     def _write(self, manifest: SessionManifest) -> None:
         try:
             self._store.put_manifest(manifest)
-            self._counters.add(Counter.MANIFESTS_WRITTEN)
+            self._counters.add(Count.MANIFESTS_WRITTEN)
         except KVKeepError:
             log.warning("kvkeep: manifest write failed", exc_info=True)
-            self._counters.add(Counter.MANIFEST_ERRORS)
+            self._counters.add(Count.MANIFEST_ERRORS)
 
 
 class ManifestRelay:

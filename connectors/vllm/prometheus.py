@@ -61,8 +61,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-from connectors.vllm.stats import Counter as Event
-from connectors.vllm.stats import Counters
+from connectors.vllm.stats import Count, Counts
 from connectors.vllm.telemetry import Telemetry
 from kvstore.metrics import COPY_LAG_BUCKETS, DROP_REASONS, StoreMetrics
 from kvstore.store import TieredStore
@@ -77,17 +76,17 @@ __all__ = ["KVKeepStats", "KVKeepPromMetrics", "StatsReporter", "PREFIX", "STORE
 PREFIX = "kvkeep_connector_"
 _SEP = "\x1f"  # joins label values into one msgpack-safe string key
 
-LOAD_CAUSES: Mapping[Event, str] = {
-    Event.LOAD_MISSING: "missing", Event.LOAD_CORRUPT: "corrupt",
-    Event.LOAD_MISMATCH: "mismatch", Event.LOAD_LATE: "late", Event.LOAD_ERRORS: "error"}
-_SAVE_CAUSES: Mapping[Event, str] = {
-    Event.SAVE_FAILED: "failed", Event.SAVE_BACKPRESSURE: "backpressure",
-    Event.SAVE_DROPPED_AFTER_LOAD_ERROR: "load_error"}
-_DECISIONS: Mapping[Event, str] = {
-    Event.DECIDED_RESTORE: "restore", Event.DECIDED_RECOMPUTE: "recompute",
-    Event.DECIDED_PARTIAL: "partial"}
-_DECISION_TOKENS: Mapping[Event, str] = {
-    Event.DECIDED_RESTORE_TOKENS: "restore", Event.DECIDED_RECOMPUTE_TOKENS: "recompute"}
+LOAD_CAUSES: Mapping[Count, str] = {
+    Count.LOAD_MISSING: "missing", Count.LOAD_CORRUPT: "corrupt",
+    Count.LOAD_MISMATCH: "mismatch", Count.LOAD_LATE: "late", Count.LOAD_ERRORS: "error"}
+_SAVE_CAUSES: Mapping[Count, str] = {
+    Count.SAVE_FAILED: "failed", Count.SAVE_BACKPRESSURE: "backpressure",
+    Count.SAVE_DROPPED_AFTER_LOAD_ERROR: "load_error"}
+_DECISIONS: Mapping[Count, str] = {
+    Count.DECIDED_RESTORE: "restore", Count.DECIDED_RECOMPUTE: "recompute",
+    Count.DECIDED_PARTIAL: "partial"}
+_DECISION_TOKENS: Mapping[Count, str] = {
+    Count.DECIDED_RESTORE_TOKENS: "restore", Count.DECIDED_RECOMPUTE_TOKENS: "recompute"}
 STORE_COUNTERS: Mapping[str, tuple[str, ...]] = {
     "hits": ("tier",), "tier_misses": ("tier",), "misses": (), "corrupt": ("tier",),
     "errors": ("tier", "op"), "deadline_misses": (), "read_bytes": ("tier",),
@@ -124,7 +123,7 @@ class KVKeepStats(KVConnectorStats):
         self.data = {"counters": {}, "gauges": {}, "observations": {}}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        """Counters add up, observations join, the latest gauges win (the workers of one
+        """Counts add up, observations join, the latest gauges win (the workers of one
         engine, or the scheduler and the worker of one step)."""
         theirs = other.data
         for family, series in theirs.get("counters", {}).items():
@@ -159,7 +158,7 @@ class StatsReporter:
     to report, so a step that did something carries everything up to it.
     """
 
-    def __init__(self, counters: Counters, *, block_size: int, store: TieredStore | None = None,
+    def __init__(self, counters: Counts, *, block_size: int, store: TieredStore | None = None,
                  telemetry: Telemetry | None = None, store_interval_s: float = 0.5,
                  unprotected: Callable[[], tuple[int, int]] | None = None) -> None:
         """`unprotected`: the scheduler half's (all, worst request's) unsaved tokens."""
@@ -216,14 +215,14 @@ class StatsReporter:
             self._last_events[name] = value
             _add(counters, "events", name, delta)
             try:
-                event = Event(name)
+                event = Count(name)
             except ValueError:
                 continue
             if event in LOAD_CAUSES:
                 _add(counters, "load_failures", LOAD_CAUSES[event], delta)
             elif event in _SAVE_CAUSES:
                 _add(counters, "save_failures", _SAVE_CAUSES[event], delta)
-            elif event == Event.SAVED_BLOCKS:
+            elif event == Count.SAVED_BLOCKS:
                 _add(counters, "saved_blocks", "", delta)
             elif event in _DECISIONS:
                 _add(counters, "restore_decisions", _DECISIONS[event], delta)
@@ -333,7 +332,7 @@ class KVKeepPromMetrics(KVConnectorPromMetrics):
                 self._counters["restore_decisions"][0].labels(*values, decision)
             for action in _DECISION_TOKENS.values():
                 self._counters["restore_decision_tokens"][0].labels(*values, action)
-            for event in Event:
+            for event in Count:
                 self._counters["events"][0].labels(*values, event.value)
             for reason in DROP_REASONS:
                 self._counters["store_write_behind_dropped"][0].labels(*values, reason)

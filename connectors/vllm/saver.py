@@ -34,7 +34,7 @@ from connectors.vllm.caches import recorded_event
 from connectors.vllm.config import ConnectorConfig
 from connectors.vllm.metadata import BlockRun, SaveReport, SaveSpec
 from connectors.vllm.staging import SavePipeline
-from connectors.vllm.stats import Counter
+from connectors.vllm.stats import Count
 from connectors.vllm.worker_context import WorkerContext
 from kvstore.block import encode_block
 from kvstore.errors import KVKeepError
@@ -119,12 +119,12 @@ class Saver:
         if step is not None:
             if not loads_ok:
                 # KV computed this step may have attended to blocks that failed to load.
-                self._ctx.counters.add(Counter.SAVE_DROPPED_AFTER_LOAD_ERROR, len(step.items))
+                self._ctx.counters.add(Count.SAVE_DROPPED_AFTER_LOAD_ERROR, len(step.items))
                 self._ctx.outbox.saves(item.report(ok=False, retry_now=True) for item in step.items)
                 self._release(len(step.items))
                 self._not_durable(step.items, "its loads failed")
             elif not step.gathered:
-                self._ctx.counters.add(Counter.SAVE_FAILED, len(step.items))
+                self._ctx.counters.add(Count.SAVE_FAILED, len(step.items))
                 self._ctx.outbox.saves(item.report(ok=False) for item in step.items)
                 self._release(len(step.items))
                 self._not_durable(step.items, "a layer was not gathered")
@@ -149,7 +149,7 @@ class Saver:
                 future.result(timeout=remaining)
             except TimeoutError:
                 break  # it finishes in the background and is reported when it does
-        self._ctx.counters.add(Counter.SAVE_WAIT_US, int((time.monotonic() - started) * 1e6))
+        self._ctx.counters.add(Count.SAVE_WAIT_US, int((time.monotonic() - started) * 1e6))
 
     def drain(self, timeout: float) -> bool:
         """Wait up to `timeout` for every save handed to the saver thread so far; True if they
@@ -184,7 +184,7 @@ class Saver:
                 present = self._stored_prefix(keys)
             except KVKeepError:
                 present = 0
-            self._ctx.counters.add(Counter.SAVE_SKIPPED_PRESENT, present)
+            self._ctx.counters.add(Count.SAVE_SKIPPED_PRESENT, present)
             self._ctx.outbox.saves(SaveReport(run.req_id, run.first + i, run.block_hashes[i], True)
                                for i in range(present))
             items.extend(SaveItem(run.req_id, run.first + i, run.block_ids[i], keys[i])
@@ -194,7 +194,7 @@ class Saver:
             taken, dropped = items[:room], items[room:]
             self._inflight += len(taken)
         if dropped:
-            self._ctx.counters.add(Counter.SAVE_BACKPRESSURE, len(dropped))
+            self._ctx.counters.add(Count.SAVE_BACKPRESSURE, len(dropped))
             now = time.monotonic()
             if now - self._backpressure_logged >= _BACKPRESSURE_LOG_S:
                 self._backpressure_logged = now
@@ -241,12 +241,12 @@ class Saver:
             held = self._held_elsewhere(batch.items)
             for j, item in enumerate(batch.items):
                 if held[j]:
-                    self._ctx.counters.add(Counter.SAVE_SKIPPED_PRESENT)
+                    self._ctx.counters.add(Count.SAVE_SKIPPED_PRESENT)
                     self._ctx.outbox.saves((item.report(ok=True),))
                     continue
                 ok = self._put(item, [layer[j] for layer in batch.layers if layer is not None],
                                batch.computed_at)
-                self._ctx.counters.add(Counter.SAVED_BLOCKS if ok else Counter.SAVE_FAILED)
+                self._ctx.counters.add(Count.SAVED_BLOCKS if ok else Count.SAVE_FAILED)
                 if ok:
                     self._ctx.telemetry.saved(time.monotonic() - batch.planned)
                 self._ctx.outbox.saves((item.report(ok=ok),))
@@ -264,7 +264,7 @@ class Saver:
         assert self._pipeline is not None
 
         def report(j: int, ok: bool) -> None:
-            self._ctx.counters.add(Counter.SAVED_BLOCKS if ok else Counter.SAVE_FAILED)
+            self._ctx.counters.add(Count.SAVED_BLOCKS if ok else Count.SAVE_FAILED)
             if ok:
                 self._ctx.telemetry.saved(time.monotonic() - batch.planned)
             self._ctx.outbox.saves((batch.items[j].report(ok=ok),))
@@ -306,7 +306,7 @@ class Saver:
         present = self._ctx.store.replicated_prefix(
             keys, copies=durability.replicas,
             deadline=time.monotonic() + durability.timeout_s)
-        self._ctx.counters.add(Counter.DURABLE_BLOCKS, present)
+        self._ctx.counters.add(Count.DURABLE_BLOCKS, present)
         return present
 
     def _held_elsewhere(self, items: Sequence[SaveItem]) -> list[bool]:
@@ -339,7 +339,7 @@ class Saver:
                     items.append(item)
                 except KVKeepError:
                     log.warning("kvkeep: encoding a block failed", exc_info=True)
-                    self._ctx.counters.add(Counter.SAVE_FAILED)
+                    self._ctx.counters.add(Count.SAVE_FAILED)
                     self._ctx.outbox.saves((item.report(ok=False),))
                     self._not_durable((item,), "it did not encode")
             try:
@@ -348,7 +348,7 @@ class Saver:
                     computed_at=batch.computed_at) if frames else []
             except KVKeepError:
                 log.warning("kvkeep: a durable save failed", exc_info=True)
-                self._ctx.counters.add(Counter.SAVE_FAILED, len(items))
+                self._ctx.counters.add(Count.SAVE_FAILED, len(items))
                 self._ctx.outbox.saves(item.report(ok=False) for item in items)
                 self._not_durable(items, "the store refused it")
                 return
@@ -356,8 +356,8 @@ class Saver:
                 acked = [False] * len(items)  # its step no longer waited for it
             # A block not acknowledged in time is still in this node's tiers and goes to the
             # daemons behind, as without durability: saved, but not durable yet.
-            self._ctx.counters.add(Counter.SAVED_BLOCKS, len(items))
-            self._ctx.counters.add(Counter.DURABLE_BLOCKS, sum(acked))
+            self._ctx.counters.add(Count.SAVED_BLOCKS, len(items))
+            self._ctx.counters.add(Count.DURABLE_BLOCKS, sum(acked))
             lag = time.monotonic() - batch.planned
             for _ in items:
                 self._ctx.telemetry.saved(lag)
@@ -383,13 +383,13 @@ class Saver:
             except TimeoutError:
                 log.warning("kvkeep: a step stopped waiting for its durable saves")
                 break
-        self._ctx.counters.add(Counter.DURABLE_WAIT_US,
+        self._ctx.counters.add(Count.DURABLE_WAIT_US,
                                int((time.monotonic() - started) * 1e6))
 
     def _not_durable(self, items: Sequence[SaveItem], why: str) -> None:
         if self._config.durability is None or not items:
             return
-        self._ctx.counters.add(Counter.DURABLE_MISSED, len(items))
+        self._ctx.counters.add(Count.DURABLE_MISSED, len(items))
         log.warning("kvkeep: %d block(s) of %s not durable on %d daemons: %s", len(items),
                     ", ".join(sorted({item.req_id for item in items})),
                     self._config.durability.replicas, why)

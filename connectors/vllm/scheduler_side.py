@@ -56,7 +56,7 @@ from connectors.vllm.metadata import (
 )
 from connectors.vllm.params import RestoreParams, namespace_for, parse_params
 from connectors.vllm.restore_cost import RestoreCostModel, block_bytes_of
-from connectors.vllm.stats import Counter, Counters
+from connectors.vllm.stats import Count, Counts
 from connectors.vllm.tracking import LookupAnswer, PendingProbe, TrackedRequest
 from kvstore.errors import KVKeepError
 from kvstore.keys import BlockHash, BlockKey, ModelFingerprint, SessionKey
@@ -81,7 +81,7 @@ _LOOKUP_TTL_S = 1.0
 class SchedulerSide:
     def __init__(self, *, config: ConnectorConfig, fingerprint: ModelFingerprint,
                  store: TieredStore | None, block_size: int, num_layers: int,
-                 counters: Counters, event_medium: str | None = None) -> None:
+                 counters: Counts, event_medium: str | None = None) -> None:
         """`store` is None when it lives in the worker's process: lookups and manifest writes
         then travel in the step metadata. `event_medium` None: publish no KV events."""
         self._event_medium = event_medium
@@ -123,8 +123,8 @@ class SchedulerSide:
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         tracked = self._track(request)
         if not tracked.params.usable_for(self._num_layers):
-            self._counters.add(Counter.RESTORE_NONE if tracked.params.mode == "none"
-                               else Counter.PARTIAL_LAYER_UNUSABLE)
+            self._counters.add(Count.RESTORE_NONE if tracked.params.mode == "none"
+                               else Count.PARTIAL_LAYER_UNUSABLE)
             return 0, False
         if request.skip_reading_prefix_cache:
             return 0, False
@@ -287,10 +287,10 @@ class SchedulerSide:
             params = parse_params(request.kv_transfer_params)
         except ValueError as exc:
             log.warning("kvkeep: ignoring kv_transfer_params of %s: %s", request.request_id, exc)
-            self._counters.add(Counter.BAD_PARAMS)
+            self._counters.add(Count.BAD_PARAMS)
             params = RestoreParams()
         if params.hinted:
-            self._counters.add(Counter.RESTORES_HINTED)
+            self._counters.add(Count.RESTORES_HINTED)
         tracked = TrackedRequest(request, namespace_for(self._config.tenant, request.cache_salt),
                                  params, now_us())
         self._reqs[request.request_id] = tracked
@@ -312,17 +312,17 @@ class SchedulerSide:
             return self._lookup_behind(self._background, tracked, first, count, hashes, now)
         keys = [BlockKey.of(self._fp, tracked.namespace, bytes(h)) for h in hashes]
         deadline = now + self._deadline_s(tracked)
-        self._counters.add(Counter.LOOKUPS)
+        self._counters.add(Count.LOOKUPS)
         try:
             tiers = _prefix(self._store.locate(keys, deadline=deadline))
         except KVKeepError:
             log.warning("kvkeep: lookup failed; computing instead", exc_info=True)
-            self._counters.add(Counter.LOOKUP_ERRORS)
+            self._counters.add(Count.LOOKUP_ERRORS)
             tiers = ()
         if time.monotonic() >= deadline:
             # The store answered with what it had found in time; report none of it, since a
             # store this slow would make the load late too.
-            self._counters.add(Counter.LOOKUP_DEADLINE)
+            self._counters.add(Count.LOOKUP_DEADLINE)
             tiers = ()
         return self._record_lookup(tracked, LookupAnswer(first, count, len(tiers), now), tiers)
 
@@ -338,7 +338,7 @@ class SchedulerSide:
             if finished is not None:
                 tracked.probe = None
                 if finished.failed:
-                    self._counters.add(Counter.LOOKUP_ERRORS)
+                    self._counters.add(Count.LOOKUP_ERRORS)
                 tiers = finished.tiers if finished.hit >= probe.inline_hit \
                     else probe.inline_tiers
                 return self._record_lookup(
@@ -347,18 +347,18 @@ class SchedulerSide:
                 return None
             # The network tiers did not answer in time (a slow or dead daemon): restore what
             # the in-memory tiers hold, compute the rest.
-            self._counters.add(Counter.LOOKUP_DEADLINE)
+            self._counters.add(Count.LOOKUP_DEADLINE)
             lookups.forget(tracked.request_id)
             tracked.probe = None
             return self._record_lookup(
                 tracked, LookupAnswer(first, count, probe.inline_hit, now), probe.inline_tiers)
-        self._counters.add(Counter.LOOKUPS)
+        self._counters.add(Count.LOOKUPS)
         keys = [BlockKey.of(self._fp, tracked.namespace, bytes(h)) for h in hashes]
         try:
             inline = _prefix(self._store.locate(keys, in_process_only=True))
         except KVKeepError:
             log.warning("kvkeep: lookup failed; computing instead", exc_info=True)
-            self._counters.add(Counter.LOOKUP_ERRORS)
+            self._counters.add(Count.LOOKUP_ERRORS)
             return self._record_lookup(tracked, LookupAnswer(first, count, 0, now), ())
         if len(inline) == count:
             return self._record_lookup(tracked, LookupAnswer(first, count, count, now), inline)
@@ -370,16 +370,16 @@ class SchedulerSide:
                        tiers: Sequence[int] | None = None) -> int:
         """Count a lookup's answer and decide how much of its hit to restore (`tiers`: where
         each hit block lies; None: not known, all of it); the blocks to restore."""
-        self._counters.add(Counter.LOOKUP_HIT_BLOCKS, answer.hit)
+        self._counters.add(Count.LOOKUP_HIT_BLOCKS, answer.hit)
         restore = answer.hit
         if tiers is not None and self._cost is not None and answer.hit:
             decision = self._cost.decide(tiers[:answer.hit])
             restore = decision.restore
-            self._counters.add({"restore": Counter.DECIDED_RESTORE,
-                                "recompute": Counter.DECIDED_RECOMPUTE,
-                                "partial": Counter.DECIDED_PARTIAL}[decision.kind])
-            self._counters.add(Counter.DECIDED_RESTORE_TOKENS, decision.restore * self._bs)
-            self._counters.add(Counter.DECIDED_RECOMPUTE_TOKENS, decision.recompute * self._bs)
+            self._counters.add({"restore": Count.DECIDED_RESTORE,
+                                "recompute": Count.DECIDED_RECOMPUTE,
+                                "partial": Count.DECIDED_PARTIAL}[decision.kind])
+            self._counters.add(Count.DECIDED_RESTORE_TOKENS, decision.restore * self._bs)
+            self._counters.add(Count.DECIDED_RECOMPUTE_TOKENS, decision.recompute * self._bs)
             if decision.recompute:
                 log.debug("kvkeep: %s restores %d of %d stored blocks (load %.4f s, compute "
                           "%.4f s)", tracked.request_id, decision.restore, answer.hit,
@@ -394,7 +394,7 @@ class SchedulerSide:
         if params.hinted and not tracked.hint_checked:
             tracked.hint_checked = True
             missing = answer.count - answer.hit
-            self._counters.add(Counter.HINTED_BLOCKS_MISSING, missing)
+            self._counters.add(Count.HINTED_BLOCKS_MISSING, missing)
             if missing:
                 # The session's KV should all be in the store: what is not was never
                 # checkpointed (lost with its worker, or late) or was evicted since.
@@ -431,10 +431,10 @@ class SchedulerSide:
             if now - probe.sent_at < deadline_s:
                 return None
             # The worker did not answer in time (a slow store, a long step): compute.
-            self._counters.add(Counter.LOOKUP_DEADLINE)
+            self._counters.add(Count.LOOKUP_DEADLINE)
             tracked.probe = None
             return self._record_lookup(tracked, LookupAnswer(first, count, 0, now))
-        self._counters.add(Counter.LOOKUPS)
+        self._counters.add(Count.LOOKUPS)
         tracked.probe = PendingProbe(first, count, now)
         hashes = tracked.request.block_hashes[first:first + count]
         self._probes.append(Probe(tracked.request_id, tracked.namespace.label, first,
@@ -522,7 +522,7 @@ class SchedulerSide:
             block_size=self._bs, lora_id=None, medium=self._event_medium, lora_name=None,
             extra_keys=to_event_extra_keys(extra)))
         tracked.published_blocks = count
-        self._counters.add(Counter.PUBLISHED_BLOCKS, count)
+        self._counters.add(Count.PUBLISHED_BLOCKS, count)
 
     def _maybe_write_manifest(self, tracked: TrackedRequest) -> None:
         session = tracked.params.session_id

@@ -1,7 +1,7 @@
-"""Counters that say what the connector did and, when it fell back to recompute, why.
+"""Counts that say what the connector did and, when it fell back to recompute, why.
 
-Each half keeps its own `Counters`; `snapshot()` returns a frozen copy that can be indexed by a
-`Counter` member or by its value (`snapshot[Counter.LOADED_BLOCKS] == snapshot["loaded_blocks"]`):
+Each half keeps its own `Counts`; `snapshot()` returns a frozen copy that can be indexed by a
+`Count` member or by its value (`snapshot[Count.LOADED_BLOCKS] == snapshot["loaded_blocks"]`):
 the values are stable, dashboards and tests read them.
 
 scheduler half
@@ -55,10 +55,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-__all__ = ["Counter", "Counters", "CounterSnapshot", "LOAD_FAILURES"]
+__all__ = ["Count", "Counts", "CountSnapshot", "LOAD_FAILURES"]
 
 
-class Counter(enum.StrEnum):
+class Count(enum.StrEnum):
+    """What the connector counts (named `Count`, not `Counter`: prometheus_client's `Counter`
+    is the metric type these are exported as, `connectors/vllm/prometheus.py`)."""
+
     LOOKUPS = "lookups"
     LOOKUP_HIT_BLOCKS = "lookup_hit_blocks"
     LOOKUP_DEADLINE = "lookup_deadline"
@@ -94,14 +97,14 @@ class Counter(enum.StrEnum):
     SAVE_WAIT_US = "save_wait_us"
 
 
-LOAD_FAILURES = frozenset({Counter.LOAD_MISSING, Counter.LOAD_CORRUPT, Counter.LOAD_MISMATCH,
-                           Counter.LOAD_FORGED, Counter.LOAD_LATE, Counter.LOAD_ERRORS})
+LOAD_FAILURES = frozenset({Count.LOAD_MISSING, Count.LOAD_CORRUPT, Count.LOAD_MISMATCH,
+                           Count.LOAD_FORGED, Count.LOAD_LATE, Count.LOAD_ERRORS})
 """The reasons a block fails to load (each is also the counter that counts it)."""
 
 
 @dataclass(frozen=True, slots=True)
-class CounterSnapshot:
-    """Counter values by name; a `Counter` member is its name (a `StrEnum`). Names beyond the
+class CountSnapshot:
+    """Counts by name; a `Count` member is its name (a `StrEnum`). Names beyond the
     enum (the store's `store_*`, `tier_*`, added by the connector) read the same way."""
 
     values: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
@@ -113,19 +116,19 @@ class CounterSnapshot:
         return dict(self.values)
 
 
-class Counters:
+class Counts:
     """Thread-safe counters (loader and saver threads count too)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._values: dict[str, int] = {}
 
-    def add(self, counter: Counter, amount: int = 1) -> None:
+    def add(self, counter: Count, amount: int = 1) -> None:
         if amount:
             name = counter.value
             with self._lock:
                 self._values[name] = self._values.get(name, 0) + amount
 
-    def snapshot(self) -> CounterSnapshot:
+    def snapshot(self) -> CountSnapshot:
         with self._lock:
-            return CounterSnapshot(MappingProxyType(dict(self._values)))
+            return CountSnapshot(MappingProxyType(dict(self._values)))

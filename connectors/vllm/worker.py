@@ -35,7 +35,7 @@ from connectors.vllm.metadata import (
 from connectors.vllm.outbox import WorkerOutbox
 from connectors.vllm.saver import Saver
 from connectors.vllm.sleep import SLEEP_DRAIN_S, SleepGate, refuse_step
-from connectors.vllm.stats import Counter, Counters
+from connectors.vllm.stats import Count, Counts
 from connectors.vllm.telemetry import Telemetry
 from connectors.vllm.worker_context import WorkerContext
 from kvstore.codecs import get_codec
@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 
 class WorkerSide:
     def __init__(self, *, config: ConnectorConfig, fingerprint: ModelFingerprint,
-                 layout: LayoutSpec, store: TieredStore, counters: Counters) -> None:
+                 layout: LayoutSpec, store: TieredStore, counters: Counts) -> None:
         if config.durability is not None \
                 and store.max_replicated_copies < config.durability.replicas:
             raise ConfigError(f"durability.replicas is {config.durability.replicas}, but the "
@@ -121,7 +121,7 @@ class WorkerSide:
                 manifest = SessionManifest.decode(encoded)
             except KVKeepError:
                 log.warning("kvkeep: undecodable manifest in the step metadata", exc_info=True)
-                self._counters.add(Counter.MANIFEST_ERRORS)
+                self._counters.add(Count.MANIFEST_ERRORS)
                 continue
             self._manifests.submit(manifest)
         self._saver.plan(() if self._sleep.asleep else meta.saves)
@@ -175,6 +175,6 @@ class WorkerSide:
             hit = self._store.lookup(keys, deadline=time.monotonic() + budget)
         except KVKeepError:
             log.warning("kvkeep: lookup failed; computing instead", exc_info=True)
-            self._counters.add(Counter.LOOKUP_ERRORS)
+            self._counters.add(Count.LOOKUP_ERRORS)
             hit = 0
         self._outbox.answer(ProbeAnswer(probe.req_id, probe.first, len(keys), hit))

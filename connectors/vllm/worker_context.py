@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from connectors.vllm.caches import PagedCaches
 from connectors.vllm.outbox import WorkerOutbox
-from connectors.vllm.stats import Counters
+from connectors.vllm.stats import Counts
 from connectors.vllm.telemetry import Telemetry
 from kvstore.frame import CodecId
 from kvstore.keys import ModelFingerprint
@@ -26,6 +26,6 @@ class WorkerContext:
     fingerprint: ModelFingerprint
     codec: CodecId
     outbox: WorkerOutbox
-    counters: Counters
+    counters: Counts
     mac_key: MacKey | None = None
     telemetry: Telemetry = field(default_factory=Telemetry)

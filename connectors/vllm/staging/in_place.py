@@ -19,7 +19,7 @@ from connectors.vllm.staging.config import StagingConfig
 from connectors.vllm.staging.jobs import Located, RestoreJob, all_results
 from connectors.vllm.staging.ring import split
 from connectors.vllm.staging.timing import StageTimes
-from connectors.vllm.stats import Counter
+from connectors.vllm.stats import Count
 from kvstore import frame
 from kvstore.errors import CorruptBlock
 from kvstore.frame import LayerRange
@@ -77,7 +77,7 @@ class InPlaceWriter:
         return True
 
     def _check(self, entries: Sequence[Located], layers: LayerRange, rows: range
-               ) -> list[tuple[int, Counter]]:
+               ) -> list[tuple[int, Count]]:
         failed = []
         for row in rows:
             entry = entries[row]
@@ -91,11 +91,11 @@ class InPlaceWriter:
                         if len(entry.read.segment(layer)) != self._segment:
                             raise CorruptBlock(f"segment {layer} is not {self._segment} bytes")
             except CorruptBlock:
-                failed.append((row, Counter.LOAD_CORRUPT))
+                failed.append((row, Count.LOAD_CORRUPT))
         return failed
 
     def _copy(self, entries: Sequence[Located], layers: LayerRange, rows: range
-              ) -> list[tuple[int, Counter]]:
+              ) -> list[tuple[int, Count]]:
         caches = self._caches.host_blocks
         for row in rows:
             entry = entries[row]

@@ -13,7 +13,7 @@ from typing import Protocol
 
 import torch
 
-from connectors.vllm.stats import Counter
+from connectors.vllm.stats import Count
 from kvstore.frame import BlockRead, FrameHeader, LayerRange
 from kvstore.keys import BlockKey
 from kvstore.tiers.capabilities import BorrowedBlock
@@ -39,7 +39,7 @@ class RestoreJob(Protocol):
     def blocks(self) -> Sequence[RestoreBlock]: ...
 
     @property
-    def failed(self) -> Mapping[int, Counter]: ...
+    def failed(self) -> Mapping[int, Count]: ...
 
     @property
     def lock(self) -> threading.Lock: ...
@@ -56,7 +56,7 @@ class RestoreJob(Protocol):
     @property
     def device_done(self) -> list[torch.cuda.Event | None]: ...
 
-    def fail(self, block_id: int, reason: Counter) -> None: ...
+    def fail(self, block_id: int, reason: Count) -> None: ...
 
     def still_on_time(self) -> bool:
         """Under `lock`: False once cancelled or late (and then it is cancelled)."""
@@ -65,7 +65,7 @@ class RestoreJob(Protocol):
 
 ReadLower = Callable[[RestoreJob, LayerRange, Sequence[RestoreBlock]], list[BlockRead | None]]
 """Reads of blocks the first tier could not lend (the loader's threaded `get_many`)."""
-Refusal = Callable[[FrameHeader], tuple[Counter, str] | None]
+Refusal = Callable[[FrameHeader], tuple[Count, str] | None]
 """Why a frame's header refuses it (forged, or not one this engine would have written), as its
 load counter and a reason; None when it may be restored."""
 
@@ -86,8 +86,8 @@ class Located:
             self.borrowed.release()
 
 
-def all_results(futures: Sequence[Future[list[tuple[int, Counter]]]]
-                ) -> list[list[tuple[int, Counter]]]:
+def all_results(futures: Sequence[Future[list[tuple[int, Count]]]]
+                ) -> list[list[tuple[int, Count]]]:
     """Every pool task's failures once all are done (none still touching a slot or a page);
     the first error after that."""
     errors = [future.exception() for future in futures]
@@ -115,7 +115,7 @@ class BatchJob:
     num_layers: int
     lock: threading.Lock = field(default_factory=threading.Lock)
     cancelled: bool = False
-    failed: dict[int, Counter] = field(default_factory=dict)
+    failed: dict[int, Count] = field(default_factory=dict)
     layer_done: list[threading.Event] = field(default_factory=list)
     device_done: list[torch.cuda.Event | None] = field(default_factory=list)
 
@@ -123,7 +123,7 @@ class BatchJob:
         self.layer_done = [threading.Event() for _ in range(self.num_layers)]
         self.device_done = [None] * self.num_layers
 
-    def fail(self, block_id: int, reason: Counter) -> None:
+    def fail(self, block_id: int, reason: Count) -> None:
         self.failed.setdefault(block_id, reason)
 
     def still_on_time(self) -> bool:
@@ -132,6 +132,6 @@ class BatchJob:
         if time.monotonic() > self.deadline:
             self.cancelled = True
             for block in self.blocks:
-                self.fail(block.block_id, Counter.LOAD_LATE)
+                self.fail(block.block_id, Count.LOAD_LATE)
             return False
         return True

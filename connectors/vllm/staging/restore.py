@@ -51,7 +51,7 @@ from connectors.vllm.staging.kernels import scatter_rows
 from connectors.vllm.staging.ring import Cancelled, Slot, StagingRing, split
 from connectors.vllm.staging.streams import Event, lane_for
 from connectors.vllm.staging.timing import StageTimes
-from connectors.vllm.stats import Counter
+from connectors.vllm.stats import Count
 from kvstore import frame
 from kvstore.codecs import get_codec
 from kvstore.errors import CorruptBlock
@@ -79,8 +79,8 @@ class _InFlight:
     last_of_stage: bool
     slot: Slot | None = None
     entries: list[Located] = field(default_factory=list)
-    failures: list[tuple[int, Counter]] = field(default_factory=list)
-    checks: list[Future[list[tuple[int, Counter]]]] = field(default_factory=list)
+    failures: list[tuple[int, Count]] = field(default_factory=list)
+    checks: list[Future[list[tuple[int, Count]]]] = field(default_factory=list)
     copied: Event | None = None
 
 
@@ -289,7 +289,7 @@ class RestorePipeline:
     # -- host work (pool threads) ---------------------------------------------------------------
 
     def _copy_rows(self, host: _Bytes, batch: _InFlight, rows: range
-                   ) -> list[tuple[int, Counter]]:
+                   ) -> list[tuple[int, Count]]:
         """Each row's layer range into `host`; a segment that does not decompress to its size
         fails its block."""
         size, layers, failed = self._segment, batch.layers, []
@@ -313,11 +313,11 @@ class RestorePipeline:
                         np.copyto(destination[i * size: (i + 1) * size],
                                   np.frombuffer(segment, np.uint8))
             except CorruptBlock:
-                failed.append((row, Counter.LOAD_CORRUPT))
+                failed.append((row, Count.LOAD_CORRUPT))
         return failed
 
     def _check_rows(self, host: _Bytes, batch: _InFlight, rows: range
-                    ) -> list[tuple[int, Counter]]:
+                    ) -> list[tuple[int, Count]]:
         """Verify what nobody verified yet (lent pages, unless trusted) and refuse segments
         no writer of ours stores (a lossy codec's scales), before anything is scattered."""
         started = time.perf_counter()
@@ -346,7 +346,7 @@ class RestorePipeline:
                                                          shape, dtype):
                             raise CorruptBlock("segment refused by its codec")
             except CorruptBlock:
-                failed.append((row, Counter.LOAD_CORRUPT))
+                failed.append((row, Count.LOAD_CORRUPT))
         self.times.add("verify", time.perf_counter() - started)
         return failed
 
@@ -382,8 +382,8 @@ class RestorePipeline:
                 reads = read_lower(job, layers, lower)
                 for block, read in zip(lower, reads, strict=True):
                     if read is None:
-                        job.fail(block.block_id, Counter.LOAD_LATE if time.monotonic()
-                                 >= job.deadline else Counter.LOAD_MISSING)
+                        job.fail(block.block_id, Count.LOAD_LATE if time.monotonic()
+                                 >= job.deadline else Count.LOAD_MISSING)
                     elif (refused := refusal(read.header)) is not None:
                         self._refused(job, block, refused)
                     else:
@@ -396,7 +396,7 @@ class RestorePipeline:
         return entries
 
     def _refused(self, job: RestoreJob, block: RestoreBlock,
-                 refused: tuple[Counter, str]) -> None:
+                 refused: tuple[Count, str]) -> None:
         reason, why = refused
         log.warning("kvkeep: frame for %s refused: %s", block.key.storage_name, why)
         job.fail(block.block_id, reason)
