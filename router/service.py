@@ -9,7 +9,6 @@ load, the ZMQ subscriber the KV-event index, and `dispatcher` sends what the cor
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from typing import Any
 
@@ -27,7 +26,7 @@ from router.scraper import Scraper
 from router.state.base import StateBackend
 from router.state.etcd import EtcdBackend
 from router.state.memory import MemoryBackend
-from router.tasks import BackgroundTasks
+from router.tasks import BackgroundTasks, cancel_and_wait
 from router.tokenize_client import PromptTokenizer
 
 __all__ = ["RouterService"]
@@ -146,11 +145,7 @@ class RouterService:
     async def stop(self) -> None:
         if self.extproc is not None:
             await self.extproc.stop()
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await cancel_and_wait(self._tasks)
         self._tasks.clear()
         await self.background.close()
         if self.continuations is not None:

@@ -17,7 +17,7 @@ from router.decision import RouteReason
 from router.policy import build_policy
 from router.sessions import SessionTable
 from router.state import EtcdBackend, MemoryBackend, StateBackend
-from router.tasks import BackgroundTasks
+from router.tasks import BackgroundTasks, cancel_and_wait
 from router.workers import WorkerId, WorkerInfo, WorkerPool
 
 W = WorkerId
@@ -72,8 +72,7 @@ async def _lease_cycle(backend: StateBackend, ttl: float) -> None:
         await until(lambda: "a" in rec.gone, timeout=ttl + 30)
         assert not await lease.keepalive()
     finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        await cancel_and_wait([task])
         await backend.close()
 
 
@@ -139,9 +138,7 @@ def test_etcd_two_tables_agree_under_races(etcd_server: EtcdServer) -> None:
             await until(lambda: all(ta.get(s) == tb.get(s) for s in sids))
             assert ta.conflicts + tb.conflicts == 50
         finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await cancel_and_wait(tasks)
             await a.close()
             await b.close()
 
@@ -160,8 +157,7 @@ def test_memory_bindings_expire() -> None:
             assert table.get(SessionId("x")) is not None
             await until(lambda: table.get(SessionId("x")) is None, timeout=2)
         finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+            await cancel_and_wait([task])
             await backend.close()
 
     asyncio.run(main())
@@ -229,9 +225,7 @@ def test_rebinder_spreads_a_dead_workers_sessions(etcd_server: EtcdServer) -> No
                     assert vb.binding.epoch == 1  # moved exactly once despite two replicas
             assert replicas[0][1].get(SessionId("s0")) == replicas[1][1].get(SessionId("s0"))
         finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await cancel_and_wait(tasks)
             for _, _, deferred in replicas:
                 await deferred.close()
             for backend in backends:
@@ -273,11 +267,9 @@ def test_worker_agent_registers_and_revokes_on_failed_probes(
                 fake.healthy = True  # back: registered again
                 await until(lambda: "w" in rec.workers, timeout=3)
             finally:
-                run.cancel()
-                await asyncio.gather(run, return_exceptions=True)
+                await cancel_and_wait([run])
                 await until(lambda: "w" not in rec.workers, timeout=2)  # revoked on exit
-                follow.cancel()
-                await asyncio.gather(follow, return_exceptions=True)
+                await cancel_and_wait([follow])
                 await fake.stop()
                 await backend.close()
 
@@ -317,8 +309,7 @@ def test_etcd_outage_is_survived(etcd_server: EtcdServer) -> None:
             await backend.register_worker(info("b"), 5.0)
             await until(lambda: {"a", "b"} <= set(rec.workers), timeout=10)
         finally:
-            follow.cancel()
-            await asyncio.gather(follow, return_exceptions=True)
+            await cancel_and_wait([follow])
             await backend.close()
 
     asyncio.run(main())
@@ -363,8 +354,7 @@ def test_a_worker_deleted_and_reregistered_at_once_never_leaves(etcd_server: Etc
             await asyncio.sleep(0.6)  # past the grace: "stays" was re-registered in time
             assert sink.deleted == ["goes"]
         finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+            await cancel_and_wait([task])
             await backend.close()
             await writer.close()
 
