@@ -27,6 +27,7 @@ from kvstore.cluster.supervisor import supervise
 from kvstore.daemon.registration import Registrar
 from kvstore.errors import ConfigError
 from router.allowlist import WorkerAllowList
+from router.tasks import cancel_and_wait
 from router.workers import WorkerId, WorkerInfo
 from tests.router_harness import FakeWorker, LoopThread, RouterHandle, loop_thread, wait_until
 from tests.test_etcd_poison import MODEL, PREFIX, Agents, _ignored, _registered, _router
@@ -217,8 +218,7 @@ def test_a_registrar_writes_back_its_overwritten_key(lt: LoopThread,
             kv = await client.get(registrar.key)
             return registrar.registrations, bytes(kv.value)
         finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+            await cancel_and_wait([task])
             await registrar.deregister()
             await client.close()
 

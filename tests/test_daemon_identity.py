@@ -33,6 +33,7 @@ from kvstore.net.daemon_client import ClientTLS, DaemonClient
 from kvstore.net.scope import scope_of
 from kvstore.tiers.factory import build_tiers
 from kvstore.tiers.remote.tier import RemoteConfig, RemoteTier
+from router.tasks import cancel_and_wait
 from tests.blockframes import block_key, make_frame
 from tests.impostor import GrpcImpostor, RawImpostor, non_loopback_ip
 from tests.router_harness import wait_until
@@ -254,8 +255,7 @@ async def _register_and_leave(registrar: Registrar, etcd: EtcdServer) -> bytes:
         finally:
             await client.close()
     finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        await cancel_and_wait([task])
         await registrar.deregister()
     return value
 

@@ -33,6 +33,7 @@ from router.config import RouterConfig
 from router.node.agent import AgentConfig, WorkerAgent
 from router.policy import Thresholds, policy_preset
 from router.state import EtcdBackend
+from router.tasks import cancel_and_wait
 from router.workers import WorkerId, WorkerInfo
 from tests.router_harness import FakeWorker, LoopThread, RouterHandle, loop_thread, wait_until
 
@@ -125,9 +126,7 @@ class Agents:
 
     def close(self) -> None:
         async def go() -> None:
-            for task in self.tasks.values():
-                task.cancel()
-            await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+            await cancel_and_wait(self.tasks.values())
             for worker in self.workers.values():
                 await worker.stop()
             if self.http is not None:
@@ -249,8 +248,7 @@ def test_poison_under_stores_stops_no_discovery(lt: LoopThread,
         return reg, lt.run(go())
 
     async def cancel(task: asyncio.Task[None]) -> None:
-        task.cancel()  # no deregistration: as if killed, the lease runs out
-        await asyncio.gather(task, return_exceptions=True)
+        await cancel_and_wait([task])  # no deregistration: as if killed, the lease runs out
 
     n = lt.run(_write(etcd_server, prefix, _poisons({"node_id": "p", **DAEMON_FIELDS}),
                       "node_id"))
@@ -313,8 +311,7 @@ def test_the_watcher_survives_a_sink_that_raises(lt: LoopThread,
                 await asyncio.sleep(0.01)
             return dict(watcher.rejected)
         finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+            await cancel_and_wait([task])
             await client.close()
 
     assert lt.run(go()) == {"sink-error": 1}

@@ -38,6 +38,7 @@ from router.bindings import Binding, VersionedBinding
 from router.commands import config_from_args
 from router.node.agent import AgentConfig, WorkerAgent
 from router.state.etcd import EtcdBackend, EtcdLease
+from router.tasks import cancel_and_wait
 from router.workers import WorkerId, WorkerInfo
 from tests.etcd_secure import SecureEtcd, start_secure_etcd
 from tests.router_harness import FakeWorker
@@ -227,8 +228,7 @@ async def _components_work(w1: EtcdSpec, d1: EtcdSpec, router: EtcdSpec,
                     await asyncio.wait_for(watcher.synced.wait(), 15)
                     assert list(watcher.members()) == ["d1"], reader.user
                 finally:
-                    watch.cancel()
-                    await asyncio.gather(watch, return_exceptions=True)
+                    await cancel_and_wait([watch])
             # A stolen router credential cannot kill a worker by revoking its lease (etcd
             # wants write access to every key attached), nor can another worker's.
             client = etcd_client(router, timeout=5)
@@ -245,13 +245,10 @@ async def _components_work(w1: EtcdSpec, d1: EtcdSpec, router: EtcdSpec,
                 await client.close()
             assert "w1" in workers.seen  # still registered
             # And the agent's own clean stop (LeaseRevoke) is allowed: the router sees w1 go.
-            tasks[0].cancel()
-            await asyncio.gather(tasks[0], return_exceptions=True)
+            await cancel_and_wait([tasks[0]])
             await _until(lambda: "w1" not in workers.seen, workers.changed)
     finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait(tasks)
         await registrar.deregister()
         await backend.close()
         await agent_backend.close()
@@ -381,12 +378,10 @@ async def _k8s_components_work(router: EtcdSpec, agent: EtcdSpec, store: EtcdSpe
             await asyncio.wait_for(watcher.synced.wait(), 15)
             assert list(watcher.members()) == ["node-a"]
         finally:
-            watch.cancel()
-            await asyncio.gather(watch, return_exceptions=True)
+            await cancel_and_wait([watch])
         await lease.revoke()
     finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        await cancel_and_wait([task])
         await registrar.deregister()
         await routers.close()
         await agents.close()

@@ -44,6 +44,7 @@ from router.bindings import Binding
 from router.commands import config_from_args
 from router.errors import StateUnavailable
 from router.state.etcd import EtcdBackend
+from router.tasks import cancel_and_wait
 from router.workers import WorkerId, WorkerInfo
 from tests.etcd_secure import SecureEtcd, start_secure_etcd
 from tests.router_harness import FakeWorker, loop_thread, wait_until
@@ -68,8 +69,7 @@ async def _synced(watcher: MembershipWatcher, within: float) -> bool:
     except TimeoutError:
         return False
     finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        await cancel_and_wait([task])
 
 
 async def _registers(registrar: Registrar, within: float) -> bool:
@@ -81,8 +81,7 @@ async def _registers(registrar: Registrar, within: float) -> bool:
     except TimeoutError:
         return False
     finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        await cancel_and_wait([task])
         await registrar.deregister()
 
 
@@ -173,9 +172,7 @@ async def _every_client(spec: EtcdSpec, tag: str) -> None:
                 await asyncio.sleep(0.05)
         assert watcher.members()[info.node_id] == info
     finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait(tasks)
         await registrar.deregister()
 
     backend = EtcdBackend(spec, f"/{tag}")

@@ -38,6 +38,7 @@ from router.kv_params import client_kv_params
 from router.limits import Limits
 from router.policy import Thresholds, build_policy, policy_preset
 from router.state import EtcdBackend
+from router.tasks import cancel_and_wait
 from router.tenants import ApiKeys
 from router.workers import WorkerId, WorkerInfo
 from tests.router_harness import FakeWorker, LoopThread, RouterHandle, loop_thread, wait_until
@@ -209,8 +210,7 @@ def test_a_rogue_etcd_record_is_not_a_worker(etcd_server: EtcdServer) -> None:
             assert {w.worker_id for w in core.workers()} == {"ok"}
             assert core.registry.refused == 1
         finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+            await cancel_and_wait([task])
             await client.close()
             await backend.close()
 
