@@ -32,7 +32,10 @@ async def cancel_and_wait(tasks: Iterable[asyncio.Task[Any]], timeout_s: float =
         task.cancel()
     if not pending:
         return set()
-    _, stuck = await asyncio.wait(pending, timeout=timeout_s)
+    ended, stuck = await asyncio.wait(pending, timeout=timeout_s)
+    for task in ended:  # retrieved, so none is logged as "exception was never retrieved"
+        if not task.cancelled():
+            task.exception()
     for task in stuck:
         log.warning("task %s did not end within %.1fs of its cancellation; abandoned",
                     task.get_name(), timeout_s)

@@ -170,25 +170,25 @@ class EtcdBackend:
             return
         client, self._client = self._client, None
         self._dials += 1
-        try:
-            await client.close()
-        except _ETCD_ERRORS:
-            log.debug("etcd close failed", exc_info=True)
+        await self._close_client(client)
 
     async def close(self) -> None:
-        """Close the client, waiting at most `timeout_s`: a close shuts aetcd's watch stream
-        down through grpc, whose confirmation can be lost (router/tasks.cancel_and_wait)."""
         if self._client is not None:
             client, self._client = self._client, None
-            closing = asyncio.ensure_future(client.close())
-            done, _ = await asyncio.wait({closing}, timeout=self.timeout_s)
-            if not done:
-                log.warning("etcd client close did not end within %.1fs; abandoned",
-                            self.timeout_s)
-            elif not closing.cancelled() and (exc := closing.exception()) is not None:
-                if not isinstance(exc, _ETCD_ERRORS):
-                    raise exc
-                log.debug("etcd close failed: %s", exc)
+            await self._close_client(client)
+
+    async def _close_client(self, client: Any) -> None:
+        """Close `client`, waiting at most `timeout_s`: a close shuts aetcd's watch stream
+        down through grpc, whose confirmation can be lost (router/tasks.cancel_and_wait)."""
+        closing = asyncio.ensure_future(client.close())
+        done, _ = await asyncio.wait({closing}, timeout=self.timeout_s)
+        if not done:
+            log.warning("etcd client close did not end within %.1fs; abandoned",
+                        self.timeout_s)
+        elif not closing.cancelled() and (exc := closing.exception()) is not None:
+            if not isinstance(exc, _ETCD_ERRORS):
+                raise exc
+            log.debug("etcd close failed: %s", exc)
 
     def export_metrics(self, registry: CollectorRegistry) -> None:
         """Count skipped records in `registry` too (the router's own), as
