@@ -13,6 +13,7 @@ from hypothesis import settings
 from deploy.local.daemons import DaemonProcess, running_daemon, running_daemons
 from deploy.local.services import EtcdServer, RedisServer, start_etcd, start_redis
 from kvstore.net.daemon_client import DaemonClient
+from tests import grpc_leaks
 from tests.models import TinyModel, build_tiny_llama
 
 # On a noisy 2-core machine a per-example deadline measures the neighbours, not our code; and
@@ -95,3 +96,15 @@ def model_dir(tiny: TinyModel) -> Path:
     """The tiny Llama's directory, for what takes a model path (`kvkeep demo --model-dir`,
     `vllm serve`)."""
     return tiny.path
+
+
+grpc_leaks.install()
+
+
+@pytest.fixture(autouse=True)
+def _no_grpc_left_open_on_a_closed_loop() -> Iterator[None]:
+    yield
+    leaks = grpc_leaks.leaked()
+    if leaks:
+        pytest.fail("grpc.aio left open on a closed event loop (see tests/grpc_leaks.py): "
+                    + "\n".join(leaks), pytrace=False)

@@ -106,9 +106,12 @@ class PrefixWatcher(Generic[T]):
         try:
             while True:
                 client = await self._clients.acquire()
+                # Bound before the try: a cancellation skips both assignments below, and an
+                # unbound name here raised inside the release (swallowed by its suppress), so a
+                # cancelled watcher never closed its client (tests/grpc_leaks.py found it).
+                failed = False
                 try:
                     await self._list_and_watch(client, backoff)
-                    failed = False
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:  # aetcd's own tree, raw grpc errors, OSError alike

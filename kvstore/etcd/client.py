@@ -28,6 +28,8 @@ from kvstore.etcd.spec import EtcdSpec, etcd_spec
 __all__ = ["EtcdClient", "etcd_client"]
 
 _AUTHENTICATE = "/etcdserverpb.Auth/Authenticate"
+# How long close waits for aetcd's watcher to shut down when the client has no call timeout.
+_WATCHER_SHUTDOWN_S = 2.0
 # What etcd answers a token it no longer accepts (etcd's rpctypes, and clientv3's list of
 # errors that make it re-authenticate).
 _STALE_TOKEN = ("invalid auth token", "revision of auth store is old", "user name is empty")
@@ -164,6 +166,29 @@ class EtcdClient(aetcd.Client):  # type: ignore[misc]
             self._connected.set()
         finally:
             self._is_connecting = False
+
+    async def close(self) -> None:
+        """aetcd's close, except that the channel always closes.
+
+        aetcd shuts its watcher down first, awaiting the cancelled watch stream; against a dead
+        or stopping server that await can outlast the caller's timeout (or be cancelled), and
+        aetcd then never reached `channel.close()`: the channel stayed open on its loop, and
+        once that loop closed, grpc's shared completion queue raised on the channel's late
+        events and dropped other loops' events with them (a hang elsewhere; see
+        tests/grpc_leaks.py). `channel.close()` itself cancels the calls without waiting.
+        """
+        channel, watcher = self.channel, self._watcher
+        try:
+            if watcher is not None:
+                async with asyncio.timeout(self._timeout or _WATCHER_SHUTDOWN_S):
+                    await watcher.shutdown()
+        except TimeoutError:
+            pass
+        finally:
+            self._init_channel_attrs()
+            self._connected.clear()
+            if channel is not None:
+                await channel.close()
 
 
 def etcd_client(spec: EtcdSpec | str, endpoint: int = 0, *, timeout: float | None = None
