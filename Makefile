@@ -44,9 +44,12 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
-## pytest: the test suite only (assumes setup)
+## pytest: the test suite only (assumes setup), whole modules spread over PYTEST_WORKERS
+## processes (pytest-xdist; default: the cores, at most 4: each may run vLLM engines), slow
+## modules first (tests/conftest.py); PYTEST_WORKERS=0 runs it in this one process
+PYTEST_WORKERS ?= $(shell n=$$(nproc); echo $$(( n < 4 ? n : 4 )))
 pytest: $(STAMP)
-	$(PY) -m pytest -q --durations=30
+	$(PY) -m pytest -q --durations=30 -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 ## proto: regenerate kvstore/_proto/ from proto/*.proto (generated code is committed, never edited)
 .PHONY: proto

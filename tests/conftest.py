@@ -11,6 +11,7 @@ import pytest
 from hypothesis import settings
 
 from deploy.local.daemons import DaemonProcess, running_daemon, running_daemons
+from deploy.local.ports import SLICE_ENV
 from deploy.local.services import EtcdServer, RedisServer, start_etcd, start_redis
 from kvstore.net.daemon_client import DaemonClient
 from tests import grpc_leaks
@@ -23,6 +24,14 @@ settings.register_profile("ci", deadline=None, derandomize=True)
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 
+# pytest-xdist's workers start servers side by side: each takes its own slice of the ports
+# (deploy/local/ports.py), so one worker never picks a port another freed for a restart.
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ[SLICE_ENV] = "{}/{}".format(
+        int(os.environ["PYTEST_XDIST_WORKER"].removeprefix("gw")),
+        int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+
+
 def _has_cuda() -> bool:
     try:
         import torch
@@ -32,6 +41,7 @@ def _has_cuda() -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _slow_modules_first(items)
     if _has_cuda():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
@@ -40,6 +50,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         # gpu (keywords hold the names of parent nodes).
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
+
+
+def _slow_modules_first(items: list[pytest.Item]) -> None:
+    """Modules holding a `slow` test run first, each module's tests kept together and in file
+    order. `make pytest` spreads whole modules over workers (pytest-xdist, `--dist loadfile`,
+    `--no-loadscope-reorder`), and a long module started last would run alone at the end while
+    the other workers idle; started first, the many short modules fill in around it."""
+    slow = {item.module.__name__ for item in items
+            if item.module is not None and item.get_closest_marker("slow") is not None}
+    items.sort(key=lambda item: item.module is None or item.module.__name__ not in slow)
 
 
 @pytest.fixture

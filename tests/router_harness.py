@@ -225,7 +225,9 @@ class FakeWorker:
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/responses", self._responses)
-        self._runner = web.AppRunner(app, access_log=None)
+        # A fake worker is stopped, not drained: a handler a test left stalled (`stall_s`)
+        # would otherwise hold the stop for aiohttp's 60 s default.
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
         await self._runner.setup()
         self.port = self.port or free_port()
         await web.TCPSite(self._runner, self.host, self.port).start()

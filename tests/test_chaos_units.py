@@ -1,6 +1,6 @@
 """The chaos suite's parts that need no cluster: scenario files, counting, the router pool, the
 report's arithmetic. (The parts that touch real processes: test_chaos_parts.py; whole
-scenarios through the CLI: test_deploy_chaos.py.)"""
+scenarios through the CLI: test_deploy_chaos_*.py.)"""
 
 from __future__ import annotations
 

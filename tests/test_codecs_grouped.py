@@ -32,6 +32,8 @@ from kvstore.errors import CodecError, CorruptBlock
 from kvstore.frame import BlockRead, CodecId, DType
 from tests.codec_frames_fixture import FIXTURE, bits_digest, fixture_key
 
+pytestmark = pytest.mark.slow
+
 GROUPED = ["int8-asym", "int8-kivi", "int8-g32", "int4"]
 TORCH = {DType.FLOAT16: torch.float16, DType.BFLOAT16: torch.bfloat16,
          DType.FLOAT32: torch.float32}

@@ -51,6 +51,8 @@ from tests.models import TinyModel
 from tests.test_connector_lookups import FP, NetworkLikeTier, _answer, _fill, _key
 from tests.test_connector_units import BS, FakeRequest
 
+pytestmark = pytest.mark.slow
+
 # -- the cost model ------------------------------------------------------------------------
 
 

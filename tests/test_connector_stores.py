@@ -26,6 +26,8 @@ from tests.connector_harness import (
 )
 from tests.models import TinyModel
 
+pytestmark = pytest.mark.slow
+
 
 def parse(store: dict[str, object]) -> StoreSpec:
     return ConnectorConfig.from_extra({"store": store}).store

@@ -32,6 +32,8 @@ from kvstore.net.scope import Scope
 from kvstore.net.tcp_protocol import OP_GET, OP_PUT, encode_request
 from tests.blockframes import FINGERPRINT, block_key, make_frame
 
+pytestmark = pytest.mark.slow
+
 T = 10.0
 TOKEN_A = "token-tenant-a-0123456789"
 TOKEN_B = "token-tenant-b-0123456789"

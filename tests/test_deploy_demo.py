@@ -8,7 +8,7 @@ and every part configured for it. The demo's checks are the same with and withou
 the run with it proves both: the connector found the daemons through TLS etcd, believed them,
 and read and wrote KV over mTLS. The same cluster builder without TLS (what `make demo` starts)
 runs a worker SIGKILLed mid-stream with KV restored in tests/test_observability.py and the
-chaos runs (tests/test_deploy_chaos.py): a second full cluster here would prove nothing more
+chaos runs (tests/test_deploy_chaos_*.py): a second full cluster here would prove nothing more
 for ~60 s. The TLS settings without a cluster are tests/test_local_cluster_tls.py's."""
 
 from __future__ import annotations

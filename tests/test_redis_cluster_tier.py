@@ -38,9 +38,9 @@ from tests.connector_harness import (
 )
 from tests.models import TinyModel
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     shutil.which("redis-server") is None or shutil.which("redis-cli") is None,
-    reason="redis-server / redis-cli not installed (make setup installs them)")
+    reason="redis-server / redis-cli not installed (make setup installs them)")]
 
 CHUNK = 256 << 10
 CHUNKED = 200_000  # segment bytes: 4 segments = ~800 KB = 4 chunks of 256 KiB

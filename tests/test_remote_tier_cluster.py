@@ -12,6 +12,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from deploy.local.daemons import DaemonProcess, running_daemons
 from deploy.local.services import EtcdServer
 from kvstore.errors import KVKeepError
@@ -21,6 +23,8 @@ from kvstore.net.daemon_client import DaemonClient
 from kvstore.net.scope import scope_of
 from kvstore.tiers.remote.tier import RemoteConfig, RemoteTier
 from tests.blockframes import block_key, make_frame, session_key
+
+pytestmark = pytest.mark.slow
 
 T = 10.0
 N_BLOCKS = 1000

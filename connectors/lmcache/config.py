@@ -32,7 +32,8 @@ loopback are used.
 Unknown keys are an error, not a shrug: a typo would otherwise silently run with a default.
 So is a value of the wrong type (`"2"` or 2.0 for 2, 1 for true) or an empty string. `null`
 is the same as leaving the key out for the string keys, `daemons` and `tls`, and an error for
-the others. A bad key or value is a `ConfigError` naming it (the keys: `_Params`'s fields).
+the others; `prefix` null or "" is the default one. A bad key or value is a `ConfigError` naming
+it (the keys: `_Params`'s fields), parsed as every settings mapping is (`kvstore.settings`).
 The token is read from a file so that it never sits in the config, which LMCache logs.
 """
 
@@ -40,21 +41,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Annotated, Any, Final, Literal
+from typing import Any, Literal
 
 import msgspec
 
 from kvstore.errors import ConfigError, InvalidKey
 from kvstore.etcd import EtcdSpec
 from kvstore.keys import validate_name
+from kvstore.settings import DEFAULT_STORES_PREFIX, RemoteClientSettings, Text, parse_settings
 from kvstore.tiers.factory import read_token_file
 
 __all__ = ["PluginSettings", "TLSPaths", "read_token"]
-
-DEFAULT_PREFIX: Final = "/kvkeep/stores/"
-
-_Text = Annotated[str, msgspec.Meta(min_length=1)]
 
 
 class TLSPaths(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -63,17 +60,17 @@ class TLSPaths(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     ca: str
     cert: str | None = None
     key: str | None = None
-    server_name: _Text | None = None
+    server_name: Text | None = None
 
 
-class _Params(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    """`adapter_params` as given, in LMCache's units; `None` where a key may be left out."""
+class _Params(RemoteClientSettings, frozen=True):
+    """`adapter_params` as given, in LMCache's units; `None` where a key may be left out. The
+    remote-client keys (etcd, its TLS and credentials, prefix, token_file,
+    registration_public_key) are `kvstore.settings.RemoteClientSettings`'s, as the vLLM
+    connector's `store.remote` spells them."""
 
-    etcd: _Text | None = None
-    prefix: _Text | None = None
     daemons: dict[str, str] | list[str] | None = None
-    tenant: _Text | None = None
-    token_file: _Text | None = None
+    tenant: Text | None = None
     replicas: int = 2
     write_ack: Literal["one", "all"] = "all"
     timeout_ms: float = 2000.0
@@ -82,19 +79,12 @@ class _Params(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     load_threads: int = 1
     put_batch_mb: float = 64.0
     skip_present: bool = True
-    model_revision: _Text | None = None
+    model_revision: Text | None = None
     max_capacity_gb: float = 0.0
     tls: TLSPaths | None = None
     data_plane: bool = True
-    registration_public_key: _Text | None = None
-    etcd_ca: _Text | None = None
-    etcd_cert: _Text | None = None
-    etcd_key: _Text | None = None
-    etcd_user: _Text | None = None
-    etcd_password_file: _Text | None = None
 
 
-_KEYS: Final = frozenset(_Params.__struct_fields__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +95,7 @@ class PluginSettings:
     """etcd URL(s), or an `EtcdSpec` with TLS and credentials (from the etcd_* keys)."""
     daemons: tuple[tuple[str, str], ...] = ()
     """(node id, host:port) pairs, when the daemons are listed instead of found in etcd."""
-    prefix: str = DEFAULT_PREFIX
+    prefix: str = DEFAULT_STORES_PREFIX
     tenant: str = "default"
     token_file: str | None = None
     replicas: int = 2
@@ -139,25 +129,14 @@ class PluginSettings:
     @classmethod
     def from_params(cls, params: Mapping[str, Any] | None) -> PluginSettings:
         """Parse LMCache's `adapter_params`; raises ConfigError naming the bad key."""
-        params = dict(params or {})
-        try:
-            given = msgspec.convert(params, type=_Params)
-        except msgspec.ValidationError as exc:
-            unknown = sorted(set(params) - _KEYS, key=str)
-            if unknown:  # every typo at once, and the names it could have meant
-                raise ConfigError(f"unknown kvkeep LMCache plugin keys {unknown}; "
-                                  f"known: {sorted(_KEYS)}") from exc
-            raise ConfigError(f"kvkeep LMCache plugin adapter_params: {exc}") from exc
+        given = parse_settings(params, _Params, "kvkeep LMCache plugin adapter_params")
         tls = given.tls
         if tls is not None and (tls.cert is None) != (tls.key is None):
             raise ConfigError("tls: give both 'cert' and 'key', or neither")
         return cls(
-            etcd=None if given.etcd is None else EtcdSpec(
-                given.etcd, ca_file=_path(given.etcd_ca), cert_file=_path(given.etcd_cert),
-                key_file=_path(given.etcd_key), user=given.etcd_user,
-                password_file=_path(given.etcd_password_file)),
+            etcd=given.etcd_spec(),
             daemons=_daemons(given.daemons),
-            prefix=given.prefix or DEFAULT_PREFIX,
+            prefix=given.stores_prefix,
             tenant=given.tenant or "default",
             token_file=given.token_file,
             replicas=given.replicas,
@@ -202,7 +181,3 @@ def _daemons(value: dict[str, str] | list[str] | None) -> tuple[tuple[str, str],
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ConfigError(f"daemons: {address!r} is not host:port")
     return tuple(sorted(pairs))
-
-
-def _path(value: str | None) -> Path | None:
-    return None if value is None else Path(value)

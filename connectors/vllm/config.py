@@ -32,22 +32,25 @@ are used.
 the daemons by write-behind.
 
 Unknown keys are an error, not a shrug: a typo in `checkpoint_tokens` would otherwise silently
-leave a session unprotected.
+leave a session unprotected. The keys and what each may hold are the `_Extra` Struct below,
+parsed as every settings mapping of the product is (`kvstore.settings`): strict JSON types, a
+`ConfigError` naming the key (`$.store.nvme.bytes`); what needs two keys at once is checked in
+`ConnectorConfig.from_extra`.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Final, Literal, cast
+from typing import Annotated, Any, Final, Literal, cast
 
-from kvstore.codecs import CODEC_NAMES, config_codec_name
+import msgspec
+
+from kvstore.codecs import config_codec_name
 from kvstore.errors import CodecError, ConfigError, InvalidKey
-from kvstore.etcd import EtcdSpec
 from kvstore.keys import validate_name
 from kvstore.mac import MacKey
+from kvstore.settings import RemoteClientSettings, Text, parse_settings
 from kvstore.tiers.factory import NvmeSpec, RedisSpec, RemoteSpec
 
 __all__ = [
@@ -79,26 +82,86 @@ Compression = Literal["none", "auto", "zstd"]
 
 DEFAULT_REPLICAS: Final = 2
 """Copies of each block on the remote daemons unless `store.remote.replicas` says otherwise."""
+DEFAULT_DURABILITY_TIMEOUT_MS: Final = 5000
 
-_TOP_KEYS: Final = frozenset({
-    "store", "codec", "compression", "checkpoint_tokens", "restore_deadline_ms",
-    "hinted_restore_deadline_ms", "save_timeout_ms", "load_mode", "tenant", "model_id",
-    "weights_revision", "max_inflight_saves", "lookup", "restore_first_layers", "mac_key_file",
-    "durability",
-    "restore_path", "save_path", "restore_policy", "prefill_tokens_per_s",
-})
-_STORE_KEYS: Final = frozenset({"host_bytes", "host_pinned", "nvme", "remote", "redis", "name"})
-_NVME_KEYS: Final = frozenset({"path", "bytes", "durable"})
-# etcd_*: TLS and auth towards etcd (kvstore/etcd/spec.py), as `kvkeep store serve --etcd-*`.
-_ETCD_KEYS: Final = ("etcd_ca", "etcd_cert", "etcd_key", "etcd_user", "etcd_password_file")
-# tls_*, registration_public_key: what proves a registered daemon is one (a token goes only
-# to those): mTLS against the cluster CA, and/or registrations signed with the cluster key.
-_IDENTITY_KEYS: Final = ("tls_ca", "tls_cert", "tls_key", "tls_server_name",
-                         "registration_public_key")
-_REMOTE_KEYS: Final = frozenset({"etcd", "prefix", "replicas", "daemons", "timeout_ms",
-                                 "token_file", *_ETCD_KEYS, *_IDENTITY_KEYS})
-_REDIS_KEYS: Final = frozenset({"url", "nodes", "prefix", "ttl_seconds", "timeout_ms"})
+# -- the keys as given (milliseconds, bytes; None where a key may be left out) ------------------
 
+_Positive = Annotated[int, msgspec.Meta(gt=0)]
+_Count = Annotated[int, msgspec.Meta(ge=0)]
+# A day at most: a larger deadline is a unit mistake (seconds for ms), and it keeps out inf.
+_Ms = Annotated[float, msgspec.Meta(gt=0, le=86_400_000)]
+_MsOrZero = Annotated[float, msgspec.Meta(ge=0, le=86_400_000)]
+_Rate = Annotated[float, msgspec.Meta(gt=0, le=1e12)]
+
+
+class _Nvme(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    path: Text
+    bytes: _Positive = 64 << 30
+    durable: bool = True
+
+
+class _Remote(RemoteClientSettings, frozen=True):
+    """`store.remote`: the shared remote-client keys (`kvstore.settings`) and the tier's own."""
+
+    daemons: dict[Text, Text] | None = None
+    replicas: _Positive | None = None
+    timeout_ms: _Ms = 1000
+    # mTLS to the daemons: the cluster CA their certificates are checked against, our client
+    # certificate and key, and the name their certificates carry.
+    tls_ca: Text | None = None
+    tls_cert: Text | None = None
+    tls_key: Text | None = None
+    tls_server_name: Text | None = None
+
+
+class _Redis(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    url: Text | None = None
+    nodes: list[Text] | None = None
+    prefix: Text = "kvkeep"
+    ttl_seconds: _Positive | None = None
+    timeout_ms: _Ms = 5000
+
+
+class _Store(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    host_bytes: _Count = 0
+    host_pinned: bool = False
+    nvme: _Nvme | None = None
+    remote: _Remote | None = None
+    redis: _Redis | None = None
+    name: str = "default"
+
+
+class _Durability(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    replicas: _Positive | None = None
+    timeout_ms: _Ms = DEFAULT_DURABILITY_TIMEOUT_MS
+
+
+class _Extra(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """`kv_connector_extra_config` as given."""
+
+    store: _Store
+    codec: str = "raw"
+    compression: Compression = "none"
+    checkpoint_tokens: _Positive | None = None
+    restore_deadline_ms: _Ms = 2000
+    hinted_restore_deadline_ms: _Ms | None = None
+    save_timeout_ms: _MsOrZero = 0
+    load_mode: LoadMode = "sync"
+    tenant: str = "default"
+    model_id: Text | None = None
+    weights_revision: Text | None = None
+    max_inflight_saves: _Positive = 256
+    lookup: LookupMode = "auto"
+    restore_first_layers: _Count = 0
+    mac_key_file: Text | None = None
+    durability: _Durability | None = None
+    restore_path: RestorePath = "auto"
+    save_path: SavePath = "auto"
+    restore_policy: RestorePolicy = "cost"
+    prefill_tokens_per_s: _Rate | None = None
+
+
+# -- the parsed config --------------------------------------------------------------------------
 
 @dataclass(frozen=True, slots=True)
 class StoreSpec:
@@ -123,12 +186,6 @@ class StoreSpec:
             raise ConfigError("store: configure at least one of host_bytes, nvme, remote, redis")
 
 
-# -- durability (issue 13 item 10): one block, `"durability": {"replicas": R, "timeout_ms": T}`
-
-_DURABILITY_KEYS: Final = frozenset({"replicas", "timeout_ms"})
-DEFAULT_DURABILITY_TIMEOUT_MS: Final = 5000
-
-
 @dataclass(frozen=True, slots=True)
 class DurabilitySpec:
     """Make KV durable on `replicas` remote daemons before the tokens computed with it reach the
@@ -138,19 +195,6 @@ class DurabilitySpec:
 
     replicas: int
     timeout_s: float
-
-
-def _durability(raw: object, remote: RemoteSpec | None) -> DurabilitySpec:
-    if not isinstance(raw, Mapping):
-        raise ConfigError('durability must be an object, e.g. {"replicas": 2, "timeout_ms": 5000}')
-    _reject_unknown("durability", raw, _DURABILITY_KEYS)
-    if remote is None:
-        raise ConfigError("durability needs store.remote: KV is durable on remote daemons")
-    replicas = _positive_int(raw.get("replicas", remote.replicas), "durability.replicas")
-    if replicas > remote.replicas:
-        raise ConfigError(f"durability.replicas is {replicas} but store.remote keeps "
-                          f"{remote.replicas} copies of each block")
-    return DurabilitySpec(replicas, _positive_ms(raw, "timeout_ms", DEFAULT_DURABILITY_TIMEOUT_MS))
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,54 +254,37 @@ class ConnectorConfig:
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
         """Parse `kv_connector_extra_config`; raises ConfigError on anything malformed."""
-        extra = dict(extra or {})
-        _reject_unknown("kv_connector_extra_config", extra, _TOP_KEYS)
-        if "store" not in extra:
-            raise ConfigError("kv_connector_extra_config needs a 'store'")
-        codec = _codec(_choice(extra, "codec", CODEC_NAMES, "raw"))
-        compression = _choice(extra, "compression", ("none", "auto", "zstd"), "none")
-        load_mode = _choice(extra, "load_mode", ("sync", "async"), "sync")
-        checkpoint = extra.get("checkpoint_tokens")
-        if checkpoint is not None:
-            checkpoint = _positive_int(checkpoint, "checkpoint_tokens")
-        tenant = _name(extra.get("tenant", "default"), "tenant")
-        model_id = extra.get("model_id")
-        revision = extra.get("weights_revision")
-        deadline = _positive_ms(extra, "restore_deadline_ms", 2000)
-        hinted = _positive_ms(extra, "hinted_restore_deadline_ms", max(5000, deadline * 1000))
+        given = parse_settings(extra, _Extra, "kv_connector_extra_config")
+        deadline = given.restore_deadline_ms / 1000
+        hinted = (max(5.0, deadline) if given.hinted_restore_deadline_ms is None
+                  else given.hinted_restore_deadline_ms / 1000)
         if hinted < deadline:
             raise ConfigError("hinted_restore_deadline_ms must not be below restore_deadline_ms "
                               "(a restore known to be in the store waits at least as long)")
-        store = _store(extra["store"])
-        durability = (None if extra.get("durability") is None
-                      else _durability(extra["durability"], store.remote))
+        store = _store(given.store)
+        _check_save_path(given)
         return cls(
             store=store,
-            durability=durability,
-            codec=cast(Codec, codec),
-            compression=cast(Compression, compression),
-            checkpoint_tokens=checkpoint,
+            durability=None if given.durability is None else _durability(given.durability,
+                                                                         store.remote),
+            codec=_codec(given.codec),
+            compression=given.compression,
+            checkpoint_tokens=given.checkpoint_tokens,
             restore_deadline_s=deadline,
             hinted_restore_deadline_s=hinted,
-            save_timeout_s=_non_negative_ms(extra, "save_timeout_ms", 0),
-            load_mode=cast(LoadMode, load_mode),
-            tenant=tenant,
-            model_id=None if model_id is None else _nonempty_str(model_id, "model_id"),
-            weights_revision=None if revision is None else _nonempty_str(revision,
-                                                                           "weights_revision"),
-            max_inflight_saves=_positive_int(extra.get("max_inflight_saves", 256),
-                                             "max_inflight_saves"),
-            lookup=cast(LookupMode, _choice(extra, "lookup", ("auto", "worker"), "auto")),
-            restore_first_layers=_nonnegative_int(extra.get("restore_first_layers", 0),
-                                                  "restore_first_layers"),
-            mac_key=(MacKey.from_file(_nonempty_str(extra["mac_key_file"], "mac_key_file"))
-                     if extra.get("mac_key_file") is not None else None),
-            restore_path=cast(RestorePath, _choice(extra, "restore_path",
-                                                   ("auto", "device_decode", "staged"), "auto")),
-            save_path=_save_path(extra, compression),
-            restore_policy=cast(RestorePolicy, _choice(extra, "restore_policy",
-                                                       ("cost", "always"), "cost")),
-            prefill_tokens_per_s=_optional_rate(extra, "prefill_tokens_per_s"),
+            save_timeout_s=given.save_timeout_ms / 1000,
+            load_mode=given.load_mode,
+            tenant=_name(given.tenant, "tenant"),
+            model_id=given.model_id,
+            weights_revision=given.weights_revision,
+            max_inflight_saves=given.max_inflight_saves,
+            lookup=given.lookup,
+            restore_first_layers=given.restore_first_layers,
+            mac_key=None if given.mac_key_file is None else MacKey.from_file(given.mac_key_file),
+            restore_path=given.restore_path,
+            save_path=given.save_path,
+            restore_policy=given.restore_policy,
+            prefill_tokens_per_s=given.prefill_tokens_per_s,
         )
 
     def restore_deadline_for(self, *, hinted: bool) -> float:
@@ -273,203 +300,80 @@ class ConnectorConfig:
         return max(block_size, self.checkpoint_tokens or block_size)
 
 
-def _store(raw: object) -> StoreSpec:
-    if not isinstance(raw, Mapping):
-        raise ConfigError("store must be an object")
-    store = dict(raw)
-    _reject_unknown("store", store, _STORE_KEYS)
-    host = int(store.get("host_bytes", 0) or 0)
-    if host < 0:
-        raise ConfigError("store.host_bytes must not be negative")
-    nvme = None
-    if store.get("nvme") is not None:
-        spec = store["nvme"]
-        if not isinstance(spec, Mapping):
-            raise ConfigError("store.nvme must be an object")
-        _reject_unknown("store.nvme", spec, _NVME_KEYS)
-        if "path" not in spec:
-            raise ConfigError("store.nvme needs a 'path'")
-        nvme = NvmeSpec(_nonempty_str(spec["path"], "store.nvme.path"),
-                        _positive_int(spec.get("bytes", 64 << 30), "store.nvme.bytes"),
-                        _flag(spec.get("durable", True), "store.nvme.durable"))
-    remote = None
-    if store.get("remote") is not None:
-        spec = store["remote"]
-        if not isinstance(spec, Mapping):
-            raise ConfigError("store.remote must be an object")
-        _reject_unknown("store.remote", spec, _REMOTE_KEYS)
-        listed = spec.get("daemons") or {}
-        if not isinstance(listed, Mapping):
-            raise ConfigError("store.remote.daemons must map node ids to host:port")
-        daemons = tuple(sorted((_nonempty_str(node, "store.remote.daemons key"),
-                                _nonempty_str(addr, "store.remote.daemons value"))
-                               for node, addr in listed.items()))
-        etcd = spec.get("etcd")
-        if (etcd is None) == (not daemons):
-            raise ConfigError("store.remote needs exactly one of 'etcd' and 'daemons'")
-        remote = RemoteSpec(
-            etcd=None if etcd is None else _etcd(spec),
-            prefix=_nonempty_str(spec.get("prefix") or "/kvkeep/stores/",
-                                 "store.remote.prefix"),
-            replicas=_replicas(spec, daemons),
-            daemons=daemons,
-            timeout_s=_positive_ms(spec, "timeout_ms", 1000),
-            token_file=(None if spec.get("token_file") is None
-                        else _nonempty_str(spec["token_file"], "store.remote.token_file")),
-            tls_ca=_optional_str(spec, "tls_ca"), tls_cert=_optional_str(spec, "tls_cert"),
-            tls_key=_optional_str(spec, "tls_key"),
-            tls_server_name=_optional_str(spec, "tls_server_name"),
-            registration_public_key=_optional_str(spec, "registration_public_key"),
-        )
-    redis = None if store.get("redis") is None else _redis(store["redis"])
-    name = _name(store.get("name", "default"), "store.name")
-    return StoreSpec(host_bytes=host, nvme=nvme, remote=remote, name=name, redis=redis,
-                     host_pinned=_flag(store.get("host_pinned", False), "store.host_pinned"))
+def _store(given: _Store) -> StoreSpec:
+    nvme = None if given.nvme is None else NvmeSpec(given.nvme.path, given.nvme.bytes,
+                                                    given.nvme.durable)
+    return StoreSpec(host_bytes=given.host_bytes, nvme=nvme,
+                     remote=None if given.remote is None else _remote(given.remote),
+                     name=_name(given.name, "store.name"),
+                     redis=None if given.redis is None else _redis(given.redis),
+                     host_pinned=given.host_pinned)
 
 
-def _etcd(remote: Mapping[str, Any]) -> EtcdSpec:
-    """store.remote.etcd with its etcd_* keys: one checked spec (https means TLS)."""
-    files = {key: None if remote.get(key) is None
-             else _nonempty_str(remote[key], f"store.remote.{key}")
-             for key in _ETCD_KEYS}
-
-    def path(key: str) -> Path | None:
-        value = files[key]
-        return None if value is None else Path(value)
-
-    return EtcdSpec(_nonempty_str(remote["etcd"], "store.remote.etcd"),
-                    ca_file=path("etcd_ca"), cert_file=path("etcd_cert"),
-                    key_file=path("etcd_key"), user=files["etcd_user"],
-                    password_file=path("etcd_password_file"))
+def _remote(given: _Remote) -> RemoteSpec:
+    daemons = tuple(sorted((given.daemons or {}).items()))
+    if (given.etcd is None) == (not daemons):
+        raise ConfigError("store.remote needs exactly one of 'etcd' and 'daemons'")
+    return RemoteSpec(
+        etcd=given.etcd_spec(), prefix=given.stores_prefix, replicas=_replicas(given, daemons),
+        daemons=daemons, timeout_s=given.timeout_ms / 1000, token_file=given.token_file,
+        tls_ca=given.tls_ca, tls_cert=given.tls_cert, tls_key=given.tls_key,
+        tls_server_name=given.tls_server_name,
+        registration_public_key=given.registration_public_key)
 
 
-def _optional_str(remote: Mapping[str, Any], key: str) -> str | None:
-    value = remote.get(key)
-    return None if value is None else _nonempty_str(value, f"store.remote.{key}")
-
-
-def _redis(raw: object) -> RedisSpec:
-    if not isinstance(raw, Mapping):
-        raise ConfigError("store.redis must be an object")
-    _reject_unknown("store.redis", raw, _REDIS_KEYS)
-    if ("url" in raw) == ("nodes" in raw):
+def _redis(given: _Redis) -> RedisSpec:
+    if (given.url is None) == (given.nodes is None) or given.nodes == []:
         raise ConfigError("store.redis needs a 'url' (one server) or 'nodes' (a Redis "
-                          "Cluster's seed host:port list), not both")
-    nodes = raw.get("nodes", ())
-    if not isinstance(nodes, list | tuple) or ("nodes" in raw and not nodes):
-        raise ConfigError("store.redis.nodes must be a non-empty list of host:port")
-    ttl = raw.get("ttl_seconds")
-    return RedisSpec(url=_nonempty_str(raw["url"], "store.redis.url") if "url" in raw else "",
-                     nodes=tuple(_nonempty_str(n, "store.redis.nodes[]") for n in nodes),
-                     prefix=_nonempty_str(raw.get("prefix", "kvkeep"), "store.redis.prefix"),
-                     ttl_s=None if ttl is None else _positive_int(ttl, "store.redis.ttl_seconds"),
-                     timeout_s=_positive_ms(raw, "timeout_ms", 5000))
+                          "Cluster's seed host:port list, not empty), not both")
+    return RedisSpec(url=given.url or "", nodes=tuple(given.nodes or ()), prefix=given.prefix,
+                     ttl_s=given.ttl_seconds, timeout_s=given.timeout_ms / 1000)
 
 
-def _replicas(spec: Mapping[str, Any], daemons: tuple[tuple[str, str], ...]) -> int:
+def _replicas(given: _Remote, daemons: tuple[tuple[str, str], ...]) -> int:
     """R: 2 by default (one lost daemon loses no KV); capped at a static list's length, since a
     write acknowledged by all R owners could never succeed with fewer daemons than R."""
-    if "replicas" not in spec:
+    if given.replicas is None:
         return min(DEFAULT_REPLICAS, len(daemons)) if daemons else DEFAULT_REPLICAS
-    replicas = _positive_int(spec["replicas"], "store.remote.replicas")
-    if daemons and replicas > len(daemons):
-        raise ConfigError(f"store.remote.replicas is {replicas} but only {len(daemons)} "
+    if daemons and given.replicas > len(daemons):
+        raise ConfigError(f"store.remote.replicas is {given.replicas} but only {len(daemons)} "
                           f"daemon(s) are listed")
-    return replicas
+    return given.replicas
 
 
-def _save_path(extra: Mapping[str, Any], compression: str) -> SavePath:
-    path = _choice(extra, "save_path", ("auto", "staged"), "auto")
-    if path == "staged" and compression != "none":
+def _durability(given: _Durability, remote: RemoteSpec | None) -> DurabilitySpec:
+    if remote is None:
+        raise ConfigError("durability needs store.remote: KV is durable on remote daemons")
+    replicas = remote.replicas if given.replicas is None else given.replicas
+    if replicas > remote.replicas:
+        raise ConfigError(f"durability.replicas is {replicas} but store.remote keeps "
+                          f"{remote.replicas} copies of each block")
+    return DurabilitySpec(replicas, given.timeout_ms / 1000)
+
+
+def _check_save_path(given: _Extra) -> None:
+    if given.save_path != "staged":
+        return
+    if given.compression != "none":
         raise ConfigError("save_path 'staged' writes frames in place, uncompressed: it needs "
-                          f"compression 'none', not {compression!r}")
-    if path == "staged" and extra.get("mac_key_file") is not None:
+                          f"compression 'none', not {given.compression!r}")
+    if given.mac_key_file is not None:
         raise ConfigError("save_path 'staged' seals unsigned frames: it cannot be combined with "
                           "mac_key_file")
-    if path == "staged" and extra.get("durability") is not None:
+    if given.durability is not None:
         # Durable saves wait for R acknowledgements per block on the saver's own path.
         raise ConfigError("save_path 'staged' cannot be combined with durability")
-    return cast(SavePath, path)
 
 
-def _codec(name: str) -> str:
+def _codec(name: str) -> Codec:
     try:
-        return config_codec_name(name)
+        return cast(Codec, config_codec_name(name))
     except CodecError as exc:
         raise ConfigError(str(exc)) from None
 
 
-def _reject_unknown(where: str, mapping: Mapping[str, Any], allowed: frozenset[str]) -> None:
-    unknown = sorted(set(mapping) - allowed)
-    if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(allowed)}")
-
-
-def _choice(extra: Mapping[str, Any], key: str, allowed: tuple[str, ...], default: str) -> str:
-    value = extra.get(key, default)
-    if value not in allowed:
-        raise ConfigError(f"{key} must be one of {list(allowed)}, got {value!r}")
-    return str(value)
-
-
-def _positive_int(value: object, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | float | str):
-        raise ConfigError(f"{what} must be a positive integer, got {value!r}")
+def _name(value: str, what: str) -> str:
     try:
-        number = int(value)
-    except ValueError:
-        raise ConfigError(f"{what} must be a positive integer, got {value!r}") from None
-    if number <= 0 or (isinstance(value, float) and value != number):
-        raise ConfigError(f"{what} must be a positive integer, got {value!r}")
-    return number
-
-
-def _nonnegative_int(value: object, what: str) -> int:
-    return 0 if value == 0 and not isinstance(value, bool) else _positive_int(value, what)
-
-
-def _positive_ms(mapping: Mapping[str, Any], key: str, default_ms: float) -> float:
-    value = mapping.get(key, default_ms)
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ConfigError(f"{key} must be a positive number of milliseconds, got {value!r}")
-    if not math.isfinite(value) or value <= 0:
-        raise ConfigError(f"{key} must be a positive number of milliseconds, got {value!r}")
-    return float(value) / 1000.0
-
-
-def _non_negative_ms(mapping: Mapping[str, Any], key: str, default_ms: float) -> float:
-    value = mapping.get(key, default_ms)
-    if isinstance(value, bool) or not isinstance(value, int | float) \
-            or not math.isfinite(value) or value < 0:
-        raise ConfigError(f"{key} must be a number of milliseconds >= 0, got {value!r}")
-    return float(value) / 1000.0
-
-
-def _optional_rate(mapping: Mapping[str, Any], key: str) -> float | None:
-    value = mapping.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float) \
-            or not math.isfinite(value) or value <= 0:
-        raise ConfigError(f"{key} must be a positive number (tokens per second), got {value!r}")
-    return float(value)
-
-
-def _name(value: object, what: str) -> str:
-    try:
-        return validate_name(str(value), what)
+        return validate_name(value, what)
     except InvalidKey as exc:
         raise ConfigError(str(exc)) from None
-
-
-def _flag(value: object, what: str) -> bool:
-    """A JSON boolean; anything else is refused (bool("false") is True)."""
-    if not isinstance(value, bool):
-        raise ConfigError(f"{what} must be true or false, not {value!r}")
-    return value
-
-
-def _nonempty_str(value: object, what: str) -> str:
-    if not isinstance(value, str) or not value:
-        raise ConfigError(f"{what} must be a non-empty string")
-    return value

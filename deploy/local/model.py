@@ -28,6 +28,7 @@ since a random model's near-flat next-token distributions flip under any perturb
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -268,16 +269,22 @@ def build_cached(root: Path | str | None = None, **build_args: Any) -> TinyModel
     if (final / "kvkeep-tiny.json").exists():
         return build_tiny_llama(final, **build_args)  # checks the stamp, builds nothing
     base.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=base))
-    try:
-        build_tiny_llama(scratch, **build_args)
-        try:
-            scratch.rename(final)
-        except OSError:  # another process finished first: its build is the same model
-            if not (final / "kvkeep-tiny.json").exists():
-                raise
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+    # One build per configuration at a time: a second process (another test worker) waits for
+    # the first's model instead of training its own copy on the same cores. The rename below
+    # keeps a reader safe without the lock; the lock only saves the duplicated work.
+    with (base / f".{final.name}.lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (final / "kvkeep-tiny.json").exists():
+            scratch = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=base))
+            try:
+                build_tiny_llama(scratch, **build_args)
+                try:
+                    scratch.rename(final)
+                except OSError:  # another process finished first: it built the same model
+                    if not (final / "kvkeep-tiny.json").exists():
+                        raise
+            finally:
+                shutil.rmtree(scratch, ignore_errors=True)
     return build_tiny_llama(final, **build_args)
 
 

@@ -231,14 +231,19 @@ class GrpcFront:
                         return
                     size, chunk = block.size, self._chunk
                     first, _ = await self._run(self._encode, block, index, single, chunk)
+                    # Counted as each message is handed to grpc, not after the last: the
+                    # generator resumes after its last yield only when grpc asks for more,
+                    # which may be after the client has read the whole block and asked Stat.
+                    core.count(get_bytes_sent=min(chunk, size))
                     yield first[0]
                     for start in range(chunk, size, chunk):
-                        yield await self._run(partial(
+                        message = await self._run(partial(
                             encode_get_chunk, byte_range(block.pieces, start, start + chunk),
                             index=index))
+                        core.count(get_bytes_sent=min(chunk, size - start))
+                        yield message
                     finished = True
                     await self._run(block.finish)
-                    core.count(get_bytes_sent=size)
                     return
             finally:
                 if not finished:  # refused, cancelled, or the client went: give pages back

@@ -396,8 +396,10 @@ class TcpFront:
                                          layers=(block.layers.start, block.layers.stop),
                                          payload_len=block.size)
                     deadline = time.monotonic() + core.limits.get_deadline(block.size)
-                    send_by(sock, [reply, *block.pieces], deadline)
+                    # Counted before the send: counted after, a client that has read the
+                    # block could ask Stat (another connection) before this thread counts it.
                     core.count(get_bytes_sent=block.size)
+                    send_by(sock, [reply, *block.pieces], deadline)
             finally:
                 block.finish()  # a copy lent unverified is checked now, as the client does
 
