@@ -51,13 +51,13 @@ def test_durability_saves_every_block_as_it_completes() -> None:
 @pytest.mark.parametrize(("durability", "remote", "message"), [
     ({"replicas": 2}, None, "needs store.remote"),
     ({"replicas": 4}, REMOTE, "keeps 3 copies"),
-    ({"replicas": 0}, REMOTE, "positive integer"),
-    ({"replicas": True}, REMOTE, "positive integer"),
-    ({"timeout_ms": 0}, REMOTE, "milliseconds"),
-    ({"timeout_ms": "soon"}, REMOTE, "milliseconds"),
-    ({"replica": 2}, REMOTE, "unknown key"),
-    (True, REMOTE, "must be an object"),
-    (2, REMOTE, "must be an object"),
+    ({"replicas": 0}, REMOTE, r">= 1 - at `\$\.durability\.replicas`"),
+    ({"replicas": True}, REMOTE, r"got `bool` - at `\$\.durability\.replicas`"),
+    ({"timeout_ms": 0}, REMOTE, r"> 0.0 - at `\$\.durability\.timeout_ms`"),
+    ({"timeout_ms": "soon"}, REMOTE, r"got `str` - at `\$\.durability\.timeout_ms`"),
+    ({"replica": 2}, REMOTE, r"\$\.durability: unknown key\(s\) \['replica'\]"),
+    (True, REMOTE, r"Expected `object \| null`, got `bool` - at `\$\.durability`"),
+    (2, REMOTE, r"Expected `object \| null`, got `int` - at `\$\.durability`"),
 ])
 def test_bad_durability_is_refused(durability: object, remote: dict[str, Any] | None,
                                    message: str) -> None:
