@@ -45,9 +45,9 @@ from router.decision import Placement, RouteReason, RouteRequest
 from router.errors import Saturated
 from router.hooks import FAILED, Outcome
 from router.indexer import BlockStored, text_prefix_keys
+from router.membership.workers import WorkerId, WorkerInfo
 from router.policy import build_policy
 from router.tasks import run_now
-from router.workers import WorkerId, WorkerInfo
 
 __all__ = ["decision_latency", "proxy_overhead", "replay", "main"]
 

@@ -44,8 +44,8 @@ def soak_router_core(sessions: int, seed: int = 0, *, bounded: bool = False) -> 
     from router.hooks import Outcome
     from router.indexer import BlockStored
     from router.limits import Limits
+    from router.membership.workers import WorkerId, WorkerInfo
     from router.policy import build_policy
-    from router.workers import WorkerId, WorkerInfo
 
     rng = random.Random(seed)
     now = [0.0]

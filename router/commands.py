@@ -28,13 +28,13 @@ from kvstore.errors import ConfigError
 from kvstore.etcd import EtcdSpec
 from kvstore.etcd.flags import add_etcd_arguments, etcd_spec_from_args
 from kvstore.mac import MacKey
-from router.allowlist import WorkerAllowList
 from router.config import RouterConfig, parse_static_worker
 from router.conversations import config as continuation_config
+from router.membership.allowlist import WorkerAllowList
+from router.membership.workers import WorkerId
 from router.policy import POLICIES, Thresholds, parse_weights
 from router.policy_file import load_policy_file, resolve_limits, resolve_policy
 from router.tenants import ApiKeys
-from router.workers import WorkerId
 
 __all__ = ["register", "serve_router", "run_worker_agent"]
 
@@ -229,7 +229,7 @@ async def serve_router(config: RouterConfig) -> None:
     """Run one replica until SIGTERM or SIGINT."""
     from aiohttp import web
 
-    from router.proxy import build_app
+    from router.front.proxy import build_app
     from router.service import RouterService
 
     service = RouterService(config)

@@ -6,12 +6,12 @@ from dataclasses import dataclass, field
 
 from kvstore.errors import ConfigError
 from kvstore.etcd import EtcdSpec
-from router.allowlist import WorkerAllowList, is_loopback
 from router.conversations.config import ContinuationConfig
 from router.limits import Limits
+from router.membership.allowlist import WorkerAllowList, is_loopback
+from router.membership.workers import WorkerId
 from router.policy import PolicySpec, policy_preset
 from router.tenants import ApiKeys
-from router.workers import WorkerId
 
 __all__ = ["StaticWorker", "RouterConfig", "parse_static_worker"]
 
@@ -60,8 +60,9 @@ class RouterConfig:
       flags that override it: `router/policy_file.py`).
     - `api_keys`: bearer keys and their tenants (`router/tenants.py`); None: no auth, one
       tenant, and then the router listens on loopback only.
-    - `workers_allow`: the worker addresses registrations must match (`router/allowlist.py`;
-      default loopback only); static workers are allowed as given.
+    - `workers_allow`: the worker addresses registrations must match
+      (`router/membership/allowlist.py`; default loopback only); static workers are allowed
+      as given.
     - `limits`: sessions, index sizes, KV-event intake, answer sizes (`router/limits.py`).
     """
 

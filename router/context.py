@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from router.decision import RouteRequest
 from router.indexer.events import KVBlockIndex
 from router.indexer.history import RoutingHistory
-from router.workers import WorkerId
+from router.membership.workers import WorkerId
 
 __all__ = ["DecisionContext"]
 

@@ -26,7 +26,7 @@ indexes are capped. With `bind_on_accept` (what `kvkeep router serve` runs) a ne
 binding is written only once a worker has accepted its first request (`accepted`), so
 requests no worker takes create no state; without it (the default, a simulator's) `place`
 binds at once. `allow` (None: any) is the worker allow-list registrations must match
-(`router/allowlist.py`).
+(`router/membership/allowlist.py`).
 """
 
 from __future__ import annotations
@@ -38,11 +38,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from kvstore.keys import SessionId
-from router.allowlist import WorkerAllowList
-from router.bindings import VersionedBinding
 from router.decision import Decision, Placement, RequestFeatures, RouteRequest
 from router.errors import SessionNotFound, StateUnavailable, TooManySessions
-from router.failover import Rebinder
 from router.hooks import (
     BindingSettler,
     Defer,
@@ -58,15 +55,18 @@ from router.indexer.history import RoutingHistory, SessionBlocks, session_scope
 from router.indexer.keys import salt_root, text_prefix_keys, token_block_keys
 from router.indexer.kv_events import KVEvent
 from router.limits import Limits
+from router.membership.allowlist import WorkerAllowList
+from router.membership.failover import Rebinder
+from router.membership.registry import Registry
+from router.membership.workers import WorkerId, WorkerInfo, WorkerLoad, WorkerPool, WorkerState
 from router.metrics import RouterMetrics
 from router.policy import Policy
-from router.registry import Registry
 from router.scheduler import Scheduler
-from router.sessions import SessionTable
 from router.state.base import StateBackend
+from router.state.bindings import VersionedBinding
 from router.state.memory import MemoryBackend
+from router.state.sessions import SessionTable
 from router.tasks import run_now, run_now_discarding
-from router.workers import WorkerId, WorkerInfo, WorkerLoad, WorkerPool, WorkerState
 
 __all__ = ["RouterCore", "CoreStatus"]
 

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from kvstore.keys import SessionId
-from router.bindings import VersionedBinding
+from router.membership.workers import WorkerId
+from router.state.bindings import VersionedBinding
 from router.tenants import DEFAULT_TENANT
-from router.workers import WorkerId
 
 __all__ = ["RouteReason", "RequestFeatures", "RouteRequest", "Decision", "Placement",
            "RESTORING_REASONS", "DEFAULT_MAX_TOKENS"]

@@ -7,7 +7,7 @@ exactly once per placement. Both are the core's, so every front (the HTTP proxy 
 alike) runs them.
 
 A `ResponseStreaming` hook (the Inference Extension's ResponseStreaming and ResponseComplete)
-sees a stream the request director relays (`router/director.py`): every chunk as the client
+sees a stream the request director relays (`router/front/director.py`): every chunk as the client
 gets it, and the stream's end when it ended whole, before its last bytes are sent. The
 director's only one today records a session's conversation at the end of its turn
 (`director.ConversationRecorder`); the ext_proc front has none (Envoy relays its streams).
@@ -34,9 +34,9 @@ from typing import Any, Protocol
 from router.decision import Placement
 from router.indexer.history import RoutingHistory, SessionBlocks, session_scope
 from router.indexer.keys import token_block_keys
-from router.sessions import SessionTable
+from router.membership.workers import WorkerPool
+from router.state.sessions import SessionTable
 from router.streaming.state import StreamState
-from router.workers import WorkerPool
 
 __all__ = ["Outcome", "FAILED", "PreRequest", "PostResponse", "ResponseStreaming",
            "LoadAccounting", "HistoryRecorder", "SessionTokens", "BindingSettler", "Defer"]

@@ -40,7 +40,7 @@ from router.pickers import (
     RoundRobinPicker,
 )
 from router.scorers import SCORERS, Scorer
-from router.tokenize import TokenizeSpec
+from router.tokenize.prompts import TokenizeSpec
 
 __all__ = ["Thresholds", "Policy", "ScorerSpec", "PolicySpec", "POLICIES", "DEFAULT_WEIGHTS",
            "SOFT_FILTERS", "PICKERS", "policy_preset", "build_policy", "parse_weights"]

@@ -1,6 +1,6 @@
 """The routing policy as a config file (YAML or JSON), and the command line's overrides of it.
 The same file holds the router's trust and bounds settings: `workers.allow` (the worker
-allow-list, `router/allowlist.py`) and `limits` (`router/limits.py`).
+allow-list, `router/membership/allowlist.py`) and `limits` (`router/limits.py`).
 
 Like llm-d's EndpointPickerConfig, the file names the parts: soft filters, scorers with their
 weights and parameters, the picker, the session rules and every threshold. Each section is
@@ -38,8 +38,8 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from kvstore.errors import ConfigError
-from router.allowlist import WorkerAllowList
 from router.limits import Limits
+from router.membership.allowlist import WorkerAllowList
 from router.policy import PolicySpec, ScorerSpec, Thresholds, policy_preset
 
 __all__ = ["PolicyFile", "load_policy_file", "resolve_policy", "resolve_limits"]

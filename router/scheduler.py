@@ -29,9 +29,9 @@ from router.errors import NoHealthyWorker, Saturated
 from router.filters import ExcludeFilter, ModelFilter, SaturationFilter, UsableFilter
 from router.indexer.events import KVBlockIndex
 from router.indexer.history import RoutingHistory
+from router.membership.workers import WorkerId, WorkerPool, WorkerState
 from router.pickers import LeastUtilisedPicker
 from router.policy import Policy, Thresholds
-from router.workers import WorkerId, WorkerPool, WorkerState
 
 __all__ = ["Scheduler", "overloaded"]
 

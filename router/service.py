@@ -18,16 +18,16 @@ from kvstore.cluster.supervisor import supervise
 from router.config import RouterConfig
 from router.conversations import Continuations, ConversationRecords, StoreRecords
 from router.core import RouterCore
-from router.dispatch import Dispatcher
+from router.front.dispatch import Dispatcher
 from router.indexer.subscriber import KVEventSubscriber
+from router.membership.scraper import Scraper
 from router.metrics import RouterMetrics
 from router.node.agent import AgentConfig, WorkerAgent
-from router.scraper import Scraper
 from router.state.base import StateBackend
 from router.state.etcd import EtcdBackend
 from router.state.memory import MemoryBackend
 from router.tasks import BackgroundTasks, cancel_and_wait
-from router.tokenize_client import PromptTokenizer
+from router.tokenize.client import PromptTokenizer
 
 __all__ = ["RouterService"]
 

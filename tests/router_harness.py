@@ -37,11 +37,11 @@ from aiohttp import web
 
 from deploy.local.services import free_port
 from router.config import RouterConfig, StaticWorker
+from router.front.proxy import build_app
+from router.membership.workers import WorkerId
 from router.policy import Thresholds, policy_preset
-from router.proxy import build_app
 from router.service import RouterService
 from router.state.base import StateBackend
-from router.workers import WorkerId
 
 __all__ = ["LoopThread", "FakeWorker", "RouterHandle", "fake_next_token", "fake_tokenize",
            "fake_generate", "loop_thread"]

@@ -11,7 +11,7 @@ from kvstore.cluster.daemon_trust import DaemonTrust
 from kvstore.cluster.discovery import DaemonInfo
 from kvstore.errors import UntrustedRegistration
 from kvstore.net.addresses import ip_literal, is_loopback
-from router.allowlist import is_loopback as router_is_loopback
+from router.membership.allowlist import is_loopback as router_is_loopback
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "127.8.9.10", "::1", "[::1]", "localhost",

@@ -17,7 +17,7 @@ from deploy.local.daemons import start_daemon
 from deploy.local.services import free_port
 from router.indexer.events import SHARED, KVBlockIndex
 from router.indexer.subscriber import KVEventSubscriber
-from router.workers import WorkerId
+from router.membership.workers import WorkerId
 from tests.connector_harness import (
     BLOCK_SIZE,
     generate,

@@ -33,9 +33,9 @@ from router.config import RouterConfig, StaticWorker
 from router.conversations import StoreRecords
 from router.conversations.config import ContinuationConfig
 from router.conversations.records import RecordKey, conversation_fingerprint, record_scope
-from router.proxy import build_app
+from router.front.proxy import build_app
+from router.membership.workers import WorkerId
 from router.service import RouterService
-from router.workers import WorkerId
 from tests.router_harness import FakeWorker, LoopThread, fake_generate, wait_until
 
 STORE_TENANT = "conversations"

@@ -26,9 +26,9 @@ from kvstore.cluster.retry import LOOP_RETRY, Backoff, RetryPolicy
 from kvstore.cluster.supervisor import supervise
 from kvstore.daemon.registration import Registrar
 from kvstore.errors import ConfigError
-from router.allowlist import WorkerAllowList
+from router.membership.allowlist import WorkerAllowList
+from router.membership.workers import WorkerId, WorkerInfo
 from router.tasks import cancel_and_wait
-from router.workers import WorkerId, WorkerInfo
 from tests.router_harness import FakeWorker, LoopThread, RouterHandle, loop_thread, wait_until
 from tests.test_etcd_poison import MODEL, PREFIX, Agents, _ignored, _registered, _router
 

@@ -43,8 +43,8 @@ from kvstore.keys import Namespace
 from kvstore.tiers.factory import build_tiers
 from kvstore.tiers.remote.tier import RemoteTier
 from router.commands import config_from_args
+from router.membership.workers import WorkerId, WorkerInfo
 from router.state.etcd import EtcdBackend
-from router.workers import WorkerId, WorkerInfo
 from tests.blockframes import block_key, make_frame
 from tests.router_harness import wait_until
 from tests.test_deploy_manifests import DOCS, POD_ENV, _expand, _one

@@ -27,14 +27,14 @@ from kvstore.cluster.discovery import DaemonInfo, EtcdDiscovery
 from kvstore.cluster.watcher import PrefixWatcher
 from kvstore.daemon.registration import Registrar
 from kvstore.keys import SessionId
-from router.allowlist import WorkerAllowList
-from router.bindings import Binding
 from router.config import RouterConfig
+from router.membership.allowlist import WorkerAllowList
+from router.membership.workers import WorkerId, WorkerInfo
 from router.node.agent import AgentConfig, WorkerAgent
 from router.policy import Thresholds, policy_preset
 from router.state import EtcdBackend
+from router.state.bindings import Binding
 from router.tasks import cancel_and_wait
-from router.workers import WorkerId, WorkerInfo
 from tests.router_harness import FakeWorker, LoopThread, RouterHandle, loop_thread, wait_until
 
 MODEL = "fake"

@@ -34,12 +34,12 @@ from kvstore.etcd import EtcdSpec, etcd_client
 from kvstore.etcd.flags import etcd_spec_from_args
 from kvstore.etcd.roles import Layout, principals, worker
 from kvstore.keys import SessionId
-from router.bindings import Binding, VersionedBinding
 from router.commands import config_from_args
+from router.membership.workers import WorkerId, WorkerInfo
 from router.node.agent import AgentConfig, WorkerAgent
+from router.state.bindings import Binding, VersionedBinding
 from router.state.etcd import EtcdBackend, EtcdLease
 from router.tasks import cancel_and_wait
-from router.workers import WorkerId, WorkerInfo
 from tests.etcd_secure import SecureEtcd, start_secure_etcd
 from tests.router_harness import FakeWorker
 from tests.test_deploy_k8s_trust import _container, _localize, _materialize, _start_manifest_etcd

@@ -40,12 +40,12 @@ from kvstore.etcd.flags import etcd_spec_from_args
 from kvstore.keys import SessionId
 from kvstore.tiers.factory import build_tiers
 from kvstore.tiers.remote.tier import RemoteTier
-from router.bindings import Binding
 from router.commands import config_from_args
 from router.errors import StateUnavailable
+from router.membership.workers import WorkerId, WorkerInfo
+from router.state.bindings import Binding
 from router.state.etcd import EtcdBackend
 from router.tasks import cancel_and_wait
-from router.workers import WorkerId, WorkerInfo
 from tests.etcd_secure import SecureEtcd, start_secure_etcd
 from tests.router_harness import FakeWorker, loop_thread, wait_until
 

@@ -16,12 +16,12 @@ import pytest
 from aiohttp import web
 
 from deploy.local.services import free_port
-from router.api import Endpoint, parse_request
 from router.conversations.render import TokenizeFailed, TurnRenderer
+from router.front.api import Endpoint, parse_request
 from router.limits import TOKENIZE_MAX_BYTES
-from router.tokenize import TokenizeSpec
-from router.tokenize_client import PromptTokenizer
-from router.workers import WorkerId, WorkerInfo, WorkerPool, WorkerState
+from router.membership.workers import WorkerId, WorkerInfo, WorkerPool, WorkerState
+from router.tokenize.client import PromptTokenizer
+from router.tokenize.prompts import TokenizeSpec
 
 
 class Tokenizer:

@@ -26,8 +26,8 @@ from transformers import AutoTokenizer
 from deploy.local.services import free_port
 from router.config import RouterConfig, StaticWorker
 from router.limits import Limits
+from router.membership.workers import WorkerId
 from router.policy import policy_preset
-from router.workers import WorkerId
 from tests.models import TinyModel
 from tests.router_harness import LoopThread, RouterHandle, wait_until
 from tests.vllm_server import VllmServer, start_vllm

@@ -19,15 +19,15 @@ from kvstore.commands.kvkeep import build_parser
 from kvstore.errors import ConfigError, TierUnavailable
 from kvstore.etcd import etcd_spec
 from kvstore.keys import SessionId
-from router.api import Endpoint, parse_request
 from router.commands import config_from_args
 from router.config import RouterConfig, StaticWorker
 from router.conversations import MemoryRecords, TurnEnd, asks_continuation
 from router.conversations.service import conversation_tokens
 from router.errors import BadRequest
-from router.proxy import build_app
+from router.front.api import Endpoint, parse_request
+from router.front.proxy import build_app
+from router.membership.workers import WorkerId
 from router.service import RouterService
-from router.workers import WorkerId
 from tests.router_harness import FakeWorker, LoopThread, fake_generate, wait_until
 
 

@@ -21,9 +21,9 @@ from router.hooks import Outcome
 from router.indexer import AllBlocksCleared, BlockRemoved, BlockStored, KVBlockIndex
 from router.indexer.events import SHARED
 from router.indexer.keys import token_block_keys
+from router.membership.workers import WorkerId, WorkerInfo
 from router.policy import build_policy
 from router.tasks import run_now
-from router.workers import WorkerId, WorkerInfo
 
 W = WorkerId
 README = Path(__file__).resolve().parents[1] / "router" / "README.md"

@@ -16,10 +16,10 @@ from typing import Any
 
 import pytest
 
-from router.admission import admit
-from router.api import ClientRequest, Endpoint, parse_request
 from router.decision import Placement
-from router.director import Reply, RequestDirector
+from router.front.admission import admit
+from router.front.api import ClientRequest, Endpoint, parse_request
+from router.front.director import Reply, RequestDirector
 from router.hooks import Outcome
 from router.service import RouterService
 from router.streaming.state import StreamState

@@ -15,10 +15,10 @@ import pytest
 
 from deploy.local.services import EtcdServer
 from kvstore.keys import SessionId
-from router.bindings import Binding
 from router.errors import StateUnavailable
+from router.membership.workers import WorkerId
 from router.state import EtcdBackend
-from router.workers import WorkerId
+from router.state.bindings import Binding
 
 
 def test_a_revoked_bucket_lease_is_replaced_not_failed_on(etcd_server: EtcdServer) -> None:

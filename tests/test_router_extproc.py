@@ -26,8 +26,8 @@ from google.protobuf import struct_pb2  # noqa: E402
 from deploy.local.services import free_port  # noqa: E402
 from kvstore._proto import health_pb2  # noqa: E402
 from router.config import RouterConfig, StaticWorker  # noqa: E402
+from router.membership.workers import WorkerId  # noqa: E402
 from router.policy import Thresholds, policy_preset  # noqa: E402
-from router.workers import WorkerId  # noqa: E402
 from tests.router_harness import FakeWorker, LoopThread, RouterHandle, wait_until  # noqa: E402
 
 Mode = processing_mode_pb2.ProcessingMode

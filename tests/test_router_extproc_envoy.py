@@ -28,7 +28,7 @@ if ENVOY is None:
 
 from deploy.local.services import free_port, stop_process  # noqa: E402
 from router.config import RouterConfig, StaticWorker  # noqa: E402
-from router.workers import WorkerId  # noqa: E402
+from router.membership.workers import WorkerId  # noqa: E402
 from tests.router_harness import FakeWorker, LoopThread, RouterHandle, wait_until  # noqa: E402
 
 ENVOY_YAML = Path(__file__).resolve().parents[1] / "deploy" / "gateway" / "envoy.yaml"

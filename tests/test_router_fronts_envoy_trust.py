@@ -25,8 +25,8 @@ if ENVOY is None:
 
 from deploy.local.services import free_port, stop_process  # noqa: E402
 from router.config import RouterConfig, StaticWorker  # noqa: E402
+from router.membership.workers import WorkerId  # noqa: E402
 from router.tenants import ApiKeys  # noqa: E402
-from router.workers import WorkerId  # noqa: E402
 from tests.router_harness import FakeWorker, LoopThread, RouterHandle, wait_until  # noqa: E402
 from tests.test_router_extproc_envoy import _envoy_config, _ready  # noqa: E402
 

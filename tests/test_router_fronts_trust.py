@@ -30,8 +30,8 @@ from kvstore.errors import ConfigError  # noqa: E402
 from router.commands import config_from_args  # noqa: E402
 from router.config import RouterConfig, StaticWorker  # noqa: E402
 from router.extproc.server import ExtProcServer  # noqa: E402
+from router.membership.workers import WorkerId  # noqa: E402
 from router.tenants import ApiKeys  # noqa: E402
-from router.workers import WorkerId  # noqa: E402
 from tests.router_harness import FakeWorker, LoopThread, RouterHandle, wait_until  # noqa: E402
 from tests.test_router_extproc import Envoy, headers, set_headers  # noqa: E402
 
@@ -282,8 +282,8 @@ def test_one_tenants_tokenized_prompt_is_no_hit_for_another() -> None:
     move, and the worker is asked again), while bob's own repeat is a hit."""
     import asyncio
 
-    from router.admission import admit
-    from router.api import Endpoint, parse_request
+    from router.front.admission import admit
+    from router.front.api import Endpoint, parse_request
     from tests.test_router_tokenize import StandIn, _with_stand_ins
 
     def request(tenant: str, prompt: str) -> Any:
@@ -338,8 +338,8 @@ def test_one_tenant_cannot_use_up_every_new_session(tmp_path: Path) -> None:
     from router.decision import RequestFeatures
     from router.errors import TooManySessions
     from router.hooks import Outcome
+    from router.membership.workers import WorkerInfo
     from router.policy import build_policy
-    from router.workers import WorkerInfo
 
     keyed = _config("--max-sessions", "50", "--api-keys", str(_key_file(tmp_path))).limits
     assert keyed.sessions_per_tenant == 5

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from deploy.local.services import free_port
 from router.config import RouterConfig, StaticWorker
-from router.workers import WorkerId
+from router.membership.workers import WorkerId
 from tests.router_harness import FakeWorker, RouterHandle, loop_thread, wait_until
 
 MODEL = "fake"

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from router.api import Endpoint, max_new_tokens, parse_request
 from router.errors import BadRequest
+from router.front.api import Endpoint, max_new_tokens, parse_request
 from router.streaming.resume import resume_body
 from router.streaming.state import StreamOverrun, StreamState
 

@@ -29,12 +29,12 @@ from router.errors import TooManySessions
 from router.hooks import Outcome
 from router.indexer.history import SessionBlocks
 from router.limits import METRICS_MAX_BYTES, Limits, TokenBucket
+from router.membership.scraper import Scraper
+from router.membership.workers import WorkerId, WorkerInfo, WorkerPool
 from router.policy import build_policy
-from router.scraper import Scraper
-from router.sessions import SessionTable
+from router.state.sessions import SessionTable
 from router.tasks import run_now
 from router.tenants import ApiKeys
-from router.workers import WorkerId, WorkerInfo, WorkerPool
 from tests.router_harness import (
     FakeWorker,
     LoopThread,

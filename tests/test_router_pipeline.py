@@ -16,7 +16,6 @@ from hypothesis import strategies as st
 
 from kvstore.errors import ConfigError
 from kvstore.keys import SessionId
-from router.api import ClientRequest, Endpoint, parse_request
 from router.config import parse_static_worker
 from router.context import DecisionContext
 from router.core import RouterCore
@@ -32,10 +31,13 @@ from router.filters import (
     SaturationFilter,
     UsableFilter,
 )
+from router.front.api import ClientRequest, Endpoint, parse_request
 from router.hooks import Outcome
 from router.indexer import KVBlockIndex, RoutingHistory, SessionBlocks, text_prefix_keys
 from router.indexer.events import SHARED
 from router.indexer.keys import token_block_keys
+from router.membership.scraper import parse_vllm_metrics
+from router.membership.workers import WorkerId, WorkerInfo, WorkerLoad, WorkerPool, WorkerState
 from router.pickers import LeastUtilisedPicker, MaxScorePicker, RandomPicker, RoundRobinPicker
 from router.policy import Thresholds, build_policy, parse_weights, policy_preset
 from router.scheduler import Scheduler, overloaded
@@ -51,9 +53,7 @@ from router.scorers import (
     SessionAffinityScorer,
     spread,
 )
-from router.scraper import parse_vllm_metrics
 from router.streaming import StreamBroken, StreamState, pump, relay
-from router.workers import WorkerId, WorkerInfo, WorkerLoad, WorkerPool, WorkerState
 
 W = WorkerId
 

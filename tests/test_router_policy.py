@@ -18,11 +18,11 @@ from router.config import RouterConfig
 from router.decision import RouteRequest
 from router.filters import GpuFilter, KVThresholdFilter, QueueThresholdFilter
 from router.limits import Limits
+from router.membership.workers import WorkerId, WorkerInfo, WorkerLoad, WorkerPool
 from router.policy import Thresholds, policy_preset
 from router.policy_file import load_policy_file, resolve_policy
 from router.scheduler import Scheduler
 from router.scorers import LoadAwareScorer
-from router.workers import WorkerId, WorkerInfo, WorkerLoad, WorkerPool
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "deploy" / "router" / "policy.yaml"
 

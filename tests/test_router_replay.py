@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from deploy.local.engines import EngineSettings, vllm_argv
-from router.api import Endpoint, parse_request
+from router.front.api import Endpoint, parse_request
 from router.streaming.replay import Replay, ReplayMismatch, replay_refusal, replays
 
 

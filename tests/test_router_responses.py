@@ -14,8 +14,8 @@ from typing import Any
 import httpx
 import pytest
 
-from router.api import Endpoint, parse_request
 from router.errors import BadRequest
+from router.front.api import Endpoint, parse_request
 from router.streaming.relay import StreamBroken
 from router.streaming.responses_api import EventStream, _relay_event
 from router.tenants import ApiKeys

@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from router.api import Endpoint, parse_request
+from router.front.api import Endpoint, parse_request
 from router.streaming.resume import resume_body
 from router.streaming.state import StreamOverrun, StreamState
 from tests.router_harness import (

@@ -11,14 +11,14 @@ import pytest
 
 from deploy.local.services import EtcdServer
 from kvstore.keys import SessionId
-from router.bindings import Binding, VersionedBinding
 from router.core import RouterCore
 from router.decision import RouteReason
+from router.membership.workers import WorkerId, WorkerInfo, WorkerPool
 from router.policy import build_policy
-from router.sessions import SessionTable
 from router.state import EtcdBackend, MemoryBackend, StateBackend
+from router.state.bindings import Binding, VersionedBinding
+from router.state.sessions import SessionTable
 from router.tasks import BackgroundTasks, cancel_and_wait
-from router.workers import WorkerId, WorkerInfo, WorkerPool
 
 W = WorkerId
 

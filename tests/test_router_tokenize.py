@@ -24,15 +24,15 @@ from aiohttp import web
 
 from deploy.local.services import free_port
 from kvstore.errors import ConfigError
-from router.api import ClientRequest, Endpoint, parse_request
 from router.config import RouterConfig, StaticWorker
+from router.front.api import ClientRequest, Endpoint, parse_request
 from router.indexer.keys import text_prefix_keys
+from router.membership.workers import WorkerId, WorkerInfo, WorkerPool
 from router.policy import policy_preset
 from router.policy_file import load_policy_file
-from router.tokenize import TokenizeSpec, tokenize_input
-from router.tokenize_cache import TokenCache
-from router.tokenize_client import PromptTokenizer
-from router.workers import WorkerId, WorkerInfo, WorkerPool
+from router.tokenize.cache import TokenCache
+from router.tokenize.client import PromptTokenizer
+from router.tokenize.prompts import TokenizeSpec, tokenize_input
 from tests.models import build_tiny_llama
 from tests.router_harness import RouterHandle, loop_thread, wait_until
 from tests.vllm_server import VllmServer, start_vllm

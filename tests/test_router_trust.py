@@ -26,21 +26,21 @@ import pytest
 from deploy.local.services import EtcdServer, free_port
 from kvstore.commands.kvkeep import build_parser
 from kvstore.errors import ConfigError
-from router.allowlist import AllowEntry, WorkerAllowList
 from router.commands import config_from_args
 from router.config import RouterConfig, StaticWorker
 from router.core import RouterCore
 from router.decision import RequestFeatures
 from router.errors import SessionNotFound
+from router.front.kv_params import client_kv_params
 from router.indexer import BlockStored, KVBlockIndex
 from router.indexer.subscriber import KVEventSubscriber
-from router.kv_params import client_kv_params
 from router.limits import Limits
+from router.membership.allowlist import AllowEntry, WorkerAllowList
+from router.membership.workers import WorkerId, WorkerInfo
 from router.policy import Thresholds, build_policy, policy_preset
 from router.state import EtcdBackend
 from router.tasks import cancel_and_wait
 from router.tenants import ApiKeys
-from router.workers import WorkerId, WorkerInfo
 from tests.router_harness import FakeWorker, LoopThread, RouterHandle, loop_thread, wait_until
 
 MODEL = "fake"

@@ -26,8 +26,8 @@ from aiohttp import web
 
 from deploy.local.services import free_port
 from router.config import RouterConfig, StaticWorker
+from router.membership.workers import WorkerId
 from router.policy import policy_preset
-from router.workers import WorkerId
 from tests.router_harness import FakeWorker, LoopThread, RouterHandle, loop_thread, wait_until
 
 SECRET = "SECRET-OF-THE-TARGET"

@@ -24,8 +24,8 @@ import pytest
 
 from deploy.local.services import free_port
 from router.config import RouterConfig, StaticWorker
+from router.membership.workers import WorkerId
 from router.policy import Thresholds, policy_preset
-from router.workers import WorkerId
 from tests.router_harness import (
     FakeWorker,
     LoopThread,

@@ -119,7 +119,7 @@ def test_the_default_keeps_its_kv_and_queue_thresholds_off_stateless_requests() 
 
 
 def test_the_router_tokenizes_text_prompts_once_each() -> None:
-    """A text-prompt policy whose scorers read token blocks tokenizes (router/tokenize.py):
+    """A text-prompt policy whose scorers read token blocks tokenizes (router/tokenize/prompts.py):
     the first request of each prompt waits for the /tokenize round trip, repeats hit the
     router's token cache, and the precise index then places them as well as token-id
     prompts do; with tokenizing off the same policy has only its text keys."""

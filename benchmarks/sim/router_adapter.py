@@ -11,7 +11,7 @@ with a restore hint), `WorkerPool.record_failure` (a broken stream or refused co
 Policies are the router's presets (`router.policy.policy_preset`) with the weights, thresholds
 and soft filters of `policies.toml`; the core's clock is the simulation's.
 
-What this module adds is the glue the HTTP front does (`router/dispatch.py`: place, finish
+What this module adds is the glue the HTTP front does (`router/front/dispatch.py`: place, finish
 once per attempt, mark a failed worker) and the translation from the simulator's requests to
 `RequestFeatures`.
 """
@@ -35,9 +35,9 @@ from router.decision import Placement, RequestFeatures, RouteRequest
 from router.errors import RouterError
 from router.hooks import FAILED, Outcome
 from router.indexer.keys import TEXT_CHUNK_CHARS, text_prefix_keys
+from router.membership.workers import WorkerId, WorkerInfo
 from router.policy import Policy, PolicySpec, Thresholds, policy_preset
-from router.tokenize_cache import TokenCache
-from router.workers import WorkerId, WorkerInfo
+from router.tokenize.cache import TokenCache
 
 __all__ = ["SimPolicy", "load_policies", "DEFAULT_POLICIES", "SimRouter", "Routed",
            "RouteRefused", "RouterInput"]
@@ -62,7 +62,8 @@ class SimPolicy:
     approx_max_chunks: int | None = None
     approx_lru_per_server: int | None = None
     group: str = "main"
-    # overrides of the policy's `tokenize` settings (router/tokenize.py), e.g. {mode = "off"}
+    # overrides of the policy's `tokenize` settings (router/tokenize/prompts.py),
+    # e.g. {mode = "off"}
     tokenize: Mapping[str, Any] = field(default_factory=dict)
     store_events: bool = True  # the connector announces checkpointed blocks as KV events
     # False: the policy's soft filters removed (the proposed router change: when no worker
@@ -174,7 +175,7 @@ class SimRouter:
         self.spec = spec
         self.model = model
         self.core = RouterCore(spec.build(seed), block_size=block_size, clock=now)
-        # The router tokenizing text prompts: its own cache (router/tokenize_cache.py), and a
+        # The router tokenizing text prompts: its own cache (router/tokenize/cache.py), and a
         # /tokenize round trip of `tokenize_s(tokens)` for a prompt it has not cached; a
         # prompt asked for again while its round trip runs waits for the same one.
         self.tokenizes = spec.router_tokenizes

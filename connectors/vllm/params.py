@@ -29,8 +29,8 @@ What the router's fields do:
   whose request is older or carries an older epoch than the current holder's never overwrites
   its manifest.
 
-Which fields a client may set is the router's decision (`router/kv_params.py`: a client may set
-only `restore`; the router sets `session_id` from the session header or body field and owns
+Which fields a client may set is the router's decision (`router/front/kv_params.py`: a client
+may set only `restore`; the router sets `session_id` from the session header or body field and owns
 the three above); here every field is type- and range-checked, unknown
 fields are ignored (they may be meant for another component), and anything malformed makes the
 whole `kv_transfer_params` ignored and counted (`bad_params`): the request is then served as if

@@ -31,8 +31,8 @@ from typing import Any
 import aiohttp
 
 from router.errors import BadRequest, ContinuationUnsupported, UpstreamTooLarge
+from router.front.upstream import UPSTREAM_ERRORS
 from router.limits import TOKENIZE_MAX_BYTES, read_capped
-from router.upstream import UPSTREAM_ERRORS
 
 __all__ = ["PROBE", "TurnRenderer", "TokenizeFailed", "OPEN_CACHE_ENTRIES"]
 

@@ -36,11 +36,11 @@ from prometheus_client import Counter
 
 from kvstore.errors import ForgedBlock, KVKeepError
 from kvstore.keys import SessionId
-from router.api import ClientRequest, Endpoint
 from router.conversations.records import ConversationRecords, generation_after, record_scope
 from router.conversations.render import TokenizeFailed, TurnRenderer, token_ids
 from router.core import RouterCore
 from router.errors import BadRequest, HistoryUnavailable, UpstreamError
+from router.front.api import ClientRequest, Endpoint
 
 __all__ = ["CONTINUE_HEADER", "CONTINUE_FIELD", "HISTORY_HEADER", "TurnEnd", "Continuations",
            "asks_continuation", "conversation_tokens"]

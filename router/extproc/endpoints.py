@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import TypeVar
 from urllib.parse import urlsplit
 
-from router.workers import WorkerId, WorkerState
+from router.membership.workers import WorkerId, WorkerState
 
 __all__ = ["EndpointBook", "endpoint_of_url", "RESOLVE_TTL_S", "MAX_ENTRIES"]
 

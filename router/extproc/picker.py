@@ -27,8 +27,6 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from router.admission import admit
-from router.api import SESSION_HEADER, ClientRequest, Endpoint, parse_request
 from router.core import RouterCore
 from router.decision import Placement, RouteRequest
 from router.errors import (
@@ -40,10 +38,12 @@ from router.errors import (
     Unauthorized,
 )
 from router.extproc.endpoints import EndpointBook
+from router.front.admission import admit
+from router.front.api import SESSION_HEADER, ClientRequest, Endpoint, parse_request
+from router.front.upstream import kv_transfer_params
 from router.hooks import FAILED
+from router.membership.workers import WorkerId, WorkerState
 from router.tenants import ApiKeys, bearer_tenant
-from router.upstream import kv_transfer_params
-from router.workers import WorkerId, WorkerState
 
 __all__ = ["Pick", "EndpointPicker", "ROUTES", "Authorized"]
 

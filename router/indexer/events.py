@@ -36,7 +36,7 @@ from typing import Any
 
 from router.indexer.keys import extra_root, salt_root, token_block_keys
 from router.indexer.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from router.workers import WorkerId
+from router.membership.workers import WorkerId
 
 __all__ = ["KVBlockIndex", "MEDIUM_WEIGHTS", "SHARED"]
 

@@ -15,7 +15,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from router.workers import WorkerId
+from router.membership.workers import WorkerId
 
 __all__ = ["RoutingHistory", "SessionBlocks", "longest_prefix", "session_scope"]
 

@@ -32,7 +32,7 @@ import zmq.asyncio
 
 from router.indexer.events import KVBlockIndex
 from router.limits import Limits, TokenBucket
-from router.workers import WorkerId
+from router.membership.workers import WorkerId
 
 __all__ = ["KVEventSubscriber"]
 

@@ -31,9 +31,9 @@ import aiohttp
 from kvstore.cluster.retry import LOOP_RETRY, Backoff
 from router.errors import StateUnavailable, UpstreamTooLarge
 from router.limits import MODELS_MAX_BYTES, read_capped
+from router.membership.workers import WorkerId, WorkerInfo
 from router.node.gpu import read_gpu
 from router.state.base import StateBackend, WorkerLease
-from router.workers import WorkerId, WorkerInfo
 
 __all__ = ["AgentConfig", "WorkerAgent"]
 

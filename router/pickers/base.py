@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from router.workers import WorkerState
+from router.membership.workers import WorkerState
 
 __all__ = ["Picker"]
 

@@ -7,7 +7,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from router.workers import WorkerState
+from router.membership.workers import WorkerState
 
 __all__ = ["MaxScorePicker"]
 

@@ -6,7 +6,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from router.workers import WorkerState
+from router.membership.workers import WorkerState
 
 __all__ = ["RoundRobinPicker", "LeastUtilisedPicker"]
 

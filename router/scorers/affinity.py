@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from router.context import DecisionContext
-from router.workers import WorkerState
+from router.membership.workers import WorkerState
 
 __all__ = ["SessionAffinityScorer"]
 

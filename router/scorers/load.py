@@ -6,8 +6,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from router.context import DecisionContext
+from router.membership.workers import WorkerState
 from router.scorers.base import spread
-from router.workers import WorkerState
 
 __all__ = ["QueueScorer", "QueueRatioScorer", "KVUtilizationScorer", "InflightTokensScorer",
            "LoadAwareScorer"]

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from router.context import DecisionContext
 from router.indexer.events import MEDIUM_WEIGHTS, SHARED
-from router.workers import WorkerState
+from router.membership.workers import WorkerState
 
 __all__ = ["ApproxPrefixScorer", "PrecisePrefixScorer", "BestPrefixScorer"]
 

@@ -12,8 +12,8 @@ from collections.abc import Iterable
 from typing import Protocol
 
 from kvstore.keys import SessionId
-from router.bindings import Binding, VersionedBinding
-from router.workers import WorkerId, WorkerInfo
+from router.membership.workers import WorkerId, WorkerInfo
+from router.state.bindings import Binding, VersionedBinding
 
 __all__ = ["WorkerSink", "BindingSink", "WorkerLease", "StateBackend"]
 

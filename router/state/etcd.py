@@ -47,10 +47,10 @@ from kvstore.cluster.watcher import PrefixWatcher
 from kvstore.errors import UntrustedRegistration
 from kvstore.etcd import EtcdSpec, etcd_client, etcd_spec
 from kvstore.keys import SessionId
-from router.bindings import Binding, MalformedBinding, VersionedBinding
 from router.errors import StateUnavailable
+from router.membership.workers import MalformedWorker, WorkerId, WorkerInfo
 from router.state.base import BindingSink, WorkerLease, WorkerSink
-from router.workers import MalformedWorker, WorkerId, WorkerInfo
+from router.state.bindings import Binding, MalformedBinding, VersionedBinding
 
 __all__ = ["EtcdBackend", "EtcdLease"]
 

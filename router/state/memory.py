@@ -16,9 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvstore.keys import SessionId
-from router.bindings import Binding, VersionedBinding
+from router.membership.workers import WorkerId, WorkerInfo
 from router.state.base import BindingSink, WorkerLease, WorkerSink
-from router.workers import WorkerId, WorkerInfo
+from router.state.bindings import Binding, VersionedBinding
 
 __all__ = ["MemoryBackend", "MemoryLease"]
 

@@ -27,10 +27,10 @@ from typing import Any
 import aiohttp
 import msgspec
 
+from router.front.upstream import UPSTREAM_ERRORS
 from router.streaming.replay import Replay
 from router.streaming.sink import Sink
 from router.streaming.state import StreamState
-from router.upstream import UPSTREAM_ERRORS
 
 __all__ = ["StreamBroken", "EventTooLarge", "FirstByteTimeout", "WorkerLeft", "pump",
            "worker_reads", "decode_event", "encode_json", "sse", "note"]

@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from router.api import ClientRequest, Endpoint
+from router.front.api import ClientRequest, Endpoint
 
 __all__ = ["REPLAY_FIELDS", "Replay", "ReplayMismatch", "replays", "replay_refusal"]
 

@@ -13,7 +13,7 @@ the Responses API defines for a failure: an `error` event (`ResponseErrorEvent`:
 it was created, with status `failed` and its `error`; then the stream ends. Both follow the
 worker's last sequence number, so a client that checks them sees no gap. A break before any
 event reached the client is not a break the client sees: the director sends the request to
-another worker instead (`router/director.py`).
+another worker instead (`router/front/director.py`).
 
 The worker's own `error` event (vLLM sends one for an engine failure mid-stream; an untyped
 `{"error": ...}` data line counts as one too) is a broken

@@ -1,6 +1,6 @@
 """Resuming a broken stream on another worker: what the new worker is sent, and what the
 stream's record does once it took it. The relay and the decision to resume are the request
-director's (`router/director.py`), which sends what this module builds through the dispatcher
+director's (`router/front/director.py`), which sends what this module builds through the dispatcher
 (not to be confused with `router/conversations/`, stateful conversations: a client sending only
 its new turn).
 
@@ -36,13 +36,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from router.api import ClientRequest, Endpoint
 from router.decision import Placement
-from router.dispatch import BodyFor
+from router.front.api import ClientRequest, Endpoint
+from router.front.dispatch import BodyFor
+from router.front.upstream import kv_transfer_params, upstream_body
+from router.membership.workers import WorkerId
 from router.streaming.replay import Replay
 from router.streaming.state import StreamState
-from router.upstream import kv_transfer_params, upstream_body
-from router.workers import WorkerId
 
 __all__ = ["Resume", "resumption", "resume_body", "SAMPLING_FIELDS"]
 

@@ -16,7 +16,7 @@ tracked too: a continuation needs the prompt's token ids and the ids of every to
 reached the client; without them (a worker that ignores `return_token_ids`) it would replay
 the start of the answer, so it is refused instead (`resumable_now`). Token ids are counted per
 choice index: a choice with more than the request's per-choice limit (read as vLLM reads it,
-`router.api.max_new_tokens`), or than `token_cap` when it sets none, has overrun the stream
+`router.front.api.max_new_tokens`), or than `token_cap` when it sets none, has overrun the stream
 (`StreamOverrun`).
 
 A stream of n > 1 choices is kept per choice (`Choice`: its ids, finish, text offsets, stop
@@ -38,7 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from router.api import ClientRequest, Endpoint
+from router.front.api import ClientRequest, Endpoint
 from router.streaming.stops import StopText, stop_strings
 
 __all__ = ["StreamState", "StreamOverrun", "Choice"]

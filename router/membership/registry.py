@@ -3,11 +3,12 @@ own adds and removes) to the pool, the KV-event feeds and the indexes, and repor
 the failover logic.
 
 A registration is a claim: the backend believes it only under a live lease and under the key
-its id names (router/state/etcd.py); then, with an allow-list (`router/allowlist.py`), only one
-whose URL matches (the entries bound to its id, where it has any) becomes a worker, and its
-KV-event endpoint is followed only if that matches too. A
-refused one is ignored, counted by reason and logged once; a known worker re-registered with a
-refused URL leaves (its sessions are rebound). Past `max_workers`, new workers are refused.
+its id names (router/state/etcd.py); then, with an allow-list
+(`router/membership/allowlist.py`), only one whose URL matches (the entries bound to its id,
+where it has any) becomes a worker, and its KV-event endpoint is followed only if that matches
+too. A refused one is ignored, counted by reason and logged once; a known worker re-registered
+with a refused URL leaves (its sessions are rebound). Past `max_workers`, new workers are
+refused.
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from router.allowlist import WorkerAllowList
 from router.indexer.events import KVBlockIndex
 from router.indexer.history import RoutingHistory
-from router.workers import WorkerId, WorkerInfo, WorkerPool
+from router.membership.allowlist import WorkerAllowList
+from router.membership.workers import WorkerId, WorkerInfo, WorkerPool
 
 __all__ = ["Registry", "EventFeeds"]
 

@@ -10,10 +10,10 @@ from typing import Any
 
 import aiohttp
 
-from router.api import ClientRequest, Endpoint
 from router.decision import Placement
-from router.kv_params import client_kv_params
-from router.workers import WorkerId
+from router.front.api import ClientRequest, Endpoint
+from router.front.kv_params import client_kv_params
+from router.membership.workers import WorkerId
 
 __all__ = ["UPSTREAM_ERRORS", "RETRYABLE_STATUS", "kv_transfer_params", "upstream_body",
            "UnaryReply", "absorb_unary"]
@@ -32,7 +32,7 @@ def kv_transfer_params(creq: ClientRequest, placement: Placement, *,
     elsewhere (migrated, failed over, resumed), `"restore_reason"` and `"previous_worker"`:
     the restore hint. "auto" lets the connector restore whatever prefix the store holds, so it
     is right for sticky requests too (it loads only what the local cache misses). Of a
-    client's own fields only those it may set are kept (`router/admission.py`: `restore`).
+    client's own fields only those it may set are kept (`router/front/admission.py`: `restore`).
     """
     params = client_kv_params(creq.body.get("kv_transfer_params"))
     restore_from = resumed_from or placement.restore_from

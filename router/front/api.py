@@ -71,7 +71,7 @@ class ClientRequest:
     """The vLLM cache salt the request goes with (the tenant's, with API keys)."""
     strip_stops: bool = False
     """The router asked workers to keep stop strings in the text and drops them itself
-    (`router/admission.py`)."""
+    (`router/front/admission.py`)."""
     n: int = 1
     """Choices asked per prompt (each bounded by `max_tokens` on its own)."""
 

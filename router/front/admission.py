@@ -1,6 +1,6 @@
 """What the router changes in a client's request before any worker sees it.
 
-- `kv_transfer_params`: filtered to what a client may set (`router/kv_params.py`: `restore`);
+- `kv_transfer_params`: filtered to what a client may set (`router/front/kv_params.py`: `restore`);
   a malformed `restore` is a 400.
 - `cache_salt` (with API keys): the tenant's own (`router.tenants.ApiKeys.cache_salt`, keyed
   by a secret no tenant holds) replaces the client's, so no tenant can read another's prefix
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from router.api import ClientRequest
-from router.kv_params import KV_PARAMS_FIELD, client_kv_params
+from router.front.api import ClientRequest
+from router.front.kv_params import KV_PARAMS_FIELD, client_kv_params
 from router.streaming.stops import stop_strings
 from router.tenants import ApiKeys
 

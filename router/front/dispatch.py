@@ -42,15 +42,15 @@ from typing import Any
 
 import aiohttp
 
-from router.api import ClientRequest
 from router.core import RouterCore
 from router.decision import Placement
 from router.errors import PayloadTooLarge, UpstreamError, UpstreamTooLarge
+from router.front.api import ClientRequest
+from router.front.upstream import RETRYABLE_STATUS, UPSTREAM_ERRORS, upstream_body
 from router.hooks import FAILED, Outcome
 from router.limits import Limits, read_capped
-from router.tokenize_client import PromptTokenizer
-from router.upstream import RETRYABLE_STATUS, UPSTREAM_ERRORS, upstream_body
-from router.workers import WorkerId
+from router.membership.workers import WorkerId
+from router.tokenize.client import PromptTokenizer
 
 __all__ = ["Attempt", "Dispatcher", "BodyFor"]
 

@@ -23,7 +23,7 @@ worker leaves the request with its text keys, as before; a worker that failed is
 again for `retry_after_s`. Mode `off` turns it off.
 
 This module says what is tokenized and how (`TokenizeSpec`, `tokenize_input`); the cache is
-`router/tokenize_cache.py`, the client that asks the workers `router/tokenize_client.py`.
+`router/tokenize/cache.py`, the client that asks the workers `router/tokenize/client.py`.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from typing import Any
 import xxhash
 
 from kvstore.errors import ConfigError
-from router.api import ClientRequest, Endpoint
+from router.front.api import ClientRequest, Endpoint
 
 __all__ = ["TokenizeSpec", "TokenizeInput", "tokenize_input", "TOKENIZE_MODES"]
 

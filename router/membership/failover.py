@@ -22,10 +22,10 @@ from dataclasses import dataclass
 
 from router.decision import RouteReason, RouteRequest
 from router.errors import RouterError
+from router.membership.workers import WorkerId
 from router.metrics import RouterMetrics
 from router.scheduler import Scheduler
-from router.sessions import SessionTable
-from router.workers import WorkerId
+from router.state.sessions import SessionTable
 
 __all__ = ["Rebinder"]
 

@@ -17,10 +17,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
 from kvstore.keys import SessionId
-from router.bindings import Binding, VersionedBinding
+from router.membership.workers import WorkerId
 from router.state.base import StateBackend
+from router.state.bindings import Binding, VersionedBinding
 from router.tenants import DEFAULT_TENANT
-from router.workers import WorkerId
 
 __all__ = ["Binding", "VersionedBinding", "SessionTable"]
 

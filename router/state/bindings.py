@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from kvstore.cluster.records import json_object, number, opt_text, text
 from kvstore.errors import ConfigError, UntrustedRegistration
 from kvstore.keys import SessionId
+from router.membership.workers import WorkerId
 from router.tenants import DEFAULT_TENANT
-from router.workers import WorkerId
 
 __all__ = ["Binding", "MalformedBinding", "VersionedBinding"]
 

@@ -2,13 +2,14 @@
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `POST /v1/responses` (streaming
 and not; the Responses API is routed, placed and failed over like the others, but never
-resumed mid-stream: `router/director.py`), `GET /v1/models`, `GET /health`, `GET /metrics`,
+resumed mid-stream: `router/front/director.py`), `GET /v1/models`, `GET /health`, `GET /metrics`,
 and read-only `GET /kvkeep/workers`, `GET /kvkeep/sessions/{id}` for operators and tests.
 
-Per generation request: parse and validate (`router/api.py`), admit it for its tenant
-(`router/admission.py`), hand it to the request director (`router/director.py`: continuation
-rebuilt, placed by the router core, sent, retried on another worker while nothing has reached
-the client, relayed, resumed after a break, finished, its conversation recorded), and write
+Per generation request: parse and validate (`router/front/api.py`), admit it for its tenant
+(`router/front/admission.py`), hand it to the request director
+(`router/front/director.py`: continuation rebuilt, placed by the router core, sent, retried
+on another worker while nothing has reached the client, relayed, resumed after a break,
+finished, its conversation recorded), and write
 what it returns: a unary reply, or a stream it wrote through `_HttpSink` (aiohttp's
 `StreamResponse`, opened when the director has the worker's stream).
 
@@ -22,7 +23,7 @@ them). A stream's later events (resumption) are told in SSE comments, which Open
 ignore.
 
 With API keys (`router/tenants.py`) every `/v1/` and `/kvkeep/` request needs a key, which
-names its tenant: the request is admitted for that tenant (`router/admission.py`: its cache
+names its tenant: the request is admitted for that tenant (`router/front/admission.py`: its cache
 salt, the `kv_transfer_params` a client may set), it may use only its own sessions (another
 tenant's is a 404, on generation as on `/kvkeep/sessions/{id}`), and `/kvkeep/workers`
 (worker addresses and load) is an operator's (`*` key) only. So are `/metrics` (its counters
@@ -44,10 +45,7 @@ from typing import Any
 from aiohttp import web
 
 from kvstore.keys import SessionId
-from router.admission import admit
-from router.api import SESSION_HEADER, Endpoint, parse_request
 from router.conversations import CONTINUE_HEADER
-from router.director import Reply, RequestDirector
 from router.errors import (
     Forbidden,
     MethodNotAllowed,
@@ -56,6 +54,9 @@ from router.errors import (
     RouterError,
     Unauthorized,
 )
+from router.front.admission import admit
+from router.front.api import SESSION_HEADER, Endpoint, parse_request
+from router.front.director import Reply, RequestDirector
 from router.metrics import CONTENT_TYPE_LATEST
 from router.service import RouterService
 from router.tenants import DEFAULT_TENANT, OPERATOR, bearer_tenant

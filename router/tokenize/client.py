@@ -23,13 +23,13 @@ from dataclasses import replace
 import aiohttp
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from router.api import ClientRequest
 from router.decision import RequestFeatures
 from router.errors import UpstreamTooLarge
+from router.front.api import ClientRequest
 from router.limits import TOKENIZE_MAX_BYTES, read_capped
-from router.tokenize import TokenizeInput, TokenizeSpec, tokenize_input
-from router.tokenize_cache import TokenCache
-from router.workers import WorkerId, WorkerPool, WorkerState
+from router.membership.workers import WorkerId, WorkerPool, WorkerState
+from router.tokenize.cache import TokenCache
+from router.tokenize.prompts import TokenizeInput, TokenizeSpec, tokenize_input
 
 __all__ = ["PromptTokenizer"]
 

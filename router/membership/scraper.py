@@ -18,7 +18,7 @@ import aiohttp
 
 from router.errors import UpstreamTooLarge
 from router.limits import METRICS_MAX_BYTES, read_capped
-from router.workers import WorkerLoad, WorkerPool, WorkerState
+from router.membership.workers import WorkerLoad, WorkerPool, WorkerState
 
 __all__ = ["parse_vllm_metrics", "Scraper"]
 

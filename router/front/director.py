@@ -2,7 +2,7 @@
 
 Like the Gateway API Inference Extension's `requestcontrol/director.go`, one object owns what
 happens to a request once it is admitted (parsed, its tenant's salt and `kv_transfer_params`
-set: `router/admission.py`), in order:
+set: `router/front/admission.py`), in order:
 
 1. the model is one the pool serves (else 404);
 2. a stateful continuation is rebuilt (`router/conversations/`: the recorded conversation +
@@ -28,7 +28,7 @@ stream with the API's failure events (never resumed), and nothing is recorded (t
 API keeps its own conversation, `previous_response_id`, in the worker's memory: the session's
 binding, by `X-Session-Id`, is what keeps such a conversation on the worker that has it).
 
-Fronts are adapters over it: the HTTP proxy (`router/proxy.py`) parses a request, calls
+Fronts are adapters over it: the HTTP proxy (`router/front/proxy.py`) parses a request, calls
 `generate` and writes what it returns.
 
 The ext_proc front (`router/extproc/`) does not go through the director, and should not: there
@@ -51,7 +51,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from router.api import ClientRequest, Endpoint
 from router.conversations import (
     CONTINUE_FIELD,
     HISTORY_HEADER,
@@ -60,17 +59,18 @@ from router.conversations import (
     asks_continuation,
 )
 from router.decision import Placement
-from router.dispatch import Attempt, BodyFor, Dispatcher
 from router.errors import BadRequest, ContinuationUnsupported, ModelNotFound, RouterError
+from router.front.api import ClientRequest, Endpoint
+from router.front.dispatch import Attempt, BodyFor, Dispatcher
+from router.front.upstream import absorb_unary, upstream_body
 from router.hooks import FAILED, Outcome, ResponseStreaming
+from router.membership.workers import WorkerId
 from router.streaming.relay import EventTooLarge, FirstByteTimeout, StreamBroken, note, pump, sse
 from router.streaming.replay import Replay, ReplayMismatch, replay_refusal, replays
 from router.streaming.responses_api import EventStream, failure_events, pump_events
 from router.streaming.resume import resumption
 from router.streaming.sink import Sink, StreamSink
 from router.streaming.state import StreamOverrun, StreamState
-from router.upstream import absorb_unary, upstream_body
-from router.workers import WorkerId
 
 __all__ = ["RequestDirector", "Reply", "ConversationRecorder", "route_headers"]
 
