@@ -45,8 +45,11 @@ typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
 ## pytest: the test suite only (assumes setup), whole modules spread over PYTEST_WORKERS
-## processes (pytest-xdist; default: the cores, at most 4: each may run vLLM engines), slow
-## modules first (tests/conftest.py); PYTEST_WORKERS=0 runs it in this one process
+## processes (pytest-xdist), slow modules first (tests/conftest.py). Default: the cores, at
+## most 4 (each may run vLLM engines and clusters). One worker more than cores ran faster on 2
+## cores (12.9 vs ~14 min) but starved the tests that SIGKILL a worker once a client has read N
+## chunks: the client read so far behind the engines that streams had ended before the kill
+## (4 such failures in one run). PYTEST_WORKERS=0: everything in this one process.
 PYTEST_WORKERS ?= $(shell n=$$(nproc); echo $$(( n < 4 ? n : 4 )))
 pytest: $(STAMP)
 	$(PY) -m pytest -q --durations=30 -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
