@@ -30,7 +30,7 @@ from tests.connector_harness import (
 from tests.models import TinyModel
 from tests.router_harness import wait_until
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def _defaults(store: dict[str, Any], **extra: Any) -> dict[str, Any]:
