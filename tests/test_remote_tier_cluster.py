@@ -112,9 +112,19 @@ def test_three_daemons_survive_a_killed_node(tmp_path: Path, etcd_server: EtcdSe
             wait_until(lambda: len(tier.members()) == 2, 15, "the victim's lease to expire")
             wait_until(lambda: copies(survivors, keys) == [2] * N_BLOCKS, 60,
                        "re-replication to 2 copies")
-            repaired = sum(DaemonClient(d.node_id, d.address).stat(timeout=T).repaired_blocks
-                           for d in survivors)
-            assert repaired >= len(victim_keys)
+            # Counted by the pushing daemon once each put returns: a moment after the copies
+            # are visible to a lookup, so waited for rather than read once.
+            def repaired() -> int:
+                total = 0
+                for d in survivors:
+                    c = DaemonClient(d.node_id, d.address)
+                    try:
+                        total += c.stat(timeout=T).repaired_blocks
+                    finally:
+                        c.close()
+                return total
+
+            wait_until(lambda: repaired() >= len(victim_keys), 10, "the repairs to be counted")
 
             # The victim restarts on its data dir, rejoins, and serves what its disk holds.
             victim.spawn()

@@ -159,8 +159,6 @@ class Rereplicator:
                 failed.append(node)
             finally:
                 client.close()
-        if pushed and self._on_pushed is not None:
-            self._on_pushed(pushed)
         return RepairReport(len(held), pushed, tuple(failed), time.monotonic() - start)
 
     def _push_missing(self, client: DaemonClient, keys: list[BlockKey]) -> int:
@@ -194,8 +192,17 @@ class Rereplicator:
             batch.append((key.block_hash, frame))
             size += len(frame)
             if size >= _PUT_BATCH_BYTES:
-                pushed += sum(client.put(scope, batch, timeout=self._timeout))
+                pushed += self._put(client, scope, batch)
                 batch, size = [], 0
         if batch:
-            pushed += sum(client.put(scope, batch, timeout=self._timeout))
+            pushed += self._put(client, scope, batch)
         return pushed
+
+    def _put(self, client: DaemonClient, scope: Scope, batch: list[tuple[bytes, bytes]]
+             ) -> int:
+        """One put of pushed copies, counted as soon as it returns (not at the end of a pass
+        that may take minutes: the repaired-blocks figure follows the repair as it goes)."""
+        stored = sum(client.put(scope, batch, timeout=self._timeout))
+        if stored and self._on_pushed is not None:
+            self._on_pushed(stored)
+        return stored
