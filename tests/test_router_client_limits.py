@@ -33,7 +33,9 @@ from tests.router_harness import LoopThread, RouterHandle, wait_until
 from tests.vllm_server import VllmServer, start_vllm
 
 # Starting two engines on a shared 2-core machine can take minutes on its own.
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+# serial: its kills and freezes are timed from what the clients have read, which lags the engine
+# by more than a stream's tail when other modules load the cores (`make pytest` runs it alone).
+pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(900)]
 
 MAX_RESPONSE_BYTES = 64 << 10
 MAX_STREAM_TOKENS = 64

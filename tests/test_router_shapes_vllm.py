@@ -42,7 +42,9 @@ from tests.router_harness import wait_until
 from tests.vllm_server import VllmServer, start_vllm
 
 # Engine starts under a shared machine's load can take several minutes.
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+# serial: its kills and freezes are timed from what the clients have read, which lags the engine
+# by more than a stream's tail when other modules load the cores (`make pytest` runs it alone).
+pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(900)]
 
 TTL = 2.0
 # The local cluster's serving flags (deploy/local/engines.py), with no free whitespace; and
