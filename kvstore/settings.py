@@ -18,22 +18,21 @@ import types
 import typing
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Final, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import msgspec
 
 from kvstore.errors import ConfigError
 from kvstore.etcd import EtcdSpec
+from kvstore.etcd.roles import DEFAULT_STORES_PREFIX
 
-__all__ = ["RemoteClientSettings", "Text", "parse_settings"]
+__all__ = ["DEFAULT_STORES_PREFIX", "RemoteClientSettings", "Text", "parse_settings"]
 
 S = TypeVar("S", bound=msgspec.Struct)
 
 Text = Annotated[str, msgspec.Meta(min_length=1)]
 """A string that must not be empty (an empty path or URL is a typo, not a choice)."""
 
-DEFAULT_STORES_PREFIX: Final = "/kvkeep/stores/"
-"""The etcd prefix daemons register under unless told otherwise."""
 
 
 class RemoteClientSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
