@@ -50,6 +50,8 @@ class RouterService:
                                block_size=config.block_size, session_ttl_s=config.session_ttl_s,
                                defer=self.background, limits=config.limits, allow=self.allow,
                                bind_on_accept=True)
+        if config.api_keys:  # each tenant's salt, which the failover's prefetch hints carry
+            self.core.rebinder.salt_of = config.api_keys.cache_salt
         self.subscriber: KVEventSubscriber | None = None
         self.http: aiohttp.ClientSession | None = None
         self._dispatcher: Dispatcher | None = None

@@ -20,13 +20,17 @@ Example (every key optional except a store with at least one tier)::
      "load_mode": "sync", "tenant": "default",
      "durability": {"replicas": 2, "timeout_ms": 5000},
      "model_id": "llama-3-8b", "weights_revision": "abc123",
-     "mac_key_file": "/etc/kvkeep/tenant-default.mac", "restore_path": "auto"}
+     "mac_key_file": "/etc/kvkeep/tenant-default.mac", "restore_path": "auto",
+     "prefetch": {"worker_id": "worker-3", "prefix": "/kvkeep", "max_blocks": 4096}}
 
 `mac_key_file`: the tenant's MAC key (kvstore/mac.py), held by its engines and never by the
 daemons: every frame saved is signed with it, and a frame restored must carry a valid MAC
 under it (else it is recomputed, and deleted), so neither a holder of the tenant's daemon
 token nor a daemon or disk can inject KV. Without it frames are unsigned and any that verify
 are used.
+
+`prefetch`: follow the routers' failover hints for this worker (PrefetchSpec,
+`connectors.vllm.prefetch`); absent, a moved session's blocks are read when its turn arrives.
 
 `durability`: see DurabilitySpec and the connector README ("Durability"); absent, blocks reach
 the daemons by write-behind.
@@ -48,6 +52,7 @@ import msgspec
 
 from kvstore.codecs import config_codec_name
 from kvstore.errors import CodecError, ConfigError, InvalidKey
+from kvstore.etcd import EtcdSpec
 from kvstore.keys import validate_name
 from kvstore.mac import MacKey
 from kvstore.settings import RemoteClientSettings, Text, parse_settings
@@ -136,6 +141,13 @@ class _Durability(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     timeout_ms: _Ms = DEFAULT_DURABILITY_TIMEOUT_MS
 
 
+class _Prefetch(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    worker_id: Text
+    prefix: Text = "/kvkeep"
+    max_blocks: _Positive = 4096
+    max_age_s: Annotated[float, msgspec.Meta(gt=0, le=86_400)] = 120.0
+
+
 class _Extra(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     """`kv_connector_extra_config` as given."""
 
@@ -159,6 +171,7 @@ class _Extra(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     save_path: SavePath = "auto"
     restore_policy: RestorePolicy = "cost"
     prefill_tokens_per_s: _Rate | None = None
+    prefetch: _Prefetch | None = None
 
 
 # -- the parsed config --------------------------------------------------------------------------
@@ -195,6 +208,20 @@ class DurabilitySpec:
 
     replicas: int
     timeout_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class PrefetchSpec:
+    """Follow the router's failover hints for `worker_id` (the id its `kvkeep worker` agent
+    registers) under the routers' etcd `prefix`, and pull each moved session's blocks (at most
+    `max_blocks`; hints older than `max_age_s` are stale) into the tiers above the one holding
+    them (`connectors.vllm.prefetch`). `etcd`: `store.remote`'s."""
+
+    etcd: EtcdSpec
+    worker_id: str
+    prefix: str = "/kvkeep"
+    max_blocks: int = 4096
+    max_age_s: float = 120.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,6 +277,8 @@ class ConnectorConfig:
     (`connectors.vllm.restore_cost`); "always": every hit, whatever it costs."""
     prefill_tokens_per_s: float | None = None
     """The engine's prefill rate for the cost decision; None: learned from its own steps."""
+    prefetch: PrefetchSpec | None = None
+    """None: a moved session's blocks are read when its next turn arrives."""
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -285,6 +314,8 @@ class ConnectorConfig:
             save_path=given.save_path,
             restore_policy=given.restore_policy,
             prefill_tokens_per_s=given.prefill_tokens_per_s,
+            prefetch=None if given.prefetch is None else _prefetch(given.prefetch, given.store,
+                                                                  store),
         )
 
     def restore_deadline_for(self, *, hinted: bool) -> float:
@@ -320,6 +351,21 @@ def _remote(given: _Remote) -> RemoteSpec:
         tls_ca=given.tls_ca, tls_cert=given.tls_cert, tls_key=given.tls_key,
         tls_server_name=given.tls_server_name,
         registration_public_key=given.registration_public_key)
+
+
+def _prefetch(given: _Prefetch, raw: _Store, store: StoreSpec) -> PrefetchSpec:
+    etcd = None if raw.remote is None else raw.remote.etcd_spec()
+    if etcd is None:
+        raise ConfigError("prefetch follows the routers' hints in etcd: it needs "
+                          "store.remote with 'etcd'")
+    if store.host_bytes <= 0 and store.nvme is None:
+        raise ConfigError("prefetch pulls blocks into host RAM or nvme: it needs "
+                          "store.host_bytes or store.nvme")
+    worker_id = given.worker_id
+    if not worker_id or "/" in worker_id or worker_id != worker_id.strip():
+        raise ConfigError(f"prefetch.worker_id {worker_id!r}: the id the worker's agent "
+                          f"registers, with no '/' or surrounding space")
+    return PrefetchSpec(etcd, worker_id, given.prefix, given.max_blocks, given.max_age_s)
 
 
 def _redis(given: _Redis) -> RedisSpec:

@@ -33,6 +33,7 @@ from connectors.vllm.fingerprint import (
 from connectors.vllm.hash_check import check_block_hashes_reproducible
 from connectors.vllm.layouts import check_codec
 from connectors.vllm.metadata import StepMetadata
+from connectors.vllm.prefetch import Prefetcher
 from connectors.vllm.prometheus import KVKeepPromMetrics, KVKeepStats, StatsReporter
 from connectors.vllm.scheduler_side import SchedulerSide
 from connectors.vllm.sleep import workers_asleep
@@ -96,6 +97,7 @@ class KVKeepConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._store: TieredStore | None = None
+        self._prefetcher: Prefetcher | None = None
         self._closed = False
         if role == KVConnectorRole.SCHEDULER:
             # The worker half is built first: if it runs in this process, its store is here
@@ -111,6 +113,14 @@ class KVKeepConnector(KVConnectorBase_V1):
             self._store = acquire_store(self._config.store)
             self._worker = WorkerSide(config=self._config, fingerprint=self._fingerprint,
                                       layout=layout, store=self._store, counters=self._counters)
+            if self._config.prefetch is not None:
+                # Manifests are the scheduler half's, written under rank 0's fingerprint.
+                manifest_fp = derive_fingerprint(vllm_config, self._config,
+                                                 derive_layout(vllm_config, rank=0))
+                self._prefetcher = Prefetcher(
+                    store=self._store, spec=self._config.prefetch, tenant=self._config.tenant,
+                    manifest_fp=manifest_fp, block_fp=self._fingerprint,
+                    counters=self._counters)
         # Only the worker half reports the store: the scheduler half may share the same one.
         self._reporter = StatsReporter(
             self._counters, block_size=layout.block_size,
@@ -131,6 +141,11 @@ class KVKeepConnector(KVConnectorBase_V1):
     @property
     def config(self) -> ConnectorConfig:
         return self._config
+
+    @property
+    def prefetcher(self) -> Prefetcher | None:
+        """The worker half's failover prefetch, when `prefetch` is configured."""
+        return self._prefetcher
 
     def drain_manifests(self, timeout: float = 10.0) -> None:
         """Wait until this half's queued manifest writes are done (tests, operators)."""
@@ -291,6 +306,8 @@ class KVKeepConnector(KVConnectorBase_V1):
         if self._closed:
             return
         self._closed = True
+        if self._prefetcher is not None:
+            self._prefetcher.close()
         if self._worker is not None:
             self._worker.shutdown()
         if self._scheduler is not None:

@@ -45,8 +45,9 @@ __all__ = ["derive_layout", "derive_fingerprint", "weights_digest", "config_dige
 
 logger = logging.getLogger(__name__)
 
-def derive_layout(vllm_config: VllmConfig) -> LayoutSpec:
-    """The layout this engine's workers use, decided from the config alone."""
+def derive_layout(vllm_config: VllmConfig, *, rank: int | None = None) -> LayoutSpec:
+    """The layout this engine's workers use, decided from the config alone; `rank`: that of
+    another tensor-parallel rank than this process's (the scheduler's is rank 0)."""
     from vllm.platforms import current_platform
 
     model = vllm_config.model_config
@@ -92,8 +93,8 @@ def derive_layout(vllm_config: VllmConfig) -> LayoutSpec:
     else:
         raise ConfigError(f"kvkeep connector: platform {current_platform.device_type!r} has no "
                           f"known KV layout")
-    return spec.with_shard(parallel.rank % parallel.tensor_parallel_size,
-                           parallel.tensor_parallel_size)
+    own = parallel.rank % parallel.tensor_parallel_size
+    return spec.with_shard(own if rank is None else rank, parallel.tensor_parallel_size)
 
 
 def derive_fingerprint(vllm_config: VllmConfig, config: ConnectorConfig,

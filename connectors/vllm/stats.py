@@ -45,6 +45,10 @@ worker half
                                      `kvkeep_store_copy_lag_seconds{tier="remote"}`, on vLLM's
                                      /metrics `kvkeep_connector_store_copy_lag_seconds`)
     manifests_written, manifest_errors  (manifests the scheduler handed over in step metadata)
+    prefetch_hints, prefetch_blocks  failover hints taken, blocks pulled into host RAM by them
+    prefetch_present, prefetch_missing, prefetch_skipped, prefetch_errors
+                                     blocks already there, not found; hints stale, repeated or
+                                     over the queue; failures (`connectors.vllm.prefetch`)
 """
 
 from __future__ import annotations
@@ -95,6 +99,12 @@ class Count(enum.StrEnum):
     DURABLE_MISSED = "durable_missed"
     DURABLE_WAIT_US = "durable_wait_us"
     SAVE_WAIT_US = "save_wait_us"
+    PREFETCH_HINTS = "prefetch_hints"
+    PREFETCH_BLOCKS = "prefetch_blocks"
+    PREFETCH_PRESENT = "prefetch_present"
+    PREFETCH_MISSING = "prefetch_missing"
+    PREFETCH_SKIPPED = "prefetch_skipped"
+    PREFETCH_ERRORS = "prefetch_errors"
 
 
 LOAD_FAILURES = frozenset({Count.LOAD_MISSING, Count.LOAD_CORRUPT, Count.LOAD_MISMATCH,

@@ -439,7 +439,8 @@ class LocalCluster:
         server = ManagedProcess(f"vllm-{worker_id}",
                                 wrap(vllm_argv(self.engine, port=port, events_port=events,
                                                etcd_url=etcd_url, host=host,
-                                               remote_extra=self._connector_remote())),
+                                               remote_extra=self._connector_remote(),
+                                               worker_id=worker_id)),
                                 self.logs / f"vllm-{worker_id}.log", vllm_env(REPO_ROOT),
                                 REPO_ROOT)
         agent = self._kvkeep(f"agent-{worker_id}", [

@@ -45,6 +45,10 @@ class EngineSettings:
     cluster exist to show and check the restore path. `benchmarks.restore_decision` and
     tests/test_connector_restore_decision.py are where "cost" is shown to choose."""
     tenant: str = "demo"
+    prefetch: bool = True
+    """Each worker's connector follows the routers' failover hints (`prefetch`, under the
+    routers' default etcd prefix): a moved session's blocks reach its new worker's host RAM
+    before its next turn."""
     connector: bool = True
     """False: plain vLLM, no kvkeep connector and no store (a baseline for what the store adds)."""
     store_token_file: Path | None = None
@@ -66,14 +70,19 @@ class EngineSettings:
 
 def kv_transfer_config(settings: EngineSettings, etcd_url: str,
                        store_prefix: str = "/kvkeep/stores/",
-                       remote_extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                       remote_extra: Mapping[str, Any] | None = None,
+                       worker_id: str | None = None) -> dict[str, Any]:
     """`--kv-transfer-config`: host RAM first, then the kvstore daemons found through etcd
     (with `store_token_file` when they check tokens).
 
     `kv_load_failure_policy: recompute` turns a block that fails to restore into a recompute
     (vLLM's default would fail the request). `remote_extra`: more `store.remote` keys (the
-    TLS option's etcd and daemon-identity settings, deploy/local/tls.py).
+    TLS option's etcd and daemon-identity settings, deploy/local/tls.py). `worker_id`: the
+    id the worker's agent registers, whose prefetch hints the connector follows (with
+    `settings.prefetch`).
     """
+    prefetch = ({"prefetch": {"worker_id": worker_id}}
+                if settings.prefetch and worker_id is not None else {})
     return {
         "kv_connector": "KVKeepConnector",
         "kv_connector_module_path": "connectors.vllm",
@@ -91,13 +100,15 @@ def kv_transfer_config(settings: EngineSettings, etcd_url: str,
             "restore_deadline_ms": settings.restore_deadline_ms,
             "restore_policy": settings.restore_policy,
             "tenant": settings.tenant,
+            **prefetch,
         },
     }
 
 
 def vllm_argv(settings: EngineSettings, *, port: int, events_port: int,
               etcd_url: str, host: str = "127.0.0.1",
-              remote_extra: Mapping[str, Any] | None = None) -> list[str]:
+              remote_extra: Mapping[str, Any] | None = None,
+              worker_id: str | None = None) -> list[str]:
     """The server's command line; it serves HTTP and KV events on `host`.
 
     `python -m vllm.entrypoints.openai.api_server`, not the `vllm` script: the CPU wheel is
@@ -116,7 +127,7 @@ def vllm_argv(settings: EngineSettings, *, port: int, events_port: int,
         "--enable-prompt-tokens-details", "--uvicorn-log-level", "warning",
         "--kv-events-config", json.dumps(events),
         *(["--kv-transfer-config", json.dumps(kv_transfer_config(
-            settings, etcd_url, remote_extra=remote_extra))]
+            settings, etcd_url, remote_extra=remote_extra, worker_id=worker_id))]
           if settings.connector else []),
         *serving_flags(settings),
     ]

@@ -6,10 +6,10 @@ permission table (`PERMISSIONS`, applied by `principals`):
 
 | principal            | read                         | write                             |
 |----------------------|------------------------------|-----------------------------------|
-| `kvkeep-router`      | `{prefix}/workers/`, stores  | `{prefix}/sessions/` (prefix)     |
+| `kvkeep-router`      | `{prefix}/workers/`, stores  | `{prefix}/sessions/`, `/prefetch/`|
 | `kvkeep-worker-<id>` | its own key, stores          | `{prefix}/workers/<id>` only      |
 | `kvkeep-daemon-<id>` | stores (peers, re-replicas)  | `{stores}<id>` only               |
-| `kvkeep-connector`   | stores                       | nothing                           |
+| `kvkeep-connector`   | stores, `{prefix}/prefetch/` | nothing                           |
 | a shared agent user  | its writes, stores           | the whole `{prefix}/workers/`     |
 | a shared store user  | stores                       | the whole `{stores}` prefix       |
 
@@ -107,6 +107,11 @@ class Layout:
         return f"{self.prefix.rstrip('/')}/sessions/".encode()
 
     @property
+    def prefetch(self) -> bytes:
+        """Failover's prefetch hints (kvstore/cluster/hints.py `hints_prefix`)."""
+        return f"{self.prefix.rstrip('/')}/prefetch/".encode()
+
+    @property
     def stores(self) -> bytes:
         return self.stores_prefix.encode()
 
@@ -132,6 +137,7 @@ def _id(what: str, ident: str) -> str:
 def router(layout: Layout, user: str = "kvkeep-router") -> Principal:
     return Principal(user, (Grant.prefix(layout.workers, "read"),
                             Grant.prefix(layout.sessions, "readwrite"),
+                            Grant.prefix(layout.prefetch, "write"),
                             Grant.prefix(layout.stores, "read")))
 
 
@@ -148,7 +154,10 @@ def daemon(layout: Layout, node_id: str) -> Principal:
 
 
 def connector(layout: Layout, user: str = "kvkeep-connector") -> Principal:
-    return Principal(user, (Grant.prefix(layout.stores, "read"),))
+    # The hints prefix of every worker: connectors share one credential (per-worker ones
+    # would need the worker id in the connector's etcd user, which vLLM's config cannot vary).
+    return Principal(user, (Grant.prefix(layout.stores, "read"),
+                            Grant.prefix(layout.prefetch, "read")))
 
 
 def shared_agents(layout: Layout, user: str) -> Principal:

@@ -14,9 +14,9 @@ The capability protocols tiers may implement live with the tier interface, in
 from kvstore.frame import FrameBytes
 from kvstore.store.aio import AsyncTieredStore
 from kvstore.store.config import StoreConfig
-from kvstore.store.facade import TieredStore
+from kvstore.store.facade import PullUp, TieredStore
 from kvstore.store.stats import StoreStats
 from kvstore.tiers.capabilities import SupportsBorrow, SupportsPutMany, SupportsReserve
 
-__all__ = ["TieredStore", "AsyncTieredStore", "StoreConfig", "StoreStats", "FrameBytes",
+__all__ = ["TieredStore", "PullUp", "AsyncTieredStore", "StoreConfig", "StoreStats", "FrameBytes",
            "SupportsPutMany", "SupportsBorrow", "SupportsReserve"]

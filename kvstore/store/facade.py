@@ -40,6 +40,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Literal
 
@@ -71,9 +72,20 @@ from kvstore.tiers.capabilities import (
 )
 from kvstore.tiers.factory import TierSpec, build_tiers
 
-__all__ = ["TieredStore"]
+__all__ = ["TieredStore", "PullUp"]
 
 log = logging.getLogger("kvstore.store")
+
+
+@dataclass(slots=True)
+class PullUp:
+    """What `TieredStore.pull_up` did with its keys: already in the first tier, copied up,
+    found nowhere (or unreadable in time), or refused by a tier above (full)."""
+
+    present: int = 0
+    pulled: int = 0
+    missing: int = 0
+    refused: int = 0
 
 
 class TieredStore:
@@ -175,6 +187,39 @@ class TieredStore:
         if pending:
             self.metrics.misses.inc(len(pending))
         return reads
+
+    def pull_up(self, keys: Sequence[BlockKey], *, deadline: float | None = None) -> PullUp:
+        """Copy each block from the first tier that holds it into every tier above that one,
+        now (a prefetch: connectors/vllm/prefetch.py). Whole blocks, verified as any read, in
+        one batched read per tier, each written up from the bytes just read: unlike a `get`'s
+        promotion, which the write-behind does later by reading the block again."""
+        self._check_open()
+        deadline = self.deadline(deadline)
+        where = self.locate(keys, deadline=deadline)
+        result = PullUp(present=where.count(0), missing=where.count(-1))
+        for index in range(1, len(self._calls)):
+            positions = [i for i, tier in enumerate(where) if tier == index]
+            if not positions:
+                continue
+            found = self._read_tier(index, keys, None, None, positions, deadline)
+            if found is DEADLINE_PASSED:
+                self.metrics.deadline_misses.inc()
+                result.missing += len(positions)
+                continue
+            for i, read in zip(positions, found, strict=True):
+                if read is None:
+                    result.missing += 1
+                    continue
+                frame = read.header.pack() + bytes(read.payload)
+                written = [self._calls.put(target, keys[i], frame) for target in range(index)]
+                for target, ok in enumerate(written):
+                    if ok:
+                        self.metrics.promotions.labels(self._calls.names[target]).inc()
+                if all(written):
+                    result.pulled += 1
+                else:
+                    result.refused += 1
+        return result
 
     def _read_tier(self, index: int, keys: Sequence[BlockKey], layers: LayerRange | None,
                    outs: Sequence[Buffer] | None, pending: Sequence[int], deadline: float

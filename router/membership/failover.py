@@ -4,7 +4,9 @@ Rebinding runs when the worker's registration disappears (lease expired or revok
 replica sees that DELETE and tries to move each session the dead worker held; the
 compare-and-swap on each binding lets exactly one move win, and the others adopt it through
 their watch. Moved bindings carry `restore_from`, so the session's next request (on any
-replica) tells the new worker's connector to restore the KV from the store.
+replica) tells the new worker's connector to restore the KV from the store. The winning write
+also leaves a prefetch hint for the new worker (kvstore/cluster/hints.py): its connector pulls
+the session's blocks into host RAM before that request arrives.
 
 Sessions are spread over the survivors with the same scheduler that routes requests, each
 placement charged as if a request had gone there, so a hundred orphaned sessions do not all
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from router.decision import RouteReason, RouteRequest
@@ -32,6 +35,10 @@ __all__ = ["Rebinder"]
 log = logging.getLogger(__name__)
 
 
+def _no_salt(tenant: str) -> str | None:
+    return None
+
+
 @dataclass(slots=True)
 class Rebinder:
     """`yield_every`: give the event loop a turn after this many sessions, so requests keep
@@ -42,6 +49,9 @@ class Rebinder:
     sessions: SessionTable
     metrics: RouterMetrics
     yield_every: int | None = 256
+    salt_of: Callable[[str], str | None] = _no_salt
+    """The cache salt of a tenant's requests (the router's API keys set one per tenant), for
+    the prefetch hint: the new worker's connector finds the session's blocks under it."""
 
     async def rebind(self, worker: WorkerId) -> int:
         """Move every session bound to `worker`; returns how many this replica moved."""
@@ -67,7 +77,8 @@ class Rebinder:
                 try:
                     won, _ = await self.sessions.bind(
                         sid, decision.worker, current.binding.model, expected=current,
-                        reason=RouteReason.FAILOVER.value, restore_from=worker)
+                        reason=RouteReason.FAILOVER.value, restore_from=worker,
+                        prefetch=True, salt=self.salt_of(current.binding.owner))
                 except RouterError as exc:
                     log.warning("rebinding %s failed: %s", sid, exc)
                     continue

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Protocol
 
+from kvstore.cluster.hints import PrefetchHint
 from kvstore.keys import SessionId
 from router.membership.workers import WorkerId, WorkerInfo
 from router.state.bindings import Binding, VersionedBinding
@@ -74,12 +75,15 @@ class StateBackend(Protocol):
 
     async def get_binding(self, session_id: SessionId) -> VersionedBinding | None: ...
 
-    async def cas_binding(self, binding: Binding, expected_revision: int | None, ttl_s: float
+    async def cas_binding(self, binding: Binding, expected_revision: int | None, ttl_s: float,
+                          prefetch: PrefetchHint | None = None
                           ) -> tuple[bool, VersionedBinding | None]:
         """Write `binding` iff the stored revision is `expected_revision` (None: iff absent).
 
         Returns (written, binding now stored): on success the new revision, on failure the
-        binding that won (or None if the session has no binding any more).
+        binding that won (or None if the session has no binding any more). `prefetch`: also
+        tell the binding's worker to prefetch the session (kvstore/cluster/hints.py), in the
+        same write; a backend with no shared state to carry it ignores it.
         """
         ...
 

@@ -7,6 +7,9 @@ Layout under a prefix (default `/kvkeep`):
 - `{prefix}/sessions/{session_id}`: `Binding` JSON. Written only in a transaction that compares
   the key's mod revision with the one the writer read (version 0 for a new session), so
   replicas never split a session.
+- `{prefix}/prefetch/{worker_id}/{session_id}`: `PrefetchHint` JSON, written in the transaction
+  that moves a session to `worker_id` at failover, on the binding's lease: that worker's
+  connector watches its own prefix and warms its host tier (kvstore/cluster/hints.py).
 
 Session TTLs use one lease per time bucket (a quarter TTL wide, living TTL + a quarter): a
 lease per session would cost a lease grant per new session and a keepalive per active one;
@@ -41,6 +44,7 @@ import aetcd.rpc  # type: ignore[import-untyped]
 from prometheus_client import CollectorRegistry
 from prometheus_client import Counter as PromCounter
 
+from kvstore.cluster.hints import PrefetchHint, hint_key
 from kvstore.cluster.lease import LeaseKeeper
 from kvstore.cluster.records import EtcdRecord
 from kvstore.cluster.watcher import PrefixWatcher
@@ -258,7 +262,8 @@ class EtcdBackend:
             return None
         return self._stored_binding(kv.value, session_id, int(kv.mod_revision))
 
-    async def cas_binding(self, binding: Binding, expected_revision: int | None, ttl_s: float
+    async def cas_binding(self, binding: Binding, expected_revision: int | None, ttl_s: float,
+                          prefetch: PrefetchHint | None = None
                           ) -> tuple[bool, VersionedBinding | None]:
         wait = self._etcd_down_until - time.monotonic()
         if wait > 0:
@@ -272,9 +277,14 @@ class EtcdBackend:
         for attempt in (1, 2):
             try:
                 lease_id = await self._session_lease(ttl_s)
+                writes = [tx.put(key, binding.to_json(), lease=lease_id)]
+                if prefetch is not None:
+                    writes.append(tx.put(
+                        hint_key(self.prefix, binding.worker_id, binding.session_id),
+                        prefetch.to_json(), lease=lease_id))
                 ok, responses = await client.transaction(
                     compare=[compare],
-                    success=[tx.put(key, binding.to_json(), lease=lease_id)],
+                    success=writes,
                     failure=[tx.get(key)],
                 )
                 break

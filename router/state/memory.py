@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvstore.cluster.hints import PrefetchHint
 from kvstore.keys import SessionId
 from router.membership.workers import WorkerId, WorkerInfo
 from router.state.base import BindingSink, WorkerLease, WorkerSink
@@ -110,8 +111,10 @@ class MemoryBackend:
         entry = self._bindings.get(session_id)
         return entry[0] if entry is not None else None
 
-    async def cas_binding(self, binding: Binding, expected_revision: int | None, ttl_s: float
+    async def cas_binding(self, binding: Binding, expected_revision: int | None, ttl_s: float,
+                          prefetch: PrefetchHint | None = None
                           ) -> tuple[bool, VersionedBinding | None]:
+        # `prefetch` is dropped: a connector learns hints from etcd, and there is none here.
         entry = self._bindings.get(binding.session_id)
         current = entry[0] if entry is not None else None
         if (current.revision if current is not None else None) != expected_revision:

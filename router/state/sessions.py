@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
+from kvstore.cluster.hints import PrefetchHint
 from kvstore.keys import SessionId
 from router.membership.workers import WorkerId
 from router.state.base import StateBackend
@@ -65,21 +66,26 @@ class SessionTable:
 
     async def bind(self, session_id: SessionId, worker: WorkerId, model: str, *,
                    expected: VersionedBinding | None, reason: str,
-                   restore_from: WorkerId | None, owner: str = DEFAULT_TENANT
+                   restore_from: WorkerId | None, owner: str = DEFAULT_TENANT,
+                   prefetch: bool = False, salt: str | None = None
                    ) -> tuple[bool, VersionedBinding | None]:
         """CAS the session onto `worker`. Returns (won, binding now in force).
 
         `expected` is what the decision was based on (None: the session must be new, and
         `owner` creates it; a moved session keeps its owner). On a lost race the winner's
-        binding comes back and the caller routes there instead.
+        binding comes back and the caller routes there instead. `prefetch`: the move also
+        writes a prefetch hint for `worker` (kvstore/cluster/hints.py), naming the session's
+        cache `salt`: a failover, where the next turn has not arrived yet.
         """
         epoch = expected.binding.epoch + 1 if expected is not None else 0
         if expected is not None:
             owner = expected.binding.owner
         binding = Binding(session_id, worker, model, epoch, restore_from, reason,
                           self._now(), owner)
+        hint = (PrefetchHint(session_id, model, epoch, binding.updated, salt) if prefetch
+                else None)
         won, current = await self.backend.cas_binding(
-            binding, expected.revision if expected is not None else None, self.ttl_s)
+            binding, expected.revision if expected is not None else None, self.ttl_s, hint)
         if not won:
             self.conflicts += 1
         self._store(session_id, current)
