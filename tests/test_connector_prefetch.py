@@ -93,7 +93,7 @@ def prefetcher(etcd_server: EtcdServer, worker_store: TieredStore) -> Iterator[P
 
 
 def _counts(prefetch: Prefetcher) -> dict[str, int]:
-    return dict(prefetch._counters.snapshot().as_dict())  # noqa: SLF001
+    return dict(prefetch._counters.snapshot().as_dict())
 
 
 def _wait(prefetch: Prefetcher, count: Count, value: int, timeout: float = 15.0) -> None:

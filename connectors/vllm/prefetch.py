@@ -99,7 +99,7 @@ class Prefetcher:
             asyncio.wait_for(self._watcher.synced.wait(), timeout), self._loop)
         try:
             future.result(timeout + 1.0)
-        except (TimeoutError, asyncio.TimeoutError):
+        except TimeoutError:
             return False
         return True
 
