@@ -246,13 +246,19 @@ class _Scenario:
         if self.bob is None:
             r.check("failover of an idle session", False, "no second session to fail over")
             return
-        r.step(f"{self.bob.session_id}'s next turn: to {self.survivor} with a restore hint; "
-               "his KV comes from the kvstore daemons")
+        r.step(f"{self.bob.session_id}'s next turn, a moment later: to {self.survivor} with a "
+               "restore hint; his KV was prefetched from the kvstore daemons into its RAM "
+               "when the router rebound him")
+        # The prefetch counter reaches /metrics with an engine step: the reference answer
+        # (its own request, under its own cache salt) may be the step that publishes it.
+        early, _ = self._counters(self.survivor)
         reference = reference_answer(self.router, self.bob.messages_for(BOB[1]),
                                      o.later_tokens)
         engine_before, store_before = self._counters(self.survivor)
         turn = self.bob.ask(BOB[1], o.later_tokens)
         engine_after, store_after = self._counters(self.survivor)
+        prefetched = 0 if early is None or engine_after is None else int(
+            (engine_after - early).prefetched_blocks)
         self._show(turn)
         r.check("lands on the survivor with a restore hint",
                 turn.worker == self.survivor and turn.route == "failover" and turn.restore_hint,
@@ -262,9 +268,11 @@ class _Scenario:
                 and turn.text == reference, turn.error or (
                     "identical to the reference" if turn.text == reference else "differs"))
         restored = self._restored(engine_before, engine_after, store_before, store_after,
-                                  "Bob's turn")
+                                  "Bob's turn", prefetched=prefetched)
+        r.check("Bob's KV prefetched into the survivor's RAM at the failover", prefetched > 0,
+                f"{prefetched} blocks pulled from the daemons on the router's hint")
         r.record(bob_prompt_tokens=turn.prompt_tokens, bob_cached_tokens=turn.cached_tokens,
-                 bob_restored_tokens=restored)
+                 bob_restored_tokens=restored, bob_prefetched_blocks=prefetched)
 
     def _alice_continues(self) -> None:
         r, o = self.report, self.options
@@ -290,8 +298,10 @@ class _Scenario:
             daemons, tls=self.cluster.daemon_tls))
 
     def _restored(self, e0: EngineCache | None, e1: EngineCache | None, s0: StoreTraffic,
-                  s1: StoreTraffic, what: str) -> int:
-        """Report where the prompt's KV came from; returns the tokens the connector loaded."""
+                  s1: StoreTraffic, what: str, *, prefetched: int = 0) -> int:
+        """Report where the prompt's KV came from; returns the tokens the connector loaded.
+        `prefetched`: blocks that left the daemons before `s0`, pulled into the worker's RAM
+        on the failover hint (the loads are then from RAM)."""
         if e0 is None or e1 is None:
             self.report.check(f"KV restored from the store ({what})", False,
                               f"cannot read {self.survivor}'s /metrics")
@@ -309,8 +319,11 @@ class _Scenario:
                             f"to {self.survivor}")
         else:
             self.report.say("kvstore daemons: Stat unavailable, block reads not counted")
+        if prefetched:
+            self.report.say(f"{self.survivor}'s connector: {prefetched} blocks prefetched into "
+                            "its RAM on the router's failover hint")
         self.report.check(f"KV restored from the store ({what})",
-                          restored > 0 and (s.hits > 0 or not stats_ok),
+                          restored > 0 and (s.hits > 0 or prefetched > 0 or not stats_ok),
                           f"{restored} tokens loaded by the connector"
                           + (f", {s.hits} reads from the daemons" if stats_ok else "")
                           if restored > 0 else

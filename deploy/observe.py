@@ -1,7 +1,7 @@
 """Where the numbers of a run come from: vLLM's `/metrics` and the kvstore daemons' Stat.
 
-The connector's own counters live inside each vLLM process and are not served over HTTP, so
-"was this KV restored or recomputed?" is answered from the outside by two independent sources:
+"Was this KV restored or recomputed?" is answered from the outside by two independent
+sources (the connector's own counters reach vLLM's /metrics only with engine steps):
 
 - vLLM counts, per engine, prompt tokens found in its local prefix cache
   (`vllm:prefix_cache_hits`) and tokens a KV connector claimed to hold
@@ -36,11 +36,16 @@ class EngineCache:
     local_hits: float = 0.0
     external_queries: float = 0.0
     external_hits: float = 0.0
+    prefetched_blocks: float = 0.0
+    """Blocks the kvkeep connector pulled into host RAM on failover hints (its `events`
+    counter `prefetch_blocks`; vLLM publishes connector stats with an engine step, so a
+    prefetch shows once the engine has run one since)."""
 
     def __sub__(self, before: EngineCache) -> EngineCache:
         return EngineCache(self.queries - before.queries, self.local_hits - before.local_hits,
                            self.external_queries - before.external_queries,
-                           self.external_hits - before.external_hits)
+                           self.external_hits - before.external_hits,
+                           self.prefetched_blocks - before.prefetched_blocks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +84,11 @@ def scrape_engine(worker_url: str, timeout_s: float = 5.0) -> EngineCache | None
         return None
     values: dict[str, float] = {}
     for family in text_string_to_metric_families(resp.text):
+        if family.name == "kvkeep_connector_events":
+            values["prefetched_blocks"] = sum(
+                s.value for s in family.samples
+                if s.name.endswith("_total") and s.labels.get("event") == "prefetch_blocks")
+            continue
         key = _ENGINE_METRICS.get(family.name)
         if key is None:
             continue

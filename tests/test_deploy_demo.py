@@ -38,8 +38,10 @@ def test_demo_passes_every_check_with_tls(model_dir: Path, tmp_path: Path) -> No
     assert {"the kill landed mid-stream", "the client did not notice",
             "same text as without the failure", "KV restored from the store (resumed stream)",
             "dead worker detected", "lands on the survivor with a restore hint",
-            "KV restored from the store (Bob's turn)", "next turn on the survivor"} <= names
+            "KV restored from the store (Bob's turn)", "next turn on the survivor",
+            "Bob's KV prefetched into the survivor's RAM at the failover"} <= names
     numbers = result["numbers"]
     assert 0 < numbers["resumed_after_tokens"] < numbers["stream_tokens"]
     assert numbers["stream_restored_tokens"] > 0 and numbers["bob_restored_tokens"] > 0
+    assert numbers["bob_prefetched_blocks"] > 0
     assert numbers["worker_gone_after_s"] <= numbers["lease_ttl_s"] + 1.5
