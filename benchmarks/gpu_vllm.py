@@ -75,27 +75,27 @@ def run(contexts: list[int], paths: list[str], trials: int) -> dict[str, Any]:
         for path in paths:
             store = {"host_bytes": 12 << 30, "name": f"gpu-{path}",
                      "host_pinned": path == "staged" and torch.cuda.is_available()}
-            kv = cpu_bench._kv_config(store, restore_path=path, restore_deadline_ms=60000)
+            kv = cpu_bench.kv_config(store, restore_path=path, restore_deadline_ms=60000)
             progress(f"engine with restore_path {path}")
             recompute, restore, same = [], [], True
-            with cpu_bench._engine(model, kv, **engine_kwargs) as llm:
-                cpu_bench._generate(llm, cpu_bench._prompts(1, 256, 1, MODEL["vocab_size"]), 4)
+            with cpu_bench.vllm_engine(model, kv, **engine_kwargs) as llm:
+                cpu_bench.generate(llm, cpu_bench.random_prompts(1, 256, 1, MODEL["vocab_size"]), 4)
                 for ctx in contexts:
-                    prompts = cpu_bench._prompts(trials, ctx, ctx, MODEL["vocab_size"])
+                    prompts = cpu_bench.random_prompts(trials, ctx, ctx, MODEL["vocab_size"])
                     times = []
                     for prompt in prompts:  # each new to the store: a recompute
                         llm.reset_prefix_cache()
                         start = time.perf_counter()
-                        cpu_bench._generate(llm, [prompt], 1)
+                        cpu_bench.generate(llm, [prompt], 1)
                         times.append(time.perf_counter() - start)
                     recompute.append(sorted(times)[len(times) // 2])
-                    reference, _ = cpu_bench._generate(llm, [prompts[-1]], 16)
+                    reference, _ = cpu_bench.generate(llm, [prompts[-1]], 16)
                     restorable = (ctx - 1) // cpu_bench.BLOCK * cpu_bench.BLOCK
                     seconds, _ = cpu_bench._ttft(llm, prompts[-1], trials,
                                                  expect_cached=restorable)
                     restore.append(seconds)
                     llm.reset_prefix_cache()
-                    tokens, _ = cpu_bench._generate(llm, [prompts[-1]], 16)
+                    tokens, _ = cpu_bench.generate(llm, [prompts[-1]], 16)
                     same &= tokens == reference
             out["recompute_ttft_s"][path] = recompute
             out["restore_ttft_s"][path] = restore

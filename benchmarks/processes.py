@@ -7,19 +7,24 @@ a benchmark measures the daemon users get.
 from __future__ import annotations
 
 import contextlib
+import multiprocessing as mp
+import multiprocessing.context
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator, Sequence
+from multiprocessing.connection import Connection
 from pathlib import Path
 
+from deploy.chaos.slow_link import SlowLink
 from deploy.local.ports import free_port
 from kvstore.commands.store import MALLOC_ENV
 from kvstore.net.daemon_client import DaemonClient
 
-__all__ = ["free_port", "stop_process", "bench_daemon"]
+__all__ = ["free_port", "stop_process", "bench_daemon", "slow_link_process"]
 
 
 def stop_process(proc: subprocess.Popen[bytes], timeout: float = 20.0) -> None:
@@ -37,10 +42,11 @@ def stop_process(proc: subprocess.Popen[bytes], timeout: float = 20.0) -> None:
 @contextlib.contextmanager
 def bench_daemon(data_dir: Path, *, mem_budget: int | str, disk_budget: int | str,
                  node_id: str = "bench", timeout: float = 30.0,
-                 extra: Sequence[str] = ()) -> Iterator[tuple[str, int]]:
-    """One `python -m kvstore.daemon` on loopback, waited on until its health service says
-    SERVING; yields its address and pid, and stops it at the end."""
-    port = free_port()
+                 extra: Sequence[str] = (), port: int | None = None
+                 ) -> Iterator[tuple[str, int]]:
+    """One `python -m kvstore.daemon` on loopback (on `port`, or a free one), waited on until
+    its health service says SERVING; yields its address and pid, and stops it at the end."""
+    port = free_port() if port is None else port
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvstore.daemon", "--listen", f"127.0.0.1:{port}",
          "--data-dir", str(data_dir), "--mem-budget", str(mem_budget),
@@ -64,3 +70,24 @@ def bench_daemon(data_dir: Path, *, mem_budget: int | str, disk_budget: int | st
         yield f"127.0.0.1:{port}", proc.pid
     finally:
         stop_process(proc, timeout)
+
+
+def _serve_link(upstream: str, delay_s: float, conn: Connection) -> None:
+    link = SlowLink(upstream, delay_s)
+    conn.send(link.address)
+    threading.Event().wait()  # until terminated
+
+
+def slow_link_process(upstream: str, delay_s: float
+                      ) -> tuple[multiprocessing.context.ForkProcess, str]:
+    """A `SlowLink` to `upstream` (each call delivered `delay_s` late) in a process of its own,
+    so its pump threads never take the measuring process's GIL; returns it and its address.
+    Fork it before this process opens any gRPC channel (gRPC does not survive a fork)."""
+    parent, child = mp.Pipe()
+    proc = mp.get_context("fork").Process(target=_serve_link, args=(upstream, delay_s, child),
+                                           daemon=True)
+    proc.start()
+    if not parent.poll(30):
+        proc.terminate()
+        raise RuntimeError("the slow link did not start")
+    return proc, str(parent.recv())

@@ -86,7 +86,7 @@ BLOCK = 32
 VOCAB = 8192
 
 
-def _kv_config(store: dict[str, Any], **extra: Any) -> dict[str, Any]:
+def kv_config(store: dict[str, Any], **extra: Any) -> dict[str, Any]:
     # restore_policy "always": this measures each tier's restore, so every hit must load; the
     # default "cost" policy restores only what it predicts loads faster than it computes. The
     # decision itself is `benchmarks.restore_decision`'s.
@@ -96,7 +96,7 @@ def _kv_config(store: dict[str, Any], **extra: Any) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _engine(model: Path, kv: dict[str, Any] | None, **kwargs: Any) -> Iterator[LLM]:
+def vllm_engine(model: Path, kv: dict[str, Any] | None, **kwargs: Any) -> Iterator[LLM]:
     from vllm import LLM
 
     from kvstore.codecs.llvmlite_compat import patch_llvmlite_for_vllm
@@ -112,7 +112,7 @@ def _engine(model: Path, kv: dict[str, Any] | None, **kwargs: Any) -> Iterator[L
         gc.collect()
 
 
-def _generate(llm: LLM, prompts: Sequence[Sequence[int]], max_tokens: int,
+def generate(llm: LLM, prompts: Sequence[Sequence[int]], max_tokens: int,
               params: dict[str, Any] | None = None) -> tuple[list[tuple[int, ...]], list[int]]:
     from vllm import SamplingParams
 
@@ -139,7 +139,7 @@ def _compute_and_save(llm: LLM, prompt: Sequence[int], timeout_s: float = 60.0) 
     engine's steps (they never hold one), so a one-token request returns before its last
     blocks land, and a restore measured at once would find only part of them."""
     before = _saved_blocks()
-    _generate(llm, [prompt], 1)
+    generate(llm, [prompt], 1)
     want = before + (len(prompt) - 1) // BLOCK
     deadline = time.monotonic() + timeout_s
     while _saved_blocks() < want:
@@ -157,7 +157,7 @@ def _ttft(llm: LLM, prompt: Sequence[int], trials: int, *, expect_cached: int | 
     for _ in range(trials):
         llm.reset_prefix_cache()
         start = time.perf_counter()
-        (tokens,), (cached,) = _generate(llm, [prompt], 1)
+        (tokens,), (cached,) = generate(llm, [prompt], 1)
         times.append(time.perf_counter() - start)
         if expect_cached is not None and cached != expect_cached:
             raise RuntimeError(f"expected {expect_cached} restored tokens, got {cached}")
@@ -170,9 +170,9 @@ def _decode_rate(llm: LLM, seed: int, batch: int, tokens: int, trials: int) -> f
     closest to what the engine itself costs."""
     rates = []
     for trial in range(trials):
-        prompts = _prompts(batch, 64, seed + trial)
+        prompts = random_prompts(batch, 64, seed + trial)
         start = time.perf_counter()
-        _generate(llm, prompts, tokens)
+        generate(llm, prompts, tokens)
         rates.append(batch * tokens / (time.perf_counter() - start))
     return max(rates)
 
@@ -184,10 +184,10 @@ def _decode_overhead(model: Path, engine_kwargs: dict[str, Any], batch: int, tok
     off, on = 0.0, 0.0
     for round_ in range(rounds):
         for saving in (False, True):
-            kv = _kv_config({"host_bytes": 1 << 30, "name": f"bench-decode-{round_}"}) \
+            kv = kv_config({"host_bytes": 1 << 30, "name": f"bench-decode-{round_}"}) \
                 if saving else None
-            with _engine(model, kv, **engine_kwargs) as llm:
-                _generate(llm, _prompts(1, 256, 1), 4)  # warm-up
+            with vllm_engine(model, kv, **engine_kwargs) as llm:
+                generate(llm, random_prompts(1, 256, 1), 4)  # warm-up
                 rate = _decode_rate(llm, 100, batch, tokens, trials)
             if saving:
                 on = max(on, rate)
@@ -196,12 +196,12 @@ def _decode_overhead(model: Path, engine_kwargs: dict[str, Any], batch: int, tok
     return off, on
 
 
-def _prompts(count: int, length: int, seed: int, vocab: int = VOCAB) -> list[list[int]]:
+def random_prompts(count: int, length: int, seed: int, vocab: int = VOCAB) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(10, vocab) for _ in range(length)] for _ in range(count)]
 
 
-def _bench_model(directory: Path, hidden: int, layers: int) -> dict[str, Any]:
+def bench_model(directory: Path, hidden: int, layers: int) -> dict[str, Any]:
     from transformers import LlamaConfig
 
     heads, kv_heads = hidden // 64, max(1, hidden // 128)
@@ -226,21 +226,21 @@ def _int8_vs_bf16(model: Path, cases: list[list[int]], tokens: int, name: str
     twice, and once more by the int8 engine's bf16 first pass, gives the same tokens.
     """
     kwargs = {"max_model_len": 1024, "kv_cache_memory_bytes": 64 << 20}
-    with _engine(model, None, **kwargs) as llm:
-        reference, _ = _generate(llm, cases, tokens)
+    with vllm_engine(model, None, **kwargs) as llm:
+        reference, _ = generate(llm, cases, tokens)
         llm.reset_prefix_cache()
-        again, _ = _generate(llm, cases, tokens)
+        again, _ = generate(llm, cases, tokens)
         forced = [(list(p) + list(ref[:k]), ref[k])
                   for p, ref in zip(cases, reference, strict=True) for k in range(0, tokens, 4)]
         llm.reset_prefix_cache()
-        control, _ = _generate(llm, [p for p, _ in forced], 1)
-    config = _kv_config({"host_bytes": 64 << 20, "name": f"bench-int8-{name}"}, codec="int8")
-    with _engine(model, config, **kwargs) as llm:
-        first, _ = _generate(llm, cases, tokens)  # computed in bf16, saved as int8
+        control, _ = generate(llm, [p for p, _ in forced], 1)
+    config = kv_config({"host_bytes": 64 << 20, "name": f"bench-int8-{name}"}, codec="int8")
+    with vllm_engine(model, config, **kwargs) as llm:
+        first, _ = generate(llm, cases, tokens)  # computed in bf16, saved as int8
         llm.reset_prefix_cache()
-        free, _ = _generate(llm, cases, tokens)
+        free, _ = generate(llm, cases, tokens)
         llm.reset_prefix_cache()
-        steps, _ = _generate(llm, [p for p, _ in forced], 1)
+        steps, _ = generate(llm, [p for p, _ in forced], 1)
     same = sum(a == b for f, r in zip(free, reference, strict=True)
                for a, b in zip(f, r, strict=True))
     return {
@@ -274,7 +274,7 @@ def _int8_match(tmp: Path, prompts: int, tokens: int) -> dict[str, Any]:
     figures = {
         "trained": _int8_vs_bf16(trained.path, heldout_prompts(trained.path, lengths, seed=31),
                                  tokens, "trained"),
-        "random": _int8_vs_bf16(tiny.path, [_prompts(1, n, 31 + i, 1000)[0]
+        "random": _int8_vs_bf16(tiny.path, [random_prompts(1, n, 31 + i, 1000)[0]
                                             for i, n in enumerate(lengths)], tokens, "random"),
     }
     figures["trained"]["model"] = {
@@ -297,22 +297,22 @@ def run(*, quick: bool, hidden: int = 1024, layers: int | None = None,
     engine_kwargs = {"load_format": "dummy", "skip_tokenizer_init": True,
                      "max_model_len": max(contexts) + 64, "kv_cache_memory_bytes": 1 << 30,
                      "max_num_batched_tokens": max(4096, max(contexts) + 64)}
-    prompts = {ctx: _prompts(1, ctx, ctx)[0] for ctx in contexts}
+    prompts = {ctx: random_prompts(1, ctx, ctx)[0] for ctx in contexts}
     restorable = {ctx: (ctx - 1) // BLOCK * BLOCK for ctx in contexts}
     out: dict[str, Any] = {"context_tokens": contexts}
     with tempfile.TemporaryDirectory(prefix="kvkeep-bench-") as tmp_name:
         tmp = Path(tmp_name)
-        out["model"] = _bench_model(tmp / "model", hidden, layers)
+        out["model"] = bench_model(tmp / "model", hidden, layers)
         model = tmp / "model"
         reference: dict[int, tuple[int, ...]] = {}
         progress(f"recompute TTFT without the connector, contexts {contexts}")
-        with _engine(model, None, **engine_kwargs) as llm:
-            _generate(llm, _prompts(1, 256, 1), 4)  # warm-up
+        with vllm_engine(model, None, **engine_kwargs) as llm:
+            generate(llm, random_prompts(1, 256, 1), 4)  # warm-up
             recompute = []
             for ctx in contexts:
                 seconds, _ = _ttft(llm, prompts[ctx], trials, expect_cached=0)
                 recompute.append(seconds)
-                reference[ctx] = _generate(llm, [prompts[ctx]], 16)[0][0]
+                reference[ctx] = generate(llm, [prompts[ctx]], 16)[0][0]
         out["recompute_ttft_s"] = recompute
 
         identical = True
@@ -331,7 +331,7 @@ def run(*, quick: bool, hidden: int = 1024, layers: int | None = None,
             }
             for tier, (store, extra) in stores.items():
                 progress(f"restore TTFT from {tier}")
-                with _engine(model, _kv_config(store, restore_deadline_ms=20000, **extra),
+                with vllm_engine(model, kv_config(store, restore_deadline_ms=20000, **extra),
                              **engine_kwargs) as llm:
                     times = []
                     for ctx in contexts:
@@ -340,7 +340,7 @@ def run(*, quick: bool, hidden: int = 1024, layers: int | None = None,
                                            expect_cached=restorable[ctx])
                         times.append(seconds)
                         llm.reset_prefix_cache()
-                        tokens, cached = _generate(llm, [prompts[ctx]], 16)
+                        tokens, cached = generate(llm, [prompts[ctx]], 16)
                         identical &= tokens[0] == reference[ctx] and cached[0] == restorable[ctx]
                     restore[tier] = times
         out["restore_ttft_s"] = restore

@@ -41,10 +41,9 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.cli import run_benchmark
-from benchmarks.processes import bench_daemon
+from benchmarks.processes import bench_daemon, slow_link_process
 from benchmarks.progress import progress
-from benchmarks.restore import BLOCK, _bench_model, _engine, _generate, _prompts
-from benchmarks.stall import _slow_link_process
+from benchmarks.restore import BLOCK, bench_model, generate, random_prompts, vllm_engine
 
 for _name, _value in {"HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                       "OMP_NUM_THREADS": "1", "VLLM_NO_USAGE_STATS": "1",
@@ -65,7 +64,7 @@ def _kv(store: dict[str, Any]) -> dict[str, Any]:
 def _ttft(llm: Any, prompt: Sequence[int], params: dict[str, Any] | None) -> tuple[float, int]:
     llm.reset_prefix_cache()
     start = time.perf_counter()
-    _, (hit,) = _generate(llm, [prompt], 1, params)
+    _, (hit,) = generate(llm, [prompt], 1, params)
     return time.perf_counter() - start, hit
 
 
@@ -78,11 +77,11 @@ def _connectors(llm: Any) -> tuple[Any, Any]:
 
 def _tier_run(model: Path, store: dict[str, Any], prompt: list[int], warm_up: list[int],
               trials: int, engine_kwargs: dict[str, Any]) -> dict[str, Any]:
-    with _engine(model, _kv(store), **engine_kwargs) as llm:
+    with vllm_engine(model, _kv(store), **engine_kwargs) as llm:
         sched, worker = _connectors(llm)
         cost = sched._scheduler.restore_cost
-        _generate(llm, [warm_up], 4)  # warm-up (and a first prefill measured)
-        _generate(llm, [prompt], 2)
+        generate(llm, [warm_up], 4)  # warm-up (and a first prefill measured)
+        generate(llm, [prompt], 2)
         blocks = (len(prompt) + len(warm_up)) // BLOCK
         give_up = time.monotonic() + 300
         while (worker.counters()["saved_blocks"]
@@ -145,17 +144,17 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     engine_kwargs = {"load_format": "dummy", "skip_tokenizer_init": True,
                      "max_model_len": context + 64, "kv_cache_memory_bytes": 1 << 30,
                      "max_num_batched_tokens": max(4096, context + 64)}
-    prompt = _prompts(1, context, 1818)[0]
+    prompt = random_prompts(1, context, 1818)[0]
     out: dict[str, Any] = {"context_tokens": context, "slow_delay_s": SLOW_DELAY_S,
                            "trials": trials, "tiers": {}}
     with tempfile.TemporaryDirectory(prefix="kvkeep-decision-") as tmp_name:
         tmp = Path(tmp_name)
-        out["model"] = _bench_model(tmp / "model", hidden, layers)
+        out["model"] = bench_model(tmp / "model", hidden, layers)
         # The slow daemon has no bulk data plane: every call goes over gRPC, through the link.
         with bench_daemon(tmp / "daemon", mem_budget="2GiB", disk_budget="4GiB") as (addr, _), \
                 bench_daemon(tmp / "slow", mem_budget="2GiB", disk_budget="4GiB", node_id="slow",
                              extra=["--data-listen", "off"]) as (far, _):
-            link, slow_addr = _slow_link_process(far, SLOW_DELAY_S)
+            link, slow_addr = slow_link_process(far, SLOW_DELAY_S)
             try:
                 stores: dict[str, dict[str, Any]] = {
                     "host": {"host_bytes": 2 << 30, "name": "decision-host"},
@@ -170,7 +169,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     # Another prompt per tier: blocks another tier's engine stored (the same
                     # daemon) must not be found here.
                     tier_prompt = [prompt[0] + i + 1, *prompt[1:]]
-                    warm_up = _prompts(1, 256, 7 + i)[0]
+                    warm_up = random_prompts(1, 256, 7 + i)[0]
                     out["tiers"][tier] = _tier_run(tmp / "model", store, tier_prompt, warm_up,
                                                    trials, engine_kwargs)
                     progress(f"{tier}: {out['tiers'][tier]['decided']} "

@@ -27,25 +27,20 @@ of non-restoring requests beside a slow or dead daemon) are not measured yet.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
-import multiprocessing.context
 import statistics
 import tempfile
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 from benchmarks.cli import run_benchmark
-from benchmarks.processes import bench_daemon
+from benchmarks.processes import bench_daemon, slow_link_process
 from benchmarks.progress import progress
 from connectors.vllm.config import ConnectorConfig
 from connectors.vllm.scheduler_side import SchedulerSide
 from connectors.vllm.stats import Counts
-from deploy.chaos.slow_link import SlowLink
 from kvstore.frame import CodecId, Compression, DType, build_frame
 from kvstore.keys import BlockKey, ModelFingerprint, Namespace
 from kvstore.store import TieredStore
@@ -135,25 +130,6 @@ def _drive(side: SchedulerSide, waves: list[list[_Arrival]]) -> dict[str, Any]:
             "blocks_found": sum((a.tokens or 0) // BLOCK_SIZE for a in answered)}
 
 
-def _serve_link(upstream: str, delay_s: float, conn: Connection) -> None:
-    link = SlowLink(upstream, delay_s)
-    conn.send(link.address)
-    threading.Event().wait()  # until terminated
-
-
-def _slow_link_process(upstream: str, delay_s: float
-                       ) -> tuple[multiprocessing.context.ForkProcess, str]:
-    # Forked before this process opens any gRPC channel (gRPC does not survive a fork).
-    parent, child = mp.Pipe()
-    proc = mp.get_context("fork").Process(target=_serve_link, args=(upstream, delay_s, child),
-                                           daemon=True)
-    proc.start()
-    if not parent.poll(30):
-        proc.terminate()
-        raise RuntimeError("the slow link did not start")
-    return proc, str(parent.recv())
-
-
 def _pct(values: Sequence[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
@@ -180,7 +156,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             bench_daemon(Path(tmp) / "d", mem_budget="512MiB", disk_budget="1GiB") as (addr, _):
         # The link runs in a process of its own: its pump threads must not take this
         # process's GIL from the scheduler being measured (a real daemon is elsewhere too).
-        link, link_address = _slow_link_process(addr, DELAY_S)
+        link, link_address = slow_link_process(addr, DELAY_S)
         frames = _frames(_arrivals(waves_n, per_wave))
         direct = TieredStore(build_tiers([RemoteSpec(daemons=(("d1", addr),), replicas=1)]))
         try:

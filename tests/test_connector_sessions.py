@@ -24,6 +24,7 @@ from tests.connector_harness import (
     scheduler_connector,
     worker_connector,
 )
+from deploy.local.daemons import DaemonProcess
 from tests.models import TinyModel
 
 pytestmark = pytest.mark.slow
@@ -96,6 +97,37 @@ def test_decode_checkpoints_every_n_tokens_and_flush_at_finish(tiny: TinyModel) 
         generate(llm, random_prompts(1, 10, seed=23), 2)  # any step runs the pending flush
         assert _manifest(llm, "ckpt-1", wait_for_tokens=160).token_count == 160
         assert worker_connector().counters()["saved_blocks"] == 5
+
+
+def test_a_one_step_request_gets_its_manifest_from_a_slow_store(
+        tiny: TinyModel, daemon: DaemonProcess) -> None:
+    """Saves never hold a step, so behind a slow daemon (every call 150 ms late: the saver's
+    presence check crosses it) a one-token request has ended before its saves are reported.
+    The scheduler half keeps it until they are, and writes its manifest from them (it used to
+    forget the request one step after it finished: no manifest at all)."""
+    from deploy.chaos.slow_link import SlowLink
+
+    prompt = random_prompts(1, 4 * BLOCK_SIZE + 5, seed=24)[0]
+    link = SlowLink(daemon.address, 0.15)
+    try:
+        config = kv_transfer_config({
+            "host_bytes": 32 << 20, "name": "slow-manifest",
+            "remote": {"daemons": {daemon.node_id: link.address}, "replicas": 1,
+                       "timeout_ms": 5000}},
+            save_timeout_ms=0)  # the default: the harness's own waits for saves
+        with open_engine(tiny.path, config) as llm:
+            generate(llm, [prompt], 1, {"session_id": "one-step"})
+            deadline = time.monotonic() + 20.0
+            # An in-process engine steps only inside generate (a server keeps stepping while
+            # the connector says it has pending work).
+            while time.monotonic() < deadline:
+                generate(llm, random_prompts(1, 8, seed=25), 1)
+                manifest = _manifest(llm, "one-step", timeout=0.2)
+                if manifest is not None and manifest.token_count >= 4 * BLOCK_SIZE:
+                    break
+            assert manifest is not None and manifest.token_count == 4 * BLOCK_SIZE
+    finally:
+        link.sever()
 
 
 def test_restore_hints(tiny: TinyModel) -> None:

@@ -73,6 +73,11 @@ __all__ = ["SchedulerSide"]
 
 log = logging.getLogger(__name__)
 
+SAVE_REPORT_WAIT_S = 30.0
+"""How long a finished request's unreported saves are waited for (its manifest's last blocks);
+past it, the request is forgotten and those blocks stay out of its manifest (they are still
+found by their hashes)."""
+
 # A lookup answer is reused for this long when vLLM asks again about the same request (it does
 # when it could not schedule it); the worker verifies every block anyway.
 _LOOKUP_TTL_S = 1.0
@@ -253,6 +258,7 @@ class SchedulerSide:
         if tracked is None:
             return False, None
         tracked.finished = True
+        tracked.finished_at = time.monotonic()
         tracked.block_ids = list(block_ids)
         done = min(request.num_computed_tokens // self._bs, len(request.block_hashes),
                    len(block_ids))
@@ -266,7 +272,9 @@ class SchedulerSide:
         """Probes or manifests waiting for a step to carry them to the worker (keeps vLLM's
         engine loop stepping when nothing else runs)."""
         return (bool(self._probes) or self._manifests.pending
-                or (self._background is not None and self._background.pending))
+                or (self._background is not None and self._background.pending)
+                or any(self._reqs[r].saves_in_flight for r in self._finished_last_step
+                       if r in self._reqs))
 
     def drain_manifests(self, timeout: float = 10.0) -> None:
         """Wait until every manifest handed to the writer so far is written (tests, shutdown)."""
@@ -481,13 +489,20 @@ class SchedulerSide:
 
     def _purge_finished(self) -> None:
         # Reports for a step arrive in the same update as `request_finished`, so a finished
-        # request is dropped one step later, once they have been read.
+        # request is dropped one step later, once they have been read. Not while saves it
+        # planned are unreported (saves never hold a step, so a slow store reports them
+        # steps after the request ended): its manifest is written from those reports, and a
+        # one-step request would otherwise leave none. `SAVE_REPORT_WAIT_S` bounds the wait.
+        now = time.monotonic()
         for req_id in self._finished_last_step:
             tracked = self._reqs.get(req_id)
-            if tracked is not None and tracked.finished and tracked.flush == "none":
-                del self._reqs[req_id]
-                if self._background is not None:
-                    self._background.forget(req_id)
+            if tracked is None or not tracked.finished or tracked.flush != "none":
+                continue
+            if tracked.saves_in_flight and now - tracked.finished_at < SAVE_REPORT_WAIT_S:
+                continue
+            del self._reqs[req_id]
+            if self._background is not None:
+                self._background.forget(req_id)
         self._finished_last_step = [r for r, t in self._reqs.items() if t.finished]
 
     def take_events(self) -> list[Any]:

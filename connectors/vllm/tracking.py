@@ -73,6 +73,8 @@ class TrackedRequest:
     manifest_blocks: int = 0
     generation: int = 0
     finished: bool = False
+    finished_at: float = 0.0
+    """`time.monotonic()` when vLLM finished it (how long its late save reports are waited for)."""
     flush: FlushState = "none"
     """A finished request's last blocks: to be saved before vLLM frees them."""
     loading_async: bool = False
@@ -86,3 +88,8 @@ class TrackedRequest:
     @property
     def request_id(self) -> str:
         return str(self.request.request_id)
+
+    @property
+    def saves_in_flight(self) -> bool:
+        """Blocks planned for saving that have not been reported yet."""
+        return self.saved_prefix < self.planned and len(self.saved) < self.planned
