@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from deploy.local.daemons import DaemonProcess
 from tests.connector_harness import (
     BLOCK_SIZE,
     generate,
@@ -24,7 +25,6 @@ from tests.connector_harness import (
     scheduler_connector,
     worker_connector,
 )
-from deploy.local.daemons import DaemonProcess
 from tests.models import TinyModel
 
 pytestmark = pytest.mark.slow
