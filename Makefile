@@ -75,6 +75,7 @@ bench: setup
 	$(PY) -m benchmarks.quant --quick --json bench-results/quant.json
 	$(PY) -m benchmarks.stall --quick --json bench-results/stall.json
 	$(PY) -m benchmarks.restore_decision --quick --json bench-results/restore_decision.json
+	$(PY) -m benchmarks.prefetch --quick --json bench-results/prefetch.json
 
 ## bench-lmcache: LMCache 0.5.6 built CPU-only from its source package in .venv-lmcache (which keeps
 ## LMCache's protobuf < 7 away from .venv), LMCache's adapter tests and the plugin's against kvkeep

@@ -18,11 +18,12 @@ data plane off so every byte crosses the link), and two in-process vLLM engines 
 weight Llama (hidden 1024, 8 layers with --quick): the "old" worker computes each session's
 first turn and checkpoints it (blocks and manifest) to the daemon, then goes away; the
 survivor serves every second turn. Sessions alternate between the arms, so drift in the
-machine's speed hits both. Also measured in the same run: the second turn recomputed with no
-store at all (`recompute_ttft_s`, the floor the store must beat), and the greedy outputs of
-every arm against that recompute (`outputs_identical`).
+machine's speed hits both. Also measured in the same run: each second turn again with its KV
+in host RAM (`host`: the best a prefetch can do), each recomputed with no restore
+(`recompute`: what the store must beat), the greedy outputs of every arm against the
+recompute (`outputs_identical`), and the machine's loopback TCP (`baseline`).
 
-Writes {"ttft_s": {"with": [...], "without": [...], "recompute": [...]},
+Writes {"ttft_s": {"with": [...], "without": [...], "host": [...], "recompute": [...]},
 "prefetch_ttft_ratio": median(with) / median(without), "restored_tokens": {...},
 "prefetched_blocks": n, "outputs_identical": bool, "link_delay_ms": d, ...}.
 Target (issue 18): prefetch_ttft_ratio <= 0.7.
@@ -40,6 +41,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks.baselines import tcp_loopback_gbps
 from benchmarks.cli import as_json, run_benchmark
 from benchmarks.processes import bench_daemon, free_port, slow_link_process
 from benchmarks.progress import progress
@@ -120,7 +122,8 @@ def run(*, quick: bool, context: int = 2048, sessions_per_arm: int | None = None
                      "kv_cache_memory_bytes": 1 << 30,
                      "max_num_batched_tokens": max(4096, context + 2 * NEW_TOKENS + 64)}
     results: dict[str, Any] = {"context_tokens": context, "link_delay_ms": delay_ms,
-                               "pause_s": pause_s, "sessions_per_arm": per_arm}
+                               "pause_s": pause_s, "sessions_per_arm": per_arm,
+                               "baseline": {"loopback_tcp_gbps": round(tcp_loopback_gbps(), 2)}}
     with tempfile.TemporaryDirectory(prefix="kvkeep-prefetch-") as tmp_name:
         tmp = Path(tmp_name)
         model = tmp / "model"
@@ -146,7 +149,8 @@ def run(*, quick: bool, context: int = 2048, sessions_per_arm: int | None = None
                     _wait_checkpointed(direct, fingerprint, names, context // BLOCK,
                                        lambda: generate(llm, filler, 1))
                 progress("the survivor: every next turn, hinted or not")
-                ttft: dict[str, list[float]] = {"with": [], "without": [], "recompute": []}
+                ttft: dict[str, list[float]] = {"with": [], "without": [], "host": [],
+                                                "recompute": []}
                 restored: dict[str, list[int]] = {"with": [], "without": []}
                 outputs: dict[str, tuple[int, ...]] = {}
                 with vllm_engine(model, kv_config(
@@ -170,9 +174,15 @@ def run(*, quick: bool, context: int = 2048, sessions_per_arm: int | None = None
                         ttft[arms[name]].append(time.perf_counter() - start)
                         restored[arms[name]].append(cached)
                         outputs[name] = out
-                    counts = _connector().counters()
+                    counts = dict(_connector().counters().as_dict())
                     results["prefetched_blocks"] = int(counts.get("prefetch_blocks", 0))
                     results["prefetch_missing"] = int(counts.get("prefetch_missing", 0))
+                    progress("the host floor: each next turn again, its KV in host RAM")
+                    for name in names:
+                        llm.reset_prefix_cache()
+                        start = time.perf_counter()
+                        generate(llm, [second[name]], 1)
+                        ttft["host"].append(time.perf_counter() - start)
                     progress("the floor: each next turn recomputed, nothing restored")
                     identical = True
                     for name in names:

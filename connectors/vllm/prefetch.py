@@ -13,9 +13,10 @@ first). The next turn's lookup then finds them in memory and restores them from 
 Bounds, since anyone who can write etcd chooses a hint's bytes (kvstore/cluster/hints.py):
 hints older than `max_age_s` or seen before (same session and epoch) are skipped; at most
 `MAX_QUEUED` wait, later ones are dropped and counted; one session pulls at most `max_blocks`
-blocks; one thread does the reading, so prefetch never takes more than one stream of the
-store's bandwidth. Manifest and blocks are read under this connector's own fingerprint and
-tenant: a hint cannot reach another tenant's blocks or make anyone serve wrong KV.
+blocks; one session is read at a time (in `_STREAMS` read streams, as a restore reads), so
+prefetch never takes more of the store's bandwidth than one restore does. Manifest and blocks
+are read under this connector's own fingerprint and tenant: a hint cannot reach another
+tenant's blocks or make anyone serve wrong KV.
 
 Counted (connectors/vllm/stats.py): `prefetch_hints` (taken), `prefetch_blocks` (pulled up),
 `prefetch_present` (already in host RAM), `prefetch_missing` (no manifest, or a block the
@@ -31,6 +32,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 
 from connectors.vllm.config import PrefetchSpec
 from connectors.vllm.params import namespace_for
@@ -41,7 +43,7 @@ from kvstore.cluster.records import EtcdRecord
 from kvstore.cluster.watcher import PrefixWatcher
 from kvstore.errors import KVKeepError
 from kvstore.keys import BlockKey, ModelFingerprint, SessionKey
-from kvstore.store import TieredStore
+from kvstore.store import PullUp, TieredStore
 
 __all__ = ["Prefetcher", "MAX_QUEUED"]
 
@@ -51,7 +53,17 @@ MAX_QUEUED = 256
 """Hints waiting to be read; a failover moves at most this many sessions to one worker at
 once before later ones are dropped (and counted): each costs at most `max_blocks` reads."""
 _REMEMBERED = 4096  # (session, epoch) pairs already taken: re-listings repeat every hint
-_BATCH = 64  # blocks per `get_many`: one pipelined read per daemon, bounded memory
+_BATCH = 64
+"""Blocks per `pull_up`: one pipelined read stream per daemon (memory: this many frames per
+stream at most)."""
+_STREAMS = 4
+"""`pull_up`s at once, as the loader reads (`connectors.vllm.loader._READ_THREADS`): one
+stream's throughput is its flow-control window per round trip, so through a link 50 ms long
+one stream moved 64 blocks of 0.5 MiB in 3.6 s, and the loader's four in about 1 s."""
+_BATCH_DEADLINE_S = 15.0
+"""Per batch. No request waits on a prefetch, so it gets far more than the store's default
+read deadline: a read cut short by one counts as the daemon's failure and opens its breaker
+for every request of this worker (seen: 16 MiB through a slow link, default deadline)."""
 
 
 class Prefetcher:
@@ -84,6 +96,7 @@ class Prefetcher:
                                               name="kvkeep-prefetch-watch", daemon=True)
         self._watch_thread.start()
         started.wait()
+        self._streams = ThreadPoolExecutor(_STREAMS, thread_name_prefix="kvkeep-prefetch-read")
         self._reader = threading.Thread(target=self._read_main, name="kvkeep-prefetch",
                                         daemon=True)
         self._reader.start()
@@ -117,6 +130,7 @@ class Prefetcher:
             self._loop.call_soon_threadsafe(self._watch.cancel)
         self._watch_thread.join(5.0)
         self._reader.join(5.0)
+        self._streams.shutdown(wait=False, cancel_futures=True)
 
     # -- the watcher's sink (on the watch thread) -----------------------------------------
 
@@ -197,17 +211,22 @@ class Prefetcher:
         keys = [BlockKey.of(self._block_fp, namespace, h)
                 for h in manifest.block_hashes[:self._spec.max_blocks]]
         started = time.monotonic()
+        size = min(_BATCH, max(1, -(-len(keys) // _STREAMS)))
+        batches = [keys[first:first + size] for first in range(0, len(keys), size)]
         pulled = 0
-        for first in range(0, len(keys), _BATCH):
-            if self._closed:
-                return
-            done = self._store.pull_up(keys[first:first + _BATCH])
+        for done in self._streams.map(self._pull_up, batches):
             pulled += done.pulled
             self._counters.add(Count.PREFETCH_PRESENT, done.present)
             self._counters.add(Count.PREFETCH_MISSING, done.missing + done.refused)
         self._counters.add(Count.PREFETCH_BLOCKS, pulled)
         log.info("kvkeep: prefetched %d of %d blocks of session %s in %.3fs",
                  pulled, len(keys), hint.session_id[:100], time.monotonic() - started)
+
+
+    def _pull_up(self, keys: list[BlockKey]) -> PullUp:
+        if self._closed:
+            return PullUp(missing=len(keys))
+        return self._store.pull_up(keys, deadline=time.monotonic() + _BATCH_DEADLINE_S)
 
 
 def _decode(record: EtcdRecord) -> PrefetchHint:
