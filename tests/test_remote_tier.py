@@ -366,8 +366,9 @@ def test_transports_can_be_chosen_before_the_first_block(daemons: list[DaemonPro
 
 def test_a_tiered_store_reads_a_batch_tier_by_tier(daemons: list[DaemonProcess]) -> None:
     """`TieredStore.get_many` over RAM and the daemons: keys the RAM tier lacks go to the
-    daemons in one batched call (`get_into`), hits there are verified and promoted into RAM,
-    unknown keys are misses, counted as `get` counts them; a layer range reads per key."""
+    daemons in one batched call (`get_into`), hits there are verified and promoted into RAM
+    from the bytes already read (no block is read from a daemon twice), unknown keys are
+    misses, counted as `get` counts them; a layer range reads per key."""
     from kvstore.store import TieredStore
     from kvstore.tiers.memory.host import HostTier
 
@@ -385,6 +386,14 @@ def test_a_tiered_store_reads_a_batch_tier_by_tier(daemons: list[DaemonProcess])
         return real_get_into(keys, outs, **kw)  # type: ignore[arg-type]
 
     remote.get_into = counting  # type: ignore[method-assign]
+    single_gets: list[BlockKey] = []
+    real_get = remote.get
+
+    def counting_get(key: BlockKey, *args: object, **kw: object) -> BlockRead | None:
+        single_gets.append(key)
+        return real_get(key, *args, **kw)  # type: ignore[arg-type]
+
+    remote.get = counting_get  # type: ignore[method-assign]
     store = TieredStore([HostTier(16 << 20), remote])
     try:
         local = block_key(1099)
@@ -400,6 +409,10 @@ def test_a_tiered_store_reads_a_batch_tier_by_tier(daemons: list[DaemonProcess])
             assert read is not None and read.verified and read.to_frame() == frames[key]
         assert store.flush(10)
         assert store.tiers[0].contains(remote_keys) == [True] * len(remote_keys)  # promoted
+        assert not set(single_gets) & set(remote_keys)  # ... from the frames read, not read again
+        for key in remote_keys:
+            promoted = store.tiers[0].get(key)
+            assert promoted is not None and promoted.to_frame() == frames[key]
         stats = store.stats()
         assert stats.misses == 1
         # A layer range is read per key, from RAM now.

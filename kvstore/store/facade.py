@@ -181,12 +181,22 @@ class TieredStore:
             for i, read in zip(pending, found, strict=True):
                 if read is not None:
                     if index > 0 and self._config.promote:
-                        self._writes.promote(keys[i], index, read.header)
+                        self._writes.promote(keys[i], index, read.header,
+                                             self._held_copy(index, read))
                     reads[i] = read
             pending = [i for i in pending if reads[i] is None]
         if pending:
             self.metrics.misses.inc(len(pending))
         return reads
+
+    def _held_copy(self, index: int, read: BlockRead) -> bytes | None:
+        """The whole frame of a block read from a network tier, for its promotion: one copy in
+        RAM (about 50 us for 0.5 MiB) instead of a second read of the block from the daemon
+        or Redis when the write-behind gets to it. None for in-process tiers (reading the
+        block back there costs what the copy would) and for layer-range reads (not a frame)."""
+        if self._in_process[index] or read.layers != read.header.all_layers:
+            return None
+        return read.header.pack() + bytes(read.payload)
 
     def pull_up(self, keys: Sequence[BlockKey], *, deadline: float | None = None) -> PullUp:
         """Copy each block from the first tier that holds it into every tier above that one,

@@ -39,17 +39,22 @@ class BlockCopy:
 
 @dataclass(frozen=True, slots=True)
 class Promotion:
-    """A hit in tier `source`: copy the whole block up into the tiers above it (`targets`)."""
+    """A hit in tier `source`: copy the whole block up into the tiers above it (`targets`).
+
+    `held`: the frame as the get read it, kept when the source is across the network and the
+    whole block was read (a copy is cheaper than reading the block over the network again);
+    None: read back from the source when the job's turn comes."""
 
     seq: int
     key: BlockKey
     targets: tuple[int, ...]
     header: FrameHeader
     source: int
+    held: bytes | None = None
 
     @property
-    def frame(self) -> None:
-        return None  # always read back: a get never pays for a copy of the frame
+    def frame(self) -> bytes | None:
+        return self.held
 
 
 @dataclass(frozen=True, slots=True)

@@ -102,14 +102,16 @@ class WriteBehind:
         return self._submit(key, lambda seq: BlockCopy(seq, key, targets, header, computed_at,
                                                        frame), nbytes=header.frame_size)
 
-    def promote(self, key: BlockKey, source: int, header: FrameHeader) -> None:
-        """Queue a copy of a block hit in tier `source` into the tiers above it."""
+    def promote(self, key: BlockKey, source: int, header: FrameHeader,
+                frame: bytes | None = None) -> None:
+        """Queue a copy of a block hit in tier `source` into the tiers above it (`frame`: the
+        whole frame as read, else it is read back from `source`)."""
         with self._state:
             if key in self._promoting:
                 return  # a layer-by-layer restore reads one block many times: promote it once
             self._promoting.add(key)
         targets = tuple(range(source))
-        if not self._submit(key, lambda seq: Promotion(seq, key, targets, header, source),
+        if not self._submit(key, lambda seq: Promotion(seq, key, targets, header, source, frame),
                             nbytes=header.frame_size):
             with self._state:
                 self._promoting.discard(key)
