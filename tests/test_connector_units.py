@@ -179,13 +179,15 @@ class FakeRequest:
 class FakeStore:
     answers_in_process = True  # asked inline (tests/test_connector_lookups.py: the other way)
 
-    def __init__(self, present: int = 0) -> None:
+    def __init__(self, present: int = 0, tier: int = 0) -> None:
         self.present = present
+        self.tier = tier
         self.manifests: list[Any] = []
 
     # No tier to price: the restore-or-recompute decision restores every hit.
     tiers: tuple[Any, ...] = ()
     metrics = None
+    in_process = (True, False)  # host RAM, then a network tier (daemons)
 
     def lookup(self, keys: list[Any], *, deadline: float | None = None,
                in_process_only: bool = False) -> int:
@@ -193,7 +195,7 @@ class FakeStore:
 
     def locate(self, keys: list[Any], *, deadline: float | None = None,
                in_process_only: bool = False) -> list[int]:
-        return [0 if i < self.present else -1 for i in range(len(keys))]
+        return [self.tier if i < self.present else -1 for i in range(len(keys))]
 
     def put_manifest(self, manifest: Any) -> None:
         self.manifests.append(manifest)
@@ -281,6 +283,23 @@ def test_lookup_claims_only_beyond_local_and_never_the_last_token() -> None:
     async_side = _side(FakeStore(present=10), load_mode="async")
     assert async_side.get_num_new_matched_tokens(exact, 0) == (  # type: ignore[arg-type]
         3 * BS, True)
+
+
+def test_auto_load_mode_loads_network_hits_asynchronously() -> None:
+    """`load_mode: auto`: a hit in host RAM loads inside the forward pass (sync: fast, and
+    layer-pipelined); one on a network tier parks only its own request (async), so a slow
+    daemon never holds the batch's step."""
+    exact = FakeRequest("a", list(range(3 * BS + 1)), 3 * BS + 1)
+    in_ram = _side(FakeStore(present=10, tier=0), load_mode="auto")
+    assert in_ram.get_num_new_matched_tokens(exact, 0) == (3 * BS, False)  # type: ignore[arg-type]
+    remote = _side(FakeStore(present=10, tier=1), load_mode="auto")
+    assert remote.get_num_new_matched_tokens(exact, 0) == (3 * BS, True)  # type: ignore[arg-type]
+    remote.update_state_after_alloc(exact, _blocks([1, 2, 3, 4]), 3 * BS)  # type: ignore[arg-type]
+    meta = remote.build_connector_meta(_step(new=[(exact, [1, 2, 3, 4], 1)]))
+    (load,) = meta.loads
+    assert load.is_async
+    sync = _side(FakeStore(present=10, tier=1), load_mode="sync")
+    assert sync.get_num_new_matched_tokens(exact, 0) == (3 * BS, False)  # type: ignore[arg-type]
 
 
 def test_load_spec_covers_the_external_blocks() -> None:

@@ -78,7 +78,7 @@ __all__ = [
 # "int8" is resolved to the default int8 scheme when parsed (kvstore.codecs.DEFAULT_INT8), so a
 # parsed config (and the fingerprint) names the scheme itself.
 Codec = Literal["raw", "int8-sym", "int8-asym", "int8-kivi", "int8-g32", "int4"]
-LoadMode = Literal["sync", "async"]
+LoadMode = Literal["sync", "async", "auto"]
 LookupMode = Literal["auto", "worker"]
 RestorePath = Literal["auto", "device_decode", "staged"]
 SavePath = Literal["auto", "staged"]

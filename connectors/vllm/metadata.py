@@ -103,6 +103,9 @@ class ProbeAnswer:
     first: int
     count: int
     hit: int
+    network: bool = False
+    """Some of the hit lies on a network tier (daemons, Redis): `load_mode: auto` loads it
+    asynchronously."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -109,6 +109,7 @@ class SchedulerSide:
         # one with tiers across the network gets its lookups off vLLM's scheduler loop.
         self._background = (BackgroundLookups(store)
                             if store is not None and not store.answers_in_process else None)
+        self._in_process: tuple[bool, ...] = () if store is None else store.in_process
         self._cost = (None if store is None else RestoreCostModel(
             store.tiers, block_size=block_size, block_bytes=block_bytes_of(fingerprint),
             enabled=config.restore_policy == "cost",
@@ -144,7 +145,7 @@ class SchedulerSide:
             return None, False  # the worker answers with the next step's output
         if hit == 0:
             return 0, False
-        return hit * self._bs, self._config.load_mode == "async"
+        return hit * self._bs, tracked.load_async
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
@@ -165,7 +166,7 @@ class SchedulerSide:
             # vLLM allocated fewer blocks than it agreed to load: a broken invariant upstream.
             raise RuntimeError(f"kvkeep: {request.request_id} has {len(run)} blocks for "
                                f"{count} external blocks")
-        tracked.pending_load = LoadSpec(run, is_async=self._config.load_mode == "async",
+        tracked.pending_load = LoadSpec(run, is_async=tracked.load_async,
                                         deadline_s=self._deadline_s(tracked))
         tracked.loading_async = tracked.pending_load.is_async
 
@@ -216,7 +217,8 @@ class SchedulerSide:
                         and tracked.probe.asks(answer.first, answer.count):
                     tracked.probe = None
                     self._record_lookup(tracked, LookupAnswer(
-                        answer.first, answer.count, answer.hit, time.monotonic()))
+                        answer.first, answer.count, answer.hit, time.monotonic()),
+                        network=answer.network)
             for load in report.loads:
                 if (tracked := self._reqs.get(load.req_id)) is not None:
                     tracked.restored_blocks += load.restored
@@ -375,9 +377,10 @@ class SchedulerSide:
         return None
 
     def _record_lookup(self, tracked: TrackedRequest, answer: LookupAnswer,
-                       tiers: Sequence[int] | None = None) -> int:
+                       tiers: Sequence[int] | None = None, network: bool = False) -> int:
         """Count a lookup's answer and decide how much of its hit to restore (`tiers`: where
-        each hit block lies; None: not known, all of it); the blocks to restore."""
+        each hit block lies; None: not known, all of it) and how to load it (`network`: with
+        `tiers` unknown, whether the hit lies on a network tier); the blocks to restore."""
         self._counters.add(Count.LOOKUP_HIT_BLOCKS, answer.hit)
         restore = answer.hit
         if tiers is not None and self._cost is not None and answer.hit:
@@ -392,6 +395,10 @@ class SchedulerSide:
                 log.debug("kvkeep: %s restores %d of %d stored blocks (load %.4f s, compute "
                           "%.4f s)", tracked.request_id, decision.restore, answer.hit,
                           decision.load_s, decision.compute_s or 0.0)
+        if tiers is not None:
+            network = any(not self._in_process[tier] for tier in tiers[:restore])
+        tracked.load_async = self._config.load_mode == "async" or (
+            self._config.load_mode == "auto" and network)
         # What vLLM is told (and reuses on a second ask) is what the decision kept.
         tracked.lookup = LookupAnswer(answer.first, answer.count, restore, answer.at)
         self._note_hint(tracked, answer)

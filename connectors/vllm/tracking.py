@@ -77,6 +77,9 @@ class TrackedRequest:
     """`time.monotonic()` when vLLM finished it (how long its late save reports are waited for)."""
     flush: FlushState = "none"
     """A finished request's last blocks: to be saved before vLLM frees them."""
+    load_async: bool = False
+    """How its restore loads, decided with its lookup (`load_mode`, and for "auto" where the
+    restored blocks lie)."""
     loading_async: bool = False
     restored_blocks: int = 0
     """Blocks of this request whose KV came from the store (over all of its loads)."""

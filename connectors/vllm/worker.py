@@ -172,9 +172,12 @@ class WorkerSide:
         budget = self._config.restore_deadline_s if probe.deadline_s is None \
             else probe.deadline_s
         try:
-            hit = self._store.lookup(keys, deadline=time.monotonic() + budget)
+            where = self._store.locate(keys, deadline=time.monotonic() + budget)
         except KVKeepError:
             log.warning("kvkeep: lookup failed; computing instead", exc_info=True)
             self._counters.add(Count.LOOKUP_ERRORS)
-            hit = 0
-        self._outbox.answer(ProbeAnswer(probe.req_id, probe.first, len(keys), hit))
+            where = []
+        hit = next((i for i, tier in enumerate(where) if tier < 0), len(where))
+        in_process = self._store.in_process
+        network = any(not in_process[tier] for tier in where[:hit])
+        self._outbox.answer(ProbeAnswer(probe.req_id, probe.first, len(keys), hit, network))

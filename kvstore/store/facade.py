@@ -189,6 +189,12 @@ class TieredStore:
             self.metrics.misses.inc(len(pending))
         return reads
 
+    @property
+    def in_process(self) -> tuple[bool, ...]:
+        """Per tier (in `tiers` order): whether it answers from this process (host RAM, the
+        nvme index) rather than across the network (daemons, Redis)."""
+        return self._in_process
+
     def _held_copy(self, index: int, read: BlockRead) -> bytes | None:
         """The whole frame of a block read from a network tier, for its promotion: one copy in
         RAM (about 50 us for 0.5 MiB) instead of a second read of the block from the daemon
