@@ -20,8 +20,8 @@ and the answer itself (the blocks found, which must be the same for all three). 
 the `memory` floor measured in the same run. Issue 18's target: step p99 <= 2 ms with the slow
 store.
 
-Only the scheduler half runs here (no engine, no model): the engine-level stall figures (ITL
-of non-restoring requests beside a slow or dead daemon) are not measured yet.
+Then the engine part (`benchmarks/engine_stall.py`, skipped with `--scheduler-only`): decode
+ITL on a real engine beside requests restoring from the slow daemon, per `load_mode`.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.cli import run_benchmark
+from benchmarks.engine_stall import measure_engine
 from benchmarks.processes import bench_daemon, slow_link_process
 from benchmarks.progress import progress
 from connectors.vllm.config import ConnectorConfig
@@ -206,6 +207,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                                    for n in ("memory", "background", "inline")}) == 1
     results["target_step_p99_ms"] = 2.0
     results["meets_target"] = results["scheduler_step_p99_ms_slow_store"] <= 2.0
+    if not args.scheduler_only:
+        progress("the engine part: decode ITL beside restores from the slow daemon")
+        results["engine_part"] = measure_engine(args.quick)
+        for name in ("itl_p99_ratio_slow_store", "itl_p99_ratio_slow_store_sync",
+                     "itl_p99_ratio_recompute", "outputs_identical"):
+            results[name] = results["engine_part"][name]
+        results["target_itl_p99_ratio"] = 1.15
     return results
 
 
@@ -219,11 +227,22 @@ def render(results: dict[str, Any]) -> str:
                      f"{r['blocks_found']} blocks found")
     lines.append(f"  same answers: {results['same_answers']}; target p99 <= 2 ms: "
                  f"{results['meets_target']}")
+    if "engine_part" in results:
+        for arm, r in results["engine_part"]["engine"].items():
+            lines.append(f"  engine {arm:9s} decode ITL p50 {r['itl_ms_p50']:8.2f} ms  p99 "
+                         f"{r['itl_ms_p99']:8.2f} ms  arrivals' TTFT {r['arrival_ttft_s']}")
+        lines.append(f"  ITL p99 / alone: auto {results['itl_p99_ratio_slow_store']}, sync "
+                     f"{results['itl_p99_ratio_slow_store_sync']}, recompute "
+                     f"{results['itl_p99_ratio_recompute']} (target <= 1.15 with auto)")
     return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_benchmark("stall", measure, render, argv)
+    def flags(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--scheduler-only", action="store_true",
+                            help="skip the engine part (four vLLM engines, ~3 minutes)")
+
+    return run_benchmark("stall", measure, render, argv, extra_args=flags)
 
 
 if __name__ == "__main__":

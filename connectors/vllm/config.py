@@ -17,7 +17,7 @@ Example (every key optional except a store with at least one tier)::
      "codec": "raw", "compression": "none",
      "checkpoint_tokens": 32, "restore_deadline_ms": 2000, "hinted_restore_deadline_ms": 5000,
      "save_timeout_ms": 0,
-     "load_mode": "sync", "tenant": "default",
+     "load_mode": "auto", "tenant": "default",
      "durability": {"replicas": 2, "timeout_ms": 5000},
      "model_id": "llama-3-8b", "weights_revision": "abc123",
      "mac_key_file": "/etc/kvkeep/tenant-default.mac", "restore_path": "auto",
@@ -158,7 +158,7 @@ class _Extra(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     restore_deadline_ms: _Ms = 2000
     hinted_restore_deadline_ms: _Ms | None = None
     save_timeout_ms: _MsOrZero = 0
-    load_mode: LoadMode = "sync"
+    load_mode: LoadMode = "auto"
     tenant: str = "default"
     model_id: Text | None = None
     weights_revision: Text | None = None
@@ -244,7 +244,10 @@ class ConnectorConfig:
     more bounds that lag at the step's expense."""
     """How long `wait_for_save` waits for one step's saves before letting them finish in the
     background (they are reported when they do)."""
-    load_mode: LoadMode = "sync"
+    load_mode: LoadMode = "auto"
+    """"auto": a restore from a network tier loads asynchronously (vLLM parks only its
+    request, with the hinted deadline), one from host RAM or nvme inside the forward pass;
+    "sync"/"async": always so (see the README's table)."""
     tenant: str = "default"
     model_id: str | None = None
     weights_revision: str | None = None

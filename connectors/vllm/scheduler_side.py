@@ -166,8 +166,13 @@ class SchedulerSide:
             # vLLM allocated fewer blocks than it agreed to load: a broken invariant upstream.
             raise RuntimeError(f"kvkeep: {request.request_id} has {len(run)} blocks for "
                                f"{count} external blocks")
-        tracked.pending_load = LoadSpec(run, is_async=tracked.load_async,
-                                        deadline_s=self._deadline_s(tracked))
+        # An asynchronous load makes only its own request wait: it gets the longer hinted
+        # deadline, since giving up means recomputing the prefix, a prefill every request in
+        # the batch waits for (measured: benchmarks.stall's engine part).
+        tracked.pending_load = LoadSpec(
+            run, is_async=tracked.load_async,
+            deadline_s=(self._config.hinted_restore_deadline_s if tracked.load_async
+                        else self._deadline_s(tracked)))
         tracked.loading_async = tracked.pending_load.is_async
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> StepMetadata:
