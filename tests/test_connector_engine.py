@@ -24,6 +24,7 @@ from tests.connector_harness import (
     scheduler_connector,
     worker_connector,
 )
+from deploy.local.daemons import DaemonProcess
 from tests.models import TinyModel
 
 pytestmark = pytest.mark.slow
@@ -167,6 +168,34 @@ def test_async_loading_restores_identically(tiny: TinyModel, reference: dict[tup
             release_store(spec)
         _check_identical(results, PROMPTS[4:], reference)
         assert worker_connector().counters()["load_missing"] == 1
+
+
+def test_auto_load_mode_restores_from_a_daemon_identically(
+        tiny: TinyModel, daemon: DaemonProcess,
+        reference: dict[tuple[int, ...], Result]) -> None:
+    """`load_mode: auto` (the default): blocks on a daemon load asynchronously (the request
+    parked, the batch going on), blocks in host RAM inside the forward pass; both restore the
+    whole stored prefix with the recomputed answers."""
+    remote = {"daemons": {daemon.node_id: daemon.address}, "replicas": 1, "timeout_ms": 5000}
+    with open_engine(tiny.path, kv_transfer_config(
+            {"remote": remote, "name": "auto-save"})) as llm:
+        _check_identical(generate(llm, PROMPTS, MAX_TOKENS), PROMPTS, reference)
+    # A fresh engine, host RAM empty: every hit is on the daemon.
+    with open_engine(tiny.path, kv_transfer_config(
+            {"host_bytes": 64 << 20, "remote": remote, "name": "auto-load"})) as llm:
+        results = generate(llm, PROMPTS, MAX_TOKENS)
+        _check_identical(results, PROMPTS, reference)
+        assert [r.num_cached_tokens for r in results] == [expected_restore(p) for p in PROMPTS]
+        loaded = worker_connector().counters()["loaded_blocks"]
+        assert loaded == sum(expected_restore(p) for p in PROMPTS) // BLOCK_SIZE
+        restoring = sum(1 for p in PROMPTS if expected_restore(p))
+        assert scheduler_connector(llm).counters()["async_loads"] == restoring
+        # Now promoted into host RAM: the same prompts load in the forward pass.
+        llm.reset_prefix_cache()
+        results = generate(llm, PROMPTS, MAX_TOKENS)
+        _check_identical(results, PROMPTS, reference)
+        assert worker_connector().counters()["loaded_blocks"] == 2 * loaded
+        assert scheduler_connector(llm).counters()["async_loads"] == restoring  # none more
 
 
 _MP_CHILD = """

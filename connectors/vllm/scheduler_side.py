@@ -174,6 +174,8 @@ class SchedulerSide:
             deadline_s=(self._config.hinted_restore_deadline_s if tracked.load_async
                         else self._deadline_s(tracked)))
         tracked.loading_async = tracked.pending_load.is_async
+        if tracked.loading_async:
+            self._counters.add(Count.ASYNC_LOADS)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> StepMetadata:
         self._purge_finished()

@@ -24,6 +24,8 @@ scheduler half
                                      none, or a shorter prefix
     decided_restore_tokens           stored tokens the decision chose to load
     decided_recompute_tokens         stored tokens it chose to compute instead (cheaper)
+    async_loads                      restores loaded outside the forward pass (`load_mode`:
+                                     "async", or "auto" with blocks on a network tier)
 worker half
     loaded_blocks                    blocks restored into the paged cache, verified
     load_missing                     blocks the store no longer had (evicted, deleted)
@@ -83,6 +85,7 @@ class Count(enum.StrEnum):
     DECIDED_PARTIAL = "decided_partial"
     DECIDED_RESTORE_TOKENS = "decided_restore_tokens"
     DECIDED_RECOMPUTE_TOKENS = "decided_recompute_tokens"
+    ASYNC_LOADS = "async_loads"
     LOADED_BLOCKS = "loaded_blocks"
     LOAD_MISSING = "load_missing"
     LOAD_CORRUPT = "load_corrupt"
