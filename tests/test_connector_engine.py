@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from deploy.local.daemons import DaemonProcess
 from tests.connector_harness import (
     BLOCK_SIZE,
     Result,
@@ -24,7 +25,6 @@ from tests.connector_harness import (
     scheduler_connector,
     worker_connector,
 )
-from deploy.local.daemons import DaemonProcess
 from tests.models import TinyModel
 
 pytestmark = pytest.mark.slow
