@@ -293,6 +293,11 @@ def test_auto_load_mode_loads_network_hits_asynchronously() -> None:
     in_ram = _side(FakeStore(present=10, tier=0), load_mode="auto")
     assert in_ram.get_num_new_matched_tokens(exact, 0) == (3 * BS, False)  # type: ignore[arg-type]
     remote = _side(FakeStore(present=10, tier=1), load_mode="auto")
+    # Alone in the engine, nothing to hold up: inline.
+    assert remote.get_num_new_matched_tokens(exact, 0) == (3 * BS, False)  # type: ignore[arg-type]
+    remote = _side(FakeStore(present=10, tier=1), load_mode="auto")
+    busy = FakeRequest("other", list(range(2 * BS + 1)), 2 * BS + 1, {"restore": "none"})
+    remote.get_num_new_matched_tokens(busy, 0)  # type: ignore[arg-type]  # another one running
     assert remote.get_num_new_matched_tokens(exact, 0) == (3 * BS, True)  # type: ignore[arg-type]
     remote.update_state_after_alloc(exact, _blocks([1, 2, 3, 4]), 3 * BS)  # type: ignore[arg-type]
     meta = remote.build_connector_meta(_step(new=[(exact, [1, 2, 3, 4], 1)]))

@@ -405,11 +405,18 @@ class SchedulerSide:
         if tiers is not None:
             network = any(not self._in_process[tier] for tier in tiers[:restore])
         tracked.load_async = self._config.load_mode == "async" or (
-            self._config.load_mode == "auto" and network)
+            self._config.load_mode == "auto" and network and self._others_live(tracked))
         # What vLLM is told (and reuses on a second ask) is what the decision kept.
         tracked.lookup = LookupAnswer(answer.first, answer.count, restore, answer.at)
         self._note_hint(tracked, answer)
         return restore
+
+    def _others_live(self, tracked: TrackedRequest) -> bool:
+        """Whether another request is in the engine: a load inside the forward pass would
+        hold its steps. A request alone loads inline: parking it would only add a step to its
+        first token (measured: `benchmarks.restore`'s lone requests)."""
+        return any(not other.finished for req_id, other in self._reqs.items()
+                   if req_id != tracked.request_id)
 
     def _note_hint(self, tracked: TrackedRequest, answer: LookupAnswer) -> None:
         params = tracked.params
