@@ -181,8 +181,10 @@ def test_rereplication_and_peers_are_exported(tmp_path: Path, etcd_server: EtcdS
         d2 = start_daemon(tmp_path, "d2", etcd_url=etcd_server.url, rereplicate_after=0.5,
                           extra=["--metrics-listen", f"127.0.0.1:{free_port()}"])
         try:
+            # Repairs are counted as each put returns, the pass's checked blocks at its end.
             m = wait_for_sample(urls[0], lambda s: s.value("kvkeep_daemon_repaired_blocks_total")
-                                > 0 and s.value("kvkeep_daemon_peer_up", peer="d2") == 1,
+                                > 0 and s.value("kvkeep_daemon_peer_up", peer="d2") == 1
+                                and s.value("kvkeep_daemon_rereplication_checked_blocks") == 30,
                                 timeout=60)
             assert m.value("kvkeep_daemon_rereplication_checked_blocks") == 30
             assert m.value("kvkeep_daemon_rereplication_pending_seconds") == 0
