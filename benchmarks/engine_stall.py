@@ -48,9 +48,12 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def _drive(llm: Any, decoders: list[list[int]], arrivals: list[list[int]], tokens: int,
-           every: int) -> dict[str, Any]:
-    """Step the engine: the decoders from the start, an arrival every `every` steps once they
-    decode; returns the decoders' token arrival gaps and the arrivals' first-token times."""
+           every_s: float) -> dict[str, Any]:
+    """Step the engine: the decoders from the start, an arrival every `every_s` seconds once
+    they decode; returns the decoders' token arrival gaps and the arrivals' first-token times.
+    Arrivals are timed by the clock, not by steps: a store with network tiers answers a new
+    request's lookup on a thread, and the engine spins through empty steps meanwhile (a step
+    count would bunch the arrivals up there)."""
     from vllm import SamplingParams
 
     engine = llm.llm_engine
@@ -64,10 +67,13 @@ def _drive(llm: Any, decoders: list[list[int]], arrivals: list[list[int]], token
     ttft: dict[str, float] = {}
     outputs: dict[str, tuple[int, ...]] = {}
     step = 0
+    decoding_since: float | None = None
     while engine.has_unfinished_requests():
-        if step >= 5 and (step - 5) % every == 0 and len(sent) < len(arrivals):
+        now = time.perf_counter()
+        if decoding_since is not None and len(sent) < len(arrivals) \
+                and now - decoding_since >= every_s * (len(sent) + 1):
             name = f"a{len(sent)}"
-            sent[name] = time.perf_counter()
+            sent[name] = now
             engine.add_request(name, {"prompt_token_ids": arrivals[len(sent) - 1]}, first)
         for out in engine.step():
             now = time.perf_counter()
@@ -75,6 +81,8 @@ def _drive(llm: Any, decoders: list[list[int]], arrivals: list[list[int]], token
             if name.startswith("d"):
                 if name in last:
                     gaps.append(now - last[name])
+                elif decoding_since is None:
+                    decoding_since = now
                 last[name] = now
             elif name not in ttft:
                 ttft[name] = now - sent[name]
@@ -97,7 +105,7 @@ def measure_engine(quick: bool) -> dict[str, Any]:
                      "max_num_batched_tokens": context + 64}
     decoders = random_prompts(DECODERS, 64, seed=3)
     arrivals = random_prompts(ARRIVALS, context + 1, seed=4)
-    every = max(8, tokens // (ARRIVALS + 1))
+    every_s = 0.8 if quick else 1.6  # the decoders run ~3.5 s (quick) alone
     results: dict[str, Any] = {"decoders": DECODERS, "arrivals": ARRIVALS,
                                "arrival_tokens": context + 1, "decode_tokens": tokens,
                                "link_delay_ms": DELAY_S * 1e3}
@@ -132,7 +140,7 @@ def measure_engine(quick: bool) -> dict[str, Any]:
                     with vllm_engine(tmp / "model", kv, **engine_kwargs) as llm:
                         generate(llm, random_prompts(1, 8, seed=5), 1)  # warm the engine
                         arms[arm] = _drive(llm, decoders, [] if arm == "alone" else arrivals,
-                                           tokens, every)
+                                           tokens, every_s)
                         if kv is not None:
                             arms[arm]["connector"] = _connector_counts()
         finally:
