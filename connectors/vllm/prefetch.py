@@ -25,8 +25,6 @@ store no longer has), `prefetch_skipped` (stale, repeated, over the queue), `pre
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import threading
 import time
@@ -40,7 +38,7 @@ from connectors.vllm.stats import Count, Counts
 from kvstore.cluster.clients import FreshClients
 from kvstore.cluster.hints import PrefetchHint, hints_prefix
 from kvstore.cluster.records import EtcdRecord
-from kvstore.cluster.watcher import PrefixWatcher
+from kvstore.cluster.watcher import PrefixWatcher, ThreadedWatch
 from kvstore.errors import KVKeepError
 from kvstore.keys import BlockKey, ModelFingerprint, SessionKey
 from kvstore.store import PullUp, TieredStore
@@ -86,16 +84,10 @@ class Prefetcher:
         self._seen: OrderedDict[tuple[str, int], None] = OrderedDict()
         self._busy = False
         self._closed = False
-        self._loop = asyncio.new_event_loop()
-        self._watch: asyncio.Task[None] | None = None
         self._watcher = PrefixWatcher(
             FreshClients(spec.etcd), hints_prefix(spec.prefix, spec.worker_id), _decode, self,
             what="prefetch hint", require_lease=True, resync_s=30.0)
-        started = threading.Event()
-        self._watch_thread = threading.Thread(target=self._watch_main, args=(started,),
-                                              name="kvkeep-prefetch-watch", daemon=True)
-        self._watch_thread.start()
-        started.wait()
+        self._watch = ThreadedWatch(self._watcher, "kvkeep-prefetch-watch")
         self._streams = ThreadPoolExecutor(_STREAMS, thread_name_prefix="kvkeep-prefetch-read")
         self._reader = threading.Thread(target=self._read_main, name="kvkeep-prefetch",
                                         daemon=True)
@@ -108,13 +100,7 @@ class Prefetcher:
 
     def wait_synced(self, timeout: float) -> bool:
         """Wait for the first listing of the hints (tests, start-up)."""
-        future = asyncio.run_coroutine_threadsafe(
-            asyncio.wait_for(self._watcher.synced.wait(), timeout), self._loop)
-        try:
-            future.result(timeout + 1.0)
-        except TimeoutError:
-            return False
-        return True
+        return self._watch.wait_synced(timeout)
 
     def idle(self) -> bool:
         """Nothing queued and nothing being read."""
@@ -126,9 +112,7 @@ class Prefetcher:
             self._closed = True
             self._queue.clear()
             self._cond.notify_all()
-        if self._watch is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._watch.cancel)
-        self._watch_thread.join(5.0)
+        self._watch.close()
         self._reader.join(5.0)
         self._streams.shutdown(wait=False, cancel_futures=True)
 
@@ -166,17 +150,6 @@ class Prefetcher:
             self._cond.notify()
 
     # -- threads ----------------------------------------------------------------------------
-
-    def _watch_main(self, started: threading.Event) -> None:
-        asyncio.set_event_loop(self._loop)
-        self._watch = self._loop.create_task(self._watcher.run())
-        started.set()
-        with contextlib.suppress(asyncio.CancelledError):
-            self._loop.run_until_complete(self._watch)
-        # The watch stream is an async generator: closed here, not left to the loop's
-        # collection (which logs it as a task destroyed while pending).
-        self._loop.run_until_complete(self._loop.shutdown_asyncgens())
-        self._loop.close()
 
     def _read_main(self) -> None:
         while True:

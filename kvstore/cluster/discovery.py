@@ -32,7 +32,6 @@ value replacing a registration is not a departure to wait for: that member goes 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import threading
 import time
@@ -44,7 +43,7 @@ from kvstore.cluster.clients import FreshClients
 from kvstore.cluster.daemon_info import DaemonInfo
 from kvstore.cluster.daemon_trust import DaemonTrust, identities
 from kvstore.cluster.records import EtcdRecord
-from kvstore.cluster.watcher import PrefixWatcher
+from kvstore.cluster.watcher import PrefixWatcher, ThreadedWatch
 from kvstore.etcd import EtcdSpec
 
 __all__ = [
@@ -196,12 +195,7 @@ class EtcdDiscovery:
         self._watcher = MembershipWatcher(etcd, prefix, trust=trust,
                                           resync_interval=resync_interval,
                                           delete_grace_s=delete_grace_s, on_reject=on_reject)
-        self._loop = asyncio.new_event_loop()
-        self._task: asyncio.Task[None] | None = None
-        self._started = threading.Event()
-        self._thread = threading.Thread(target=self._main, name="kvkeep-discovery", daemon=True)
-        self._thread.start()
-        self._started.wait()
+        self._thread = ThreadedWatch(self._watcher, "kvkeep-discovery")
         if wait_synced > 0:
             self.wait_synced(wait_synced)
 
@@ -219,18 +213,10 @@ class EtcdDiscovery:
 
     def wait_synced(self, timeout: float) -> bool:
         """Wait until the first listing arrived; False if etcd did not answer in time."""
-        future = asyncio.run_coroutine_threadsafe(self._wait_synced(timeout), self._loop)
-        try:
-            future.result(timeout + 1.0)
-        except TimeoutError:
-            _log.warning("etcd discovery not synced after %.1fs; starting with no daemons",
-                         timeout)
-            return False
-        return True
-
-    async def _wait_synced(self, timeout: float) -> None:
-        async with asyncio.timeout(timeout):
-            await self._watcher.synced.wait()
+        if self._thread.wait_synced(timeout):
+            return True
+        _log.warning("etcd discovery not synced after %.1fs; starting with no daemons", timeout)
+        return False
 
     def wait_for(self, predicate: Callable[[Mapping[str, DaemonInfo]], bool],
                  timeout: float) -> bool:
@@ -243,14 +229,4 @@ class EtcdDiscovery:
         return predicate(self.members())
 
     def close(self) -> None:
-        if self._task is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._task.cancel)
-        self._thread.join(5.0)
-
-    def _main(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        self._task = self._loop.create_task(self._watcher.run())
-        self._started.set()
-        with contextlib.suppress(asyncio.CancelledError):
-            self._loop.run_until_complete(self._task)
-        self._loop.close()
+        self._thread.close()

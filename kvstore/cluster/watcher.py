@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from typing import Any, Generic, Protocol, TypeVar
@@ -44,7 +45,7 @@ from kvstore.cluster.records import EtcdRecord
 from kvstore.cluster.retry import LOOP_RETRY, Backoff, RetryPolicy
 from kvstore.errors import UntrustedRegistration
 
-__all__ = ["PrefixWatcher", "WatchSink"]
+__all__ = ["PrefixWatcher", "WatchSink", "ThreadedWatch"]
 
 T = TypeVar("T")
 T_contra = TypeVar("T_contra", contravariant=True)
@@ -338,3 +339,52 @@ class PrefixWatcher(Generic[T]):
                 with contextlib.suppress(Exception):
                     self._on_reject("sink-error")
             _log.exception("%s sink failed on %s", self._what, fn.__name__)
+
+
+class _Watch(Protocol):
+    @property
+    def synced(self) -> asyncio.Event: ...
+
+    async def run(self) -> None: ...
+
+
+class ThreadedWatch:
+    """A `PrefixWatcher` (or a view built on one, like daemon membership) on an event loop of
+    its own, on a daemon thread: for synchronous users (the remote tier's daemon discovery, the
+    vLLM connector's prefetch hints)."""
+
+    def __init__(self, watcher: _Watch, name: str) -> None:
+        self._watcher = watcher
+        self._loop = asyncio.new_event_loop()
+        self._task: asyncio.Task[None] | None = None
+        started = threading.Event()
+        self._thread = threading.Thread(target=self._main, args=(started,), name=name,
+                                        daemon=True)
+        self._thread.start()
+        started.wait()
+
+    def wait_synced(self, timeout: float) -> bool:
+        """Wait until the first listing arrived; False if it did not within `timeout`."""
+        future = asyncio.run_coroutine_threadsafe(
+            asyncio.wait_for(self._watcher.synced.wait(), timeout), self._loop)
+        try:
+            future.result(timeout + 1.0)
+        except TimeoutError:
+            return False
+        return True
+
+    def close(self, timeout: float = 5.0) -> None:
+        if self._task is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._task.cancel)
+        self._thread.join(timeout)
+
+    def _main(self, started: threading.Event) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._task = self._loop.create_task(self._watcher.run())
+        started.set()
+        with contextlib.suppress(asyncio.CancelledError):
+            self._loop.run_until_complete(self._task)
+        # The watch stream is an async generator: closed here, not left to the loop's
+        # collection (which logs it as a task destroyed while pending).
+        self._loop.run_until_complete(self._loop.shutdown_asyncgens())
+        self._loop.close()
