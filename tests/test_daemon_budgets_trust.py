@@ -273,7 +273,9 @@ class _StalledPut:
 def test_a_star_token_holds_one_tenants_put_streams_over_all_its_names(tmp_path: Path) -> None:
     """M6 on a daemon: a `*` token's stalled puts in tenants x1, x2 hold its two streams, so its
     put in x3 is refused; another token's put goes on."""
-    d = _daemon(tmp_path, "--tenant-put-streams", "2")
+    # The stalled streams must outlive the loop below (T): at the default idle timeout (10 s,
+    # = T) a loaded machine's daemon dropped them before the third put came (a CI-like run).
+    d = _daemon(tmp_path, "--tenant-put-streams", "2", "--put-idle-timeout", "60")
     channel = grpc.insecure_channel(d.address)
     star = DaemonClient(d.node_id, d.address, token=TOKEN_STAR, data_plane=False)
     a = DaemonClient(d.node_id, d.address, token=TOKEN_A, data_plane=False)
