@@ -11,8 +11,8 @@ beats the link when it moves its half-size bytes faster than the link moves fp16
 - baseline: one slot-sized copy host->device and device->host from/to page-locked memory
   (on the host: a memcpy between two buffers), repeated;
 - save_{raw,int8}: gather of a step's blocks per layer from the paged cache, then
-  `SavePipeline.save` (int8 quantized on the device, one copy per batch, frames sealed in
-  place and put into a (page-locked on a GPU) host tier);
+  `SavePipeline.save` with the staged framer (int8 quantized on the device, one copy per
+  batch, frames sealed in place and put into a (page-locked on a GPU) host tier);
 - restore_{raw,int8}[_variant]: `RestorePipeline.load` of those blocks from the host tier into
   other paged blocks: `hashed` (lent pages hashed beside the copy, the default), `trusted`
   (verified when they entered the tier, not again), `direct` (raw: one DMA per lent page run
@@ -34,8 +34,15 @@ import torch
 
 from connectors.vllm.caches import PagedCaches
 from connectors.vllm.layouts import cuda_layout
-from connectors.vllm.staging import RestorePipeline, SavePipeline, StagingConfig
+from connectors.vllm.staging import RestorePipeline, StagingConfig
 from connectors.vllm.staging.jobs import BatchJob, RestoreBlock, RestoreJob, StagedBlock
+from connectors.vllm.staging.save import (
+    FrameSettings,
+    RingFramer,
+    SaveBatch,
+    SavePipeline,
+    WriteBehind,
+)
 from kvstore.codecs import DEFAULT_INT8, get_codec
 from kvstore.frame import BlockRead, FrameHeader, LayerRange
 from kvstore.keys import BlockKey, ModelFingerprint, Namespace
@@ -148,7 +155,8 @@ def measure_staged(device: torch.device, *, shape: Shape, count: int, repeats: i
         tier = HostTier(3 * count * shape.block_kv_bytes + (64 << 20), pinned=cuda)
         store = TieredStore([tier], config=StoreConfig(promote=False))
         try:
-            saver = SavePipeline(caches, store, codec_id, base)
+            framer = RingFramer(caches, FrameSettings(codec_id, "none", None), base)
+            saver = SavePipeline(framer, WriteBehind(store))
             failed: list[int] = []
 
             def save(saver: SavePipeline = saver, keys: list[BlockKey] = keys,
@@ -157,12 +165,12 @@ def measure_staged(device: torch.device, *, shape: Shape, count: int, repeats: i
                 layers = [caches.bound[i].gather(caches.tensors[i], ids)
                           for i in range(shape.layers)]
                 ready = [torch.cuda.current_stream(device).record_event()] if cuda else []
-                saver.save(keys, layers, ready,
-                           lambda j, ok: None if ok else failed.append(j))
+                saver.save(SaveBatch(keys, layers, range(len(keys)), ready),
+                           lambda j, saved: None if saved.stored else failed.append(j))
 
             try:
                 paths[f"save_{label}_gbps"], _ = _timed(save, nbytes, repeats, device)
-                stages[f"save_{label}"] = _per_run(saver.times.snapshot(), repeats + 1)
+                stages[f"save_{label}"] = _per_run(framer.times.snapshot(), repeats + 1)
             finally:
                 saver.close()
             if failed:

@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CompressionMode",
+    "compress_segments",
     "ZSTD_LEVEL",
     "MIN_SAVING",
     "SAMPLE_BYTES",
@@ -93,7 +94,7 @@ def encode_block(
     # Raw segments are views of the layers themselves; build_frame copies them into the frame
     # before it returns, so nothing aliases the caller's tensors afterwards.
     encoded = coder.encode_many(layers, dtype=dtype, arrangement=arrangement)
-    return build_frame(_compress(encoded.data, compression), codec=coder.codec_id,
+    return build_frame(compress_segments(encoded.data, compression), codec=coder.codec_id,
                        dtype=encoded.dtype, layout_id=layout_id, token_count=token_count,
                        layer_shape=encoded.shape, key_digest=key.digest, signer=signer)
 
@@ -225,9 +226,10 @@ def decode_frame(frame: Buffer, *, key: BlockKey, layers: LayerRange | None = No
 _zstd = threading.local()  # ZstdCompressor objects must not be shared between threads
 
 
-def _compress(segments: list[memoryview], mode: CompressionMode) -> list[
+def compress_segments(segments: Sequence[memoryview], mode: CompressionMode) -> list[
         tuple[Buffer, Compression, int]]:
-    """Per-layer (stored bytes, compression, raw length) triples, per the module's policy."""
+    """Per-layer (stored bytes, compression, raw length) triples, per the module's policy:
+    what `build_frame` takes (the staged save frames a slot's rows with it too)."""
     plain: list[tuple[Buffer, Compression, int]] = [
         (s, Compression.NONE, len(s)) for s in segments]
     if mode == "none":

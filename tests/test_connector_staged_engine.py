@@ -2,15 +2,18 @@
 restores are token-identical to recompute and come from the staging pipelines; where vLLM's CPU
 cache holds frames verbatim (the AMX layout, `cpu-amx/raw`), blocks go from the host tier's
 pages straight into the cache (no staging slot, no store read that would copy them out).
-Elsewhere (`cpu/tnhd`) they go through the ring of slots. Both layouts pass the same checks.
+Elsewhere (`cpu/tnhd`) they go through the ring of slots. Both layouts pass the same checks,
+with frames signed by a tenant MAC key.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from connectors.vllm.staging.save import RingFramer
 from tests.connector_harness import (
     BLOCK_SIZE,
     Result,
@@ -39,11 +42,15 @@ def _worker_side() -> Any:
     return worker
 
 
-def test_staged_paths_restore_identically(tiny: TinyModel) -> None:
+def test_staged_paths_restore_identically(tiny: TinyModel, tmp_path: Path) -> None:
     with open_engine(tiny.path) as llm:
         reference = generate(llm, PROMPTS, MAX_TOKENS)
     store = {"host_bytes": 128 << 20, "name": "staged-test"}
-    config = kv_transfer_config(store, restore_path="staged", save_path="staged")
+    # Signed frames (a tenant MAC key): the staged framer seals them in place like any other.
+    key_file = tmp_path / "tenant.mac"
+    key_file.write_text("5a" * 32)
+    config = kv_transfer_config(store, restore_path="staged", save_path="staged",
+                                mac_key_file=str(key_file))
     with open_engine(tiny.path, config) as llm:
         first = generate(llm, PROMPTS, MAX_TOKENS)
         assert [r.tokens for r in first] == [r.tokens for r in reference]
@@ -52,7 +59,8 @@ def test_staged_paths_restore_identically(tiny: TinyModel) -> None:
         assert counters["save_failed"] == 0
         worker = _worker_side()
         saver = worker._saver._pipeline
-        assert saver is not None and saver.ring.free == saver.ring.capacity
+        assert saver is not None and isinstance(saver.framer, RingFramer)
+        assert saver.framer.ring.free == saver.framer.ring.capacity
 
         llm.reset_prefix_cache()
         second: list[Result] = generate(llm, PROMPTS, MAX_TOKENS)

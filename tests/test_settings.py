@@ -62,7 +62,6 @@ def test_what_needs_two_keys_is_checked_after_parsing() -> None:
             ({**HOST, "durability": {}}, "needs store.remote"),
             ({**HOST, "restore_deadline_ms": 900, "hinted_restore_deadline_ms": 500},
              "hinted_restore_deadline_ms"),
-            ({**HOST, "save_path": "staged", "compression": "zstd"}, "compression 'none'"),
             ({"store": {}}, "at least one of")):
         with pytest.raises(ConfigError, match=message):
             ConnectorConfig.from_extra(extra)

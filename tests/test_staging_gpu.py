@@ -13,9 +13,16 @@ import torch
 
 from connectors.vllm.caches import PagedCaches
 from connectors.vllm.layouts import cuda_layout
-from connectors.vllm.staging import RestorePipeline, SavePipeline, StagingConfig
+from connectors.vllm.staging import RestorePipeline, StagingConfig
 from connectors.vllm.staging.jobs import BatchJob, StagedBlock
 from connectors.vllm.staging.restore import _pinned
+from connectors.vllm.staging.save import (
+    FrameSettings,
+    RingFramer,
+    SaveBatch,
+    SavePipeline,
+    WriteBehind,
+)
 from connectors.vllm.staging.streams import is_cuda_event, lane_for
 from connectors.vllm.stats import Count
 from kvstore.block import encode_block
@@ -168,10 +175,12 @@ def test_staged_save_on_the_device(pinned_store: TieredStore, codec: str) -> Non
     layers = [caches.bound[i].gather(caches.tensors[i], ids) for i in range(LAYERS)]
     ready = [torch.cuda.current_stream().record_event()]
     reports: dict[int, bool] = {}
-    pipeline = SavePipeline(caches, pinned_store, get_codec(codec).codec_id,
-                            StagingConfig(slots=2, slot_bytes=1 << 18))
+    settings = FrameSettings(get_codec(codec).codec_id, "none", None)
+    framer = RingFramer(caches, settings, StagingConfig(slots=2, slot_bytes=1 << 18))
+    pipeline = SavePipeline(framer, WriteBehind(pinned_store))
     try:
-        pipeline.save(keys, layers, ready, reports.__setitem__)
+        pipeline.save(SaveBatch(keys, layers, range(len(keys)), ready),
+                      lambda j, saved: reports.__setitem__(j, saved.stored))
     finally:
         pipeline.close()
     assert reports == dict.fromkeys(range(len(ids)), True)

@@ -28,13 +28,25 @@ from connectors.vllm.layouts import LayoutSpec
 from connectors.vllm.loader import Loader
 from connectors.vllm.metadata import BlockRun, LoadSpec
 from connectors.vllm.outbox import WorkerOutbox
-from connectors.vllm.staging import RestorePipeline, SavePipeline, StagingConfig
+from connectors.vllm.staging import RestorePipeline, StagingConfig
 from connectors.vllm.staging.frames import FrameLayout
 from connectors.vllm.staging.ring import Cancelled, StagingRing, split
+from connectors.vllm.staging.save import (
+    Framer,
+    FrameSettings,
+    HostFramer,
+    Replicated,
+    RingFramer,
+    SaveBatch,
+    Saved,
+    SavePipeline,
+    WriteBehind,
+)
 from connectors.vllm.stats import Count, Counts
 from connectors.vllm.worker_context import WorkerContext
+from deploy.local.daemons import running_daemons
 from kvstore import frame
-from kvstore.block import decode_layer, encode_block
+from kvstore.block import CompressionMode, decode_layer, encode_block
 from kvstore.codecs import get_codec
 from kvstore.errors import CodecError, ConfigError
 from kvstore.frame import BlockRead, CodecId, Compression, DType, LayerRange, build_frame
@@ -44,6 +56,7 @@ from kvstore.store import StoreConfig, TieredStore
 from kvstore.tiers.base import Tier
 from kvstore.tiers.memory.host import HostTier
 from kvstore.tiers.nvme.tier import NvmeTier
+from kvstore.tiers.remote.tier import RemoteConfig, RemoteTier
 
 LAYERS, HEADS, HEAD_SIZE, BLOCK = 4, 2, 32, 8
 NUM_BLOCKS = 40
@@ -334,6 +347,30 @@ def test_a_late_staged_restore_writes_nothing(store: TieredStore, layout: str,
 
 # -- the save pipeline -------------------------------------------------------------------------
 
+def _save_pipeline(caches: PagedCaches, store: TieredStore, codec: str, framing: str, *,
+                   compression: CompressionMode = "none", signer: MacKey | None = None,
+                   staging: StagingConfig | None = None) -> SavePipeline:
+    settings = FrameSettings(get_codec(codec).codec_id, compression, signer)
+    framer: Framer = (RingFramer(caches, settings, staging) if framing == "staged"
+                      else HostFramer(caches, settings))
+    return SavePipeline(framer, WriteBehind(store))
+
+
+def _save(pipeline: SavePipeline, keys: list[BlockKey], layers: list[torch.Tensor],
+          rows: list[int] | None = None) -> dict[int, bool]:
+    reports: dict[int, bool] = {}
+    lock = threading.Lock()
+
+    def report(index: int, saved: Saved) -> None:
+        with lock:
+            assert index not in reports
+            reports[index] = saved.stored
+
+    batch = SaveBatch(keys, layers, list(range(len(keys))) if rows is None else rows)
+    pipeline.save(batch, report)
+    return reports
+
+
 @pytest.mark.parametrize("codec", ["raw", "int8-sym", "int8-kivi"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_staged_save_frames_read_back(store: TieredStore, layout: str, codec: str) -> None:
@@ -349,22 +386,14 @@ def test_staged_save_frames_read_back(store: TieredStore, layout: str, codec: st
     ids = torch.tensor([4, 9, 2, 17, 30, 31, 5])
     hashes = [bytes([i + 1]) * 32 for i in range(len(ids))]
     keys = [BlockKey.of(fp, Namespace("t"), h) for h in hashes]
-    codec_id = get_codec(codec).codec_id
     segment = get_codec(codec).encoded_size(caches.block_shape, caches.dtype)
-    pipeline = SavePipeline(caches, store, codec_id,
-                            StagingConfig(slots=2, slot_bytes=2 * (LAYERS * segment + 400)))
+    pipeline = _save_pipeline(caches, store, codec, "staged", staging=StagingConfig(
+        slots=2, slot_bytes=2 * (LAYERS * segment + 400)))
     layers = [caches.bound[i].gather(caches.tensors[i], ids) for i in range(LAYERS)]
-    reports: dict[int, bool] = {}
-    lock = threading.Lock()
-
-    def report(index: int, ok: bool) -> None:
-        with lock:
-            assert index not in reports
-            reports[index] = ok
-
     try:
-        pipeline.save(keys, layers, [], report)
-        assert pipeline.ring.allocations == 2 and pipeline.ring.free == 2
+        reports = _save(pipeline, keys, layers)
+        assert isinstance(pipeline.framer, RingFramer)
+        assert pipeline.framer.ring.allocations == 2 and pipeline.framer.ring.free == 2
     finally:
         pipeline.close()
     assert reports == dict.fromkeys(range(len(ids)), True)
@@ -396,26 +425,133 @@ def test_staged_save_frames_read_back(store: TieredStore, layout: str, codec: st
             assert (got - want).abs().max().item() <= 2 * want.abs().max().item() / 255
 
 
-def test_a_batch_that_cannot_be_encoded_is_reported_unsaved(store: TieredStore) -> None:
+@pytest.mark.parametrize("signed", [False, True], ids=["unsigned", "signed"])
+@pytest.mark.parametrize("compression", ["none", "zstd", "auto"])
+@pytest.mark.parametrize("framing", ["auto", "staged"])
+@pytest.mark.parametrize("codec", ["raw", "int8-kivi"])
+def test_every_save_combination_writes_what_the_reader_restores(
+        store: TieredStore, codec: str, framing: str, compression: CompressionMode,
+        signed: bool) -> None:
+    """One save pipeline for every setting: each framer, compressed or not, signed or not,
+    writes frames that a loader holding the tenant's key (or none, unsigned) restores, and a
+    loader with another key refuses. Raw frames are byte for byte what `encode_block` writes
+    for the same settings (the reference encoder), whichever framer made them; only a subset
+    of a batch's rows (those no tier holds yet) is saved."""
+    caches, fp = _caches("flash", torch.bfloat16, codec)
+    signer = MacKey(b"k" * 32) if signed else None
+    gen = torch.Generator().manual_seed(3)
+    for tensor in caches.tensors:
+        # Repeated values, so that zstd finds something to save and "auto" compresses.
+        tensor.copy_(torch.randint(-3, 3, tensor.shape, generator=gen).to(tensor.dtype))
+    ids = torch.tensor([3, 8, 1, 22, 6])
+    rows = [0, 2, 3, 4]  # row 1 is held elsewhere: not saved
+    hashes = [bytes([i + 1]) * 32 for i in range(len(rows))]
+    keys = [BlockKey.of(fp, Namespace("t"), h) for h in hashes]
+    layers = [caches.bound[i].gather(caches.tensors[i], ids) for i in range(LAYERS)]
+    pipeline = _save_pipeline(caches, store, codec, framing, compression=compression,
+                              signer=signer, staging=StagingConfig(slots=2, slot_bytes=1 << 14))
+    try:
+        assert _save(pipeline, keys, layers, rows) == dict.fromkeys(range(len(rows)), True)
+    finally:
+        pipeline.close()
+    for key, row in zip(keys, rows, strict=True):
+        read = store.get(key)
+        assert read is not None and read.header.signed == signed
+        reference = encode_block([layer[row] for layer in layers], codec=codec, key=key,
+                                 token_count=BLOCK, layout_id=caches.layout.layout_id,
+                                 compression=compression, arrangement=caches.layout.arrangement,
+                                 signer=signer)
+        if compression != "none":
+            assert any(segment.compression is Compression.ZSTD
+                       for segment in read.header.segments)
+        if codec == "raw" or framing == "auto":
+            assert read.to_frame() == reference
+    target_ids = (10, 11, 12, 13)
+    for key_used, restores in ((signer, True), (MacKey(b"x" * 32), False)):
+        target, _ = _caches("flash", torch.bfloat16, codec)
+        loader, counters, _ = _loader(store, target, fp, codec, StagingConfig(slots=2),
+                                      mac_key=key_used)
+        try:
+            assert _load(loader, target_ids, hashes) == restores
+        finally:
+            loader.shutdown()
+        if not restores:
+            assert counters.snapshot()[Count.LOAD_FORGED] > 0
+            break
+        for layer in range(LAYERS):
+            got = target.bound[layer].gather(target.tensors[layer], torch.tensor(target_ids))
+            want = layers[layer][torch.tensor(rows)]
+            if codec == "raw":
+                assert torch.equal(got, want)
+            else:
+                assert (got.float() - want.float()).abs().max().item() <= 0.1
+
+
+@pytest.mark.parametrize("framing", ["auto", "staged"])
+def test_durable_saves_through_either_framer_with_compression_and_a_mac(
+        tmp_path: Path, framing: str) -> None:
+    """`durability` is the replicated sink behind either framer: with two real daemons up,
+    every block is stored and acknowledged by both; with one of them killed, blocks are still
+    stored (they go behind) and reported not durable, never durable by mistake."""
+    caches, fp = _caches("flash", torch.bfloat16, "raw")
+    gen = torch.Generator().manual_seed(9)
+    for tensor in caches.tensors:
+        tensor.copy_(torch.randint(-3, 3, tensor.shape, generator=gen).to(tensor.dtype))
+    ids = torch.tensor([2, 5, 7])
+    layers = [caches.bound[i].gather(caches.tensors[i], ids) for i in range(LAYERS)]
+    settings = FrameSettings(CodecId.RAW, "zstd", MacKey(b"d" * 32))
+    with running_daemons(tmp_path, 2) as daemons:
+        remote = RemoteTier.from_addresses({d.node_id: d.address for d in daemons},
+                                           RemoteConfig(replicas=2, call_timeout=2.0,
+                                                        breaker_cooldown=0.2))
+        with TieredStore([HostTier(16 << 20, name="host"), remote]) as store:
+            framer: Framer = (RingFramer(caches, settings, StagingConfig(slots=2))
+                              if framing == "staged" else HostFramer(caches, settings))
+            pipeline = SavePipeline(framer, Replicated(store, 2))
+            try:
+                for round_, alive in enumerate((2, 1)):
+                    if alive == 1:
+                        daemons[1].kill()
+                    keys = [BlockKey.of(fp, Namespace("t"), bytes([round_ * 8 + i + 1]) * 32)
+                            for i in range(len(ids))]
+                    reports: dict[int, Saved] = {}
+                    pipeline.save(SaveBatch(keys, layers, range(len(ids)),
+                                            deadline=time.monotonic() + 3.0),
+                                  reports.__setitem__)
+                    assert reports == dict.fromkeys(range(len(ids)), Saved(True, alive == 2))
+                    assert all(store.get(key) is not None for key in keys)
+            finally:
+                pipeline.close()
+
+
+@pytest.mark.parametrize("framing", ["auto", "staged"])
+def test_a_batch_that_cannot_be_encoded_is_reported_unsaved(store: TieredStore,
+                                                            framing: str) -> None:
     caches, fp = _caches("flash", torch.bfloat16, "int8-kivi")
     layers = [torch.randn((3, *caches.block_shape)).to(torch.bfloat16) for _ in range(LAYERS)]
     layers[2][1].view(-1)[0] = float("inf")
     keys = [BlockKey.of(fp, Namespace("t"), bytes([i + 1]) * 32) for i in range(3)]
-    pipeline = SavePipeline(caches, store, get_codec("int8-kivi").codec_id)
-    reports: dict[int, bool] = {}
+    pipeline = _save_pipeline(caches, store, "int8-kivi", framing)
     try:
-        pipeline.save(keys, layers, [], reports.__setitem__)
-        assert pipeline.ring.free == pipeline.ring.capacity
+        reports = _save(pipeline, keys, layers)
+        if isinstance(pipeline.framer, RingFramer):
+            assert pipeline.framer.ring.free == pipeline.framer.ring.capacity
     finally:
         pipeline.close()
-    assert reports == {0: False, 1: False, 2: False}
-    assert all(store.get(key) is None for key in keys)
+    # The staged framer encodes a batch in one kernel sequence: the whole batch fails; the
+    # host framer encodes block by block: only the block holding inf.
+    assert reports == ({0: False, 1: False, 2: False} if framing == "staged"
+                       else {0: True, 1: False, 2: True})
+    assert [store.get(key) is not None for key in keys] == [reports[j] for j in range(3)]
 
 
-def test_sealed_frames_are_build_frames_bytes() -> None:
+@pytest.mark.parametrize("signed", [False, True])
+def test_sealed_frames_are_build_frames_bytes(signed: bool) -> None:
     rng = np.random.default_rng(1)
     shape, layers, size = (2, 8, 2, 16), 3, 1024
-    layout = FrameLayout(CodecId.RAW, DType.BFLOAT16, "cuda/tnhd", 8, shape, layers, size)
+    signer = MacKey(b"q" * 40) if signed else None
+    layout = FrameLayout(CodecId.RAW, DType.BFLOAT16, "cuda/tnhd", 8, shape, layers, size,
+                         signer=signer)
     segments = [rng.integers(0, 255, size, dtype=np.uint8).tobytes() for _ in range(layers)]
     row = np.zeros(layout.frame_bytes + 50, np.uint8)
     for i, data in enumerate(segments):
@@ -426,7 +562,7 @@ def test_sealed_frames_are_build_frames_bytes() -> None:
     assert bytes(sealed) == build_frame([(s, Compression.NONE, size) for s in segments],
                                         codec=CodecId.RAW, dtype=DType.BFLOAT16,
                                         layout_id="cuda/tnhd", token_count=8,
-                                        layer_shape=shape, key_digest=digest)
+                                        layer_shape=shape, key_digest=digest, signer=signer)
     assert layout.payload_span(LayerRange(1, 3)) == (size, 3 * size)
 
 
@@ -493,11 +629,15 @@ def test_staged_path_config_keys(tmp_path: Path) -> None:
         "staged", "staged", True)
     assert ConnectorConfig.from_extra({**base, "restore_path": "device_decode"}).restore_path \
         == "device_decode"
+    # Every save_path works with compression, a MAC key and durability (one save pipeline).
     key_file = tmp_path / "mac"
-    key_file.write_bytes(b"s" * 32)
+    key_file.write_text("ab" * 32)
+    combined = ConnectorConfig.from_extra({
+        "store": {"host_bytes": 1 << 20, "remote": {"daemons": {"a": "127.0.0.1:1"}}},
+        "save_path": "staged", "compression": "zstd", "mac_key_file": str(key_file),
+        "durability": {"replicas": 1}})
+    assert combined.save_path == "staged" and combined.durability is not None
     for bad in ({**base, "restore_path": "fast"}, {**base, "save_path": "device"},
-                {**base, "save_path": "staged", "compression": "zstd"},
-                {**base, "save_path": "staged", "mac_key_file": str(key_file)},
                 {"store": {"host_bytes": 1 << 20, "host_pinned": "yes"}}):
         with pytest.raises(ConfigError):
             ConnectorConfig.from_extra(bad)

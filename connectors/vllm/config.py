@@ -272,9 +272,10 @@ class ConnectorConfig:
     there (`decode_layer_batch`). "staged": the staging pipeline (`connectors.vllm.staging`).
     The last two are measured by `benchmarks.gpu` and not the default until a GPU run says."""
     save_path: SavePath = "auto"
-    """"auto": one frame encoded per block on the saver's thread. "staged": the staging
-    pipeline (batches quantized on the device, one copy per batch, hashed on a pool); needs
-    `compression: "none"`."""
+    """How frames are made (`connectors.vllm.staging.save`). "auto": one frame encoded per
+    block on the saver's thread. "staged": batches quantized on the device, one copy per
+    batch, sealed (or compressed) on a pool. Either works with every codec, compression, MAC
+    key and durability setting."""
     restore_policy: RestorePolicy = "cost"
     """"cost": restore only the stored prefix that loads faster than it computes
     (`connectors.vllm.restore_cost`); "always": every hit, whatever it costs."""
@@ -294,7 +295,6 @@ class ConnectorConfig:
             raise ConfigError("hinted_restore_deadline_ms must not be below restore_deadline_ms "
                               "(a restore known to be in the store waits at least as long)")
         store = _store(given.store)
-        _check_save_path(given)
         return cls(
             store=store,
             durability=None if given.durability is None else _durability(given.durability,
@@ -398,20 +398,6 @@ def _durability(given: _Durability, remote: RemoteSpec | None) -> DurabilitySpec
         raise ConfigError(f"durability.replicas is {replicas} but store.remote keeps "
                           f"{remote.replicas} copies of each block")
     return DurabilitySpec(replicas, given.timeout_ms / 1000)
-
-
-def _check_save_path(given: _Extra) -> None:
-    if given.save_path != "staged":
-        return
-    if given.compression != "none":
-        raise ConfigError("save_path 'staged' writes frames in place, uncompressed: it needs "
-                          f"compression 'none', not {given.compression!r}")
-    if given.mac_key_file is not None:
-        raise ConfigError("save_path 'staged' seals unsigned frames: it cannot be combined with "
-                          "mac_key_file")
-    if given.durability is not None:
-        # Durable saves wait for R acknowledgements per block on the saver's own path.
-        raise ConfigError("save_path 'staged' cannot be combined with durability")
 
 
 def _codec(name: str) -> Codec:

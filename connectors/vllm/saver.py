@@ -4,8 +4,10 @@ For each step's planned blocks, `plan` (before the forward pass) drops those the
 in-memory tiers already hold, and `save_layer` gathers the rest's layer into a compact copy
 right after the layer's attention ran (full blocks never change afterwards). `finish_step`
 hands the copies to the saver thread, which asks the whole store (network tiers too) which it
-holds, then encodes one frame per remaining block and puts it. If any load of the step failed,
-all of the step's saves are dropped: a block computed this step may have attended to bad KV.
+holds and runs the rest through the save pipeline (`connectors.vllm.staging.save`: a framer,
+host or staged, into a sink, write-behind or replicated, as the config says). If any load of
+the step failed, all of the step's saves are dropped: a block computed this step may have
+attended to bad KV.
 Finished requests with unsaved blocks ("flushes") are gathered straight from the paged tensors
 in `finish_step`, after which vLLM may free them.
 
@@ -24,7 +26,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -33,10 +35,21 @@ import torch
 from connectors.vllm.caches import recorded_event
 from connectors.vllm.config import ConnectorConfig
 from connectors.vllm.metadata import BlockRun, SaveReport, SaveSpec
-from connectors.vllm.staging import SavePipeline
+from connectors.vllm.staging.save import (
+    DURABLE_GRACE_S,
+    Framer,
+    FrameSettings,
+    FrameSink,
+    HostFramer,
+    Replicated,
+    RingFramer,
+    SaveBatch,
+    Saved,
+    SavePipeline,
+    WriteBehind,
+)
 from connectors.vllm.stats import Count
 from connectors.vllm.worker_context import WorkerContext
-from kvstore.block import encode_block
 from kvstore.errors import KVKeepError
 from kvstore.keys import BlockKey, Namespace
 
@@ -44,9 +57,6 @@ __all__ = ["Saver", "SaveItem"]
 
 log = logging.getLogger(__name__)
 
-# How long past its durability deadline a step still waits for a save to report (the put
-# itself ends by the deadline; this covers encoding and a thread hop).
-_DURABLE_GRACE_S = 0.5
 _BACKPRESSURE_LOG_S = 10.0
 
 
@@ -92,7 +102,7 @@ class Saver:
         self._lock = threading.Lock()
         self._inflight = 0
         self._step: _Batch | None = None
-        self._pipeline: SavePipeline | None = None  # save_path "staged"; caches come later
+        self._pipeline: SavePipeline | None = None  # built once the caches are registered
         self._backpressure_logged = -math.inf
 
     def plan(self, saves: Sequence[SaveSpec]) -> None:
@@ -229,65 +239,72 @@ class Saver:
         return futures
 
     def _encode_and_put(self, batch: _Batch) -> None:
-        if self._config.durability is not None:
-            self._encode_and_replicate(batch)
-            return
+        """On the saver thread: the batch's blocks that no tier holds yet through the save
+        pipeline (framing, then the store), each reported once."""
         try:
-            if self._config.save_path == "staged":
-                self._staged_save(batch)
-                return
-            for event in batch.ready:
-                event.synchronize()
-            held = self._held_elsewhere(batch.items)
-            for j, item in enumerate(batch.items):
-                if held[j]:
-                    self._ctx.counters.add(Count.SAVE_SKIPPED_PRESENT)
-                    self._ctx.outbox.saves((item.report(ok=True),))
-                    continue
-                ok = self._put(item, [layer[j] for layer in batch.layers if layer is not None],
-                               batch.computed_at)
-                self._ctx.counters.add(Count.SAVED_BLOCKS if ok else Count.SAVE_FAILED)
-                if ok:
-                    self._ctx.telemetry.saved(time.monotonic() - batch.planned)
-                self._ctx.outbox.saves((item.report(ok=ok),))
+            rows = list(range(len(batch.items)))
+            if self._config.durability is None:
+                held = self._held_elsewhere(batch.items)
+                for j in rows:
+                    if held[j]:
+                        self._ctx.counters.add(Count.SAVE_SKIPPED_PRESENT)
+                        self._ctx.outbox.saves((batch.items[j].report(ok=True),))
+                rows = [j for j in rows if not held[j]]
+            if rows:
+                self._save(batch, rows)
         finally:
             self._release(len(batch.items))
 
-    def prepare(self) -> None:
-        """Once the caches are registered: build the staging pipeline (save_path "staged")."""
-        if self._config.save_path == "staged" and self._pipeline is None:
-            self._pipeline = SavePipeline(self._ctx.caches, self._ctx.store, self._ctx.codec)
+    def _save(self, batch: _Batch, rows: Sequence[int]) -> None:
+        items = [batch.items[j] for j in rows]
+        unsaved: list[SaveItem] = []
+        unacknowledged: list[SaveItem] = []
+        durable = self._config.durability is not None
 
-    def _staged_save(self, batch: _Batch) -> None:
-        """The staging pipeline (`connectors.vllm.staging.save`) frames and puts the batch."""
-        self.prepare()
-        assert self._pipeline is not None
-
-        def report(j: int, ok: bool) -> None:
-            self._ctx.counters.add(Count.SAVED_BLOCKS if ok else Count.SAVE_FAILED)
-            if ok:
+        def report(index: int, saved: Saved) -> None:
+            item = items[index]
+            self._ctx.counters.add(Count.SAVED_BLOCKS if saved.stored else Count.SAVE_FAILED)
+            if saved.stored:
                 self._ctx.telemetry.saved(time.monotonic() - batch.planned)
-            self._ctx.outbox.saves((batch.items[j].report(ok=ok),))
+            if durable:
+                if saved.durable:
+                    self._ctx.counters.add(Count.DURABLE_BLOCKS)
+                else:
+                    (unacknowledged if saved.stored else unsaved).append(item)
+            self._ctx.outbox.saves((item.report(ok=saved.stored),))
 
-        self._pipeline.save([item.key for item in batch.items],
-                            [layer for layer in batch.layers if layer is not None],
-                            batch.ready, report)
+        layers = [layer for layer in batch.layers if layer is not None]
+        self._pipeline_now().save(SaveBatch([item.key for item in items], layers, rows,
+                                            batch.ready, batch.computed_at, batch.deadline),
+                                  report)
+        self._not_durable(unsaved, "it was not saved (see the log above)")
+        if self._config.durability is not None:
+            self._not_durable(unacknowledged,
+                              f"{self._config.durability.replicas} daemons did not acknowledge "
+                              f"it in {self._config.durability.timeout_s * 1000:.0f} ms")
 
-    def _put(self, item: SaveItem, layers: Iterable[torch.Tensor], computed_at: float) -> bool:
-        try:
-            return self._ctx.store.put(item.key, self._frame(item, layers),
-                                       computed_at=computed_at)
-        except KVKeepError:
-            log.warning("kvkeep: saving a block failed", exc_info=True)
-            return False
+    def prepare(self) -> None:
+        """Once the caches are registered: build the save pipeline (its staging ring and
+        threads with `save_path: "staged"`) now, not during the first save."""
+        self._pipeline_now()
 
-    def _frame(self, item: SaveItem, layers: Iterable[torch.Tensor]) -> bytes:
-        return encode_block(list(layers), codec=self._ctx.codec, key=item.key,
-                            token_count=self._ctx.caches.layout.block_size,
-                            layout_id=self._ctx.caches.layout.layout_id,
-                            compression=self._config.compression,
-                            arrangement=self._ctx.caches.layout.arrangement,
-                            signer=self._ctx.mac_key)
+    def _pipeline_now(self) -> SavePipeline:
+        with self._lock:
+            if self._pipeline is None:
+                self._pipeline = self._build_pipeline()
+            return self._pipeline
+
+    def _build_pipeline(self) -> SavePipeline:
+        """The framer `save_path` names, into the sink `durability` names: every combination
+        of the two and of codec, compression and MAC signing is allowed."""
+        settings = FrameSettings(self._ctx.codec, self._config.compression, self._ctx.mac_key)
+        framer: Framer = (RingFramer(self._ctx.caches, settings)
+                          if self._config.save_path == "staged"
+                          else HostFramer(self._ctx.caches, settings))
+        durability = self._config.durability
+        sink: FrameSink = (WriteBehind(self._ctx.store) if durability is None
+                           else Replicated(self._ctx.store, durability.replicas))
+        return SavePipeline(framer, sink)
 
     # -- durability: blocks on R daemons before the step that computed them returns ------------
 
@@ -322,52 +339,6 @@ class Saver:
         except KVKeepError:
             return [False] * len(items)
 
-    def _encode_and_replicate(self, batch: _Batch) -> None:
-        """Encode the batch's frames and put them as one replicated put, which returns once R
-        daemons hold each (or at the batch's deadline)."""
-        durability = self._config.durability
-        assert durability is not None
-        try:
-            for event in batch.ready:
-                event.synchronize()
-            items: list[SaveItem] = []
-            frames: list[tuple[BlockKey, bytes]] = []
-            for j, item in enumerate(batch.items):
-                try:
-                    frames.append((item.key, self._frame(
-                        item, [layer[j] for layer in batch.layers if layer is not None])))
-                    items.append(item)
-                except KVKeepError:
-                    log.warning("kvkeep: encoding a block failed", exc_info=True)
-                    self._ctx.counters.add(Count.SAVE_FAILED)
-                    self._ctx.outbox.saves((item.report(ok=False),))
-                    self._not_durable((item,), "it did not encode")
-            try:
-                acked = self._ctx.store.put_replicated(
-                    frames, copies=durability.replicas, deadline=batch.deadline,
-                    computed_at=batch.computed_at) if frames else []
-            except KVKeepError:
-                log.warning("kvkeep: a durable save failed", exc_info=True)
-                self._ctx.counters.add(Count.SAVE_FAILED, len(items))
-                self._ctx.outbox.saves(item.report(ok=False) for item in items)
-                self._not_durable(items, "the store refused it")
-                return
-            if time.monotonic() > batch.deadline + _DURABLE_GRACE_S:
-                acked = [False] * len(items)  # its step no longer waited for it
-            # A block not acknowledged in time is still in this node's tiers and goes to the
-            # daemons behind, as without durability: saved, but not durable yet.
-            self._ctx.counters.add(Count.SAVED_BLOCKS, len(items))
-            self._ctx.counters.add(Count.DURABLE_BLOCKS, sum(acked))
-            lag = time.monotonic() - batch.planned
-            for _ in items:
-                self._ctx.telemetry.saved(lag)
-            self._ctx.outbox.saves(item.report(ok=True) for item in items)
-            self._not_durable([item for item, ok in zip(items, acked, strict=True) if not ok],
-                              f"{durability.replicas} daemons did not acknowledge it in "
-                              f"{durability.timeout_s * 1000:.0f} ms")
-        finally:
-            self._release(len(batch.items))
-
     def _wait_durable(self, futures: Sequence[Future[None]]) -> None:
         """Hold the step (and so every token it sampled) until its saves are durable. Each
         save ends by its own deadline (`durability.timeout_s` from now); past it and a grace,
@@ -376,7 +347,7 @@ class Saver:
             return
         assert self._config.durability is not None
         started = time.monotonic()
-        give_up = started + self._config.durability.timeout_s + _DURABLE_GRACE_S
+        give_up = started + self._config.durability.timeout_s + DURABLE_GRACE_S
         for future in futures:
             try:
                 future.result(timeout=max(give_up - time.monotonic(), 0.0))

@@ -5,12 +5,12 @@ That lets a pipeline lay a batch of blocks out in a staging buffer exactly as fr
 (`[header | layer 0 | layer 1 | ...]` per row), copy the segments in from the device, hash
 them where they lie and write the header in front: the row *is* the frame, with no copy to
 assemble it. The bytes are those `kvstore.frame.build_frame` writes for the same segments
-(tested), so every reader treats these frames like any other.
+(tested), so every reader treats these frames like any other; with a signer (the tenant's MAC
+key) they are signed frames: BLAKE3 segment checksums and the MAC over the header.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -20,15 +20,15 @@ from kvstore.frame import (
     CodecId,
     Compression,
     DType,
-    FrameHeader,
     LayerRange,
     SegmentInfo,
+    Signer,
     segment_checksum,
+    signed_segment_checksum,
 )
+from kvstore.frame_header import header_size, pack_header
 
 __all__ = ["FrameLayout"]
-
-_NO_DIGEST = bytes(16)
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,13 +42,15 @@ class FrameLayout:
     layer_shape: tuple[int, ...]
     num_layers: int
     segment_bytes: int
+    signer: Signer | None = None
     header_bytes: int = field(init=False)
 
     def __post_init__(self) -> None:
-        # The header's size depends only on the layout id, the rank and the layer count: pack
-        # one with placeholder values and measure it.
-        probe = self._header(_NO_DIGEST, [bytes(16)] * self.num_layers, 0)
-        object.__setattr__(self, "header_bytes", len(probe.pack()))
+        # The header's size depends only on the layout id, the rank, the layer count and
+        # whether the frame is signed.
+        object.__setattr__(self, "header_bytes", header_size(
+            len(self.layout_id.encode()), len(self.layer_shape), self.num_layers,
+            self.signer is not None))
 
     @property
     def frame_bytes(self) -> int:
@@ -58,21 +60,22 @@ class FrameLayout:
         """Bytes [start, stop) of the payload (the frame after its header) holding `layers`."""
         return layers.start * self.segment_bytes, layers.stop * self.segment_bytes
 
-    def seal(self, row: npt.NDArray[np.uint8], key_digest: bytes) -> memoryview:
-        """Hash the segments that lie in `row` after the header's room, write the header in
-        front of them, and return the frame (a view of `row`, no copy)."""
-        header_bytes, size = self.header_bytes, self.segment_bytes
-        data = row.data
-        checksums = [segment_checksum(data[header_bytes + i * size: header_bytes + (i + 1) * size])
-                     for i in range(self.num_layers)]
-        header = self._header(key_digest, checksums, header_bytes).pack()
-        row[:header_bytes] = np.frombuffer(header, np.uint8)
-        return data[: self.frame_bytes]
+    def segments(self, row: npt.NDArray[np.uint8]) -> list[memoryview]:
+        """The segments that lie in `row` after the header's room (views, no copy)."""
+        data, start, size = row.data, self.header_bytes, self.segment_bytes
+        return [data[start + i * size: start + (i + 1) * size] for i in range(self.num_layers)]
 
-    def _header(self, key_digest: bytes, checksums: Sequence[bytes],
-                header_bytes: int) -> FrameHeader:
-        size = self.segment_bytes
-        segments = tuple(SegmentInfo(header_bytes + i * size, size, size, Compression.NONE,
-                                     checksum) for i, checksum in enumerate(checksums))
-        return FrameHeader(self.codec, self.dtype, self.layout_id, self.token_count,
-                           self.layer_shape, key_digest, segments, header_bytes)
+    def seal(self, row: npt.NDArray[np.uint8], key_digest: bytes) -> memoryview:
+        """Hash the segments that lie in `row` after the header's room, write the header (and
+        MAC) in front of them, and return the frame (a view of `row`, no copy)."""
+        header_bytes, size, signer = self.header_bytes, self.segment_bytes, self.signer
+        checksum = segment_checksum if signer is None else signed_segment_checksum
+        infos = [SegmentInfo(header_bytes + i * size, size, size, Compression.NONE,
+                             checksum(segment))
+                 for i, segment in enumerate(self.segments(row))]
+        body, finish = pack_header(self.codec, self.dtype, self.layout_id, self.token_count,
+                                   self.layer_shape, key_digest, infos,
+                                   None if signer is None else signer.key_id)
+        header = finish(b"" if signer is None else signer.tag(body))
+        row[:header_bytes] = np.frombuffer(header, np.uint8)
+        return row.data[: self.frame_bytes]

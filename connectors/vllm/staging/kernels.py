@@ -42,12 +42,14 @@ def scatter_rows(caches: PagedCaches, codec: Codec, staged: torch.Tensor, layers
         caches.bound[layer].scatter(caches.tensors[layer], targets, decoded[i])
 
 
-def encode_rows(codec: Codec, layers: Sequence[torch.Tensor], rows: slice,
+def encode_rows(codec: Codec, layers: Sequence[torch.Tensor], rows: torch.Tensor,
                 arrangement: Arrangement, out: torch.Tensor) -> None:
-    """Encode rows `rows` of every gathered layer into `out` ([count, layers * segment]
-    uint8, on the layers' device): row j holds block j's segments in layer order."""
-    count = len(range(*rows.indices(layers[0].shape[0])))
-    stacked = torch.stack([layer[rows] for layer in layers], dim=1)  # [count, L, *shape]
+    """Encode rows `rows` (indexes, on the layers' device) of every gathered layer into `out`
+    ([count, layers * segment] uint8, on the layers' device): row j of `out` holds block
+    `rows[j]`'s segments in layer order."""
+    count = int(rows.shape[0])
+    stacked = torch.stack([layer.index_select(0, rows) for layer in layers],
+                          dim=1)  # [count, L, *shape]
     if codec.codec_id is CodecId.RAW:
         out.copy_(stacked.reshape(count, -1).view(torch.uint8))
         return
