@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from benchmarks.sim.cache import BlockPool
-from benchmarks.sim.engine import Job, Replica
-from benchmarks.sim.params import SimParams, TimingParams, load_params
+from benchmarks.sim.engine import Job, JobState, Replica
+from benchmarks.sim.params import DEFAULT_PARAMS, SimParams, TimingParams, load_params
+from benchmarks.sim.store import KVStore
 from benchmarks.sim.timing import StepWork, step_seconds
 from benchmarks.sim.tokens import TextRenderer, block_hashes
 
@@ -48,7 +50,7 @@ def _run(replica: Replica, seen: set[int] | None = None, limit: int = 100_000) -
     for _ in range(limit):
         if not replica.has_work:
             return now
-        now += replica.start_step()
+        now += replica.start_step(now)
         replica.finish_step(now)
         pool = replica.pool
         assert 0 <= pool.used <= pool.num_blocks
@@ -207,3 +209,88 @@ def test_rendered_text_prefixes_follow_token_prefixes() -> None:
     assert len(a) == 4 * 420
     common = next(i for i, (x, y) in enumerate(zip(ka, kb, strict=True)) if x != y)
     assert common == 320 * 4 // 64  # exactly the shared tokens' chunks
+
+
+def test_store_costs_and_load_mode_come_from_the_parameter_file(tmp_path: Path) -> None:
+    store = load_params().store
+    assert store.load_mode == "auto"  # the connector's default
+    assert 0 < store.remote_gbps < store.host_gbps
+    assert store.host_latency_s < store.remote_latency_s
+    assert store.save_s_per_block > 0
+    # per tier: latency per load call + bytes at the tier's rate; nothing to load costs nothing
+    assert store.remote_load_s(10**9) == pytest.approx(store.remote_latency_s
+                                                       + 1 / store.remote_gbps)
+    assert store.host_load_s(0) == 0.0
+    text = DEFAULT_PARAMS.read_text()
+    for bad, why in (('load_mode = "auto"', 'load_mode = "eager"'),
+                     ("save_s_per_block =", "save_seconds =")):
+        path = tmp_path / "bad.toml"
+        path.write_text(text.replace(bad, why))
+        with pytest.raises(ValueError):
+            load_params(path)
+
+
+def _store_replica(mode: str, tier: str, hashes: list[int]) -> tuple[Replica, _Listener]:
+    params = _params(kv_tokens=1 << 14, block_size=16).with_overrides("store", load_mode=mode)
+    store = KVStore(params.store, params.model, params.engine.block_size, nodes=1)
+    for h in hashes:
+        (store.host[0] if tier == "host" else store.remote).put(h)
+    listener = _Listener()
+    return Replica(0, params.engine, params.timing, listener, store=store,
+                   record_events=False), listener
+
+
+def _drain(replica: Replica, now: float) -> float:
+    """Step until idle; an idle replica with loads in flight waits for the first to end."""
+    while replica.has_work:
+        seconds = replica.start_step(now)
+        if seconds <= 0.0:
+            done = replica.next_load_done()
+            assert done is not None and done > now
+            now = done
+            continue
+        now += seconds
+        replica.finish_step(now)
+    return now
+
+
+@pytest.mark.parametrize(("mode", "tier", "alone", "parked"), [
+    ("sync", "remote", False, False),
+    ("auto", "remote", False, True),  # a network load beside a live request: async
+    ("auto", "remote", True, False),  # alone: in the step (parking would add a step)
+    ("auto", "host", False, False),  # host tier: in the step
+    ("async", "host", True, True),
+])
+def test_load_mode_charges_the_step_or_the_request(mode: str, tier: str, alone: bool,
+                                                   parked: bool) -> None:
+    rng = np.random.default_rng(7)
+    prompt = rng.integers(0, 1000, 20 * 16 + 1)  # 20 stored blocks, then one token to compute
+    job = Job(1, prompt, block_hashes(prompt, 16), rng.integers(0, 1000, 4))
+    replica, listener = _store_replica(mode, tier, job.prompt_hashes[:20])
+    store = replica.store
+    assert store is not None
+    nbytes = 20 * store.block_bytes
+    load_s = store.params.remote_load_s(nbytes) if tier == "remote" \
+        else store.params.host_load_s(nbytes)
+    now = 0.0
+    if not alone:  # another request, decoding when the restore arrives
+        other = rng.integers(1000, 2000, 40)
+        replica.submit(Job(0, other, block_hashes(other, 16), rng.integers(0, 1000, 200)))
+        now += replica.start_step(now)
+        replica.finish_step(now)
+    admitted_at = now
+    replica.submit(job)
+    step = replica.start_step(now)
+    if parked:
+        assert job.state is JobState.LOADING
+        assert replica.sync_load_s == 0.0 and replica.async_load_s == pytest.approx(load_s)
+        assert step < load_s  # the other request's step did not wait for it
+    else:
+        assert job.state is JobState.PREFILL
+        assert replica.sync_load_s == pytest.approx(load_s) and replica.async_load_s == 0.0
+        assert step > load_s  # the step waited for the load, and computed
+    replica.finish_step(now + step)
+    _drain(replica, now + step)
+    assert job.remote_tokens + job.host_tokens == 20 * 16  # loaded either way, not computed
+    assert listener.first[1] >= admitted_at + load_s
+    assert replica.sync_load_s == (0.0 if parked else pytest.approx(load_s))

@@ -164,7 +164,9 @@ class Simulation:
             self.spec.name, self.records, list(self.workload.stages),
             dict(getattr(self.workload, "started_at", {0: 0.0})),
             [{"steps": r.steps, "busy_s": r.busy_s, "prefill_tokens": r.prefill_tokens,
-              "preemptions": r.preemptions, "evictions": r.pool.evictions}
+              "preemptions": r.preemptions, "evictions": r.pool.evictions,
+              "sync_load_s": r.sync_load_s, "async_load_s": r.async_load_s,
+              "save_s": r.save_s}
              for r in self.replicas],
             dict(self.router.decisions), self.kills, self.affected, self.moved_sessions,
             self.now, self.router.index_blocks, self.events_delivered)
@@ -224,8 +226,12 @@ class Simulation:
     def _kick(self, replica: Replica) -> None:
         if not replica.alive or replica.busy_until is not None or not replica.has_work:
             return
-        seconds = replica.start_step()
+        seconds = replica.start_step(self.now)
         if seconds <= 0.0:
+            # idle but for asynchronous loads: step again when the first is done
+            done = replica.next_load_done()
+            if done is not None:
+                self.at(done, self._load_done, replica, replica.epoch)
             return
         replica.busy_until = self.now + seconds
         self.at(replica.busy_until, self._step_end, replica, replica.epoch)
@@ -243,6 +249,10 @@ class Simulation:
             if events:
                 self._deliver(replica.index, events)
         self._kick(replica)
+
+    def _load_done(self, replica: Replica, epoch: int) -> None:
+        if epoch == replica.epoch and replica.alive:
+            self._kick(replica)
 
     def _store_events(self, index: int, events: list[dict[str, Any]]) -> None:
         self._store_pending.setdefault(index, []).extend(events)

@@ -7,6 +7,14 @@ longest cached prefix of its block hashes (at least one token is always computed
 longest run after it that kvkeep's store holds (loaded, not computed). Decoding that finds no
 free block preempts the most recently admitted sequence (recompute, as vLLM v1 does).
 
+Loads follow the connector's `load_mode` (connectors/vllm/scheduler_side.py `_record_lookup`):
+a synchronous load runs inside the step that admits its request, so the whole batch waits for
+it; an asynchronous one parks its request (vLLM's WAITING_FOR_REMOTE_KVS, its blocks allocated,
+outside `running`) until the load is done, and the first step starting after that schedules
+it ahead of the waiting queue (vLLM puts the requests it skipped back at the queue's front).
+"auto" loads asynchronously when the hit reaches a network tier (the remote daemons) and
+another request is live on the replica; host-tier hits and lone requests load in the step.
+
 Cost per step is O(prefilling sequences + sequences crossing a block boundary or finishing):
 decode progress is one counter per replica, and each decoding sequence is only touched when
 it needs a block or ends (two heaps keyed by that counter).
@@ -38,6 +46,7 @@ class JobState(IntEnum):
     DECODE = 2
     DONE = 3
     BROKEN = 4
+    LOADING = 5  # an asynchronous load in flight (vLLM's WAITING_FOR_REMOTE_KVS)
 
 
 @dataclass(slots=True, eq=False)
@@ -62,7 +71,7 @@ class Job:
     gen_base: int = 0
     epoch: int = 0
     chunk: int = 0
-    load_s: float = 0.0
+    load_s: float = 0.0  # its store load's duration (async: what it waits, alone)
     admitted: bool = False
     # what the first prefill found (for hit rates)
     cached_tokens: int = -1
@@ -113,6 +122,12 @@ class Replica:
         self.record_events = record_events
         self.waiting: deque[Job] = deque()
         self.running: list[Job] = []
+        self.load_mode = store.params.load_mode if store is not None else "sync"
+        # asynchronous loads in flight: (done at, tie-break, job); and jobs whose load is done,
+        # for the next step to schedule first
+        self._loading: list[tuple[float, int, Job]] = []
+        self.loaded: deque[Job] = deque()
+        self._unsaved = 0  # blocks saved since the last step was timed: their gather copies
         self.decoding: set[Job] = set()
         self.counter = 0
         # (decode counter, tie-break, job epoch, job): when a sequence needs its next block,
@@ -130,6 +145,9 @@ class Replica:
         self.busy_s = 0.0
         self.prefill_tokens = 0
         self.preemptions = 0
+        self.sync_load_s = 0.0  # step time spent waiting for loads
+        self.async_load_s = 0.0  # load time requests waited alone
+        self.save_s = 0.0  # step time spent gathering blocks to save
 
     # --- the cluster's side ------------------------------------------------------------------
     def submit(self, job: Job) -> None:
@@ -138,17 +156,23 @@ class Replica:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._loading or self.loaded)
+
+    def next_load_done(self) -> float | None:
+        """When the earliest asynchronous load in flight ends (the replica must step then,
+        even with nothing else to do), or None."""
+        return self._loading[0][0] if self._loading else None
 
     def load(self) -> tuple[int, int, float]:
         """What vLLM's /metrics says: running, waiting, KV-cache usage."""
         return len(self.running), len(self.waiting), self.pool.usage()
 
-    def start_step(self) -> float:
-        """Schedule one step; returns its duration (0.0: nothing to do)."""
+    def start_step(self, now: float) -> float:
+        """Schedule one step starting at `now`; returns its duration (0.0: nothing to do)."""
         budget = self.engine.max_num_batched_tokens
         self._step_prefill = []
         load_s = 0.0
+        self._finish_loads(now)
         self._allocate_decode_blocks()
         n_dec = len(self.decoding)
         budget -= n_dec
@@ -163,12 +187,24 @@ class Replica:
             job.chunk = n
             budget -= n
             self._step_prefill.append((job, n))
+        while self.loaded and budget > 0 and len(self.running) < self.engine.max_num_seqs:
+            job = self.loaded.popleft()
+            job.state = JobState.PREFILL
+            self.running.append(job)
+            n = min(job.target - job.computed, budget)
+            if not self._reserve(job, job.computed + n):
+                break  # preempted itself for room: it waits again, its blocks now cached
+            job.chunk = n
+            budget -= n
+            self._step_prefill.append((job, n))
         while self.waiting and budget > 0 and len(self.running) < self.engine.max_num_seqs:
             job = self.waiting[0]
-            n, job_load = self._admit(job, budget)
+            n, job_load = self._admit(job, budget, now)
             if n < 0:
                 break
             self.waiting.popleft()
+            if job.state is JobState.LOADING:
+                continue  # parked until its load is done: no tokens, no step time
             budget -= n
             load_s += job_load
             self._step_prefill.append((job, n))
@@ -176,8 +212,14 @@ class Replica:
         self._step_decodes = len(self.decoding)
         work = StepWork(prefill, self._step_decodes, len(self.running), self.pool.usage())
         seconds = step_seconds(work, self.timing, self.engine)
-        if self.store is not None:
-            seconds += load_s  # sync loads (the connector's default): the step waits
+        if self.store is not None and seconds > 0.0:
+            # Synchronous loads hold the step. Saves add their per-layer gather copies, charged
+            # to the step after the one that computed the blocks (the totals are the same).
+            save_s = self.store.save_step_s(self._unsaved)
+            seconds += load_s + save_s
+            self.sync_load_s += load_s
+            self.save_s += save_s
+        self._unsaved = 0
         if seconds > 0.0:
             self.steps += 1
             self.busy_s += seconds
@@ -204,7 +246,8 @@ class Replica:
 
     def kill(self) -> list[Job]:
         """The process dies: its jobs break, its cache is gone."""
-        broken = list(self.running) + list(self.waiting)
+        broken = (list(self.running) + list(self.loaded) + [job for _, _, job in self._loading]
+                  + list(self.waiting))
         for job in broken:
             if job.state is JobState.DECODE:
                 job.generated = job.gen_base + (self.counter - job.dec_base)
@@ -212,6 +255,8 @@ class Replica:
             job.epoch += 1
         self.running.clear()
         self.waiting.clear()
+        self.loaded.clear()
+        self._loading.clear()
         self.decoding.clear()
         self._alloc_heap.clear()
         self._finish_heap.clear()
@@ -228,9 +273,10 @@ class Replica:
         return job.generated
 
     # --- scheduling --------------------------------------------------------------------------
-    def _admit(self, job: Job, budget: int) -> tuple[int, float]:
+    def _admit(self, job: Job, budget: int, now: float) -> tuple[int, float]:
         """Admit the head of the queue: prefix hit, store hit, blocks for its first chunk.
-        Returns (tokens scheduled, load seconds) or (-1, 0) when its blocks do not fit."""
+        Returns (tokens scheduled, synchronous load seconds) or (-1, 0) when its blocks do not
+        fit; (0, 0) with the job LOADING when its load runs asynchronously."""
         bs = self.bs
         target = job.target
         self._ensure_hashes(job, target // bs)
@@ -242,6 +288,12 @@ class Replica:
         if self.store is not None and hit < limit:
             sh = self.store.lookup(self.index, hashes[hit:limit])
             host, remote, seconds = sh.host_blocks, sh.remote_blocks, sh.seconds
+        if job.cached_tokens < 0:
+            job.cached_tokens = hit * bs
+            job.host_tokens = host * bs
+            job.remote_tokens = remote * bs
+        if host + remote and self._loads_async(network=remote > 0):
+            return self._park(job, hit, host + remote, seconds, now)
         start = (hit + host + remote) * bs
         n = min(target - start, budget)
         need = -(-(start + n) // bs) - hit
@@ -256,14 +308,54 @@ class Replica:
         job.computed = start
         job.chunk = n
         job.state = JobState.PREFILL
-        if job.cached_tokens < 0:
-            job.cached_tokens = hit * bs
-            job.host_tokens = host * bs
-            job.remote_tokens = remote * bs
+        job.load_s = seconds
         self.running.append(job)
         if start > hit * bs:
             self._promote_full(job)  # loaded blocks are whole: cache them now
         return n, seconds
+
+    def _loads_async(self, *, network: bool) -> bool:
+        """The connector's choice: "auto" parks a load that reaches a network tier while
+        another request is live (the one being admitted is still at the head of `waiting`);
+        a lone request loads in the step, parking it would only add a step to its TTFT."""
+        if self.load_mode == "sync":
+            return False
+        if self.load_mode == "async":
+            return True
+        others = (len(self.running) + len(self.waiting) - 1 + len(self._loading)
+                  + len(self.loaded))
+        return network and others > 0
+
+    def _park(self, job: Job, hit: int, loaded: int, seconds: float, now: float
+              ) -> tuple[int, float]:
+        """Start an asynchronous load of `loaded` blocks after the device hit: vLLM allocates
+        their blocks now and parks the request until the connector reports them loaded."""
+        hashes = job.seq_hashes
+        if not self.pool.can_allocate(loaded, hashes[:hit]):
+            return -1, 0.0
+        self.pool.acquire(hashes[:hit])
+        self.pool.allocate(loaded)
+        job.held = list(hashes[:hit])
+        job.private = loaded
+        job.promoted = hit
+        job.first_computed_block = hit + loaded
+        job.computed = (hit + loaded) * self.bs
+        job.chunk = 0
+        job.state = JobState.LOADING
+        job.load_s = seconds
+        self.async_load_s += seconds
+        self._seq += 1
+        heapq.heappush(self._loading, (now + seconds, self._seq, job))
+        return 0, 0.0
+
+    def _finish_loads(self, now: float) -> None:
+        """Loads done by `now`: their blocks join the prefix cache (vLLM caches them only then)
+        and the jobs wait for this step's scheduling, ahead of the queue."""
+        heap = self._loading
+        while heap and heap[0][0] <= now:
+            _, _, job = heapq.heappop(heap)
+            self._promote_full(job)
+            self.loaded.append(job)
 
     def _reserve(self, job: Job, tokens: int) -> bool:
         """Blocks for `job` to hold KV of `tokens` tokens, preempting the newest sequences if
@@ -383,6 +475,7 @@ class Replica:
         if self.store is not None:
             first = max(start, job.first_computed_block)
             if first < end:
+                self._unsaved += end - first
                 new_host, new_remote = self.store.save(self.index, job.seq_hashes[first:end])
                 if self.on_store_events is not None and (new_host or new_remote):
                     self.on_store_events(self.index, self._store_events(

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 __all__ = ["ModelParams", "EngineParams", "TimingParams", "RouterView", "StoreParams",
-           "SimParams", "load_params", "DEFAULT_PARAMS"]
+           "SimParams", "load_params", "DEFAULT_PARAMS", "LOAD_MODES"]
 
 DEFAULT_PARAMS = Path(__file__).with_name("params") / "llmd_qwen3_32b_h100.toml"
 
@@ -71,15 +71,32 @@ class RouterView:
         return self.tokenize_base_s + self.tokenize_per_token_s * tokens
 
 
+LOAD_MODES = ("auto", "sync", "async")
+
+
 @dataclass(frozen=True, slots=True)
 class StoreParams:
+    """kvkeep's store: capacities, what a load costs per tier (`latency_s` per load call +
+    bytes / `gbps`, per replica: its whole TP group), what a save adds to the step, and how
+    loads are charged (`load_mode`, the connector's setting: "sync" in the step, "async" to
+    the request alone, "auto" async for network-tier loads beside other requests)."""
+
     replicas_per_node: int
     host_bytes_per_node: int
+    host_latency_s: float
     host_gbps: float
     remote_bytes: int
     remote_replicas: int
+    remote_latency_s: float
     remote_gbps: float
+    save_s_per_block: float
     load_mode: str
+
+    def host_load_s(self, nbytes: int) -> float:
+        return self.host_latency_s + nbytes / (self.host_gbps * 1e9) if nbytes else 0.0
+
+    def remote_load_s(self, nbytes: int) -> float:
+        return self.remote_latency_s + nbytes / (self.remote_gbps * 1e9) if nbytes else 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,8 +137,6 @@ def load_params(path: Path = DEFAULT_PARAMS) -> SimParams:
     )
     if params.timing.model not in ("dynamo-mocker", "llmd-inference-sim"):
         raise ValueError(f"unknown timing model {params.timing.model!r}")
-    if params.store.load_mode != "sync":
-        # the connector's async mode (a request waits for its own loads, the batch does not)
-        # is not simulated yet: refuse it rather than simulate free loads
-        raise ValueError(f"load mode {params.store.load_mode!r} is not simulated; use 'sync'")
+    if params.store.load_mode not in LOAD_MODES:
+        raise ValueError(f"unknown load mode {params.store.load_mode!r}; one of {LOAD_MODES}")
     return params

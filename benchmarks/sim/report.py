@@ -45,6 +45,10 @@ def policy_block(result: SimResult, wall_s: float, rate_scale: float = 1.0
         "decisions": result.decisions,
         "preemptions": sum(int(s["preemptions"]) for s in result.replica_stats),
         "evictions": sum(int(s["evictions"]) for s in result.replica_stats),
+        # seconds summed over replicas: steps held by loads and by save gathers, and loads
+        # that requests waited for alone (asynchronous)
+        "store_s": {k: round(sum(s.get(k, 0.0) for s in result.replica_stats), 2)
+                    for k in ("sync_load_s", "async_load_s", "save_s")},
         "kv_events_applied": result.events_delivered,
         "simulated_s": round(result.end, 1),
         "wall_s": round(wall_s, 2),
@@ -165,6 +169,8 @@ def failover_block(with_store: SimResult, without: SimResult) -> dict[str, Any]:
                 "ttft_p99_affected_s": _r(percentile(lat, 99)),
                 "ttft_p99_before_kill_s": _r(percentile(before, 99)),
                 "sessions_rebound": result.moved_sessions,
+                "store_s": {k: round(sum(s.get(k, 0.0) for s in result.replica_stats), 2)
+                            for k in ("sync_load_s", "async_load_s", "save_s")},
                 "hit_rates": {k: round(v, 4) for k, v in tier_hits(
                     r for r in result.records if r.sent_at >= kill_at).items()}}
 

@@ -8,10 +8,13 @@ costs.
 
 The connector saves every block a replica computes (write-through to the host tier, behind to
 the remote one) and, before a request is prefilled, loads the longest run of blocks after the
-device-cache hit that the store holds: host tier first, then remote, each at its bandwidth.
-What it loads is not recomputed. Saves are modelled as free (written behind, off the GPU's
-critical path); loads are charged to the step (`sync`, the connector's default) or to the
-request alone (`async`).
+device-cache hit that the store holds: host tier first, then remote. What it loads is not
+recomputed. A load costs, per tier it reads, `latency_s` + bytes / `gbps` (`StoreParams`; the
+figures and where they come from are in the parameter file). A save costs the step only the
+per-layer gather copy on the GPU (`save_s_per_block`): the encoding and the puts run on the
+saver's thread and the step never waits for them (no durability). Whether a load is charged
+to the step or to its request alone is the engine's decision (`load_mode`, as the connector
+makes it): see `engine.Replica._admit`.
 """
 
 from __future__ import annotations
@@ -117,9 +120,14 @@ class KVStore:
         if n_host + n_remote == 0:
             return _NO_HIT
         p = self.params
-        seconds = (n_host * self.block_bytes / (p.host_gbps * 1e9)
-                   + n_remote * self.block_bytes / (p.remote_gbps * 1e9))
+        # one load job reads both tiers; each tier touched pays its per-call latency
+        seconds = (p.host_load_s(n_host * self.block_bytes)
+                   + p.remote_load_s(n_remote * self.block_bytes))
         return StoreHit(n_host, n_remote, seconds)
+
+    def save_step_s(self, blocks: int) -> float:
+        """Step time the connector adds for saving `blocks` blocks: the gather copies only."""
+        return blocks * self.params.save_s_per_block
 
     def node_lost(self, node: int) -> None:
         self.host[node].clear()
