@@ -34,7 +34,7 @@ import torch
 
 from connectors.vllm.caches import PagedCaches
 from connectors.vllm.layouts import cuda_layout
-from connectors.vllm.staging import RestorePipeline, StagingConfig
+from connectors.vllm.staging import RestorePipeline, StagingConfig, writer_for
 from connectors.vllm.staging.jobs import BatchJob, RestoreBlock, RestoreJob, StagedBlock
 from connectors.vllm.staging.save import (
     FrameSettings,
@@ -215,17 +215,19 @@ def _restore(caches: PagedCaches, store: TieredStore, codec_id: Any, config: Sta
              keys: list[BlockKey], count: int, shape: Shape, repeats: int,
              device: torch.device, stages: dict[str, dict[str, float]], name: str
              ) -> tuple[float, float]:
-    pipeline = RestorePipeline(caches, store, codec_id, config)
     stage = (LayerRange(0, shape.layers),)
 
     def read_lower(job: RestoreJob, layers: LayerRange, blocks: Any) -> list[BlockRead | None]:
         wanted: list[RestoreBlock] = list(blocks)
         return store.get_many([block.key for block in wanted], None)
 
+    pipeline = RestorePipeline(store, writer_for(caches, store, codec_id, "staged", config),
+                               read=read_lower, refusal=_accept)
+
     def run() -> None:
         job = BatchJob([StagedBlock(count + i, key) for i, key in enumerate(keys)],
                        time.monotonic() + 120, shape.layers)
-        pipeline.load(job, stage, read_lower, _accept)
+        pipeline.load(job, stage)
         if job.failed:
             raise RuntimeError(f"{name}: {len(job.failed)} blocks failed: "
                                f"{sorted(set(job.failed.values()))}")

@@ -13,9 +13,9 @@ import torch
 
 from connectors.vllm.caches import PagedCaches
 from connectors.vllm.layouts import cuda_layout
-from connectors.vllm.staging import RestorePipeline, StagingConfig
+from connectors.vllm.staging import RestorePipeline, StagingConfig, writer_for
 from connectors.vllm.staging.jobs import BatchJob, StagedBlock
-from connectors.vllm.staging.restore import _pinned
+from connectors.vllm.staging.restore import pinned
 from connectors.vllm.staging.save import (
     FrameSettings,
     RingFramer,
@@ -108,7 +108,7 @@ def test_pinned_host_tier_lends_page_locked_pages(pinned_store: TieredStore) -> 
     lent = pinned_store.borrow(key)
     assert lent is not None
     try:
-        assert _pinned(lent)
+        assert pinned(lent)
     finally:
         lent.release()
 
@@ -138,11 +138,11 @@ def test_staged_restore_on_the_device(pinned_store: TieredStore, variant: str) -
     config = StagingConfig(slots=2, slot_bytes=3 * LAYERS * get_codec(codec).encoded_size(
         caches.block_shape, caches.dtype), workers=3, trust_host_pages=variant == "trusted",
         direct_from_pinned=variant == "direct")
-    pipeline = RestorePipeline(caches, pinned_store, codec_id, config)
+    writer = writer_for(caches, pinned_store, codec_id, "staged", config)
+    pipeline = RestorePipeline(pinned_store, writer, read=_nothing_below, refusal=_accept)
     job = _job(keys, targets)
     try:
-        pipeline.load(job, (LayerRange(0, 1), LayerRange(1, LAYERS)),
-                      _nothing_below, _accept)
+        pipeline.load(job, (LayerRange(0, 1), LayerRange(1, LAYERS)))
     finally:
         pipeline.close()
     assert all(event is not None for event in job.device_done)

@@ -24,13 +24,17 @@ import torch
 import xxhash
 
 from connectors.vllm.caches import PagedCaches
+from connectors.vllm.config import RestorePath
 from connectors.vllm.layouts import LayoutSpec
 from connectors.vllm.loader import Loader
 from connectors.vllm.metadata import BlockRun, LoadSpec
 from connectors.vllm.outbox import WorkerOutbox
-from connectors.vllm.staging import RestorePipeline, StagingConfig
+from connectors.vllm.staging import RestorePipeline, StagingConfig, writer_for
+from connectors.vllm.staging.decode import DecodeWriter
 from connectors.vllm.staging.frames import FrameLayout
+from connectors.vllm.staging.in_place import InPlaceWriter
 from connectors.vllm.staging.ring import Cancelled, StagingRing, split
+from connectors.vllm.staging.ring_restore import RingWriter
 from connectors.vllm.staging.save import (
     Framer,
     FrameSettings,
@@ -114,11 +118,12 @@ def _flip_in_host_pages(store: TieredStore, key: BlockKey, data: bytes, layer: i
 
 def _loader(store: TieredStore, caches: PagedCaches, fp: ModelFingerprint, codec: str,
             config: StagingConfig, *, first_layers: int = 0, deadline_s: float = 10.0,
-            mac_key: MacKey | None = None) -> tuple[Loader, Counts, WorkerOutbox]:
+            mac_key: MacKey | None = None, path: RestorePath = "staged"
+            ) -> tuple[Loader, Counts, WorkerOutbox]:
     counters, outbox = Counts(), WorkerOutbox()
     context = WorkerContext(store, caches, fp, get_codec(codec).codec_id, outbox, counters,
                             mac_key)
-    loader = Loader(context, deadline_s=deadline_s, first_layers=first_layers, path="staged",
+    loader = Loader(context, deadline_s=deadline_s, first_layers=first_layers, path=path,
                     staging=config)
     return loader, counters, outbox
 
@@ -172,7 +177,11 @@ def test_staged_restore_writes_what_frames_hold(store: TieredStore, layout: str,
         assert not _load(loader, targets, hashes)
         pipeline = loader._pipeline
         assert pipeline is not None
-        assert pipeline.ring.allocations == 2  # host caches: one buffer per slot, made once
+        if isinstance(pipeline.writer, RingWriter):
+            # host caches: one buffer per slot, made once
+            assert pipeline.writer.ring.allocations == 2
+        else:  # verbatim caches: no ring at all
+            assert isinstance(pipeline.writer, InPlaceWriter)
     finally:
         loader.shutdown()
     snapshot = counters.snapshot()
@@ -487,6 +496,48 @@ def test_every_save_combination_writes_what_the_reader_restores(
                 assert (got.float() - want.float()).abs().max().item() <= 0.1
 
 
+@pytest.mark.parametrize("signed", [False, True], ids=["unsigned", "signed"])
+@pytest.mark.parametrize("compression", ["none", "zstd"])
+@pytest.mark.parametrize("path", ["auto", "device_decode", "staged"])
+@pytest.mark.parametrize(("layout", "codec"), [("verbatim", "raw"), ("flash", "raw"),
+                                               ("flash", "int8-kivi")])
+def test_every_restore_path_restores_every_frame_setting(
+        store: TieredStore, layout: str, codec: str, path: RestorePath,
+        compression: CompressionMode, signed: bool) -> None:
+    """One restore pipeline for every setting: each writer (decode, ring, in place) restores
+    compressed and signed frames, from the host tier (lent in place where the writer
+    borrows) and from the nvme tier below it, in two layer stages, to what the reference
+    decoder gives."""
+    caches, fp = _caches(layout, torch.bfloat16, codec)
+    signer = MacKey(b"r" * 32) if signed else None
+    gen = torch.Generator().manual_seed(21)
+    hashes = [bytes([i + 1]) * 32 for i in range(6)]
+    keys = [BlockKey.of(fp, Namespace("t"), h) for h in hashes]
+    frames = {}
+    for key in keys:
+        layers = [torch.randint(-4, 4, caches.block_shape, generator=gen).to(torch.bfloat16)
+                  for _ in range(LAYERS)]
+        frames[key] = encode_block(layers, codec=codec, key=key, token_count=BLOCK,
+                                   layout_id=caches.layout.layout_id, compression=compression,
+                                   arrangement=caches.layout.arrangement, signer=signer)
+        assert store.put(key, frames[key])
+    assert store.flush(10)
+    store.tiers[0].delete(keys[4:])  # these two from the nvme tier
+    loader, counters, _ = _loader(store, caches, fp, codec,
+                                  StagingConfig(slots=2, slot_bytes=1 << 14, workers=2),
+                                  first_layers=1, mac_key=signer, path=path)
+    targets = (7, 3, 12, 30, 1, 25)
+    try:
+        assert _load(loader, targets, hashes)
+    finally:
+        loader.shutdown()
+    assert counters.snapshot()[Count.LOADED_BLOCKS] == len(keys)
+    for key, block_id in zip(keys, targets, strict=True):
+        for layer in range(LAYERS):
+            assert torch.equal(_restored(caches, layer, block_id),
+                               _expected(caches, frames[key], layer)), (key, layer)
+
+
 @pytest.mark.parametrize("framing", ["auto", "staged"])
 def test_durable_saves_through_either_framer_with_compression_and_a_mac(
         tmp_path: Path, framing: str) -> None:
@@ -604,14 +655,26 @@ def test_split_and_config_bounds() -> None:
 
 
 def test_restore_pipeline_builds_without_vllm(store: TieredStore) -> None:
-    """benchmarks.gpu builds the pipelines on bound tensors alone (no vLLM)."""
+    """benchmarks.gpu builds the pipelines on bound tensors alone (no vLLM); `writer_for`
+    picks each writer from `restore_path` and the caches."""
     caches, _ = _caches("flash", torch.bfloat16, "raw")
-    pipeline = RestorePipeline(caches, store, CodecId.RAW, StagingConfig(slot_bytes=1))
+    writer = writer_for(caches, store, CodecId.RAW, "staged", StagingConfig(slot_bytes=1))
+    pipeline = RestorePipeline(store, writer, read=lambda *_: [], refusal=lambda _: None)
     try:
+        assert isinstance(writer, RingWriter)
         # never below one block's whole frame payload
-        assert pipeline.ring.slot_bytes == LAYERS * 2 * BLOCK * HEADS * HEAD_SIZE * 2
+        assert writer.ring.slot_bytes == LAYERS * 2 * BLOCK * HEADS * HEAD_SIZE * 2
     finally:
         pipeline.close()
+    verbatim, _ = _caches("verbatim", torch.bfloat16, "raw")
+    for path, kind in (("auto", DecodeWriter), ("device_decode", DecodeWriter),
+                       ("staged", InPlaceWriter)):
+        chosen = writer_for(verbatim, store, CodecId.RAW, path)  # type: ignore[arg-type]
+        assert isinstance(chosen, kind)
+        chosen.close()
+    quantized = writer_for(verbatim, store, get_codec("int8-sym").codec_id, "staged")
+    assert isinstance(quantized, RingWriter)  # int8 frames are decoded: not verbatim
+    quantized.close()
 
 
 # -- the connector's config keys for the staged paths --------------------------------------------

@@ -2,15 +2,12 @@
 
 `start` hands a step's synchronous loads to the loader thread as one `LoadJob` (they share the
 forward pass, so they share its wait) and each asynchronous load to another thread as its own
-job. A job reads its blocks in *stages*, each a layer range of every block (the frames hold
-one segment per layer, so a range is one contiguous read in every tier); the next stage's read
-is in flight on the fetch thread while this one is checked (codec, dtype, layout, shape, token
-and layer count: what this engine would have written), decoded and scattered layer by layer.
-`wait_for_layer(i)` waits for just layer i, so the forward pass computes layer 0 while later
-layers are still arriving. With `restore_path: "staged"` a job's stages go through the staging
-pipeline instead (`connectors.vllm.staging.restore`: borrowed pages, a ring of pinned slots,
-one copy and one scatter per layer per batch); "device_decode" stages decoded chunks on the
-cache's device.
+job. A job runs through the restore pipeline (`connectors.vllm.staging.restore`): in *stages*,
+each a layer range of every block (the frames hold one segment per layer, so a range is one
+contiguous read in every tier), fetched one unit ahead and written by the writer
+`restore_path` chooses (decoded layer by layer, or staged through a ring of slots, or copied
+in place), each block verified before it is written. `wait_for_layer(i)` waits for just layer
+i, so the forward pass computes layer 0 while later layers are still arriving.
 
 A block that is missing, corrupt, mismatched or not there by the deadline fails (the reason is
 its counter) and is reported through `WorkerOutbox`: vLLM recomputes it and every later block
@@ -25,21 +22,18 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
 
-import numpy as np
 import torch
 
-from connectors.vllm.caches import PagedCaches, recorded_event
 from connectors.vllm.config import RestorePath
 from connectors.vllm.metadata import BlockRun, LoadReport, LoadSpec, SaveReport
-from connectors.vllm.staging import RestorePipeline, StagingConfig
+from connectors.vllm.staging import RestorePipeline, StagingConfig, writer_for
+from connectors.vllm.staging.jobs import RestoreBlock, RestoreJob
 from connectors.vllm.stats import Count
 from connectors.vllm.worker_context import WorkerContext
-from kvstore.block import decode_layer, decode_layer_batch
-from kvstore.errors import CodecError, CorruptBlock, ForgedBlock
+from kvstore.errors import ForgedBlock
 from kvstore.frame import BlockRead, FrameHeader, LayerRange
 from kvstore.keys import BlockKey, Namespace
 from kvstore.mac import verify_mac
@@ -47,10 +41,6 @@ from kvstore.mac import verify_mac
 __all__ = ["Loader", "LoadBlock", "LoadJob", "layer_stages"]
 
 log = logging.getLogger(__name__)
-
-# Blocks decoded and scattered per step of a load: bounds the staging tensor (a GPU's memory
-# beside vLLM's cache) while keeping each copy up large (256 blocks of 128 KiB = 32 MiB).
-_LOAD_CHUNK_BLOCKS = 256
 
 # A stage's blocks are read by this many concurrent store calls: a store reads a batch one
 # block after the other, and a remote read is mostly a round trip's waiting, not bytes.
@@ -153,32 +143,6 @@ class LoadJob:
         return reports
 
 
-@dataclass(frozen=True, slots=True)
-class _Fetched:
-    """A block whose current stage was read: its read holds that stage's layers."""
-
-    block: LoadBlock
-    read: BlockRead
-
-
-class _Staging:
-    """The host tensor a load decodes into before scattering (layouts that rearrange blocks,
-    device caches); allocated on first use, as layouts decoded in place need none."""
-
-    def __init__(self, caches: PagedCaches, blocks: int, *, on_device: bool) -> None:
-        self._caches = caches
-        self._rows = min(blocks, _LOAD_CHUNK_BLOCKS)
-        self._on_device = on_device
-        self._tensor: torch.Tensor | None = None
-
-    def rows(self) -> torch.Tensor:
-        if self._tensor is None:
-            device = self._caches.tensors[0].device if self._on_device else torch.device("cpu")
-            self._tensor = torch.empty((self._rows, *self._caches.block_shape),
-                                       dtype=self._caches.torch_dtype, device=device)
-        return self._tensor
-
-
 class Loader:
     def __init__(self, context: WorkerContext, *, deadline_s: float,
                  first_layers: int = 0, path: RestorePath = "auto",
@@ -191,9 +155,6 @@ class Loader:
         self._pipeline: RestorePipeline | None = None  # built on first use: caches come later
         self._sync = ThreadPoolExecutor(1, thread_name_prefix="kvkeep-load")
         self._async = ThreadPoolExecutor(1, thread_name_prefix="kvkeep-aload")
-        # Reads of a job's next stage, while the loader decodes this one (I/O mostly waits on
-        # a socket or a copy that releases the GIL). One per loader thread.
-        self._fetch = ThreadPoolExecutor(2, thread_name_prefix="kvkeep-fetch")
         self._readers = ThreadPoolExecutor(_READ_THREADS, thread_name_prefix="kvkeep-read")
         self._lock = threading.Lock()
         self._step_job: LoadJob | None = None
@@ -274,7 +235,6 @@ class Loader:
                 async_job.cancel(Count.LOAD_LATE)
         self._sync.shutdown(wait=True)
         self._async.shutdown(wait=True)
-        self._fetch.shutdown(wait=True)
         self._readers.shutdown(wait=True)
         if self._pipeline is not None:
             self._pipeline.close()
@@ -314,78 +274,28 @@ class Loader:
             job.release_waiters()
 
     def _load(self, job: LoadJob) -> None:
-        if self._path == "staged":
-            self._staged().load(job, self._stages, self._read_lower, self._refusal)
-            job.loaded = sum(1 for block in job.blocks if block.block_id not in job.failed)
-            return
-        staging = _Staging(self._ctx.caches, len(job.blocks),
-                           on_device=self._path == "device_decode")
-        pending: Future[list[_Fetched]] | None = self._fetch.submit(
-            self._read_stage, job, self._stages[0], job.blocks)
-        for number, stage in enumerate(self._stages):
-            assert pending is not None
-            fetched = pending.result()
-            alive = [entry for entry in fetched if entry.block.block_id not in job.failed]
-            following = self._stages[number + 1] if number + 1 < len(self._stages) else None
-            pending = None if following is None else self._fetch.submit(
-                self._read_stage, job, following, tuple(entry.block for entry in alive))
-            try:
-                if not self._scatter_stage(job, stage, alive, staging):
-                    return
-            finally:
-                if pending is not None and job.cancelled:
-                    pending.cancel()
+        self._pipeline_now().load(job, self._stages)
         job.loaded = sum(1 for block in job.blocks if block.block_id not in job.failed)
 
-    def _read_stage(self, job: LoadJob, layers: LayerRange,
-                    blocks: Sequence[LoadBlock]) -> list[_Fetched]:
-        """Read `layers` of `blocks` (one verified read each); fail the ones that are missing or
-        were written by another configuration."""
-        wanted = [block for block in blocks if block.block_id not in job.failed]
-        if not wanted or job.cancelled:
-            return []
-        reads = self._read(job, layers, wanted)
-        fetched: list[_Fetched] = []
-        for block, read in zip(wanted, reads, strict=True):
-            if read is None:
-                job.fail(block.block_id, Count.LOAD_LATE if time.monotonic() >= job.deadline
-                         else Count.LOAD_MISSING)
-            elif (forged := self._forged(read.header)) is not None:
-                log.warning("kvkeep: frame for %s refused: %s", block.key.storage_name, forged)
-                job.fail(block.block_id, Count.LOAD_FORGED)
-                # This copy only (L2), so that a save of ours can replace it.
-                self._ctx.store.delete([block.key], reject=True)
-            elif (reason := self._mismatch(read.header)) is not None:
-                log.warning("kvkeep: frame for %s does not match this engine: %s",
-                            block.key.storage_name, reason)
-                job.fail(block.block_id, Count.LOAD_MISMATCH)
-                self._ctx.store.delete([block.key], reject=True)  # unusable under this key
-            else:
-                fetched.append(_Fetched(block, read))
-        return fetched
-
     def prepare(self) -> None:
-        """Once the caches are registered: build the staging pipeline now (its ring and
-        threads), not during the first restore."""
-        if self._path == "staged":
-            self._staged()
+        """Once the caches are registered: build the restore pipeline now (its writer's ring
+        and threads), not during the first restore."""
+        self._pipeline_now()
 
-    def _staged(self) -> RestorePipeline:
+    def _pipeline_now(self) -> RestorePipeline:
         with self._lock:
             if self._pipeline is None:
-                self._pipeline = RestorePipeline(self._ctx.caches, self._ctx.store,
-                                                 self._ctx.codec, self._staging)
+                writer = writer_for(self._ctx.caches, self._ctx.store, self._ctx.codec,
+                                    self._path, self._staging)
+                self._pipeline = RestorePipeline(self._ctx.store, writer, read=self._read,
+                                                 refusal=self._refusal)
             return self._pipeline
 
-    def _read_lower(self, job: Any, layers: LayerRange, blocks: Sequence[Any]
-                    ) -> list[BlockRead | None]:
-        """The staged pipeline's reads of blocks the first tier did not lend."""
-        return self._read(job, layers, blocks)
-
-    def _read(self, job: LoadJob, layers: LayerRange,
-              blocks: Sequence[LoadBlock]) -> list[BlockRead | None]:
+    def _read(self, job: RestoreJob, layers: LayerRange,
+              blocks: Sequence[RestoreBlock]) -> list[BlockRead | None]:
         """One verified read of `layers` per block, by up to `_READ_THREADS` store calls at
-        once, under the job's deadline."""
+        once, under the job's deadline (a store reads a batch one block after the other, and
+        a remote read is mostly a round trip's waiting, not bytes)."""
         whole = None if len(layers) == self._ctx.fingerprint.num_layers else layers
         keys = [block.key for block in blocks]
         parts = max(1, min(_READ_THREADS, len(keys) // _MIN_BLOCKS_PER_READ))
@@ -396,84 +306,6 @@ class Loader:
                                       deadline=job.deadline)
                  for i in range(0, len(keys), size)]
         return [read for call in calls for read in call.result()]
-
-    def _scatter_stage(self, job: LoadJob, layers: LayerRange, fetched: Sequence[_Fetched],
-                       staging: _Staging) -> bool:
-        """Decode and scatter each layer of a stage; False once the job is cancelled or late."""
-        for layer in range(layers.start, layers.stop):
-            cache = self._ctx.caches.tensors[layer]
-            wanted = [entry for entry in fetched if entry.block.block_id not in job.failed]
-            direct = self._ctx.caches.host_blocks[layer]
-            if direct is not None:
-                if not self._decode_into_cache(job, layer, wanted, direct):
-                    return False
-            else:
-                for start in range(0, len(wanted), _LOAD_CHUNK_BLOCKS):
-                    if not self._scatter_chunk(job, layer,
-                                               wanted[start:start + _LOAD_CHUNK_BLOCKS],
-                                               staging.rows()):
-                        return False
-            with job.lock:
-                if not job.still_on_time():
-                    return False
-                if cache.is_cuda and wanted:
-                    job.device_done[layer] = recorded_event()
-            job.layer_done[layer].set()
-        return True
-
-    def _decode_into_cache(self, job: LoadJob, layer: int, entries: Sequence[_Fetched],
-                           blocks: np.ndarray[Any, Any]) -> bool:
-        """Decode one layer of each block straight into its paged block (a layout that holds
-        frames verbatim, in host memory: the read's bytes are copied once, by the decoder).
-        Each block is decoded under the job's lock, so none is written after a cancel; the
-        segment is verified before a byte is written. False once the job is cancelled or late.
-        """
-        for entry in entries:
-            block = entry.block
-            with job.lock:
-                if not job.still_on_time():
-                    return False
-                try:
-                    decode_layer(entry.read, layer, out=blocks[block.block_id], key=block.key)
-                    continue
-                except (CorruptBlock, CodecError):
-                    # (an int8 segment refused for its scales may be half written: the
-                    # block fails, and vLLM recomputes it over whatever is there)
-                    job.fail(block.block_id, Count.LOAD_CORRUPT)
-            self._ctx.store.delete([block.key])
-        return True
-
-    def _scatter_chunk(self, job: LoadJob, layer: int, chunk: Sequence[_Fetched],
-                       staging: torch.Tensor) -> bool:
-        """Decode one layer of `chunk`'s blocks and scatter the good ones into the cache;
-        False when the job was cancelled or ran late (then nothing more may be written).
-
-        Decoded on the host, then copied to the cache's device: the path measured on an H200
-        (int8 restores at 0.19-0.24x a pageable copy up). Staging on the GPU instead makes
-        `decode_layer_batch` send a chunk's segments up in one copy and decode them there; it
-        is tested (on CPU and under the gpu marker) but not yet measured, so not the default:
-        `python -m benchmarks.gpu` compares both ("batched").
-        """
-        errors = decode_layer_batch([entry.read for entry in chunk], layer, staging,
-                                    keys=[entry.block.key for entry in chunk])
-        rows: list[int] = []  # rows of `staging` that hold this layer, verified
-        targets: list[int] = []  # and the paged blocks they go to
-        for row, (entry, error) in enumerate(zip(chunk, errors, strict=True)):
-            if error is not None:
-                job.fail(entry.block.block_id, Count.LOAD_CORRUPT)
-                self._ctx.store.delete([entry.block.key])
-                continue
-            rows.append(row)
-            targets.append(entry.block.block_id)
-        with job.lock:
-            if not job.still_on_time():
-                return False
-            if rows:
-                cache = self._ctx.caches.tensors[layer]
-                data = staging.index_select(0, torch.tensor(rows, device=staging.device))
-                self._ctx.caches.bound[layer].scatter(
-                    cache, torch.tensor(targets, device=cache.device), data.to(cache.device))
-        return True
 
     def _forged(self, header: FrameHeader) -> ForgedBlock | None:
         """With the tenant's MAC key: why a frame is not its writers' (None when it is)."""
@@ -486,11 +318,11 @@ class Loader:
         return None
 
     def _refusal(self, header: FrameHeader) -> tuple[Count, str] | None:
-        """The staged pipeline's check of a frame's header: forged, or not this engine's."""
+        """Why a fetched frame's header refuses it: forged, or not this engine's."""
         if (forged := self._forged(header)) is not None:
             return Count.LOAD_FORGED, str(forged)
         if (reason := self._mismatch(header)) is not None:
-            return Count.LOAD_MISMATCH, reason
+            return Count.LOAD_MISMATCH, f"does not match this engine: {reason}"
         return None
 
     def _mismatch(self, header: FrameHeader) -> str | None:

@@ -1,9 +1,9 @@
-"""Restores into host caches that hold a raw frame's layers verbatim (vLLM's CPU backend on
-AMX, `cpu-amx/raw`): no staging slot at all. Each block is checked where it lies (pages lent by
-the host tier hashed in place, once, unless `trust_host_pages`; a lower tier's reads were
-verified by that tier) and then copied once, straight from those pages into its paged block,
-by the pool's threads, under the job's lock (nothing is written after a cancel, nor before a
-block's check)."""
+"""The staged restore's writer for host caches that hold a raw frame's layers verbatim (vLLM's
+CPU backend on AMX, `cpu-amx/raw`): no staging slot at all. Each block is checked where it
+lies (pages lent by the host tier hashed in place, once, unless `trust_host_pages`; a lower
+tier's reads were verified by that tier) and then copied once, straight from those pages into
+its paged block by the pool's threads, under the job's lock (nothing is written after a
+cancel, nor before a block's check)."""
 
 from __future__ import annotations
 
@@ -17,12 +17,14 @@ import numpy.typing as npt
 from connectors.vllm.caches import PagedCaches
 from connectors.vllm.staging.config import StagingConfig
 from connectors.vllm.staging.jobs import Located, RestoreJob, all_results
+from connectors.vllm.staging.restore import WriteRun
 from connectors.vllm.staging.ring import split
 from connectors.vllm.staging.timing import StageTimes
 from connectors.vllm.stats import Count
 from kvstore import frame
+from kvstore.codecs import get_codec
 from kvstore.errors import CorruptBlock
-from kvstore.frame import LayerRange
+from kvstore.frame import CodecId, LayerRange
 from kvstore.store import TieredStore
 
 __all__ = ["InPlaceWriter"]
@@ -31,14 +33,27 @@ _Bytes = npt.NDArray[np.uint8]
 
 
 class InPlaceWriter:
-    def __init__(self, caches: PagedCaches, store: TieredStore, pool: ThreadPoolExecutor,
-                 config: StagingConfig, segment: int, times: StageTimes) -> None:
+    borrows = True
+
+    def __init__(self, caches: PagedCaches, store: TieredStore, codec: CodecId,
+                 config: StagingConfig) -> None:
         self._caches = caches
         self._store = store
-        self._pool = pool
         self._config = config
-        self._segment = segment
-        self.times = times
+        self._segment = get_codec(codec).encoded_size(caches.block_shape, caches.dtype)
+        self._pool = ThreadPoolExecutor(config.workers, thread_name_prefix="kvkeep-stage")
+        self.times = StageTimes()
+
+    def unit_blocks(self, layers: LayerRange) -> int:
+        # No slot to fill: a unit is what a slot would hold, so memory held by lent pages
+        # and reads stays as bounded as the ring's.
+        return self._config.slot_bytes // (len(layers) * self._segment)
+
+    def start(self, job: RestoreJob) -> WriteRun:
+        return _InPlaceRun(self, job)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
 
     def write(self, job: RestoreJob, layers: LayerRange, entries: list[Located],
               last: bool) -> bool:
@@ -130,3 +145,20 @@ def _copy_across(pieces: Sequence[memoryview], targets: Sequence[_Bytes]) -> Non
             if offset == len(source):
                 index, offset = index + 1, 0
 
+
+
+class _InPlaceRun:
+    """Nothing is kept in flight between units: each is written before the next."""
+
+    def __init__(self, writer: InPlaceWriter, job: RestoreJob) -> None:
+        self._writer = writer
+        self._job = job
+
+    def write(self, layers: LayerRange, entries: list[Located], last: bool) -> bool:
+        return self._writer.write(self._job, layers, entries, last)
+
+    def finish(self) -> bool:
+        return True
+
+    def abandon(self) -> None:
+        pass

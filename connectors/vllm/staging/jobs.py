@@ -1,6 +1,6 @@
-"""What the staged restore works on: the connector's load jobs as protocols (the loader's
+"""What the restore pipeline works on: the connector's load jobs as protocols (the loader's
 `LoadJob` is one, so is a benchmark's), the callables it is handed, and a block located in the
-store (lent in place by the first tier, or read from below)."""
+store (lent in place by the first tier, or read)."""
 
 from __future__ import annotations
 
@@ -64,7 +64,8 @@ class RestoreJob(Protocol):
 
 
 ReadLower = Callable[[RestoreJob, LayerRange, Sequence[RestoreBlock]], list[BlockRead | None]]
-"""Reads of blocks the first tier could not lend (the loader's threaded `get_many`)."""
+"""The pipeline's reads of blocks not lent in place (the loader's threaded `get_many`, under
+the job's deadline)."""
 Refusal = Callable[[FrameHeader], tuple[Count, str] | None]
 """Why a frame's header refuses it (forged, or not one this engine would have written), as its
 load counter and a reason; None when it may be restored."""
