@@ -49,12 +49,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                     "gives the cluster, the load and a schedule of faults (workers, daemons, "
                     "routers killed; etcd paused or restarted; a daemon's disk filled, its "
                     "blocks corrupted, it slowed; a node partitioned); the report has the "
-                    "figures (deploy/chaos/README.md). Without it: rounds of concurrent "
-                    "streamed chat turns (one per session per round); during each round but "
-                    "the last a random worker is killed, and recovered before the next. Every "
-                    "answer must equal its reference, computed before any failure. Default: a "
-                    "local cluster on loopback. --kubectl: a deployed cluster (deploy/k8s), "
-                    "killing worker pods with kubectl.")
+                    "figures (deploy/chaos/README.md). Without it, --kills N is the scenario: "
+                    "streamed chat sessions, N busy workers SIGKILLed mid-answer 45 s apart "
+                    "(each restarted). Every answer must equal its reference, computed before "
+                    "any failure. --kubectl: a deployed cluster (deploy/k8s): rounds of "
+                    "concurrent turns, a random worker pod deleted with kubectl during each "
+                    "round but the last.")
     chaos.add_argument("--scenario", default=None, metavar="FILE",
                        help="a scenario file, or the name of one in deploy/chaos/")
     chaos.add_argument("--kills", type=int, default=2)
@@ -62,7 +62,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     chaos.add_argument("--max-tokens", type=int, default=96, help="tokens per answer")
     chaos.add_argument("--seed", type=int, default=0, help="which worker dies, and when")
     chaos.add_argument("--deadline", type=float, default=300.0, metavar="SECONDS",
-                       help="stop starting rounds after this long (the load is bounded)")
+                       help="--kubectl: stop starting rounds after this long")
     chaos.add_argument("--json", type=Path, default=None, metavar="PATH")
     chaos.add_argument("--keep", action="store_true", help="keep the local cluster's temp dir")
     chaos.add_argument("--model-dir", type=Path, default=None)
@@ -107,9 +107,11 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _chaos(args: argparse.Namespace) -> int:
-    if args.scenario is not None:
+    if not args.kubectl:
         return _chaos_scenario(args)
-    from deploy.chaos import ChaosOptions, run_kubectl_chaos, run_local_chaos
+    # A deployed cluster (deploy/k8s): rounds of turns, worker pods deleted with kubectl. The
+    # scenario runner drives local processes (it restarts, pauses and partitions them).
+    from deploy.chaos import ChaosOptions, run_kubectl_chaos
 
     try:
         options = ChaosOptions(kills=args.kills, sessions=args.sessions,
@@ -120,33 +122,37 @@ def _chaos(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"kvkeep chaos: {exc}", file=sys.stderr)
         return 2
+    if args.scenario is not None:
+        print("kvkeep chaos: --scenario runs on a local cluster only (not with --kubectl)",
+              file=sys.stderr)
+        return 2
+    if not args.router_url:
+        print("kvkeep chaos --kubectl needs --router-url", file=sys.stderr)
+        return 2
     _exit_on_sigterm()
-    if args.kubectl:
-        if not args.router_url:
-            print("kvkeep chaos --kubectl needs --router-url", file=sys.stderr)
-            return 2
-        report = run_kubectl_chaos(options, router_url=args.router_url,
-                                   namespace=args.namespace, selector=args.selector)
-    else:
-        report = run_local_chaos(options)
+    report = run_kubectl_chaos(options, router_url=args.router_url,
+                               namespace=args.namespace, selector=args.selector)
     return 0 if report.passed else 1
 
 
 def _chaos_scenario(args: argparse.Namespace) -> int:
-    from deploy.chaos.scenario import load_scenario
+    """A local cluster: a scenario file, or `--kills N` built into one (`kills_scenario`)."""
+    from deploy.chaos.scenario import Scenario, kills_scenario, load_scenario
     from deploy.chaos.scenario_runner import resolve_scenario, run_scenario
 
-    if args.kubectl:
-        print("kvkeep chaos: --scenario runs on a local cluster only (not with --kubectl)",
-              file=sys.stderr)
-        return 2
-    path = resolve_scenario(args.scenario)
+    source: Path | Scenario
     try:
-        load_scenario(path)  # bad input is an error before anything starts
+        if args.scenario is not None:
+            source = resolve_scenario(args.scenario)
+            load_scenario(source)  # bad input is an error before anything starts
+        else:
+            source = kills_scenario(kills=args.kills, sessions=args.sessions,
+                                    max_tokens=args.max_tokens, seed=args.seed,
+                                    workers=args.workers)
     except ConfigError as exc:
         print(f"kvkeep chaos: {exc}", file=sys.stderr)
         return 2
     _exit_on_sigterm()
-    result = run_scenario(path, json_path=args.json, model_dir=args.model_dir,
+    result = run_scenario(source, json_path=args.json, model_dir=args.model_dir,
                           keep_dir=args.keep)
     return 0 if result["passed"] else 1

@@ -16,11 +16,13 @@ from deploy.chaos.counters import CounterTally
 from deploy.chaos.faults import FaultRecord
 from deploy.chaos.registrations import Departure
 from deploy.chaos.scenario import (
+    KILL_SPACING_S,
     SCENARIO_DIR,
     KillDaemon,
     KillWorker,
     Partition,
     PauseEtcd,
+    kills_scenario,
     load_scenario,
 )
 from deploy.chaos.storage import ProbeResult
@@ -53,6 +55,27 @@ def test_the_ci_scenario_kills_a_worker_a_daemon_and_pauses_etcd() -> None:
     assert len(ci) == 1
     kinds = {type(f) for f in ci[0].faults}
     assert {KillWorker, KillDaemon, PauseEtcd} <= kinds
+
+
+@pytest.mark.parametrize(("kills", "sessions", "max_tokens"), [(2, 4, 64), (0, 1, 16), (3, 6, 96)])
+def test_kills_flags_are_a_scenario_of_busy_worker_kills(kills: int, sessions: int,
+                                                         max_tokens: int) -> None:
+    """`kvkeep chaos --kills N` runs through the scenario runner: N mid-answer kills of a busy
+    worker, each restarted, spaced so the previous one serves again, all inside the load."""
+    s = kills_scenario(kills=kills, sessions=sessions, max_tokens=max_tokens, seed=5,
+                       workers=3)
+    assert [type(f) for f in s.faults] == [KillWorker] * kills
+    assert all(isinstance(f, KillWorker) and f.target == "busy" and f.restart_after == 0
+               and f.mid_stream_left < max_tokens for f in s.faults)
+    times = [f.at for f in s.faults]
+    assert all(b - a >= KILL_SPACING_S for a, b in itertools.pairwise(times))
+    assert s.end_of_faults_s < s.load.duration_s and s.load.turns >= kills + 1
+    assert (s.load.sessions, s.load.max_tokens, s.seed, s.cluster.workers) == (
+        sessions, (max_tokens, max_tokens), 5, 3)
+    for bad in ({"kills": -1}, {"sessions": 0}, {"max_tokens": 8}):
+        args = {"kills": kills, "sessions": sessions, "max_tokens": max_tokens, **bad}
+        with pytest.raises(ConfigError):
+            kills_scenario(seed=0, **args)
 
 
 def test_the_long_scenario_is_fifty_sessions_and_a_fault_every_twenty_seconds() -> None:

@@ -254,6 +254,11 @@ def test_chaos_and_demo_command_lines_parse() -> None:
     assert args.kubectl and args.kills == 3 and callable(args.handler)
     assert "component=worker" in args.selector
     assert parser.parse_args(["demo", "--json", "x.json"]).json == Path("x.json")
+    # Locally, --kills is a scenario: bad flags are refused before any process starts.
+    for bad in (["--kills", "-1"], ["--max-tokens", "4"], ["--kubectl"],
+                ["--kubectl", "--scenario", "ci", "--router-url", "http://127.0.0.1:1"]):
+        args = parser.parse_args(["chaos", *bad])
+        assert args.handler(args) == 2, bad
 
 
 _FAKE_KUBECTL = """#!/bin/sh

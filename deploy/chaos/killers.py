@@ -1,10 +1,8 @@
 """Who kills workers in a chaos run, and how a killed worker comes back.
 
-A killer names its targets, kills one, and waits for it (or its replacement) to serve again:
+A killer names its targets, kills one, and waits for it (or its replacement) to serve again
+(a local cluster's workers are killed by the scenario runner's `kill_worker` fault instead):
 
-- `LocalKiller`: a `deploy.local` cluster. SIGKILL to the vLLM server's process group and to
-  its agent (the node is gone: nobody revokes its lease, it expires), then a restart on the
-  same ports.
 - `KubectlKiller`: a deployment of deploy/k8s. `kubectl delete pod --grace-period=0 --force`
   on a worker pod (vLLM and its `kvkeep worker` sidecar die together), then a wait until the
   Deployment has as many Ready worker pods as before and the router sees them. This mode needs
@@ -18,11 +16,10 @@ import shutil
 import subprocess
 from typing import Any, Protocol
 
-from deploy.local.cluster import LocalCluster
 from deploy.local.probes import http_json, wait_until
 from kvstore.errors import ConfigError, DeadlineExceeded, KVKeepError
 
-__all__ = ["Killer", "LocalKiller", "KubectlKiller", "usable_workers"]
+__all__ = ["Killer", "KubectlKiller", "usable_workers"]
 
 
 class Killer(Protocol):
@@ -42,20 +39,6 @@ def usable_workers(router_url: str) -> set[str]:
     if not isinstance(listed, list):
         return set()
     return {str(w["id"]) for w in listed if isinstance(w, dict) and w.get("usable")}
-
-
-class LocalKiller:
-    def __init__(self, cluster: LocalCluster) -> None:
-        self._cluster = cluster
-
-    def targets(self) -> list[str]:
-        return self._cluster.alive_workers()
-
-    def kill(self, target: str) -> None:
-        self._cluster.kill_worker(target)
-
-    def recover(self, target: str) -> None:
-        self._cluster.restart_worker(target)
 
 
 class KubectlKiller:

@@ -1,5 +1,7 @@
-"""A chaos run: rounds of concurrent streamed turns, a random worker killed during each round
-but the last, and recovered before the next; then the verdict.
+"""`kvkeep chaos --kubectl`: rounds of concurrent streamed turns against a deployed cluster
+(deploy/k8s), a random worker pod deleted during each round but the last, and recovered before
+the next; then the verdict. (A local cluster runs scenarios instead: `scenario_runner`,
+`--kills N` included.)
 
 Bounded on purpose: `sessions x (kills + 1)` turns of `max_tokens` each, and no new round after
 `deadline_s`. Passing means: every answer equals its reference (no token lost, doubled or
@@ -16,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from deploy.chaos.killers import Killer, KubectlKiller, LocalKiller, usable_workers
+from deploy.chaos.killers import Killer, KubectlKiller, usable_workers
 from deploy.chaos.load import (
     InFlight,
     RoundResult,
@@ -26,12 +28,11 @@ from deploy.chaos.load import (
     run_round,
     scripts,
 )
-from deploy.local.cluster import ClusterSpec, LocalCluster
 from deploy.local.probes import http_json, wait_until
 from deploy.report import Report
 from kvstore.errors import ConfigError, KVKeepError
 
-__all__ = ["ChaosOptions", "run_local_chaos", "run_kubectl_chaos"]
+__all__ = ["ChaosOptions", "run_kubectl_chaos"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,28 +54,6 @@ class ChaosOptions:
         if self.kills < 0 or self.sessions < 1 or self.max_tokens <= self.kill_after_chunks:
             raise ConfigError("chaos: kills >= 0, sessions >= 1, and max_tokens above "
                               f"{self.kill_after_chunks} (the kill comes mid-answer)")
-
-
-def run_local_chaos(options: ChaosOptions, out: TextIO = sys.stdout) -> Report:
-    """Chaos against a fresh `deploy.local` cluster (loopback only), stopped at the end."""
-    report = Report("kvkeep chaos (local cluster)", out=out)
-    cluster = LocalCluster(ClusterSpec(daemons=2, workers=options.workers, routers=1,
-                                       model_dir=options.model_dir,
-                                       keep_dir=options.keep_dir))
-    try:
-        report.step(f"start a local cluster: etcd, 2 kvstore daemons, {options.workers} vLLM "
-                    "workers with the kvkeep connector, their agents, 1 router")
-        cluster.start(report.say)
-        _chaos(LocalKiller(cluster), cluster.router_url, options.model or "tiny", options,
-               report)
-    except Exception as exc:  # every failure is reported as one, and the cluster still stops
-        report.check("chaos ran to completion", False, _first_line(exc))
-        report.say(str(exc))
-    finally:
-        report.step("stop every process and clean up")
-        cluster.stop()
-        _finish(report, options, out)
-    return report
 
 
 def run_kubectl_chaos(options: ChaosOptions, *, router_url: str, namespace: str,

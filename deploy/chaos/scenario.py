@@ -211,10 +211,46 @@ def load_scenario(path: Path) -> Scenario:
         raise ConfigError(f"chaos scenario {path}: {exc}") from exc
     except msgspec.DecodeError as exc:
         raise ConfigError(f"chaos scenario {path}: not YAML: {exc}") from exc
+    return checked(scenario, str(path))
+
+
+def checked(scenario: Scenario, source: str) -> Scenario:
+    """`scenario` if it is runnable; else ConfigError naming `source` and what is wrong."""
     problems = _problems(scenario)
     if problems:
-        raise ConfigError(f"chaos scenario {path}: " + "; ".join(problems))
+        raise ConfigError(f"chaos scenario {source}: " + "; ".join(problems))
     return scenario
+
+
+# A killed worker restarts at once and its vLLM serves again ~40 s later: the next kill waits
+# for it, so that each kill finds two live workers and strikes a stream mid-answer.
+KILL_SPACING_S = 45.0
+_FIRST_KILL_S = 4.0
+_AFTER_LAST_KILL_S = 30.0
+
+
+def kills_scenario(*, kills: int, sessions: int, max_tokens: int, seed: int,
+                   workers: int = 2) -> Scenario:
+    """`kvkeep chaos --kills N` as a scenario: streamed chat sessions through one router, and
+    N SIGKILLs of a busy worker mid-answer, `KILL_SPACING_S` apart, each restarted at once.
+    The scenario's checks decide, as for a file (no session lost, every answer equal to its
+    reference, every kill struck)."""
+    if kills < 0 or sessions < 1 or max_tokens < 16:
+        raise ConfigError("chaos: --kills >= 0, --sessions >= 1 and --max-tokens >= 16 (the "
+                          "kill comes mid-answer)")
+    # The kill waits for a stream with this many tokens still to come (KillWorker's doc).
+    left = min(40, max_tokens // 2)
+    faults = tuple(KillWorker(at=_FIRST_KILL_S + i * KILL_SPACING_S, target="busy",
+                              restart_after=0.0, mid_stream_left=left)
+                   for i in range(kills))
+    duration = _FIRST_KILL_S + max(kills - 1, 0) * KILL_SPACING_S + _AFTER_LAST_KILL_S
+    return checked(Scenario(
+        name=f"kills-{kills}", seed=seed,
+        description=f"{kills} busy workers SIGKILLed mid-answer, {KILL_SPACING_S:g}s apart",
+        cluster=ClusterPlan(workers=workers, routers=1),
+        load=LoadPlan(sessions=sessions, turns=kills + 2, duration_s=duration,
+                      concurrency=min(sessions, 4), max_tokens=(max_tokens, max_tokens)),
+        faults=faults), f"--kills {kills}")
 
 
 def _problems(s: Scenario) -> list[str]:

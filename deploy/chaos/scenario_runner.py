@@ -62,14 +62,16 @@ def resolve_scenario(name: str) -> Path:
     return shipped if shipped.exists() else path
 
 
-def run_scenario(path: Path, *, json_path: Path | None = None, model_dir: Path | None = None,
-                 keep_dir: bool = False, out: TextIO = sys.stdout) -> dict[str, Any]:
-    """Run the scenario in `path`; returns the JSON report (also written to `json_path`)."""
-    scenario = load_scenario(path)
+def run_scenario(source: Path | Scenario, *, json_path: Path | None = None,
+                 model_dir: Path | None = None, keep_dir: bool = False,
+                 out: TextIO = sys.stdout) -> dict[str, Any]:
+    """Run a scenario (a file, or one built from flags: `kills_scenario`); returns the JSON
+    report (also written to `json_path`)."""
+    scenario = load_scenario(source) if isinstance(source, Path) else source
     report = Report(f"kvkeep chaos: {scenario.name}", out=out)
     cluster = LocalCluster(_cluster_spec(scenario, model_dir, keep_dir, report))
-    result: dict[str, Any] = {"scenario": scenario.name, "file": str(path),
-                              "seed": scenario.seed}
+    result: dict[str, Any] = {"scenario": scenario.name, "seed": scenario.seed,
+                              "file": str(source) if isinstance(source, Path) else None}
     try:
         report.step(f"start the cluster: etcd, {scenario.cluster.daemons} daemons "
                     f"(R={scenario.cluster.replicas}), {scenario.cluster.workers} vLLM workers, "
