@@ -294,3 +294,20 @@ def test_load_mode_charges_the_step_or_the_request(mode: str, tier: str, alone: 
     assert job.remote_tokens + job.host_tokens == 20 * 16  # loaded either way, not computed
     assert listener.first[1] >= admitted_at + load_s
     assert replica.sync_load_s == (0.0 if parked else pytest.approx(load_s))
+
+
+def test_the_parameter_file_store_costs_are_the_derivation_of_its_cited_runs() -> None:
+    from benchmarks.sim.store_params import derive
+
+    params = load_params()
+    # the figures of the benchmarks.remote run the parameter file cites (2026-12-06)
+    remote = {"baseline": {"tcp_loopback_gbps": 2.827},
+              "remote": {"get_gbps": {"1MiB": 1.537, "4MiB": 1.830, "16MiB": 1.7776},
+                         "lookup_1_p50_us": {"tcp": 171.8, "grpc": 636.6}}}
+    costs = derive(remote, None, block_bytes=params.model.kv_bytes_per_token
+                   * params.engine.block_size)
+    store = params.store
+    assert (costs.host_gbps, costs.remote_gbps) == (store.host_gbps, store.remote_gbps)
+    assert costs.remote_latency_s == pytest.approx(store.remote_latency_s, abs=1e-6)
+    assert costs.host_latency_s == store.host_latency_s
+    assert costs.save_s_per_block == pytest.approx(store.save_s_per_block, rel=0.01)

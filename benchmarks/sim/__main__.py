@@ -22,7 +22,7 @@ from typing import Any
 
 from benchmarks.cli import run_benchmark
 from benchmarks.sim.cluster import Kill, SimResult, Simulation
-from benchmarks.sim.params import DEFAULT_PARAMS, SimParams, load_params
+from benchmarks.sim.params import DEFAULT_PARAMS, LOAD_MODES, SimParams, load_params
 from benchmarks.sim.plots import failover_plot, ladder_plots
 from benchmarks.sim.report import calibration, failover_block, policy_block, summary
 from benchmarks.sim.router_adapter import DEFAULT_POLICIES, SimPolicy, load_policies
@@ -98,8 +98,8 @@ def _merge(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for part in parts:
         blocks.update(part["policies"])
-        for key in ("workload", "params_file", "policy_file", "replicas", "failover",
-                    "failover_node"):
+        for key in ("workload", "params_file", "load_mode", "policy_file", "replicas",
+                    "failover", "failover_node"):
             if key in part:
                 out.setdefault(key, part[key])
     out["policies"] = blocks
@@ -125,6 +125,8 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     if args.merge:
         return _merge(args)
     params = load_params(args.params)
+    if args.load_mode is not None:
+        params = params.with_overrides("store", load_mode=args.load_mode)
     specs = load_policies(args.policy_file)
     if args.policies:
         wanted = args.policies.split(",")
@@ -145,6 +147,7 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     blocks, _ = run_ladder(params, specs, quick=args.quick, seed=args.seed,
                            workload=args.workload, log=log)
     out: dict[str, Any] = {"workload": args.workload, "params_file": str(args.params),
+                           "load_mode": params.store.load_mode,
                            "policy_file": str(args.policy_file),
                            "replicas": 4 if args.quick else 8, "policies": blocks}
     if args.workload != "chat":
@@ -192,6 +195,9 @@ def _extra(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policies", help="comma-separated names from the policy file")
     parser.add_argument("--params", type=Path, default=DEFAULT_PARAMS)
     parser.add_argument("--policy-file", type=Path, default=DEFAULT_POLICIES)
+    parser.add_argument("--load-mode", choices=LOAD_MODES,
+                        help="the connector's load_mode for the store (default: the parameter "
+                             "file's)")
     parser.add_argument("--plots", type=Path, help="directory for the PNG plots")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-failover", action="store_true")
