@@ -288,12 +288,8 @@ class Replica:
         if self.store is not None and hit < limit:
             sh = self.store.lookup(self.index, hashes[hit:limit])
             host, remote, seconds = sh.host_blocks, sh.remote_blocks, sh.seconds
-        if job.cached_tokens < 0:
-            job.cached_tokens = hit * bs
-            job.host_tokens = host * bs
-            job.remote_tokens = remote * bs
         if host + remote and self._loads_async(network=remote > 0):
-            return self._park(job, hit, host + remote, seconds, now)
+            return self._park(job, hit, host, remote, seconds, now)
         start = (hit + host + remote) * bs
         n = min(target - start, budget)
         need = -(-(start + n) // bs) - hit
@@ -309,6 +305,7 @@ class Replica:
         job.chunk = n
         job.state = JobState.PREFILL
         job.load_s = seconds
+        self._note_hits(job, hit, host, remote)
         self.running.append(job)
         if start > hit * bs:
             self._promote_full(job)  # loaded blocks are whole: cache them now
@@ -326,10 +323,18 @@ class Replica:
                   + len(self.loaded))
         return network and others > 0
 
-    def _park(self, job: Job, hit: int, loaded: int, seconds: float, now: float
+    def _note_hits(self, job: Job, hit: int, host: int, remote: int) -> None:
+        """Where the first admission found the prompt's blocks (the hit rates)."""
+        if job.cached_tokens < 0:
+            job.cached_tokens = hit * self.bs
+            job.host_tokens = host * self.bs
+            job.remote_tokens = remote * self.bs
+
+    def _park(self, job: Job, hit: int, host: int, remote: int, seconds: float, now: float
               ) -> tuple[int, float]:
-        """Start an asynchronous load of `loaded` blocks after the device hit: vLLM allocates
-        their blocks now and parks the request until the connector reports them loaded."""
+        """Start an asynchronous load of the `host` + `remote` blocks after the device hit:
+        vLLM allocates their blocks now and parks the request until they are loaded."""
+        loaded = host + remote
         hashes = job.seq_hashes
         if not self.pool.can_allocate(loaded, hashes[:hit]):
             return -1, 0.0
@@ -343,6 +348,7 @@ class Replica:
         job.chunk = 0
         job.state = JobState.LOADING
         job.load_s = seconds
+        self._note_hits(job, hit, host, remote)
         self.async_load_s += seconds
         self._seq += 1
         heapq.heappush(self._loading, (now + seconds, self._seq, job))
