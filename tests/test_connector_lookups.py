@@ -22,6 +22,7 @@ from connectors.vllm.config import ConnectorConfig
 from connectors.vllm.scheduler_side import SchedulerSide
 from connectors.vllm.stats import Count, Counts
 from deploy.local.daemons import start_daemon
+from deploy.local.processes import freeze
 from kvstore.keys import BlockKey, ModelFingerprint, Namespace
 from kvstore.store import TieredStore
 from kvstore.tiers.factory import RemoteSpec, build_tiers
@@ -180,7 +181,7 @@ def test_a_late_network_tier_restores_what_memory_holds_and_counts_the_deadline(
 def stopped_daemon(tmp_path: Path) -> Iterator[str]:
     daemon = start_daemon(tmp_path, "d1")
     assert daemon.proc is not None
-    os.kill(daemon.proc.pid, signal.SIGSTOP)
+    freeze(daemon.proc.pid)
     try:
         yield daemon.address
     finally:

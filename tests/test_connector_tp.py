@@ -36,19 +36,32 @@ PROMPT_SEED = 3
 BLOCKS = 4
 
 
-def _engine(model: Path, nvme: Path, name: str, tp: int) -> dict[str, Any]:
-    """One engine's greedy answer to the prompt, in fresh processes."""
+def _start(model: Path, nvme: Path, name: str, tp: int) -> subprocess.Popen[str]:
+    """One engine answering the prompt greedily, in fresh processes."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
            "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
            # vLLM's CPU binder gives each rank a NUMA node by default; this machine has one.
            "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-    done = subprocess.run(
+    return subprocess.Popen(
         [sys.executable, "-m", "tests.test_connector_tp", str(model), str(nvme), name, str(tp)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    assert done.returncode == 0 and lines, done.stderr[-4000:]
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _answer(engine: subprocess.Popen[str]) -> dict[str, Any]:
+    try:
+        out, err = engine.communicate(timeout=600)
+    finally:
+        if engine.poll() is None:
+            engine.kill()
+            engine.wait()
+    lines = [line for line in out.splitlines() if line.startswith("{")]
+    assert engine.returncode == 0 and lines, err[-4000:]
     result: dict[str, Any] = json.loads(lines[-1])
     return result
+
+
+def _engine(model: Path, nvme: Path, name: str, tp: int) -> dict[str, Any]:
+    return _answer(_start(model, nvme, name, tp))
 
 
 @pytest.mark.slow
@@ -59,11 +72,12 @@ def test_tp2_restores_tp2_and_tp1_misses(tiny: TinyModel, tmp_path: Path) -> Non
     assert first["cached"] == 0
     assert sorted(p.name for p in nvme.iterdir()) == ["tp0of2", "tp1of2"]  # a shard per rank
 
-    second = _engine(tiny.path, nvme, "tp2-b", 2)
+    # The TP = 2 reader and the TP = 1 engine at once: the second reads the first's shards, the
+    # TP = 1 one (another layout) finds none of them and writes under its own subdirectory.
+    engines = [_start(tiny.path, nvme, "tp2-b", 2), _start(tiny.path, nvme, "tp1", 1)]
+    second, single = (_answer(engine) for engine in engines)
     assert second["cached"] == BLOCKS * 32
     assert second["tokens"] == first["tokens"]
-
-    single = _engine(tiny.path, nvme, "tp1", 1)
     assert single["cached"] == 0
     assert single["tokens"] == first["tokens"]
 

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from deploy.local.daemons import running_daemons
+from deploy.local.processes import freeze
 from deploy.local.services import EtcdServer
 from kvstore.cluster.discovery import (
     DEFAULT_PREFIX,
@@ -59,7 +60,7 @@ def test_an_etcd_stall_past_the_lease_ttl_drops_no_live_daemon(
             discovery.subscribe(snapshots)
             start = len(snapshots.since(0))
             # Past the TTL, and past a re-listing or two (resync 1 s, requests time out).
-            os.kill(etcd_server.proc.pid, signal.SIGSTOP)
+            freeze(etcd_server.proc.pid)
             try:
                 time.sleep(LEASE_TTL * 2 + 0.5)
             finally:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from deploy.local.daemons import DaemonProcess, running_daemons
+from deploy.local.processes import freeze
 from deploy.local.services import free_port
 from kvstore.errors import ConfigError, DeadlineExceeded
 from kvstore.frame import BlockRead, LayerRange
@@ -237,7 +238,7 @@ def test_a_hung_daemon_costs_one_deadline_then_is_skipped(daemons: list[DaemonPr
     assert len(led_by_victim) >= 5
     assert set(tier.breaker_states().values()) == {"closed"}
     assert victim.proc is not None
-    os.kill(victim.proc.pid, signal.SIGSTOP)  # alive but silent: the worst kind of failure
+    freeze(victim.proc.pid)  # alive but silent: the worst kind of failure
     try:
         first = tier.get(led_by_victim[0], deadline=time.monotonic() + 30)
         assert first is not None and first.to_frame() == frames[led_by_victim[0]]
@@ -331,7 +332,7 @@ def test_batched_reads_land_in_place_and_fall_back_per_key(daemons: list[DaemonP
 
         victim = by_id["d2"]
         assert victim.proc is not None
-        os.kill(victim.proc.pid, signal.SIGSTOP)
+        freeze(victim.proc.pid)
         try:
             reads = tier.get_into(keys, [None] * len(keys), deadline=time.monotonic() + 30)
             assert [r is not None and r.to_frame() == frames[k]

@@ -13,6 +13,7 @@ import signal
 import aetcd  # type: ignore[import-untyped]
 import pytest
 
+from deploy.local.processes import freeze
 from deploy.local.services import EtcdServer
 from kvstore.keys import SessionId
 from router.errors import StateUnavailable
@@ -55,7 +56,7 @@ def test_binding_writes_fail_fast_while_etcd_does_not_answer(etcd_server: EtcdSe
             ok, _ = await backend.cas_binding(Binding(SessionId("s0"), WorkerId("w1"), "m"),
                                               None, 600)
             assert ok
-            os.kill(etcd_server.proc.pid, signal.SIGSTOP)
+            freeze(etcd_server.proc.pid)
             try:
                 with pytest.raises(StateUnavailable, match="CAS failed"):
                     await backend.cas_binding(Binding(SessionId("s1"), WorkerId("w1"), "m"),

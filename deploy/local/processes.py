@@ -12,13 +12,32 @@ import contextlib
 import os
 import signal
 import subprocess
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from deploy.local.ports import free_port
 
-__all__ = ["ManagedProcess", "free_port"]
+__all__ = ["ManagedProcess", "free_port", "freeze"]
+
+
+def freeze(pid: int, timeout: float = 5.0) -> None:
+    """SIGSTOP `pid` and return once the kernel reports it stopped. `kill` returns when the
+    signal is queued; a process running on another core goes on until it takes it, and on a
+    loaded machine that was long enough for a stopped etcd to answer one more request."""
+    os.kill(pid, signal.SIGSTOP)
+    stat = Path(f"/proc/{pid}/stat")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            # The state follows the parenthesised command name, which may hold spaces.
+            if stat.read_text().rpartition(")")[2].split()[0] in ("T", "t"):
+                return
+        except (OSError, IndexError):
+            return  # gone, or not Linux: nothing more to wait for
+        time.sleep(0.005)
+    raise TimeoutError(f"process {pid} not stopped {timeout:g}s after SIGSTOP")
 
 
 @dataclass
