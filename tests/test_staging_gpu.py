@@ -15,7 +15,7 @@ from connectors.vllm.caches import PagedCaches
 from connectors.vllm.layouts import cuda_layout
 from connectors.vllm.staging import RestorePipeline, StagingConfig, writer_for
 from connectors.vllm.staging.jobs import BatchJob, StagedBlock
-from connectors.vllm.staging.restore import pinned
+from connectors.vllm.staging.ring_restore import pinned
 from connectors.vllm.staging.save import (
     FrameSettings,
     RingFramer,

@@ -52,7 +52,7 @@ from deploy.local.daemons import running_daemons
 from kvstore import frame
 from kvstore.block import CompressionMode, decode_layer, encode_block
 from kvstore.codecs import get_codec
-from kvstore.errors import CodecError, ConfigError
+from kvstore.errors import CodecError, ConfigError, InvalidFrame
 from kvstore.frame import BlockRead, CodecId, Compression, DType, LayerRange, build_frame
 from kvstore.keys import BlockKey, ModelFingerprint, Namespace
 from kvstore.mac import MacKey
@@ -594,6 +594,71 @@ def test_a_batch_that_cannot_be_encoded_is_reported_unsaved(store: TieredStore,
     assert reports == ({0: False, 1: False, 2: False} if framing == "staged"
                        else {0: True, 1: False, 2: True})
     assert [store.get(key) is not None for key in keys] == [reports[j] for j in range(3)]
+
+
+def test_a_row_that_cannot_be_framed_fails_alone_and_every_slot_comes_back(
+        store: TieredStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A frame the staged framer cannot build (here: refused by the frame builder) is that
+    block's NOT_SAVED; its batch's other blocks are saved and every slot returns to the ring,
+    so the next batch never waits for a lost one."""
+    caches, fp = _caches("flash", torch.bfloat16, "raw")
+    ids = torch.arange(6)
+    layers = [caches.bound[i].gather(caches.tensors[i], ids) for i in range(LAYERS)]
+    keys = [BlockKey.of(fp, Namespace("t"), bytes([i + 1]) * 32) for i in range(6)]
+    segment = get_codec("raw").encoded_size(caches.block_shape, caches.dtype)
+    pipeline = _save_pipeline(caches, store, "raw", "staged", compression="zstd",
+                              staging=StagingConfig(slots=2, slot_bytes=2 * (LAYERS * segment
+                                                                             + 400)))
+    framer = pipeline.framer
+    assert isinstance(framer, RingFramer)
+    real = framer._frame_row
+
+    def refuse_the_fourth(row: Any, key: BlockKey) -> Any:
+        if key == keys[3]:
+            raise InvalidFrame("refused for the test")
+        return real(row, key)
+
+    monkeypatch.setattr(framer, "_frame_row", refuse_the_fourth)
+    try:
+        assert _save(pipeline, keys, layers) == {0: True, 1: True, 2: True, 3: False, 4: True,
+                                                 5: True}
+        assert framer.ring.free == framer.ring.capacity
+        assert _save(pipeline, keys[:3], layers) == {0: True, 1: True, 2: True}
+    finally:
+        pipeline.close()
+
+
+def test_a_saver_whose_pipeline_fails_reports_its_blocks_unsaved(
+        store: TieredStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An error inside the save pipeline (a bug, a device error) never reaches the engine's
+    step: the batch's blocks are reported not saved (vLLM's scheduler plans them again) and
+    counted as failed."""
+    from connectors.vllm.config import ConnectorConfig
+    from connectors.vllm.metadata import SaveSpec
+    from connectors.vllm.saver import Saver
+
+    caches, fp = _caches("flash", torch.bfloat16, "raw")
+    counters, outbox = Counts(), WorkerOutbox()
+    context = WorkerContext(store, caches, fp, CodecId.RAW, outbox, counters)
+    saver = Saver(context, ConnectorConfig.from_extra({"store": {"host_bytes": 1 << 20}}))
+
+    def broken(*_: Any) -> Any:
+        raise RuntimeError("a device error")
+
+    monkeypatch.setattr(WriteBehind, "put", broken)
+    hashes = tuple(bytes([i + 1]) * 32 for i in range(3))
+    try:
+        saver.prepare()
+        saver.finish_step([SaveSpec(BlockRun("r", "t", 0, (4, 5, 6), hashes), flush=True)],
+                          loads_ok=True)
+        assert saver.drain(10)
+    finally:
+        saver.shutdown()
+    report = outbox.take_report()
+    assert report is not None
+    assert sorted((r.index, r.ok) for r in report.saves) == [(0, False), (1, False), (2, False)]
+    assert counters.snapshot()[Count.SAVE_FAILED] == 3
+    assert outbox.take_finished()[0] == {"r"}  # the paged blocks were let go all the same
 
 
 @pytest.mark.parametrize("signed", [False, True])

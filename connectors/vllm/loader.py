@@ -235,9 +235,9 @@ class Loader:
                 async_job.cancel(Count.LOAD_LATE)
         self._sync.shutdown(wait=True)
         self._async.shutdown(wait=True)
-        self._readers.shutdown(wait=True)
         if self._pipeline is not None:
-            self._pipeline.close()
+            self._pipeline.close()  # its fetches read through `_readers`: closed after it
+        self._readers.shutdown(wait=True)
 
     # -- a job ----------------------------------------------------------------------------------
 

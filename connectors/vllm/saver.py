@@ -37,6 +37,8 @@ from connectors.vllm.config import ConnectorConfig
 from connectors.vllm.metadata import BlockRun, SaveReport, SaveSpec
 from connectors.vllm.staging.save import (
     DURABLE_GRACE_S,
+    HOST_CHUNK,
+    NOT_SAVED,
     Framer,
     FrameSettings,
     FrameSink,
@@ -100,6 +102,7 @@ class Saver:
         self._config = config
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvkeep-save")
         self._lock = threading.Lock()
+        self._build_lock = threading.Lock()  # not `_lock`: the step's `_select` takes that
         self._inflight = 0
         self._step: _Batch | None = None
         self._pipeline: SavePipeline | None = None  # built once the caches are registered
@@ -261,7 +264,10 @@ class Saver:
         unacknowledged: list[SaveItem] = []
         durable = self._config.durability is not None
 
+        reported: set[int] = set()
+
         def report(index: int, saved: Saved) -> None:
+            reported.add(index)
             item = items[index]
             self._ctx.counters.add(Count.SAVED_BLOCKS if saved.stored else Count.SAVE_FAILED)
             if saved.stored:
@@ -274,9 +280,14 @@ class Saver:
             self._ctx.outbox.saves((item.report(ok=saved.stored),))
 
         layers = [layer for layer in batch.layers if layer is not None]
-        self._pipeline_now().save(SaveBatch([item.key for item in items], layers, rows,
-                                            batch.ready, batch.computed_at, batch.deadline),
-                                  report)
+        try:
+            self._pipeline_now().save(SaveBatch([item.key for item in items], layers, rows,
+                                                batch.ready, batch.computed_at, batch.deadline),
+                                      report)
+        except Exception:  # a bug, a device error: never the step's; the blocks go unsaved
+            log.exception("kvkeep: a batch of %d saves failed", len(items))
+            for index in sorted(set(range(len(items))) - reported):
+                report(index, NOT_SAVED)
         self._not_durable(unsaved, "it was not saved (see the log above)")
         if self._config.durability is not None:
             self._not_durable(unacknowledged,
@@ -289,7 +300,7 @@ class Saver:
         self._pipeline_now()
 
     def _pipeline_now(self) -> SavePipeline:
-        with self._lock:
+        with self._build_lock:
             if self._pipeline is None:
                 self._pipeline = self._build_pipeline()
             return self._pipeline
@@ -298,10 +309,13 @@ class Saver:
         """The framer `save_path` names, into the sink `durability` names: every combination
         of the two and of codec, compression and MAC signing is allowed."""
         settings = FrameSettings(self._ctx.codec, self._config.compression, self._ctx.mac_key)
+        durability = self._config.durability
+        # A replicated sink gets a batch in one put (one round trip to R daemons); a batch is
+        # at most `max_inflight_saves` blocks.
+        chunk = HOST_CHUNK if durability is None else self._config.max_inflight_saves
         framer: Framer = (RingFramer(self._ctx.caches, settings)
                           if self._config.save_path == "staged"
-                          else HostFramer(self._ctx.caches, settings))
-        durability = self._config.durability
+                          else HostFramer(self._ctx.caches, settings, chunk))
         sink: FrameSink = (WriteBehind(self._ctx.store) if durability is None
                            else Replicated(self._ctx.store, durability.replicas))
         return SavePipeline(framer, sink)

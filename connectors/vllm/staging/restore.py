@@ -38,8 +38,6 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
-import torch
-
 from connectors.vllm.caches import PagedCaches
 from connectors.vllm.config import RestorePath
 from connectors.vllm.staging.config import StagingConfig
@@ -52,7 +50,7 @@ from kvstore.frame import CodecId, LayerRange
 from kvstore.store import TieredStore
 from kvstore.tiers.capabilities import BorrowedBlock
 
-__all__ = ["RestorePipeline", "WriteRun", "Writer", "pinned", "writer_for"]
+__all__ = ["RestorePipeline", "WriteRun", "Writer", "writer_for"]
 
 log = logging.getLogger(__name__)
 
@@ -221,12 +219,6 @@ def _stored_width(lent: BorrowedBlock, layers: LayerRange) -> int:
     """What a lent layer range weighs when its segments are stored uncompressed."""
     return sum(lent.header.segments[layer].raw_length for layer in range(layers.start,
                                                                           layers.stop))
-
-
-def pinned(block: BorrowedBlock) -> bool:
-    """Whether a lent block's pages are page-locked (a DMA can read them in place)."""
-    return bool(block.pieces) and bool(torch.frombuffer(block.pieces[0],
-                                                        dtype=torch.uint8).is_pinned())
 
 
 def _release_fetched(fetched: Future[list[Located]]) -> None:

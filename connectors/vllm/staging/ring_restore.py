@@ -36,7 +36,7 @@ from connectors.vllm.caches import PagedCaches
 from connectors.vllm.staging.config import StagingConfig
 from connectors.vllm.staging.jobs import Located, RestoreJob, all_results
 from connectors.vllm.staging.kernels import scatter_rows
-from connectors.vllm.staging.restore import WriteRun, pinned
+from connectors.vllm.staging.restore import WriteRun
 from connectors.vllm.staging.ring import Slot, StagingRing, split
 from connectors.vllm.staging.streams import Event, lane_for
 from connectors.vllm.staging.timing import StageTimes
@@ -46,8 +46,9 @@ from kvstore.codecs import get_codec
 from kvstore.errors import CorruptBlock
 from kvstore.frame import CodecId, LayerRange
 from kvstore.store import TieredStore
+from kvstore.tiers.capabilities import BorrowedBlock
 
-__all__ = ["RingWriter"]
+__all__ = ["RingWriter", "pinned"]
 
 # Page-locked pages are lent read-only; a device copy only reads them, but torch warns when it
 # wraps a read-only buffer. Silenced for this module's calls only.
@@ -313,3 +314,9 @@ class _RingRun:
         if batch.slot is not None:
             self._writer.ring.release(batch.slot, after if after is not None else batch.copied)
             batch.slot = None
+
+
+def pinned(block: BorrowedBlock) -> bool:
+    """Whether a lent block's pages are page-locked (a DMA can read them in place)."""
+    return bool(block.pieces) and bool(torch.frombuffer(block.pieces[0],
+                                                        dtype=torch.uint8).is_pinned())

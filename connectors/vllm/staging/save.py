@@ -59,14 +59,14 @@ from kvstore.frame import CodecId, FrameBytes, Signer, build_frame
 from kvstore.keys import BlockKey
 from kvstore.store import TieredStore
 
-__all__ = ["FrameSink", "Framer", "HostFramer", "Replicated", "Report", "RingFramer",
-           "SaveBatch", "SavePipeline", "Saved", "WriteBehind"]
+__all__ = ["HOST_CHUNK", "NOT_SAVED", "FrameSink", "Framer", "HostFramer", "Replicated",
+           "Report", "RingFramer", "SaveBatch", "SavePipeline", "Saved", "WriteBehind"]
 
 log = logging.getLogger(__name__)
 
-# Frames a host framer encodes before handing them to the sink: one replicated put (a round
-# trip to R daemons) per chunk instead of per block, without holding a whole batch's frames.
-_HOST_CHUNK = 32
+# Frames a host framer encodes before handing them to a write-behind sink: puts start while
+# later blocks encode, without holding a whole batch's frames.
+HOST_CHUNK = 32
 
 # How long past its durability deadline a batch's put may still count as durable (the put
 # itself ends by the deadline; this covers encoding and a thread hop).
@@ -182,11 +182,15 @@ class FrameSettings:
 
 
 class HostFramer:
-    """One frame per block, encoded on the calling thread by `encode_block`."""
+    """One frame per block, encoded on the calling thread by `encode_block`, handed to the
+    sink `chunk_blocks` at a time (a replicated sink wants the whole batch in one put: one
+    round trip to R daemons, as the durability deadline assumes)."""
 
-    def __init__(self, caches: PagedCaches, settings: FrameSettings) -> None:
+    def __init__(self, caches: PagedCaches, settings: FrameSettings,
+                 chunk_blocks: int = HOST_CHUNK) -> None:
         self._caches = caches
         self._settings = settings
+        self._chunk = max(1, chunk_blocks)
 
     def close(self) -> None:
         pass
@@ -195,8 +199,8 @@ class HostFramer:
         for event in batch.ready:
             event.synchronize()
         layout = self._caches.layout
-        for start in range(0, len(batch.keys), _HOST_CHUNK):
-            indexes = range(start, min(len(batch.keys), start + _HOST_CHUNK))
+        for start in range(0, len(batch.keys), self._chunk):
+            indexes = range(start, min(len(batch.keys), start + self._chunk))
             frames: list[FrameBytes | None] = []
             for j in indexes:
                 try:
@@ -265,8 +269,16 @@ class RingFramer:
                 while len(shipped) >= self.ring.capacity:
                     self._land(shipped.popleft())
         finally:
+            # Every slot goes back even if a batch failed: a lost slot would leave a later
+            # save waiting for it forever.
+            error: BaseException | None = None
             while shipped:
-                self._land(shipped.popleft())
+                try:
+                    self._land(shipped.popleft())
+                except BaseException as exc:
+                    error = error or exc
+            if error is not None:
+                raise error
 
     def _ship(self, slot: Slot, batch: SaveBatch, indexes: range, emit: Emit) -> _Shipped:
         host, device = slot.rows(len(indexes), self.layout.frame_bytes)
@@ -296,7 +308,8 @@ class RingFramer:
         return _Shipped(slot, tasks)
 
     def _land(self, shipped: _Shipped) -> None:
-        """Wait for a batch's seals and puts, then give its slot back."""
+        """Wait for a batch's seals and puts, then give its slot back (a batch that failed to
+        encode gave it back already)."""
         errors = [task.exception() for task in shipped.tasks]
         if shipped.tasks:
             self.ring.release(shipped.slot)
@@ -310,7 +323,13 @@ class RingFramer:
         copied.synchronize()
         waited = time.perf_counter()
         self.times.add("wait_copy", waited - started)
-        sealed = [self._frame_row(frames[j - first], batch.keys[j]) for j in indexes]
+        sealed: list[FrameBytes | None] = []
+        for j in indexes:
+            try:
+                sealed.append(self._frame_row(frames[j - first], batch.keys[j]))
+            except KVKeepError:
+                log.warning("kvkeep: framing a block failed", exc_info=True)
+                sealed.append(None)
         self.times.add("seal", time.perf_counter() - waited)
         emit(indexes, sealed)
         self.times.add("seal_and_put", time.perf_counter() - waited)
