@@ -281,6 +281,23 @@ def test_router_ids_equal_vllms_prompt_token_ids(workers: dict[str, VllmServer])
         assert list(ours) == theirs, (endpoint, extra)
 
 
+def _prefill_until_indexed(core: Any, server: VllmServer, seed: int) -> str:
+    """Prefill a new prompt straight on `server` until the router's KV-event index holds its
+    blocks; the prompt. A SUB socket receives nothing published before its connection and
+    subscription are through (ZMQ's slow joiner), and on a loaded machine the router's may
+    still be connecting when the first prompt's events go out: that prompt is then never
+    indexed (vLLM caches it, so sending it again publishes nothing), and the next one is."""
+    for attempt in range(5):
+        prompt = _words(200, seed + attempt)
+        before = len(core.blocks)
+        httpx.post(server.url + "/v1/completions", timeout=120, json={
+            "model": "tiny", "prompt": prompt, "max_tokens": 1}).raise_for_status()
+        with contextlib.suppress(TimeoutError):
+            wait_until(lambda b=before: len(core.blocks) >= b + 5, timeout=10)
+            return prompt
+    raise AssertionError(f"{server.url}'s KV events never reached the router's index")
+
+
 @pytest.mark.slow
 def test_a_text_prompt_is_routed_by_the_kv_event_index(workers: dict[str, VllmServer]
                                                        ) -> None:
@@ -302,12 +319,7 @@ def test_a_text_prompt_is_routed_by_the_kv_event_index(workers: dict[str, VllmSe
             primed: dict[str, str] = {}
             for i in range(4):  # two prompts on each worker, alternating
                 worker = ("w1", "w2")[i % 2]
-                prompt = _words(200, 10 + i)
-                before = len(core.blocks)
-                httpx.post(workers[worker].url + "/v1/completions", timeout=120, json={
-                    "model": "tiny", "prompt": prompt, "max_tokens": 1}).raise_for_status()
-                wait_until(lambda b=before: len(core.blocks) >= b + 5, timeout=30)
-                primed[prompt] = worker
+                primed[_prefill_until_indexed(core, workers[worker], 10 + 10 * i)] = worker
             for prompt, worker in primed.items():
                 assert core.history.match(text_prefix_keys(prompt)) == {}  # never routed
                 r = http.post("/v1/completions", json={"model": "tiny", "prompt": prompt,
