@@ -293,13 +293,8 @@ class Replica:
         start = (hit + host + remote) * bs
         n = min(target - start, budget)
         need = -(-(start + n) // bs) - hit
-        if not self.pool.can_allocate(need, hashes[:hit]):
+        if not self._claim(job, hit, need):
             return -1, 0.0
-        self.pool.acquire(hashes[:hit])
-        self.pool.allocate(need)
-        job.held = list(hashes[:hit])
-        job.private = need
-        job.promoted = hit
         job.first_computed_block = hit + host + remote
         job.computed = start
         job.chunk = n
@@ -310,6 +305,18 @@ class Replica:
         if start > hit * bs:
             self._promote_full(job)  # loaded blocks are whole: cache them now
         return n, seconds
+
+    def _claim(self, job: Job, hit: int, private: int) -> bool:
+        """Take the job's `hit` cached blocks and `private` new ones, if the pool has room."""
+        cached = job.seq_hashes[:hit]
+        if not self.pool.can_allocate(private, cached):
+            return False
+        self.pool.acquire(cached)
+        self.pool.allocate(private)
+        job.held = list(cached)
+        job.private = private
+        job.promoted = hit
+        return True
 
     def _loads_async(self, *, network: bool) -> bool:
         """The connector's choice: "auto" parks a load that reaches a network tier while
@@ -335,14 +342,8 @@ class Replica:
         """Start an asynchronous load of the `host` + `remote` blocks after the device hit:
         vLLM allocates their blocks now and parks the request until they are loaded."""
         loaded = host + remote
-        hashes = job.seq_hashes
-        if not self.pool.can_allocate(loaded, hashes[:hit]):
+        if not self._claim(job, hit, loaded):
             return -1, 0.0
-        self.pool.acquire(hashes[:hit])
-        self.pool.allocate(loaded)
-        job.held = list(hashes[:hit])
-        job.private = loaded
-        job.promoted = hit
         job.first_computed_block = hit + loaded
         job.computed = (hit + loaded) * self.bs
         job.chunk = 0
