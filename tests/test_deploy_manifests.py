@@ -14,13 +14,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import yaml
 
 from connectors.vllm.config import ConnectorConfig
 from kvstore.commands.kvkeep import build_parser
+from kvstore.commands.store import settings_from_args
 from kvstore.daemon.auth import TokenTable
-from kvstore.daemon.config import DaemonConfig, parse_size
+from kvstore.daemon.config import DaemonConfig
 from kvstore.etcd import etcd_spec
 from router.commands import config_from_args
 
@@ -191,13 +193,13 @@ def test_daemon_config_builds_from_the_manifest(tmp_path: Path) -> None:
     mount = next(m for m in _one("DaemonSet", "kvkeep-store")["spec"]["template"]["spec"][
         "containers"][0]["volumeMounts"] if m["name"] == "tokens")
     assert Path(parsed.token_file).parent == Path(mount["mountPath"])
-    # What `kvkeep store serve` builds (kvstore/commands/store.py): a listener beyond loopback is
-    # refused without a token file, so this also proves the manifest's listener is allowed.
-    config = DaemonConfig(
-        listen=parsed.listen, data_dir=parsed.data_dir, mem_budget=parse_size(parsed.mem_budget),
-        disk_budget=parse_size(parsed.disk_budget), node_id=parsed.node_id, etcd=parsed.etcd,
-        advertise=parsed.advertise, token_file=token_file, replicas=parsed.replicas,
-        drain_timeout=parsed.drain_timeout, data_listen=parsed.data_listen)
+    # What `kvkeep store serve` builds (kvstore/commands/store.py), every flag of the manifest
+    # through the same settings (the token file here, not in the pod): a listener beyond
+    # loopback is refused without a token file, so this also proves the manifest's is allowed.
+    settings = msgspec.structs.replace(settings_from_args(parsed), token_file=str(token_file))
+    config = settings.config()
+    assert (config.mem_budget, config.disk_budget) == (16 << 30, 500 << 30)
+    assert config.replicas == 2 and config.drain_timeout == 20
     assert config.advertised_address(7070) == "10.8.3.17:7070"
     assert config.advertised_data_address(7071) == "10.8.3.17:7071"
     with pytest.raises(Exception, match="token-file"):

@@ -1,11 +1,16 @@
 """`kvkeep store ...` subcommands (registered into the CLI by kvstore/commands/kvkeep.py).
 
-    kvkeep store serve --listen HOST:PORT --data-dir DIR --mem-budget SIZE --disk-budget SIZE
-                       --node-id ID [--etcd URL] [--token-file F]
+    kvkeep store serve [--config FILE] --listen HOST:PORT --data-dir DIR --mem-budget SIZE
+                       --disk-budget SIZE --node-id ID [--etcd URL] [--token-file F]
                        [--tls-cert F --tls-key F [--tls-ca F]] [--data-listen auto|off|H:P]
                        [--metrics-listen auto|off|H:P] ...
                        [--etcd-ca F --etcd-cert F --etcd-key F] [--etcd-user U
                         --etcd-password-file F]
+
+--config FILE: the same settings as a YAML (or, named *.json, JSON) mapping, one key per flag
+(the flag without its dashes, `-` as `_`: `mem_budget: 16GiB`; `--etcd-prefix` is `prefix` and
+`--registration-pubkey` is `registration_public_key`, as the connector spells them). A flag
+given on the command line wins over the file's key; an unknown key is an error.
 
 etcd: `https://` URLs mean TLS, verified against --etcd-ca; a client certificate
 (--etcd-cert/--etcd-key) for etcd's --client-cert-auth, and/or etcd user auth.
@@ -28,11 +33,16 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvstore.errors import KVKeepError
-from kvstore.etcd.flags import add_etcd_arguments, etcd_spec_from_args
+from kvstore.etcd import EtcdSpec
+from kvstore.etcd.flags import add_etcd_arguments
 
-__all__ = ["register", "serve_main", "build_serve_parser", "MALLOC_ENV"]
+if TYPE_CHECKING:
+    from kvstore.daemon.config import DaemonSettings
+
+__all__ = ["register", "serve_main", "build_serve_parser", "settings_from_args", "MALLOC_ENV"]
 
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "67108864", "MALLOC_TRIM_THRESHOLD_": "268435456"}
 
@@ -74,72 +84,80 @@ def serve_main(argv: Sequence[str]) -> int:
 
 
 def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--listen", required=True, help="HOST:PORT to bind (PORT 0: any free port)")
-    p.add_argument("--data-dir", required=True, type=Path, help="where the nvme tier lives")
-    p.add_argument("--mem-budget", default="1GiB", help="host RAM tier size (e.g. 8GiB)")
-    p.add_argument("--disk-budget", default="10GiB", help="nvme tier size (e.g. 500GiB)")
-    p.add_argument("--mem-prefault", action="store_true",
+    """The serve flags: each one's dest is a `DaemonSettings` key (tests/test_daemon_settings.py
+    checks both ways), and none has a default, so that a flag left out leaves the --config
+    file's key (or `DaemonConfig`'s default) in place."""
+    p.add_argument("--config", type=Path, metavar="FILE",
+                   help="settings file (YAML, or JSON if named *.json): one key per flag; the "
+                   "flags given win over it")
+    p.add_argument("--listen", help="HOST:PORT to bind (PORT 0: any free port); required, as a "
+                   "flag or in --config, as are --data-dir and --node-id")
+    p.add_argument("--data-dir", type=Path, help="where the nvme tier lives")
+    p.add_argument("--mem-budget", help="host RAM tier size (e.g. 8GiB; default 1GiB)")
+    p.add_argument("--disk-budget", help="nvme tier size (e.g. 500GiB; default 10GiB)")
+    p.add_argument("--mem-prefault", action="store_true", default=None,  # None: not given
                    help="touch the whole RAM budget at start-up (a slower start, then puts at "
                    "memcpy speed from the first one: on a VM whose host backs memory lazily, "
                    "the first touch of a page runs at a fraction of that, 0.28 GB/s against "
                    "8.6 GB/s on this project's machines)")
-    p.add_argument("--disk-fsync", choices=("block", "off"), default="block",
+    p.add_argument("--disk-fsync", choices=("block", "off"),
                    help="'block' (default): every block written behind to the nvme tier is "
                    "fsync'd, so an acknowledged block survives a power loss once written; "
                    "'off': written to the page cache only (a killed daemon keeps its blocks, a "
                    "power loss may lose the last ones, read back as misses), which is what "
                    "LMCache's fs backend and Redis without AOF give")
-    p.add_argument("--node-id", required=True, help="this node's unique name")
+    p.add_argument("--node-id", help="this node's unique name")
     add_etcd_arguments(p, help="etcd URL(s), e.g. https://10.0.0.1:2379 (https: TLS); omit to "
                                "run unregistered")
-    p.add_argument("--etcd-prefix", default=None, help="registration prefix "
+    p.add_argument("--etcd-prefix", dest="prefix", help="registration prefix "
                    "(default /kvkeep/stores/)")
-    p.add_argument("--advertise", default=None, help="HOST:PORT clients dial (default: --listen)")
-    p.add_argument("--lease-ttl", type=int, default=5, help="etcd lease TTL in seconds")
-    p.add_argument("--token-file", type=Path, default=None,
+    p.add_argument("--advertise", help="HOST:PORT clients dial (default: --listen)")
+    p.add_argument("--lease-ttl", type=int, help="etcd lease TTL in seconds")
+    p.add_argument("--token-file", type=Path,
                    help="bearer tokens -> tenants; required to listen beyond loopback")
-    p.add_argument("--tls-cert", type=Path, default=None)
-    p.add_argument("--tls-key", type=Path, default=None)
-    p.add_argument("--tls-ca", type=Path, default=None,
+    p.add_argument("--tls-cert", type=Path)
+    p.add_argument("--tls-key", type=Path)
+    p.add_argument("--tls-ca", type=Path,
                    help="CA for client certificates: turns on mutual TLS (and peers are "
                         "verified against it)")
-    p.add_argument("--tls-server-name", default=None, metavar="NAME",
+    p.add_argument("--tls-server-name", metavar="NAME",
                    help="the name every daemon's certificate carries, checked instead of a "
                         "peer's address (one certificate shared by all daemons)")
-    p.add_argument("--registration-key", type=Path, default=None, metavar="FILE",
+    p.add_argument("--registration-key", type=Path, metavar="FILE",
                    help="Ed25519 private key (PEM) the etcd registration is signed with; "
                         "peers are believed only if theirs verify")
-    p.add_argument("--registration-pubkey", type=Path, default=None, metavar="FILE",
+    p.add_argument("--registration-pubkey", dest="registration_public_key", type=Path,
+                   metavar="FILE",
                    help="more Ed25519 public keys (PEM) peers may sign with (key rotation)")
-    p.add_argument("--replicas", type=int, default=2,
+    p.add_argument("--replicas", type=int,
                    help="copies per block the re-replication restores (match the clients' R)")
-    p.add_argument("--rereplicate-after", type=float, default=30.0,
+    p.add_argument("--rereplicate-after", type=float,
                    help="seconds membership must be stable before blocks are re-replicated")
-    p.add_argument("--drain-timeout", type=float, default=15.0,
+    p.add_argument("--drain-timeout", type=float,
                    help="seconds in-flight streams get to finish on SIGTERM")
-    p.add_argument("--workers", type=int, default=4, help="storage I/O threads")
-    p.add_argument("--tenant-put-share", type=float, default=0.5,
+    p.add_argument("--workers", type=int, help="storage I/O threads")
+    p.add_argument("--tenant-put-share", type=float,
                    help="share of the in-flight put budget (half of --mem-budget, 64MiB-4GiB) "
                    "one tenant may hold (default 0.5)")
-    p.add_argument("--tenant-put-streams", type=int, default=16,
+    p.add_argument("--tenant-put-streams", type=int,
                    help="concurrent puts (gRPC streams, data plane requests) per tenant")
-    p.add_argument("--tenant-stored-share", type=float, default=1.0,
+    p.add_argument("--tenant-stored-share", type=float,
                    help="share of --disk-budget one tenant's blocks may fill; past it its "
                    "oldest blocks go (default 1.0: all tenants share the disk by LRU)")
-    p.add_argument("--inflight-put-bytes", default=None,
+    p.add_argument("--inflight-put-bytes",
                    help="the daemon's in-flight put budget (default: half of --mem-budget)")
-    p.add_argument("--put-idle-timeout", type=float, default=10.0,
+    p.add_argument("--put-idle-timeout", type=float,
                    help="seconds a put may go without a byte arriving before it is dropped")
-    p.add_argument("--idle-timeout", type=float, default=120.0,
+    p.add_argument("--idle-timeout", type=float,
                    help="seconds an authenticated connection may stay idle")
-    p.add_argument("--preauth-timeout", type=float, default=5.0,
+    p.add_argument("--preauth-timeout", type=float,
                    help="seconds a data plane connection may stay open without an "
                    "authenticated request (slowloris)")
-    p.add_argument("--data-listen", default="auto",
+    p.add_argument("--data-listen",
                    help="bulk data plane (plain TCP beside gRPC, for block get/put): 'auto' "
                    "(the --listen host, any free port; advertised in etcd and Stat), 'off', or "
                    "HOST:PORT. Always off with TLS.")
-    p.add_argument("--metrics-listen", default="auto",
+    p.add_argument("--metrics-listen",
                    help="Prometheus /metrics over HTTP (HTTPS with --tls-cert): 'auto' (the "
                    "--listen host, any free port; logged), 'off', or HOST:PORT (give one for "
                    "Prometheus to scrape). Beyond loopback only with --token-file.")
@@ -172,33 +190,36 @@ def _serve_handler(args: argparse.Namespace, argv: list[str] | None = None) -> i
             os.environ.get(k) != v for k, v in MALLOC_ENV.items()):
         env = {**os.environ, **MALLOC_ENV}
         os.execve(sys.executable, [sys.executable, "-m", "kvstore.daemon", *argv], env)
-    from kvstore.daemon.config import DaemonConfig, budget_options, parse_size
     from kvstore.daemon.server import run_daemon
 
     try:
-        config = DaemonConfig(
-            listen=args.listen, data_dir=args.data_dir, mem_budget=parse_size(args.mem_budget),
-            disk_budget=parse_size(args.disk_budget), disk_fsync=args.disk_fsync == "block",
-            mem_prefault=args.mem_prefault,
-            node_id=args.node_id,
-            etcd=etcd_spec_from_args(args, check_files=True),
-            advertise=args.advertise, lease_ttl=args.lease_ttl, token_file=args.token_file,
-            tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
-            tls_server_name=args.tls_server_name, registration_key=args.registration_key,
-            registration_public_keys=args.registration_pubkey,
-            replicas=args.replicas, rereplicate_after=args.rereplicate_after,
-            drain_timeout=args.drain_timeout, workers=args.workers,
-            data_listen=args.data_listen, metrics_listen=args.metrics_listen,
-            tenant_put_share=args.tenant_put_share,
-            tenant_put_streams=args.tenant_put_streams,
-            tenant_stored_share=args.tenant_stored_share,
-            inflight_put_bytes=(parse_size(args.inflight_put_bytes)
-                                if args.inflight_put_bytes else None),
-            put_idle_timeout=args.put_idle_timeout, idle_timeout=args.idle_timeout,
-            preauth_timeout=args.preauth_timeout, **budget_options(args),
-            **({"etcd_prefix": args.etcd_prefix} if args.etcd_prefix else {}))
+        config = settings_from_args(args).config()
+        if isinstance(config.etcd, EtcdSpec):
+            config.etcd.check_files()  # a typo fails the start, not every reconnect
     except KVKeepError as exc:
         print(f"kvkeep store serve: {exc}", file=sys.stderr)
         return 2
     return run_daemon(config)
 
+
+def settings_from_args(args: argparse.Namespace) -> DaemonSettings:
+    """The serve command's settings: the --config file's keys, each flag given over its own
+    (a flag's dest is its key), parsed as one mapping, so a key is checked the same wherever
+    it was given; a ConfigError names the key."""
+    from kvstore.daemon.config import DaemonSettings
+    from kvstore.settings import parse_settings, read_settings_file
+
+    given = {} if args.config is None else read_settings_file(args.config)
+    for key in _setting_keys():
+        value = getattr(args, key, None)
+        if value is not None:  # given on the command line
+            given[key] = os.fspath(value) if isinstance(value, os.PathLike) else value
+    where = ("the command line" if args.config is None
+             else f"{args.config} (with the command line's flags over it)")
+    return parse_settings(given, DaemonSettings, where)
+
+
+def _setting_keys() -> list[str]:
+    """Every serve flag's dest but --config's: the `DaemonSettings` keys flags can give."""
+    parser = build_serve_parser()
+    return [a.dest for a in parser._actions if a.dest not in ("help", "config")]

@@ -1,14 +1,29 @@
-"""The daemon's configuration: one frozen value built from the command line, checked up front."""
+"""The daemon's configuration: the settings an operator writes (`DaemonSettings`: a
+`--config FILE`, the flags of `kvkeep store serve` over it), and the one frozen value the daemon
+runs from (`DaemonConfig`), built from them and checked up front.
+
+Two types, not one, because they hold different things. `DaemonSettings` is what was given, in
+the words of the file and the flags: sizes as `512MiB` or a byte count, the etcd as its URL and
+`etcd_*` keys (spelled and checked as the connector and the LMCache plugin spell them:
+`kvstore.settings.RegistrySettings`), a key left out as None. `DaemonConfig` is what the daemon
+uses: byte counts, an `EtcdSpec`, `Path`s, every default filled in, and the fields no operator
+sets (`keepalive`, `peer_token`, `catalog_prune_s`: tests and benchmarks set them in code).
+Every daemon is built through `DaemonConfig` (the command, tests, benchmarks), so its checks,
+the cross-field ones included (TLS files that go together, a network listener only with a
+token file), guard them all, with one message each, and its defaults are the only ones: a
+settings key left out keeps the `DaemonConfig` default, not a second copy of it.
+"""
 
 from __future__ import annotations
 
 import argparse
 import ipaddress
-import re
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+import msgspec
 
 from kvstore.cluster.discovery import DEFAULT_PREFIX
 from kvstore.daemon.budgets import DaemonLimits
@@ -16,23 +31,10 @@ from kvstore.errors import ConfigError
 from kvstore.etcd import EtcdSpec
 from kvstore.keys import validate_name
 from kvstore.net.grpc_options import Keepalive
+from kvstore.settings import RegistrySettings, Size, Text, parse_size
 
-__all__ = ["DaemonConfig", "parse_size", "split_host_port", "is_loopback",
-           "add_budget_arguments", "budget_options"]
-
-_SIZE_RE = re.compile(r"(?i)\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*")
-_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
-
-def parse_size(text: str) -> int:
-    """`512MiB`, `4G`, `1.5GiB`, `1048576` -> bytes (binary units either way)."""
-    match = _SIZE_RE.fullmatch(text)
-    if match is None:
-        raise ConfigError(f"bad size {text!r}: use e.g. 512MiB, 4GiB or a byte count")
-    value = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-    if value <= 0:
-        raise ConfigError(f"size {text!r} must be positive")
-    return value
+__all__ = ["DaemonConfig", "DaemonSettings", "parse_size", "split_host_port", "is_loopback",
+           "add_budget_arguments"]
 
 
 def split_host_port(address: str) -> tuple[str, int]:
@@ -50,6 +52,86 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+class DaemonSettings(RegistrySettings, frozen=True, kw_only=True):
+    """`kvkeep store serve`'s settings as given: a `--config` file's keys, and the flags over
+    them. Each key is its flag without the dashes (`--mem-budget` is `mem_budget`), save two
+    that take the clients' spelling (`RegistrySettings`): `--etcd-prefix` is `prefix` and
+    `--registration-pubkey` is `registration_public_key`. What a key means: its flag's help,
+    and the `DaemonConfig` field of its name. None: not given, `DaemonConfig`'s default."""
+
+    listen: Text
+    data_dir: Text
+    node_id: Text
+    # The command's defaults (a `DaemonConfig` built in code names its budgets).
+    mem_budget: Size = Size(1 << 30)
+    disk_budget: Size = Size(10 << 30)
+    mem_prefault: bool | None = None
+    disk_fsync: Literal["block", "off"] | None = None
+    advertise: Text | None = None
+    lease_ttl: int | None = None
+    token_file: Text | None = None
+    """The daemon's token table (`<token> <tenant>[,<tenant>...]` per line), not a client's
+    one-token file: the same key, the daemon's side of it."""
+    tls_cert: Text | None = None
+    tls_key: Text | None = None
+    tls_ca: Text | None = None
+    tls_server_name: Text | None = None
+    registration_key: Text | None = None
+    replicas: int | None = None
+    rereplicate_after: float | None = None
+    drain_timeout: float | None = None
+    workers: int | None = None
+    tenant_put_share: float | None = None
+    tenant_put_streams: int | None = None
+    tenant_stored_share: float | None = None
+    inflight_put_bytes: Size | None = None
+    put_idle_timeout: float | None = None
+    idle_timeout: float | None = None
+    preauth_timeout: float | None = None
+    data_listen: Text | None = None
+    metrics_listen: Text | None = None
+    backpressure_timeout: float | None = None
+    write_queue_depth: int | None = None
+    max_pending_writes: int | None = None
+    tenant_read_streams: int | None = None
+    tenant_read_bytes: Size | None = None
+    get_min_rate: Size | None = None
+    """Bytes per second, as a size (`1MiB`)."""
+    tenant_max_blocks: int | None = None
+    tenant_manifest_share: float | None = None
+    max_unauth_connections: int | None = None
+    max_connections_per_ip: int | None = None
+    grpc_max_streams: int | None = None
+
+    def config(self) -> DaemonConfig:
+        """The `DaemonConfig` these settings describe (its checks run here); the etcd's files
+        are not read yet (`EtcdSpec.check_files`)."""
+        values: dict[str, Any] = {"etcd": self.etcd_spec(), "etcd_prefix": self.stores_prefix}
+        for key in msgspec.structs.fields(self):
+            value = getattr(self, key.name)
+            if value is None or key.name in _AS_ETCD:
+                continue
+            if isinstance(value, Size):
+                value = int(value)  # a plain int in the config (its repr, its equality)
+            convert = _CONVERT.get(key.name)
+            values[_RENAMED.get(key.name, key.name)] = (
+                value if convert is None else convert(value))
+        return DaemonConfig(**values)
+
+
+_AS_ETCD = frozenset(RegistrySettings.__struct_fields__) - {"registration_public_key"}
+"""The keys `DaemonConfig.etcd` (an `EtcdSpec`) and `etcd_prefix` are made of."""
+_RENAMED = {"registration_public_key": "registration_public_keys"}
+"""Keys spelled as the clients spell them, whose `DaemonConfig` field is named otherwise."""
+_CONVERT: dict[str, Any] = {
+    **{key: Path for key in ("data_dir", "token_file", "tls_cert", "tls_key", "tls_ca",
+                             "registration_key", "registration_public_key")},
+    "disk_fsync": lambda value: value == "block",
+    "get_min_rate": float,
+}
+"""Keys whose `DaemonConfig` field holds another type than the settings' do."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,8 +213,9 @@ class DaemonConfig:
     tenant_read_bytes: int | None = None
     """Bytes of blocks one tenant's reads may hold while they are sent; None: the tenant's
     in-flight put budget (M1)."""
-    get_min_rate: float = 1e6
-    """Bytes per second a TCP GET's reader must take; a GET gets 30 s plus size / this (M1)."""
+    get_min_rate: float = float(1 << 20)
+    """Bytes per second a TCP GET's reader must take; a GET gets 30 s plus size / this (M1).
+    1 MiB/s: what `--get-min-rate` has always defaulted to (this field said 1e6)."""
     tenant_max_blocks: int | None = None
     """Blocks one tenant may store; None: its stored budget over the smallest block's cost
     (a file-system block plus the per-entry overhead, M4)."""
@@ -234,46 +317,30 @@ class DaemonConfig:
 
 def add_budget_arguments(p: argparse.ArgumentParser) -> None:
     """The serve command's flags for back-pressure, read budgets, shapes and connections
-    (issue 16: M1-M7); `budget_options` turns them into DaemonConfig's fields."""
-    p.add_argument("--backpressure-timeout", type=float, default=30.0,
+    (issue 16: M1-M7): `DaemonSettings`' keys of the same names. No defaults here (a flag left
+    out must not hide the `--config` file's key): `DaemonConfig`'s are the defaults."""
+    p.add_argument("--backpressure-timeout", type=float,
                    help="seconds a put's ack may wait for the disk; then it is refused")
-    p.add_argument("--write-queue-depth", type=int, default=1024,
+    p.add_argument("--write-queue-depth", type=int,
                    help="write-behind jobs that may wait (a copy finding it full is refused)")
-    p.add_argument("--max-pending-writes", type=int, default=64,
+    p.add_argument("--max-pending-writes", type=int,
                    help="write-behind depth past which acks wait for the disk")
-    p.add_argument("--tenant-read-streams", type=int, default=32,
+    p.add_argument("--tenant-read-streams", type=int,
                    help="reads one tenant may have in progress")
-    p.add_argument("--tenant-read-bytes", default=None,
+    p.add_argument("--tenant-read-bytes",
                    help="bytes one tenant's reads in progress may hold (default: its put "
                    "budget)")
-    p.add_argument("--get-min-rate", default="1MiB",
-                   help="bytes per second a data plane GET's reader must take")
-    p.add_argument("--tenant-max-blocks", type=int, default=None,
+    p.add_argument("--get-min-rate",
+                   help="bytes per second a data plane GET's reader must take (default "
+                   "1MiB)")
+    p.add_argument("--tenant-max-blocks", type=int,
                    help="blocks one tenant may store (default: its stored budget over a "
                    "file-system block plus the per-entry overhead)")
-    p.add_argument("--tenant-manifest-share", type=float, default=0.25,
+    p.add_argument("--tenant-manifest-share", type=float,
                    help="share of the manifest budget one tenant may fill")
-    p.add_argument("--max-unauth-connections", type=int, default=32,
+    p.add_argument("--max-unauth-connections", type=int,
                    help="data plane connections not yet authenticated, at once")
-    p.add_argument("--max-connections-per-ip", type=int, default=128,
+    p.add_argument("--max-connections-per-ip", type=int,
                    help="data plane connections from one source address")
-    p.add_argument("--grpc-max-streams", type=int, default=256,
+    p.add_argument("--grpc-max-streams", type=int,
                    help="concurrent gRPC calls per connection (x4 per daemon)")
-
-
-def budget_options(args: argparse.Namespace) -> dict[str, Any]:
-    """DaemonConfig's fields from `add_budget_arguments`' flags."""
-    return {
-        "backpressure_timeout": args.backpressure_timeout,
-        "write_queue_depth": args.write_queue_depth,
-        "max_pending_writes": args.max_pending_writes,
-        "tenant_read_streams": args.tenant_read_streams,
-        "tenant_read_bytes": (parse_size(args.tenant_read_bytes)
-                              if args.tenant_read_bytes else None),
-        "get_min_rate": float(parse_size(args.get_min_rate)),
-        "tenant_max_blocks": args.tenant_max_blocks,
-        "tenant_manifest_share": args.tenant_manifest_share,
-        "max_unauth_connections": args.max_unauth_connections,
-        "max_connections_per_ip": args.max_connections_per_ip,
-        "grpc_max_streams": args.grpc_max_streams,
-    }
