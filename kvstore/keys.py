@@ -22,6 +22,7 @@ __all__ = [
     "Namespace",
     "BlockKey",
     "SessionKey",
+    "conversation_scope_digest",
     "validate_session_id",
     "validate_name",
     "MAX_BLOCK_HASH_BYTES",
@@ -132,6 +133,18 @@ class Namespace:
         return cls(tenant, salt)
 
 
+_CONVERSATION_PERSON = b"kvkeep-conv/v1"
+
+
+def conversation_scope_digest(scope: str) -> bytes:
+    """The 16 bytes a conversation record's `SessionKey` has where a manifest's has its model
+    fingerprint digest (`SessionKey.conversation`)."""
+    if not isinstance(scope, str) or not scope:
+        raise InvalidKey("a conversation scope must be a non-empty string")
+    return hashlib.blake2b(scope.encode(), digest_size=_DIGEST_BYTES,
+                           person=_CONVERSATION_PERSON).digest()
+
+
 def _digest(*parts: bytes) -> bytes:
     h = hashlib.blake2b(digest_size=_DIGEST_BYTES)
     for part in parts:
@@ -177,7 +190,12 @@ class BlockKey:
 
 @dataclass(frozen=True, slots=True)
 class SessionKey:
-    """(model fingerprint digest, namespace, session id): the address of a session manifest."""
+    """(fingerprint, namespace, session id): the address of what the store keeps for a session
+    (kvstore/manifest.py). `fingerprint` is 16 bytes saying what kind of record, for what, the
+    key holds: a `ModelFingerprint.digest` for a KV session manifest (`of`), a conversation
+    scope's digest for a router conversation record (`conversation`). The two never meet: the
+    second is a BLAKE2b personalised for conversation scopes, the first an unpersonalised one
+    of a fingerprint's canonical JSON."""
 
     fingerprint: bytes
     namespace: Namespace
@@ -197,7 +215,15 @@ class SessionKey:
 
     @classmethod
     def of(cls, fingerprint: ModelFingerprint, namespace: Namespace, session_id: str) -> SessionKey:
+        """A KV session manifest's key."""
         return cls(fingerprint.digest, namespace, validate_session_id(session_id))
+
+    @classmethod
+    def conversation(cls, scope: str, namespace: Namespace, session_id: str) -> SessionKey:
+        """A conversation record's key: `scope` (the served model and API tenant) in place of
+        a model fingerprint. A conversation depends on no KV layout, so none is named; a
+        daemon indexes the key as it does any other, by its digest."""
+        return cls(conversation_scope_digest(scope), namespace, validate_session_id(session_id))
 
     @property
     def storage_name(self) -> str:

@@ -3,13 +3,14 @@ daemons: a record the router did not sign (written straight to the daemons by a 
 holder), signed with another key or moved from another session, or older than the router's
 last write for the session, is never used: the continuation is a 409 `history_unavailable`
 and the worker sees no forged history. A turn that cannot be recorded leaves a tombstone that
-outranks a daemon's stale copy. The config refuses the connectors' store tenant. The router
-is a real replica over a fake vLLM worker (token-id completions need no tokenizer)."""
+outranks a daemon's stale copy. A record the previous version wrote (a SessionManifest), or a
+manifest under a record's key, is never history either. The config refuses the connectors'
+store tenant. The router is a real replica over a fake vLLM worker (token-id completions need
+no tokenizer)."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,20 +26,21 @@ from deploy.local.services import free_port
 from kvstore.commands.kvkeep import build_parser
 from kvstore.errors import ConfigError, ForgedBlock
 from kvstore.etcd import EtcdSpec
-from kvstore.keys import Namespace, SessionId, SessionKey
-from kvstore.manifest import SessionManifest
+from kvstore.keys import BlockHash, ModelFingerprint, Namespace, SessionId, SessionKey
+from kvstore.manifest import ConversationRecord, SessionManifest, SessionRecord, expect_kind
 from kvstore.tiers.factory import RemoteSpec
 from router.commands import config_from_args
 from router.config import RouterConfig, StaticWorker
 from router.conversations import StoreRecords
 from router.conversations.config import ContinuationConfig
-from router.conversations.records import RecordKey, conversation_fingerprint, record_scope
+from router.conversations.records import RecordKey, record_scope
 from router.front.proxy import build_app
 from router.membership.workers import WorkerId
 from router.service import RouterService
 from tests.router_harness import FakeWorker, LoopThread, fake_generate, wait_until
 
 STORE_TENANT = "conversations"
+SCOPE = record_scope("fake", "default")
 SECRET = bytes(range(32))
 TIMEOUT = 5.0
 DAY_US = 86_400 * 10 ** 6
@@ -58,17 +60,17 @@ class Env:
     metrics: Any
 
     def key(self, sid: str) -> SessionKey:
-        return SessionKey.of(conversation_fingerprint(record_scope("fake", "default")),
-                             Namespace(STORE_TENANT), SessionId(sid))
+        return SessionKey.conversation(SCOPE, Namespace(STORE_TENANT), SessionId(sid))
 
-    def stored(self, sid: str) -> list[SessionManifest | None]:
-        return [d.client().get_manifest(self.key(sid), timeout=TIMEOUT) for d in self.daemons]
+    def stored(self, sid: str) -> list[ConversationRecord | None]:
+        return [expect_kind(d.client().get_manifest(self.key(sid), timeout=TIMEOUT),
+                            ConversationRecord) for d in self.daemons]
 
-    def put_everywhere(self, manifest: SessionManifest) -> None:
+    def put_everywhere(self, record: SessionRecord) -> None:
         for d in self.daemons:
             client = d.client()
-            client.delete_manifest(manifest.key, timeout=TIMEOUT)
-            client.put_manifest(manifest, timeout=TIMEOUT)
+            client.delete_manifest(record.key, timeout=TIMEOUT)
+            client.put_manifest(record, timeout=TIMEOUT)
 
     def outcome(self, name: str, outcome: str) -> float:
         return self.metrics.get_sample_value(name, {"outcome": outcome}) or 0.0
@@ -125,8 +127,9 @@ def _refused(r: httpx.Response, words: str) -> None:
 def test_a_record_is_signed_and_continues(env: Env) -> None:
     assert _complete(env, "h7-ok", [5, 6, 7]).status_code == 200
     history = (5, 6, 7, *fake_generate([5, 6, 7], 3))
-    for manifest in env.stored("h7-ok"):  # on both daemons, with the router's MAC
-        assert manifest is not None and manifest.token_ids == history and manifest.mac
+    for record in env.stored("h7-ok"):  # on both daemons, with the router's MAC
+        assert record is not None and record.token_ids == history and record.mac
+        assert record.scope == SCOPE
     assert _complete(env, "h7-ok", [8], cont=True).status_code == 200
     assert env.worker.requests[-1]["prompt"] == [*history, 8]
 
@@ -138,20 +141,19 @@ def test_a_forged_record_is_refused_with_a_409(env: Env, forgery: str) -> None:
     both daemons; the next continuation is refused, never built on it."""
     sid = f"h7-forged-{forgery.replace(' ', '-')}"
     assert _complete(env, sid, [5, 6, 7]).status_code == 200
-    injected = (66, 66, 66, 66)
+    injected: tuple[int, ...] = (66, 66, 66, 66)
     key, generation = env.key(sid), _ahead(20)
     mac = b""
     if forgery == "another key":
-        mac = RecordKey(bytes(32)).tag(key, record_scope("fake", "default"), generation,
-                                       injected)
+        mac = RecordKey(bytes(32)).tag(key, SCOPE, generation, injected)
     elif forgery == "moved":  # a genuine record of another session, copied over this one
         assert _complete(env, f"{sid}-donor", [66, 66]).status_code == 200
         donor = env.stored(f"{sid}-donor")[0]
         assert donor is not None
         injected, generation, mac = donor.token_ids, donor.generation + 1, donor.mac
     before = env.outcome("kvkeep_router_continuations_total", "forged")
-    env.put_everywhere(SessionManifest(key, (), len(injected), generation=generation,
-                                       token_ids=injected, mac=mac))
+    env.put_everywhere(ConversationRecord(SCOPE, key.namespace, key.session_id, generation,
+                                          injected, mac))
     requests = len(env.worker.requests)
     _refused(_complete(env, sid, [8], cont=True), "integrity")
     assert len(env.worker.requests) == requests  # no worker saw the injected history
@@ -202,7 +204,7 @@ def test_an_unrecordable_turn_leaves_a_tombstone_over_stale_copies(env: Env) -> 
                                          replicas=2, timeout_s=TIMEOUT),
                               STORE_TENANT, key=RecordKey(SECRET))
         try:
-            return await reader.get(record_scope("fake", "default"), SessionId(sid))
+            return await reader.get(SCOPE, SessionId(sid))
         finally:
             await reader.close()
 
@@ -221,7 +223,7 @@ def test_a_reader_without_the_key_refuses_every_record(env: Env) -> None:
                                          replicas=2, timeout_s=TIMEOUT), STORE_TENANT)
         try:
             with pytest.raises(ForgedBlock):
-                await reader.get(record_scope("fake", "default"), SessionId("h7-keyless"))
+                await reader.get(SCOPE, SessionId("h7-keyless"))
         finally:
             await reader.close()
 
@@ -279,8 +281,8 @@ def test_the_records_need_a_store_tenant_of_their_own(tmp_path: Path) -> None:
     key_file.write_text(SECRET.hex() + "\n")
     keyed = _config(*base, "--store-record-key-file", str(key_file)).continuation
     assert keyed is not None and keyed.record_key is not None
-    scope, sid = record_scope("m", "alice"), SessionKey.of(
-        conversation_fingerprint("m"), Namespace(STORE_TENANT), SessionId("s"))
+    scope = record_scope("m", "alice")
+    sid = SessionKey.conversation(scope, Namespace(STORE_TENANT), SessionId("s"))
     assert keyed.record_key.tag(sid, scope, 1, (1, 2)) == \
         RecordKey(SECRET).tag(sid, scope, 1, (1, 2))  # the file's key, as every replica's
     short = tmp_path / "short.key"
@@ -293,24 +295,26 @@ def test_the_records_need_a_store_tenant_of_their_own(tmp_path: Path) -> None:
 
 def test_the_mac_binds_tenant_session_generation_and_tokens() -> None:
     key = RecordKey(SECRET)
-    sk = SessionKey.of(conversation_fingerprint("m"), Namespace(STORE_TENANT), SessionId("s"))
-    other = SessionKey.of(conversation_fingerprint("m"), Namespace(STORE_TENANT),
-                          SessionId("t"))
-    base = key.tag(sk, record_scope("m", "alice"), 5, (1, 2, 3))
-    assert base != key.tag(sk, record_scope("m", "bob"), 5, (1, 2, 3))
-    assert base != key.tag(other, record_scope("m", "alice"), 5, (1, 2, 3))
-    assert base != key.tag(sk, record_scope("m", "alice"), 6, (1, 2, 3))
-    assert base != key.tag(sk, record_scope("m", "alice"), 5, (1, 2, 4))
-    assert base != key.tag(sk, record_scope("m", "alice"), 5, (12, 3))
-    manifest = SessionManifest(sk, (), 3, generation=5, token_ids=(1, 2, 3), mac=base)
-    decoded = SessionManifest.decode(manifest.encode(), sk)
+    alice, bob = record_scope("m", "alice"), record_scope("m", "bob")
+    sk = SessionKey.conversation(alice, Namespace(STORE_TENANT), SessionId("s"))
+    other = SessionKey.conversation(alice, Namespace(STORE_TENANT), SessionId("t"))
+    base = key.tag(sk, alice, 5, (1, 2, 3))
+    assert base != key.tag(sk, bob, 5, (1, 2, 3))
+    assert base != key.tag(other, alice, 5, (1, 2, 3))
+    assert base != key.tag(sk, alice, 6, (1, 2, 3))
+    assert base != key.tag(sk, alice, 5, (1, 2, 4))
+    assert base != key.tag(sk, alice, 5, (12, 3))
+    record = key.sign(ConversationRecord(alice, Namespace(STORE_TENANT), SessionId("s"), 5,
+                                         (1, 2, 3)))
+    assert record.key == sk and record.mac == base
+    decoded = ConversationRecord.decode(record.encode(), sk)
     assert decoded.mac == base
-    key.check(decoded, record_scope("m", "alice"))
+    key.check(decoded, alice)
     with pytest.raises(ForgedBlock):
-        key.check(decoded, record_scope("m", "bob"))
-    unsigned = SessionManifest(sk, (), 0, generation=1)
-    assert b'"mac"' not in unsigned.encode()  # unsigned manifests encode as before
-    assert json.loads(unsigned.encode()[8:])["v"] == 1
+        key.check(decoded, bob)
+    with pytest.raises(ForgedBlock, match="not signed"):
+        key.check(ConversationRecord(alice, Namespace(STORE_TENANT), SessionId("s"), 5,
+                                     (1, 2, 3)), alice)
 
 
 def test_a_record_from_a_clock_ahead_does_not_swallow_a_new_turn(env: Env) -> None:
@@ -322,13 +326,64 @@ def test_a_record_from_a_clock_ahead_does_not_swallow_a_new_turn(env: Env) -> No
     key = env.key(sid)
     scope = record_scope("fake", "default")
     ahead, old = _ahead(10), (1, 2, 3)
-    env.put_everywhere(SessionManifest(key, (), 3, generation=ahead, token_ids=old,
-                                       mac=RecordKey(SECRET).tag(key, scope, ahead, old)))
+    env.put_everywhere(RecordKey(SECRET).sign(ConversationRecord(
+        scope, key.namespace, key.session_id, ahead, old)))
     turn = [5, 6, 7]
     assert _complete(env, sid, turn).status_code == 200  # this replica never saw the session
     history = [*turn, *fake_generate(turn, 3)]
-    for manifest in env.stored(sid):
-        assert manifest is not None and list(manifest.token_ids) == history
-        assert manifest.generation > ahead
+    for record in env.stored(sid):
+        assert record is not None and list(record.token_ids) == history
+        assert record.generation > ahead
     assert _complete(env, sid, [8], cont=True).status_code == 200
     assert env.worker.requests[-1]["prompt"] == [*history, 8]
+
+
+def _legacy_key(scope: str, sid: str) -> SessionKey:
+    """Where the previous version filed a record: a made-up fingerprint, layout "conversation"."""
+    fingerprint = ModelFingerprint(model_id=scope, weights_digest="kvkeep-router-conversation/v1",
+                                   dtype="token-ids", num_layers=1, num_kv_heads=1, head_size=1,
+                                   block_size=1, layout_id="conversation", codec="token-ids")
+    return SessionKey.of(fingerprint, Namespace(STORE_TENANT), SessionId(sid))
+
+
+def test_a_previous_versions_record_is_a_409_then_recorded_anew(env: Env) -> None:
+    """Migration: a record the previous version wrote (a SessionManifest with its MAC, under
+    its made-up fingerprint) still sits in both daemons. The router never reads it: the
+    continuation is a 409 (no history), the client resends the whole conversation, and that
+    turn is recorded as a ConversationRecord the next continuation builds on."""
+    sid = "h7-legacy"
+    legacy = SessionManifest(_legacy_key(SCOPE, sid), (), 3, generation=_ahead(0),
+                             token_ids=(1, 2, 3))
+    env.put_everywhere(legacy)
+    requests = len(env.worker.requests)
+    _refused(_complete(env, sid, [8], cont=True), "no history")
+    assert len(env.worker.requests) == requests
+    turn = [1, 2, 3, 4]
+    assert _complete(env, sid, turn).status_code == 200
+    assert _complete(env, sid, [8], cont=True).status_code == 200
+    assert env.worker.requests[-1]["prompt"] == [*turn, *fake_generate(turn, 3), 8]
+    for d in env.daemons:  # the old record is left as it was, for the budgets to evict
+        assert d.client().get_manifest(legacy.key, timeout=TIMEOUT) == legacy
+
+
+def test_a_manifest_under_a_records_key_is_a_409_and_is_outranked(env: Env) -> None:
+    """A KV manifest written under a conversation key (by a store token holder), with a
+    generation ahead: reading it as a record is CorruptBlock, a 409 with no history sent to
+    the worker; the next whole-history turn outranks it (the router reads its generation)
+    and the session continues."""
+    sid = "h7-wrong-kind"
+    key = env.key(sid)
+    ahead = _ahead(5)
+    env.put_everywhere(SessionManifest(key, (BlockHash(b"x" * 32),), 16, generation=ahead,
+                                       token_ids=(66,) * 16))
+    before = env.outcome("kvkeep_router_continuations_total", "store_error")
+    requests = len(env.worker.requests)
+    _refused(_complete(env, sid, [8], cont=True), "not a ConversationRecord")
+    assert len(env.worker.requests) == requests
+    assert env.outcome("kvkeep_router_continuations_total", "store_error") == before + 1
+    turn = [5, 6]
+    assert _complete(env, sid, turn).status_code == 200
+    for record in env.stored(sid):
+        assert record is not None and record.generation > ahead
+    assert _complete(env, sid, [8], cont=True).status_code == 200
+    assert env.worker.requests[-1]["prompt"] == [*turn, *fake_generate(turn, 3), 8]

@@ -95,11 +95,11 @@ class FlakyRecords(MemoryRecords):
 
     failing = False
 
-    async def put(self, model: str, session: SessionId, tokens: Sequence[int],
+    async def put(self, scope: str, session: SessionId, tokens: Sequence[int],
                   after: int = 0) -> int:
         if self.failing:
             raise TierUnavailable("no daemon stored the record")
-        return await super().put(model, session, tokens, after)
+        return await super().put(scope, session, tokens, after)
 
 
 @dataclass

@@ -74,7 +74,7 @@ from kvstore.frame import (
     verify_pieces,
 )
 from kvstore.keys import BlockKey, SessionKey
-from kvstore.manifest import SessionManifest
+from kvstore.manifest import SessionRecord, decode_session_record
 from kvstore.net.limits import MAX_FRAME_BYTES, MAX_KEYS_PER_CALL
 from kvstore.net.refusal import Refusal, RefusalReason
 from kvstore.net.scope import Scope
@@ -90,7 +90,7 @@ R = RefusalReason
 _KEEP_FREE_MAX = 256 << 20
 T = TypeVar("T")
 MAX_GENERATION_AHEAD_US = 30 * 86_400 * 1_000_000
-"""How far ahead of the wall clock a manifest's generation may be: a month, far beyond any
+"""How far ahead of the wall clock a session record's generation may be: a month, far beyond any
 clock skew or router epoch head start (a minute per epoch), far below 2**62 (M7)."""
 
 
@@ -527,29 +527,33 @@ class BlockServiceCore:
         return deleted
 
     def put_manifest(self, principal: Principal, encoded: bytes) -> None:
+        """Store a session's record: a KV manifest or a conversation record (kvstore/
+        manifest.py), each checked by its own decoder, and both by tenant and generation."""
         try:
-            manifest = SessionManifest.decode(encoded)
+            record = decode_session_record(encoded)
         except CorruptBlock as exc:
             raise Refusal(R.INVALID_ARGUMENT, f"bad manifest: {exc}") from None
-        if not principal.may_access(manifest.key.namespace.tenant):
+        if not principal.may_access(record.key.namespace.tenant):
             raise Refusal(R.PERMISSION_DENIED,
                           "the manifest's tenant is not granted to this token")
         # Generations are wall-clock microseconds plus a minute per router epoch (connectors/
         # vllm/manifests.py, router/conversations/records.py): one far ahead of the clock would
         # pin the session, every later write silently losing to it (M7).
-        ahead = manifest.generation - time.time_ns() // 1000
+        ahead = record.generation - time.time_ns() // 1000
         if ahead > MAX_GENERATION_AHEAD_US:
             self.count(invalid_puts=1)
             raise Refusal(R.INVALID_ARGUMENT,
-                          f"manifest generation {manifest.generation} is {ahead / 1e6:.0f}s "
+                          f"manifest generation {record.generation} is {ahead / 1e6:.0f}s "
                           f"ahead of this daemon's clock (at most "
                           f"{MAX_GENERATION_AHEAD_US // 1_000_000}s)")
         self.admit_put_call()
         self.check_disk()
-        self._store_call(self._store.put_manifest, manifest)
+        self._store_call(self._store.put_manifest, record)
 
-    def get_manifest(self, key: SessionKey) -> SessionManifest | None:
-        return self._store_call(self._store.get_manifest, key)
+    def get_manifest(self, key: SessionKey) -> SessionRecord | None:
+        """Whatever kind of record the key holds: the daemon serves bytes, the reader asks
+        for a kind."""
+        return self._store_call(self._store.get_record, key)
 
     def delete_manifest(self, key: SessionKey) -> bool:
         return self._store_call(self._store.delete_manifest, key)

@@ -28,7 +28,7 @@ from kvstore._proto import kvstore_pb2 as pb
 from kvstore.errors import ConfigError, DeadlineExceeded, KVKeepError, TierError
 from kvstore.frame import BlockRead, LayerRange
 from kvstore.keys import SessionKey
-from kvstore.manifest import SessionManifest
+from kvstore.manifest import SessionRecord, decode_session_record
 from kvstore.net.grpc_messages import scope_to_pb
 from kvstore.net.grpc_options import HEALTH_SERVICE, KVSTORE_SERVICE, Keepalive, channel_options
 from kvstore.net.grpc_transport import GrpcBlockTransport, serialize, translate_rpc_error
@@ -278,18 +278,19 @@ class DaemonClient:
         return int(self._call(self._delete, request, timeout,
                               f"delete on {self.node_id}").deleted)
 
-    def put_manifest(self, manifest: SessionManifest, *, timeout: float) -> None:
-        self._call(self._put_manifest, pb.PutManifestRequest(manifest=manifest.encode()),
+    def put_manifest(self, record: SessionRecord, *, timeout: float) -> None:
+        self._call(self._put_manifest, pb.PutManifestRequest(manifest=record.encode()),
                    timeout, f"put manifest to {self.node_id}")
 
-    def get_manifest(self, key: SessionKey, *, timeout: float) -> SessionManifest | None:
-        """The stored manifest, verified and checked to be bound to `key`; None when absent."""
+    def get_manifest(self, key: SessionKey, *, timeout: float) -> SessionRecord | None:
+        """The session's record (a manifest or a conversation record), verified and checked to
+        be bound to `key`; None when absent."""
         request = pb.ManifestKey(scope=scope_to_pb(scope_of(key)), session_id=key.session_id)
         reply = self._call(self._get_manifest, request, timeout,
                            f"get manifest from {self.node_id}")
         if not reply.found:
             return None
-        return SessionManifest.decode(reply.manifest, expected=key)
+        return decode_session_record(reply.manifest, expected=key)
 
     def delete_manifest(self, key: SessionKey, *, timeout: float) -> bool:
         request = pb.ManifestKey(scope=scope_to_pb(scope_of(key)), session_id=key.session_id)

@@ -50,6 +50,7 @@ class AsyncTieredStore:
     delete = in_thread(TieredStore.delete)
     put_manifest = in_thread(TieredStore.put_manifest)
     get_manifest = in_thread(TieredStore.get_manifest)
+    get_record = in_thread(TieredStore.get_record)
     delete_manifest = in_thread(TieredStore.delete_manifest)
     flush = in_thread(TieredStore.flush)
     close = in_thread(TieredStore.close)

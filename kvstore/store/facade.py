@@ -26,9 +26,11 @@ special-cases a tier by name, and it imports no concrete tier: what a tier can d
   about to write to, for at most `read_priority_max_wait_s` per batch so they cannot starve.
 - lookup: the longest contiguous prefix of keys held by any tier, one batched `contains` per
   tier.
-- manifests: written to every tier (the first synchronously, the rest behind; a manifest may
-  wait up to `manifest_enqueue_timeout_s` for queue room because failover depends on it);
-  reads ask every tier and return the highest generation, repairing upper tiers that lacked it.
+- session records (a KV manifest or a conversation record, kvstore/manifest.py, alike here):
+  written to every tier (the first synchronously, the rest behind; a record may wait up to
+  `manifest_enqueue_timeout_s` for queue room because failover depends on it); reads ask every
+  tier and return the highest generation, repairing upper tiers that lacked it. A typed read
+  (`get_manifest`) refuses the other kind with CorruptBlock.
 - accounting: Prometheus only (`kvstore.metrics`); `stats()` is a view of the same counters.
 
 Tiers must honour the deadline they are given: a synchronous call cannot be abandoned safely
@@ -54,7 +56,7 @@ from kvstore.frame import (
     verify_pieces,
 )
 from kvstore.keys import BlockKey, SessionKey
-from kvstore.manifest import SessionManifest
+from kvstore.manifest import SessionManifest, SessionRecord, expect_kind
 from kvstore.metrics import StoreMetrics
 from kvstore.store.config import StoreConfig
 from kvstore.store.replicated import ReplicatedPuts
@@ -483,45 +485,53 @@ class TieredStore:
             log.warning("delete: a write-behind of a deleted block is still running")
         return sum(held)
 
-    # -- manifests ----------------------------------------------------------------------------
+    # -- session records: KV manifests and conversation records -------------------------------
 
-    def put_manifest(self, manifest: SessionManifest) -> None:
-        """Store a manifest in every tier (no tier keeps it if it holds a newer generation)."""
+    def put_manifest(self, record: SessionRecord) -> None:
+        """Store a session's record in every tier (no tier keeps it if it holds a newer
+        generation, of either kind)."""
         self._check_open()
-        self._calls.attempt(0, "put_manifest", lambda t: t.put_manifest(manifest))
+        self._calls.attempt(0, "put_manifest", lambda t: t.put_manifest(record))
         if len(self._calls) > 1:
-            self._writes.copy_manifest(manifest)
+            self._writes.copy_manifest(record)
 
     def get_manifest(self, key: SessionKey, *, deadline: float | None = None
                      ) -> SessionManifest | None:
-        """The highest generation of the manifest found in any tier, or None."""
+        """The KV session manifest under `key` (`get_record`), or None; CorruptBlock if the
+        key holds a conversation record."""
+        return expect_kind(self.get_record(key, deadline=deadline), SessionManifest)
+
+    def get_record(self, key: SessionKey, *, deadline: float | None = None
+                   ) -> SessionRecord | None:
+        """The highest generation of the session's record found in any tier, whatever its
+        kind, or None (the daemons serve either; a writer must outrank either)."""
         self._check_open()
         deadline = self.deadline(deadline)
-        found: list[SessionManifest | None] = []
+        found: list[SessionRecord | None] = []
         for index, tier in enumerate(self.tiers):
             if time.monotonic() >= deadline:
                 self.metrics.deadline_misses.inc()
                 break
-            manifest = None
+            record = None
             try:
-                manifest = tier.get_manifest(key)
-                if manifest is not None and manifest.key != key:
-                    raise CorruptBlock("manifest bound to another session")
+                record = tier.get_manifest(key)
+                if record is not None and record.key != key:
+                    raise CorruptBlock("session record bound to another session")
             except CorruptBlock:
-                manifest = None
+                record = None
                 self._calls.corrupt(index, "manifest")
                 self._calls.attempt(index, "delete_manifest", lambda t: t.delete_manifest(key))
             except Exception:
-                manifest = None
+                record = None
                 self._calls.failed(index, "get_manifest")
-            found.append(manifest)
+            found.append(record)
         best_index = max((i for i, m in enumerate(found) if m is not None),
                          key=lambda i: (_generation(found[i]), -i), default=None)
         if best_index is None:
             return None
         best = found[best_index]
         assert best is not None
-        for index in range(best_index):  # manifests are small: repair upper tiers right away
+        for index in range(best_index):  # records are small: repair upper tiers right away
             if _generation(found[index]) < best.generation:
                 self._calls.attempt(index, "put_manifest", lambda t: t.put_manifest(best))
         return best
@@ -580,8 +590,8 @@ class TieredStore:
             raise TierUnavailable("the store is closed")
 
 
-def _generation(manifest: SessionManifest | None) -> int:
-    return -1 if manifest is None else manifest.generation
+def _generation(record: SessionRecord | None) -> int:
+    return -1 if record is None else record.generation
 
 
 def _in_process(tier: Tier) -> bool:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from kvstore.frame import FrameHeader
 from kvstore.keys import BlockKey, SessionKey
-from kvstore.manifest import SessionManifest
+from kvstore.manifest import SessionRecord
 
 __all__ = ["BlockCopy", "Promotion", "ManifestCopy", "BlockJob", "Job"]
 
@@ -59,12 +59,13 @@ class Promotion:
 
 @dataclass(frozen=True, slots=True)
 class ManifestCopy:
-    """A session manifest written to the first tier, to be written to `targets` too."""
+    """A session's record (a KV manifest or a conversation record) written to the first tier,
+    to be written to `targets` too."""
 
     seq: int
     key: SessionKey
     targets: tuple[int, ...]
-    manifest: SessionManifest
+    record: SessionRecord
 
 
 BlockJob = BlockCopy | Promotion

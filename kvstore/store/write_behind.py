@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 from kvstore.errors import CorruptBlock
 from kvstore.frame import FrameBytes, FrameHeader
 from kvstore.keys import BlockKey, SessionKey
-from kvstore.manifest import SessionManifest
+from kvstore.manifest import SessionRecord
 from kvstore.store.config import StoreConfig
 from kvstore.store.jobs import BlockCopy, BlockJob, Job, ManifestCopy, Promotion
 from kvstore.store.tier_calls import TierCalls
@@ -116,11 +116,11 @@ class WriteBehind:
             with self._state:
                 self._promoting.discard(key)
 
-    def copy_manifest(self, manifest: SessionManifest) -> bool:
-        """Queue a manifest's copy into every tier below the first (may wait for room)."""
+    def copy_manifest(self, record: SessionRecord) -> bool:
+        """Queue a session record's copy into every tier below the first (may wait for room)."""
         targets = tuple(range(1, len(self._calls)))
-        return self._submit(manifest.key,
-                            lambda seq: ManifestCopy(seq, manifest.key, targets, manifest),
+        return self._submit(record.key,
+                            lambda seq: ManifestCopy(seq, record.key, targets, record),
                             wait=self._config.manifest_enqueue_timeout_s)
 
     def _submit(self, key: _JobKey, make: Callable[[int], Job], wait: float = 0.0,
@@ -360,11 +360,11 @@ class WriteBehind:
             self._calls.attempt(target, "delete", lambda t: t.delete([key]))
 
     def _write_manifest(self, job: ManifestCopy) -> None:
-        manifest = job.manifest
+        record = job.record
         for target in job.targets:
             if self._cancelled(job):
                 return
-            self._calls.attempt(target, "put_manifest", lambda t: t.put_manifest(manifest))
+            self._calls.attempt(target, "put_manifest", lambda t: t.put_manifest(record))
 
     # -- bookkeeping --------------------------------------------------------------------------
 

@@ -30,7 +30,7 @@ from typing import Protocol, runtime_checkable
 from kvstore.errors import TierError
 from kvstore.frame import BlockRead, FrameBytes, LayerRange
 from kvstore.keys import BlockKey, SessionKey
-from kvstore.manifest import SessionManifest
+from kvstore.manifest import SessionRecord
 
 __all__ = ["Tier", "TierStats", "Buffer", "FrameBytes", "byte_view"]
 
@@ -94,11 +94,13 @@ class Tier(Protocol):
         """Remove blocks; returns how many were present."""
         ...
 
-    def put_manifest(self, manifest: SessionManifest) -> None:
-        """Store a session manifest unless a newer generation is already stored."""
+    # A session key's record is a KV manifest or a conversation record (kvstore/manifest.py):
+    # a tier keeps either alike, by key and generation, and decodes it by its tag.
+    def put_manifest(self, record: SessionRecord) -> None:
+        """Store a session's record unless a newer generation is already stored."""
         ...
 
-    def get_manifest(self, key: SessionKey) -> SessionManifest | None: ...
+    def get_manifest(self, key: SessionKey) -> SessionRecord | None: ...
 
     def delete_manifest(self, key: SessionKey) -> bool: ...
 

@@ -6,7 +6,7 @@ Keys (all under `prefix`)::
     <prefix>:b:{<key digest hex>}             the frame itself (blocks up to `chunk_bytes`), or
                                               a chunk index record (larger blocks)
     <prefix>:b:{<key digest hex>}:<ver>:<i>   chunk i of a large block, version <ver>
-    <prefix>:m:{<session digest hex>}         a hash {gen, data}: one session manifest
+    <prefix>:m:{<session digest hex>}         a hash {gen, data}: one session's record
 
 The braces are Redis Cluster hash tags: a cluster places a key by the part inside them only, so
 a block's index and all its chunks share one slot (one master), which is what lets a block be
@@ -77,7 +77,7 @@ from kvstore.frame import (
     checked_frame,
 )
 from kvstore.keys import BlockKey, SessionKey
-from kvstore.manifest import SessionManifest
+from kvstore.manifest import SessionRecord, decode_session_record
 from kvstore.tiers.base import Buffer, TierStats
 
 __all__ = ["RedisConfig", "RedisTier"]
@@ -334,22 +334,22 @@ class RedisTier:
 
     # -- manifests ----------------------------------------------------------------------------
 
-    def put_manifest(self, manifest: SessionManifest) -> None:
+    def put_manifest(self, record: SessionRecord) -> None:
         try:
             self._connected()  # a cluster client (and its script) is made on first use
-            self._script(keys=[self._manifest(manifest.key)],
-                                      args=[manifest.generation, manifest.encode()])
+            self._script(keys=[self._manifest(record.key)],
+                                      args=[record.generation, record.encode()])
         except _REDIS_ERRORS as exc:
             raise self._translate("put_manifest", exc) from exc
 
-    def get_manifest(self, key: SessionKey) -> SessionManifest | None:
+    def get_manifest(self, key: SessionKey) -> SessionRecord | None:
         try:
             data = _opt_bytes(self._redis.hget(self._manifest(key), "data"))
         except _REDIS_ERRORS as exc:
             raise self._translate("get_manifest", exc) from exc
         if data is None:
             return None
-        return SessionManifest.decode(data, expected=key)
+        return decode_session_record(data, expected=key)
 
     def delete_manifest(self, key: SessionKey) -> bool:
         try:

@@ -1,11 +1,24 @@
 """Where a session's conversation is kept between turns: its token ids, in the kvkeep store.
 
-A record is a `SessionManifest` (checksummed, bound to its key, ordered by generation) under a
-fingerprint of the router's own (`conversation_fingerprint`: the model name, layout
-"conversation"), so it can never be mistaken for KV blocks or for the connector's manifests.
-Its `token_ids` are the conversation exactly as the worker processed it: the last prompt's ids
-plus the ids generated for it, without a final stop token (the chat template marks the end of
-a turn its own way; a stop token's KV is never computed, so dropping it costs no cache).
+A record is a `ConversationRecord` (kvstore/manifest.py): a type of its own, not a KV session
+manifest. Its bytes carry a kind and version tag and a checksum, it is bound to its key, and it
+holds the scope, the session, the generation and the token ids with the router's MAC; no block
+hashes and no model layout. The KV manifest decoder refuses its bytes and its decoder refuses a
+manifest's (`CorruptBlock`), so neither can be read as the other. Its `token_ids` are the
+conversation exactly as the worker processed it: the last prompt's ids plus the ids generated
+for it, without a final stop token (the chat template marks the end of a turn its own way; a
+stop token's KV is never computed, so dropping it costs no cache).
+
+Why it is still filed under a `SessionKey` and stored by the daemons' manifest calls: those
+are what the daemons, their tiers and the remote tier already have for a small, checksummed
+record per session that replicates, repairs and never rolls back (the highest generation
+wins), with per-tenant budgets. The daemons parse out of a record only its key (the tenant is
+checked against the caller's token) and its generation (ordering, and a cap on how far ahead
+of the clock it may be), the same checks for both kinds. The key's 16-byte fingerprint is a
+key component of its own here (`SessionKey.conversation`): a digest of the record's scope,
+personalised so it is never a `ModelFingerprint` digest. A conversation has no KV layout to
+name; the scope is what a record is filed under, and the record carries it, so its key is
+derived from what it holds and cannot disagree with it.
 
 Why the router writes its own record rather than reading the connector's manifest: the
 connector keys its manifest by a fingerprint the router cannot know (it depends on the
@@ -19,7 +32,7 @@ Who may write them (trust-review H7). The daemons believe any holder of the reco
 token, and every daemon (they hold `*`), so a record is believed only under the router's own
 key (`RecordKey`, `--store-record-key-file`): an HMAC-SHA256 over the store key, the record's
 scope (model and API tenant), the session id, the generation and the token ids, kept in the
-manifest's `mac`. A record without a valid MAC (forged, or moved to another session or tenant)
+record's `mac`. A record without a valid MAC (forged, or moved to another session or tenant)
 is `ForgedBlock`: never used, the continuation is a 409 `history_unavailable`. The key must be
 the same on every replica (a file); without one each process draws its own, and then a
 continuation that reaches another replica, or this one after a restart, is a 409 (the client
@@ -30,6 +43,18 @@ replay an older record of the same session, or delete one; `Continuations` refus
 older than the last this replica wrote or read, and a turn that cannot be recorded leaves a
 newer, empty record (a tombstone) rather than only a delete that an unreachable daemon misses.
 The token ids are not encrypted: a store token holder can still read them.
+
+Records of the previous version (a `SessionManifest` under a made-up `ModelFingerprint`,
+layout "conversation", MAC'd as v1) may still sit in a running store. They are under other
+keys (that fingerprint's digest, not the scope's), so this version never looks them up: a
+continuation of a session last recorded before the upgrade finds no record, a 409
+`history_unavailable` (the client resends the whole conversation, which is recorded anew), and
+the old records stay until the daemons' manifest budgets evict them. Should a manifest ever sit
+under a conversation key (copied there by a store token holder), reading it is `CorruptBlock`
+(`expect_kind`), also a 409, and a new turn still outranks its generation. Upgrade the daemons
+first: an older daemon refuses a conversation record's bytes as a bad manifest, so the router's
+writes fail and its continuations are 409s until it is upgraded, never a wrong history. Router
+replicas of the two versions do not read each other's records (a 409 across them).
 """
 
 from __future__ import annotations
@@ -42,23 +67,26 @@ import logging
 import os
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Protocol
 
 from kvstore.errors import ForgedBlock
-from kvstore.keys import ModelFingerprint, Namespace, SessionId, SessionKey
+from kvstore.keys import Namespace, SessionId, SessionKey
 from kvstore.mac import MacKey
-from kvstore.manifest import SessionManifest
+from kvstore.manifest import ConversationRecord, expect_kind
 from kvstore.store import TieredStore
 from kvstore.store.aio import AsyncTieredStore
 from kvstore.tiers.factory import RemoteSpec
 from router.tenants import DEFAULT_TENANT
 
 __all__ = ["Conversation", "ConversationRecords", "StoreRecords", "MemoryRecords", "RecordKey",
-           "conversation_fingerprint", "generation_after", "record_scope"]
+           "generation_after", "record_scope"]
 
 log = logging.getLogger(__name__)
 
-_MAC_PERSON = b"kvkeep-conversation-record/v1\x00"
+# v2: the MAC of a `ConversationRecord` under its scope's key; a v1 MAC (a record that was a
+# SessionManifest under a made-up fingerprint) never verifies as one.
+_MAC_PERSON = b"kvkeep-conversation-record/v2\x00"
 _DUMPS = json.JSONEncoder(separators=(",", ":"), ensure_ascii=True).encode
 
 
@@ -91,12 +119,17 @@ class RecordKey:
         mac.update(_DUMPS(list(tokens)).encode())
         return mac.digest()
 
-    def check(self, manifest: SessionManifest, scope: str) -> None:
-        """ForgedBlock unless `manifest` carries this key's MAC for `scope`."""
-        if not manifest.mac:
+    def sign(self, record: ConversationRecord) -> ConversationRecord:
+        """`record` with this key's MAC."""
+        return replace(record, mac=self.tag(record.key, record.scope, record.generation,
+                                            record.token_ids))
+
+    def check(self, record: ConversationRecord, scope: str) -> None:
+        """ForgedBlock unless `record` carries this key's MAC for `scope`."""
+        if not record.mac:
             raise ForgedBlock("the conversation record is not signed")
-        expected = self.tag(manifest.key, scope, manifest.generation, manifest.token_ids)
-        if not hmac.compare_digest(manifest.mac, expected):
+        expected = self.tag(record.key, scope, record.generation, record.token_ids)
+        if not hmac.compare_digest(record.mac, expected):
             raise ForgedBlock("the conversation record's MAC does not verify under the "
                               "router's record key (forged, moved, or another key's)")
 
@@ -106,14 +139,6 @@ def record_scope(model: str, tenant: str) -> str:
     the session, so two tenants using the same session id never read each other's history
     (the router's store tenant, the daemons' namespace, is one for all API tenants)."""
     return model if tenant == DEFAULT_TENANT else f"{model}\x1ftenant={tenant}"
-
-
-def conversation_fingerprint(model: str) -> ModelFingerprint:
-    """The fingerprint a model's conversation records are keyed by: its served name only (the
-    tokenizer is the model's), and a layout no KV block has."""
-    return ModelFingerprint(model_id=model, weights_digest="kvkeep-router-conversation/v1",
-                            dtype="token-ids", num_layers=1, num_kv_heads=1, head_size=1,
-                            block_size=1, layout_id="conversation", codec="token-ids")
 
 
 class Conversation:
@@ -127,16 +152,19 @@ class Conversation:
 
 
 class ConversationRecords(Protocol):
-    async def get(self, model: str, session: SessionId) -> Conversation | None: ...
+    """Conversations by `scope` (`record_scope`: the served model and the API tenant) and
+    session id."""
 
-    async def put(self, model: str, session: SessionId, tokens: Sequence[int],
+    async def get(self, scope: str, session: SessionId) -> Conversation | None: ...
+
+    async def put(self, scope: str, session: SessionId, tokens: Sequence[int],
                   after: int = 0) -> int:
         """Store; returns the generation written (above `after` and the wall clock)."""
         ...
 
-    async def delete(self, model: str, session: SessionId) -> None: ...
+    async def delete(self, scope: str, session: SessionId) -> None: ...
 
-    async def stored_generation(self, model: str, session: SessionId) -> int:
+    async def stored_generation(self, scope: str, session: SessionId) -> int:
         """The generation of the record stored now (0: none), signed or not: a write must
         outrank it to be kept, whoever wrote it and whatever clock they had."""
         ...
@@ -152,7 +180,8 @@ def generation_after(after: int) -> int:
 class StoreRecords:
     """Records in kvstore daemons (a remote tier: found through etcd or listed, R replicas),
     under the router's store tenant, signed with `key` (None: a key of this process only,
-    see the module docstring). `get` raises ForgedBlock for a record `key` did not sign."""
+    see the module docstring). `get` raises ForgedBlock for a record `key` did not sign, and
+    CorruptBlock for anything under the key that is not a conversation record."""
 
     def __init__(self, spec: RemoteSpec, tenant: str, *, key: RecordKey | None = None) -> None:
         self._namespace = Namespace(tenant)
@@ -165,32 +194,31 @@ class StoreRecords:
             key = RecordKey.generate()
         self._mac = key
 
-    def _key(self, model: str, session: SessionId) -> SessionKey:
-        return SessionKey.of(conversation_fingerprint(model), self._namespace, session)
+    def _key(self, scope: str, session: SessionId) -> SessionKey:
+        return SessionKey.conversation(scope, self._namespace, session)
 
-    async def get(self, model: str, session: SessionId) -> Conversation | None:
-        manifest = await self._store.get_manifest(self._key(model, session))
-        if manifest is None:
+    async def get(self, scope: str, session: SessionId) -> Conversation | None:
+        found = await self._store.get_record(self._key(scope, session))
+        record = expect_kind(found, ConversationRecord)
+        if record is None:
             return None
-        self._mac.check(manifest, model)
-        return Conversation(manifest.token_ids, manifest.generation)
+        self._mac.check(record, scope)
+        return Conversation(record.token_ids, record.generation)
 
-    async def put(self, model: str, session: SessionId, tokens: Sequence[int],
+    async def put(self, scope: str, session: SessionId, tokens: Sequence[int],
                   after: int = 0) -> int:
         generation = generation_after(after)
-        ids = tuple(tokens)
-        key = self._key(model, session)
-        await self._store.put_manifest(SessionManifest(
-            key=key, block_hashes=(), token_count=len(ids), generation=generation,
-            token_ids=ids, mac=self._mac.tag(key, model, generation, ids)))
+        await self._store.put_manifest(self._mac.sign(ConversationRecord(
+            scope, self._namespace, session, generation, tuple(tokens))))
         return generation
 
-    async def delete(self, model: str, session: SessionId) -> None:
-        await self._store.delete_manifest(self._key(model, session))
+    async def delete(self, scope: str, session: SessionId) -> None:
+        await self._store.delete_manifest(self._key(scope, session))
 
-    async def stored_generation(self, model: str, session: SessionId) -> int:
-        manifest = await self._store.get_manifest(self._key(model, session))
-        return 0 if manifest is None else manifest.generation
+    async def stored_generation(self, scope: str, session: SessionId) -> int:
+        # Any kind: the daemons keep the higher generation whatever the kind of either.
+        found = await self._store.get_record(self._key(scope, session))
+        return 0 if found is None else found.generation
 
     async def close(self) -> None:
         await self._store.close()
@@ -202,21 +230,21 @@ class MemoryRecords:
     def __init__(self) -> None:
         self._records: dict[tuple[str, SessionId], Conversation] = {}
 
-    async def get(self, model: str, session: SessionId) -> Conversation | None:
+    async def get(self, scope: str, session: SessionId) -> Conversation | None:
         await asyncio.sleep(0)
-        return self._records.get((model, session))
+        return self._records.get((scope, session))
 
-    async def put(self, model: str, session: SessionId, tokens: Sequence[int],
+    async def put(self, scope: str, session: SessionId, tokens: Sequence[int],
                   after: int = 0) -> int:
         generation = generation_after(after)
-        self._records[(model, session)] = Conversation(tuple(tokens), generation)
+        self._records[(scope, session)] = Conversation(tuple(tokens), generation)
         return generation
 
-    async def delete(self, model: str, session: SessionId) -> None:
-        self._records.pop((model, session), None)
+    async def delete(self, scope: str, session: SessionId) -> None:
+        self._records.pop((scope, session), None)
 
-    async def stored_generation(self, model: str, session: SessionId) -> int:
-        found = self._records.get((model, session))
+    async def stored_generation(self, scope: str, session: SessionId) -> int:
+        found = self._records.get((scope, session))
         return 0 if found is None else found.generation
 
     async def close(self) -> None:

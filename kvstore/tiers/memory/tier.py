@@ -31,7 +31,7 @@ from typing import Generic, TypeVar
 from kvstore.errors import DeadlineExceeded, TierError, TierUnavailable
 from kvstore.frame import BlockRead, FrameBytes, FrameHeader, LayerRange, checked_frame
 from kvstore.keys import BlockKey, SessionKey
-from kvstore.manifest import SessionManifest
+from kvstore.manifest import SessionManifest, SessionRecord
 from kvstore.tiers.base import Buffer, TierStats, byte_view
 from kvstore.tiers.capabilities import BorrowedBlock, PageReservation
 from kvstore.tiers.memory.slabs import DEFAULT_ARENA_BYTES, DEFAULT_PAGE_BYTES, SlabPool
@@ -68,7 +68,7 @@ class MemoryTier(ABC, Generic[A]):
         # By key digest (bytes: hashed and compared in C; equal digests are equal keys, as in the
         # nvme tier's index), LRU first, MRU last.
         self._index: OrderedDict[bytes, _Entry] = OrderedDict()
-        self._manifests: OrderedDict[SessionKey, tuple[SessionManifest, int]] = OrderedDict()
+        self._manifests: OrderedDict[SessionKey, tuple[SessionRecord, int]] = OrderedDict()
         self._manifest_bytes = 0
         self._manifest_budget = (manifest_budget if manifest_budget is not None
                                  else max(1 << 20, byte_budget // 16))
@@ -261,23 +261,23 @@ class MemoryTier(ABC, Generic[A]):
                     self._free_pages(entry.pages)
         return removed
 
-    def put_manifest(self, manifest: SessionManifest) -> None:
+    def put_manifest(self, record: SessionRecord) -> None:
         with self._lock:
             self._check_open()
-            current = self._manifests.get(manifest.key)
+            current = self._manifests.get(record.key)
             # Equal generations are a rewrite by the same writer; only a newer one may win.
-            if current is not None and current[0].generation > manifest.generation:
+            if current is not None and current[0].generation > record.generation:
                 return
-            cost = _manifest_cost(manifest)
+            cost = _record_cost(record)
             self._manifest_bytes += cost - (current[1] if current is not None else 0)
-            self._manifests[manifest.key] = (manifest, cost)
-            self._manifests.move_to_end(manifest.key)
+            self._manifests[record.key] = (record, cost)
+            self._manifests.move_to_end(record.key)
             while self._manifest_bytes > self._manifest_budget and len(self._manifests) > 1:
                 _, (_, freed) = self._manifests.popitem(last=False)
                 self._manifest_bytes -= freed
                 self.manifest_evictions += 1
 
-    def get_manifest(self, key: SessionKey) -> SessionManifest | None:
+    def get_manifest(self, key: SessionKey) -> SessionRecord | None:
         with self._lock:
             self._check_open()
             found = self._manifests.get(key)
@@ -422,7 +422,9 @@ class MemoryTier(ABC, Generic[A]):
             self._pool.free(pages)
 
 
-def _manifest_cost(manifest: SessionManifest) -> int:
-    """Roughly the Python memory a manifest holds: a 32-byte `bytes` per block hash (~72 B with
-    its object and pointer), an int per token id (~36 B), and the object itself."""
-    return 256 + 72 * len(manifest.block_hashes) + 36 * len(manifest.token_ids)
+def _record_cost(record: SessionRecord) -> int:
+    """Roughly the Python memory a session's record holds: a 32-byte `bytes` per block hash
+    (~72 B with its object and pointer; conversation records have none), an int per token id
+    (~36 B), and the object itself."""
+    blocks = len(record.block_hashes) if isinstance(record, SessionManifest) else 0
+    return 256 + 72 * blocks + 36 * len(record.token_ids)

@@ -2,7 +2,7 @@
 
     <root>/.kvkeep-nvme.lock               flock'ed by the owning process
     <root>/blocks/<shard>/<digest>.kvb     one frame per block, named by its key digest
-    <root>/manifests/<shard>/<digest>.kvm  one encoded SessionManifest per session
+    <root>/manifests/<shard>/<digest>.kvm  one encoded session record (manifest.py) per session
 
 Shards keep directories small to list and cheap to fsync. Their fds stay open for the layout's
 life, so file operations are openat/renameat/unlinkat relative to them, with no path walks.

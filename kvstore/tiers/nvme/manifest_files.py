@@ -1,4 +1,5 @@
-"""Session manifests as small crash-safe files, one per session, that never roll back.
+"""Session records (KV manifests or conversation records, kvstore/manifest.py) as small
+crash-safe files, one per session, that never roll back.
 
 `put` reads the stored generation and writes only if the offered one is not older, under a lock
 per shard, so two threads can never interleave "read generation" and "write". Across processes
@@ -26,7 +27,7 @@ from collections.abc import Callable, Sequence
 
 from kvstore.errors import CorruptBlock
 from kvstore.keys import SessionKey
-from kvstore.manifest import SessionManifest
+from kvstore.manifest import SessionRecord, decode_session_record
 from kvstore.tiers.nvme.durable_files import (
     WriteFn,
     create_temp,
@@ -66,17 +67,17 @@ class ManifestFiles:
         self._load_index()
         self._evict()
 
-    def put(self, manifest: SessionManifest) -> bool:
+    def put(self, record: SessionRecord) -> bool:
         """Store unless a newer generation is stored; True if written (equal overwrites)."""
-        data = memoryview(manifest.encode())
-        shard = self._shard(manifest.key)
-        dir_fd, name = self._dirs[shard], manifest.key.storage_name + MANIFEST_SUFFIX
+        data = memoryview(record.encode())
+        shard = self._shard(record.key)
+        dir_fd, name = self._dirs[shard], record.key.storage_name + MANIFEST_SUFFIX
         with self._locks[shard]:
             try:
-                current = self._load(dir_fd, name, manifest.key)
+                current = self._load(dir_fd, name, record.key)
             except CorruptBlock:
                 current = None  # deleted and counted; the new one takes its place
-            if current is not None and current.generation > manifest.generation:
+            if current is not None and current.generation > record.generation:
                 return False
             temp_name, fd = "", None
             try:
@@ -91,11 +92,11 @@ class ManifestFiles:
                 raise
             if self._durable:
                 os.fsync(dir_fd)
-            self._touch((shard, name), len(data), manifest.key.namespace.tenant)
-        self._evict(manifest.key.namespace.tenant)
+            self._touch((shard, name), len(data), record.key.namespace.tenant)
+        self._evict(record.key.namespace.tenant)
         return True
 
-    def get(self, key: SessionKey) -> SessionManifest | None:
+    def get(self, key: SessionKey) -> SessionRecord | None:
         shard = self._shard(key)
         name = key.storage_name + MANIFEST_SUFFIX
         with self._locks[shard]:
@@ -210,7 +211,7 @@ class ManifestFiles:
     def _shard(self, key: SessionKey) -> int:
         return key.digest[0] % len(self._dirs)
 
-    def _load(self, dir_fd: int, name: str, key: SessionKey) -> SessionManifest | None:
+    def _load(self, dir_fd: int, name: str, key: SessionKey) -> SessionRecord | None:
         try:
             fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC, dir_fd=dir_fd)
         except FileNotFoundError:
@@ -221,7 +222,7 @@ class ManifestFiles:
         finally:
             os.close(fd)
         try:
-            return SessionManifest.decode(memoryview(data)[:got], expected=key)
+            return decode_session_record(memoryview(data)[:got], expected=key)
         except CorruptBlock:
             self._on_corrupt()
             with contextlib.suppress(FileNotFoundError):

@@ -41,7 +41,7 @@ from kvstore.errors import (
 )
 from kvstore.frame import BlockRead, FrameBytes, LayerRange, checked_frame
 from kvstore.keys import BlockKey, SessionKey
-from kvstore.manifest import SessionManifest
+from kvstore.manifest import SessionRecord
 from kvstore.tiers.base import Buffer, TierStats
 from kvstore.tiers.nvme.block_index import Admission, BlockIndex, IndexEntry
 from kvstore.tiers.nvme.disk_space import SpaceGuard
@@ -245,22 +245,23 @@ class NvmeTier:
             self._unlink_victims(victims)
         return len(victims)
 
-    def put_manifest(self, manifest: SessionManifest) -> None:
-        """Store a manifest unless a newer generation is stored (an equal one overwrites).
+    def put_manifest(self, record: SessionRecord) -> None:
+        """Store a session's record unless a newer generation is stored (an equal one
+        overwrites).
 
         Raises TierFull when the disk is full, TierError on other disk failures.
         """
         with self._operation():
             try:
-                self._manifests.put(manifest)
+                self._manifests.put(record)
             except OSError as exc:
                 if is_space_error(exc):
                     raise TierFull(f"disk full writing a manifest: {exc}") from exc
                 self._count_error()
                 raise TierError(f"cannot write a manifest: {exc}") from exc
 
-    def get_manifest(self, key: SessionKey) -> SessionManifest | None:
-        """The stored manifest or None; raises CorruptBlock (after deleting it) if it is bad."""
+    def get_manifest(self, key: SessionKey) -> SessionRecord | None:
+        """The stored record or None; raises CorruptBlock (after deleting it) if it is bad."""
         with self._operation():
             try:
                 return self._manifests.get(key)

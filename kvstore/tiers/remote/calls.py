@@ -11,7 +11,7 @@ from collections.abc import Callable
 from kvstore.errors import CorruptBlock
 from kvstore.frame import BlockRead, FrameBytes
 from kvstore.keys import BlockKey, SessionKey
-from kvstore.manifest import SessionManifest
+from kvstore.manifest import SessionRecord
 from kvstore.net.scope import group_by_scope
 from kvstore.tiers.base import Buffer
 from kvstore.tiers.remote.peers import PeerSet, call_timeout
@@ -79,18 +79,18 @@ def delete_call(peers: PeerSet, node: str, keys: list[BlockKey], deadline: float
     return call
 
 
-def manifest_put_call(peers: PeerSet, node: str, manifest: SessionManifest, deadline: float
+def manifest_put_call(peers: PeerSet, node: str, record: SessionRecord, deadline: float
                       ) -> Callable[[], bool]:
     def call() -> bool:
         peer = peers.checked(node)
-        peers.with_retry(peer, deadline, peer.client.put_manifest, manifest)
+        peers.with_retry(peer, deadline, peer.client.put_manifest, record)
         return True
     return call
 
 
 def manifest_get_call(peers: PeerSet, node: str, key: SessionKey, deadline: float
-                      ) -> Callable[[], SessionManifest | None]:
-    def call() -> SessionManifest | None:
+                      ) -> Callable[[], SessionRecord | None]:
+    def call() -> SessionRecord | None:
         peer = peers.checked(node)
         timeout = call_timeout(deadline, peers.config.call_timeout)
         try:

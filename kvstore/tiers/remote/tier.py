@@ -52,7 +52,7 @@ from kvstore.errors import (
 from kvstore.etcd import EtcdSpec
 from kvstore.frame import BlockRead, FrameBytes, LayerRange
 from kvstore.keys import BlockKey, SessionKey
-from kvstore.manifest import SessionManifest
+from kvstore.manifest import SessionRecord
 from kvstore.net.scope import scope_of
 from kvstore.tiers.base import Buffer, TierStats
 from kvstore.tiers.remote.calls import (
@@ -387,17 +387,18 @@ class RemoteTier:
         self._peers.fanout(calls)
         return sum(present)
 
-    def put_manifest(self, manifest: SessionManifest) -> None:
+    def put_manifest(self, record: SessionRecord) -> None:
         """Write to the R owners of the session; raises TierUnavailable if none took it."""
         deadline = time.monotonic() + self._config.call_timeout
-        owners = [n for n in self.placement(manifest.key) if self._peers.usable(n)]
-        calls = {node: manifest_put_call(self._peers, node, manifest, deadline)
+        owners = [n for n in self.placement(record.key) if self._peers.usable(n)]
+        calls = {node: manifest_put_call(self._peers, node, record, deadline)
                  for node in owners[: self._config.replicas]}
         results = self._peers.fanout(calls)
         if not any(r is True for r in results.values()):
-            raise TierUnavailable(f"no daemon stored manifest {manifest.key.storage_name}")
+            raise TierUnavailable(f"no daemon stored the record of session "
+                                  f"{record.key.storage_name}")
 
-    def get_manifest(self, key: SessionKey) -> SessionManifest | None:
+    def get_manifest(self, key: SessionKey) -> SessionRecord | None:
         """The highest generation among the daemons asked; the owners (the first R usable
         in placement order, where `put_manifest` writes) that lag are repaired before this
         returns. In the background instead, a repair could land after a `delete_manifest`
@@ -406,7 +407,7 @@ class RemoteTier:
         usable = [node for node in self.placement(key) if self._peers.usable(node)]
         calls = {node: manifest_get_call(self._peers, node, key, deadline) for node in usable}
         results = self._peers.fanout(calls)
-        found = {n: r for n, r in results.items() if isinstance(r, SessionManifest)}
+        found = {n: r for n, r in results.items() if isinstance(r, SessionRecord)}
         if not found:
             return None
         best = max(found.values(), key=lambda m: m.generation)
