@@ -344,7 +344,7 @@ def test_saves_every_checkpoint_interval_then_flush_at_finish() -> None:
     assert planned == [(1, 3)]  # blocks 1-3 once three were complete; block 4 still pending
     side.drain_manifests()
     assert store.manifests[-1].token_count == 4 * BS
-    delay, params = side.request_finished(req, ids)  # type: ignore[arg-type]
+    delay, params = side.request_finished(req, (ids,))  # type: ignore[arg-type]
     assert delay and params == {"session_id": "s", "checkpointed_tokens": 4 * BS,
                                 "manifest_generation": store.manifests[-1].generation,
                                 "restored_tokens": 0}
@@ -382,7 +382,7 @@ def test_unprotected_tokens_are_computed_blocks_the_store_does_not_hold() -> Non
     _saved(side, SimpleNamespace(saves=a_saves))  # type: ignore[arg-type]
     _saved(side, SimpleNamespace(saves=b_saves), ok=False)  # type: ignore[arg-type]
     assert side.unprotected_tokens() == (2 * BS, 2 * BS)  # a's held; b's failed
-    side.request_finished(b, [5, 6, 7])  # type: ignore[arg-type]
+    side.request_finished(b, ([5, 6, 7],))  # type: ignore[arg-type]
     assert side.unprotected_tokens() == (0, 0)
     # Reported as gauges, when they change.
     values = [(5 * BS, 3 * BS), (5 * BS, 3 * BS), (0, 0)]

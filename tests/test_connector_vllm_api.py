@@ -26,8 +26,8 @@ BASE_CLASS = "KVConnectorBase_V1"
 
 RELIED_ON_DEFAULTS: dict[str, str] = {
     "supports_divergent_local_hybrid_hits":
-        "False: one KV cache group only (hybrid models are refused at start-up), no recurrent "
-        "state to complete",
+        "False: it concerns recurrent (SSM) state to complete, and groups of SSM state are "
+        "refused at start-up (connectors/vllm/groups.py)",
     "role": "the base's property over the role __init__ passes on",
     "get_mem_pool_context":
         "None: the caches live in vLLM's own pool, which sleep mode's allocator tags "
@@ -46,10 +46,6 @@ RELIED_ON_DEFAULTS: dict[str, str] = {
     "handle_preemptions":
         "saves read gathered copies, never a preempted request's paged blocks afterwards; a "
         "finished request's flush is gathered before its blocks are released",
-    "get_transfer_results":
-        "the base builds it from get_finished; a failed async load is reported as finished "
-        "receiving plus its block ids in get_block_ids_with_load_errors (recompute), so "
-        "failed_recving stays empty",
     "get_kv_connector_kv_cache_events":
         "None: the store's KV events come from the scheduler half's take_events",
     "get_handshake_metadata": "None: no peer handshake, the store is the rendezvous",
@@ -179,6 +175,22 @@ def test_every_hook_left_to_the_base_is_a_decision(version: str,
     assert left - set(RELIED_ON_DEFAULTS) == set(), "new hooks: decide, and list them"
     # A name listed here but overridden, or gone from the base, is a stale entry.
     assert set(RELIED_ON_DEFAULTS) - left == set()
+
+
+@pytest.mark.parametrize("version", list(BASES))
+def test_the_hybrid_kv_cache_manager_hook_keeps_its_signature(
+        version: str, ours: dict[str, Signature]) -> None:
+    """`SupportsHMA` (vLLM keeps its hybrid KV cache manager on only for connectors that
+    subclass it) and its one abstract method, as each vLLM declares it."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
+
+    from connectors.vllm import KVKeepConnector
+
+    assert issubclass(KVKeepConnector, SupportsHMA)
+    base = _methods(BASES[version](), "SupportsHMA")
+    assert set(base) == {"request_finished_all_groups"}
+    name = "request_finished_all_groups"
+    assert _incompatibilities(name, base[name], ours[name]) == []
 
 
 def test_the_0_33_sleep_hooks_are_implemented(ours: dict[str, Signature]) -> None:

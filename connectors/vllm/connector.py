@@ -3,6 +3,10 @@
 vLLM builds this class twice per engine, once per role. Each instance derives the model
 fingerprint and layout from the config (the same on both sides), takes the process's shared
 store for the configured spec, and builds only the half its role needs.
+
+It supports vLLM's hybrid KV cache manager (`SupportsHMA`): with several KV cache groups each
+group's blocks are kept under a layout and fingerprint of their own (`connectors.vllm.groups`),
+and the worker half is one `WorkerSide` per group (`connectors.vllm.worker_groups`).
 """
 
 from __future__ import annotations
@@ -19,7 +23,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -30,6 +36,7 @@ from connectors.vllm.fingerprint import (
     derive_layout,
     fp8_scales,
 )
+from connectors.vllm.groups import group_fingerprint, group_layout, kv_groups
 from connectors.vllm.hash_check import check_block_hashes_reproducible
 from connectors.vllm.layouts import check_codec
 from connectors.vllm.metadata import StepMetadata
@@ -45,6 +52,7 @@ from connectors.vllm.stores import (
     tier_specs,
 )
 from connectors.vllm.worker import WorkerSide
+from connectors.vllm.worker_groups import GroupedWorker
 from kvstore.errors import ConfigError, KVKeepError
 from kvstore.keys import ModelFingerprint
 from kvstore.store import TieredStore
@@ -62,7 +70,7 @@ if TYPE_CHECKING:
     )
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
@@ -73,7 +81,7 @@ __all__ = ["KVKeepConnector"]
 log = logging.getLogger(__name__)
 
 
-class KVKeepConnector(KVConnectorBase_V1):
+class KVKeepConnector(KVConnectorBase_V1, SupportsHMA):
     """Checkpoints KV blocks to a kvkeep store and restores them, verified, layer by layer."""
 
     _cache_hit_source = CacheHitSource.EXTERNAL_UNSPECIFIED
@@ -81,9 +89,6 @@ class KVKeepConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
-            raise ConfigError("kvkeep connector: models with several KV cache groups "
-                              "(hybrid attention) are not supported")
         self._config = _per_rank_store(
             ConnectorConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config),
             vllm_config)
@@ -93,9 +98,18 @@ class KVKeepConnector(KVConnectorBase_V1):
         self._layout = layout
         check_codec(self._config.codec, layout, vllm_config.model_config.dtype)
         self._fingerprint = derive_fingerprint(vllm_config, self._config, layout)
+        groups = kv_groups(kv_cache_config, layout.block_size)
+        if len(groups) > 1 and self._config.prefetch is not None:
+            raise ConfigError("kvkeep connector: prefetch is not supported with several KV "
+                              "cache groups (hybrid attention with vLLM's hybrid KV cache "
+                              "manager) yet")
+        layouts = tuple(group_layout(layout, group, groups) for group in groups)
+        group_fps = tuple(group_fingerprint(self._fingerprint, group_spec, group)
+                          for group_spec, group in zip(layouts, groups, strict=True))
+        self._groups = groups
         self._counters = Counts()
         self._scheduler: SchedulerSide | None = None
-        self._worker: WorkerSide | None = None
+        self._worker: WorkerSide | GroupedWorker | None = None
         self._store: TieredStore | None = None
         self._prefetcher: Prefetcher | None = None
         self._closed = False
@@ -108,11 +122,18 @@ class KVKeepConnector(KVConnectorBase_V1):
             self._scheduler = SchedulerSide(
                 config=self._config, fingerprint=self._fingerprint, store=self._store,
                 block_size=layout.block_size, num_layers=self._fingerprint.num_layers,
-                counters=self._counters, event_medium=_event_medium(vllm_config, self._config))
+                counters=self._counters, event_medium=_event_medium(vllm_config, self._config),
+                groups=groups, group_fingerprints=group_fps)
         else:
             self._store = acquire_store(self._config.store)
-            self._worker = WorkerSide(config=self._config, fingerprint=self._fingerprint,
-                                      layout=layout, store=self._store, counters=self._counters)
+            if len(groups) > 1:
+                self._worker = GroupedWorker(config=self._config, groups=groups,
+                                             layouts=layouts, fingerprints=group_fps,
+                                             store=self._store, counters=self._counters)
+            else:
+                self._worker = WorkerSide(config=self._config, fingerprint=self._fingerprint,
+                                          layout=layout, store=self._store,
+                                          counters=self._counters)
             if self._config.prefetch is not None:
                 # Manifests are the scheduler half's, written under rank 0's fingerprint.
                 manifest_fp = derive_fingerprint(vllm_config, self._config,
@@ -128,9 +149,9 @@ class KVKeepConnector(KVConnectorBase_V1):
             telemetry=self._worker.telemetry if self._worker is not None else None,
             unprotected=self._scheduler.unprotected_tokens if self._scheduler is not None
             else None)
-        log.info("kvkeep connector (%s): model %s fingerprint %s layout %s codec %s",
-                 role.name, self._fingerprint.model_id, self._fingerprint.hex,
-                 layout.layout_id, self._config.codec)
+        log.info("kvkeep connector (%s): model %s fingerprint %s layout %s codec %s, "
+                 "%d KV cache group(s)", role.name, self._fingerprint.model_id,
+                 self._fingerprint.hex, layout.layout_id, self._config.codec, len(groups))
 
     # -- introspection (tests, benchmarks, operators) ------------------------------------------
 
@@ -264,6 +285,12 @@ class KVKeepConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._need_worker().get_block_ids_with_load_errors()
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        worker = self._need_worker()
+        if isinstance(worker, GroupedWorker):  # failed loads are whole requests' there
+            return worker.transfer_results()
+        return super().get_transfer_results(finished_req_ids)
+
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         return self._need_worker().take_report()
 
@@ -290,7 +317,17 @@ class KVKeepConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM with its hybrid KV cache manager off: one group."""
+        return self._need_scheduler().request_finished(request, (block_ids,))
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM with its hybrid KV cache manager on (`SupportsHMA`): each group's blocks."""
         return self._need_scheduler().request_finished(request, block_ids)
+
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self._need_scheduler().bind_block_tables(kv_cache_manager.get_block_ids)
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         """KV events for blocks the store now holds (published by vLLM when it publishes its
@@ -315,7 +352,7 @@ class KVKeepConnector(KVConnectorBase_V1):
         if self._store is not None:
             release_store(self._config.store)
 
-    def _need_worker(self) -> WorkerSide:
+    def _need_worker(self) -> WorkerSide | GroupedWorker:
         if self._worker is None:
             raise RuntimeError("kvkeep: worker-side call on the scheduler-side connector")
         return self._worker

@@ -28,6 +28,8 @@ class BlockRun:
     first: int
     block_ids: tuple[int, ...]
     block_hashes: tuple[bytes, ...]
+    group: int = 0
+    """The KV cache group whose block ids these are (`connectors.vllm.groups`)."""
 
     def __post_init__(self) -> None:
         if len(self.block_ids) != len(self.block_hashes):

@@ -23,6 +23,12 @@ Per request it keeps where its blocks live and which of them are known saved. Ea
   priced on the tier it lies on, against the engine's prefill rate, learned here from the
   time between steps), and counts what it decided (`decided_*`). Only where the store is in
   this process: with the multiprocess executor's probes every hit is restored;
+- with several KV cache groups (vLLM's hybrid KV cache manager, `connectors.vllm.groups`)
+  keeps each group's block ids, looks a block up in every group's store layout (a prefix is
+  restorable when every group holds all of it), saves and restores each group's blocks under
+  its own fingerprint, skipping the null entries of blocks a sliding window freed, and loads
+  asynchronously: vLLM can map a failed block back to its request only with one group, so a
+  failed load is reported as the request's (`failed_recving`), which vLLM recomputes;
 - when vLLM publishes KV events, adds a `BlockStored` for each request's grown saved prefix to
   them (medium `KVKEEP_SHARED` for a store with remote daemons, else `KVKEEP_LOCAL`), so a
   router knows which prefixes the store can restore. Each event carries the whole saved prefix
@@ -34,10 +40,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from connectors.vllm.config import ConnectorConfig
+from connectors.vllm.groups import NULL_BLOCK_ID, KVGroup, single_group, window_safe_interval
 from connectors.vllm.lookups import BackgroundLookups
 from connectors.vllm.manifests import (
     ManifestRelay,
@@ -87,17 +94,28 @@ _LOOKUP_TTL_S = 1.0
 class SchedulerSide:
     def __init__(self, *, config: ConnectorConfig, fingerprint: ModelFingerprint,
                  store: TieredStore | None, block_size: int, num_layers: int,
-                 counters: Counts, event_medium: str | None = None) -> None:
+                 counters: Counts, event_medium: str | None = None,
+                 groups: tuple[KVGroup, ...] | None = None,
+                 group_fingerprints: tuple[ModelFingerprint, ...] | None = None) -> None:
         """`store` is None when it lives in the worker's process: lookups and manifest writes
-        then travel in the step metadata. `event_medium` None: publish no KV events."""
+        then travel in the step metadata. `event_medium` None: publish no KV events.
+        `groups`, `group_fingerprints`: vLLM's KV cache groups and the fingerprint each
+        group's blocks are keyed by (None: one group, keyed by `fingerprint`); `fingerprint`
+        keys the manifests."""
         self._event_medium = event_medium
         self._events: list[Any] = []
         self._config = config
         self._fp = fingerprint
+        self._groups = groups or single_group()
+        self._group_fps = group_fingerprints or (fingerprint,)
+        if len(self._group_fps) != len(self._groups):
+            raise ValueError("one fingerprint per KV cache group")
         self._store = store
+        self._block_tables: Callable[[str], tuple[list[int], ...]] | None = None
         self._bs = block_size
         self._num_layers = num_layers
-        self._interval = config.checkpoint_interval(block_size)
+        self._interval = window_safe_interval(config.checkpoint_interval(block_size),
+                                              self._groups, block_size)
         if config.durability is not None and (config.checkpoint_tokens or 0) > block_size:
             log.warning("kvkeep: durability saves every block as it completes; checkpoint_tokens "
                         "%d is not used", config.checkpoint_tokens)
@@ -112,7 +130,8 @@ class SchedulerSide:
                             if store is not None and not store.answers_in_process else None)
         self._in_process: tuple[bool, ...] = () if store is None else store.in_process
         self._cost = (None if store is None else RestoreCostModel(
-            store.tiers, block_size=block_size, block_bytes=block_bytes_of(fingerprint),
+            store.tiers, block_size=block_size,
+            block_bytes=sum(block_bytes_of(fp) for fp in self._group_fps),
             enabled=config.restore_policy == "cost",
             prefill_tokens_per_s=config.prefill_tokens_per_s, metrics=store.metrics))
         # The previous step: (when its metadata was built, its scheduled tokens, whether it
@@ -126,6 +145,12 @@ class SchedulerSide:
 
     # -- vLLM scheduler API --------------------------------------------------------------------
 
+    def bind_block_tables(self, block_ids: Callable[[str], tuple[list[int], ...]]) -> None:
+        """vLLM's KV cache manager's current block ids of a request, per group: a sliding
+        window frees blocks by putting the null block in their place, which the step's
+        scheduler output (new block ids only) does not show."""
+        self._block_tables = block_ids
+
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         tracked = self._track(request)
@@ -133,7 +158,7 @@ class SchedulerSide:
             self._counters.add(Count.RESTORE_NONE if tracked.params.mode == "none"
                                else Count.PARTIAL_LAYER_UNUSABLE)
             return 0, False
-        if request.skip_reading_prefix_cache:
+        if request.skip_reading_prefix_cache or tracked.load_failed:
             return 0, False
         local = num_computed_tokens // self._bs
         # vLLM must compute at least one token to sample from: never claim the last one.
@@ -151,30 +176,25 @@ class SchedulerSide:
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
         tracked = self._track(request)
-        tracked.block_ids = list(blocks.get_block_ids()[0])
-        if num_external_tokens <= 0 or tracked.pending_load is not None:
+        tracked.group_ids = [list(ids) for ids in blocks.get_block_ids()]
+        if num_external_tokens <= 0 or tracked.pending_loads:
             return
         count = num_external_tokens // self._bs
         first = tracked.local_blocks
-        run = BlockRun(
-            req_id=request.request_id,
-            namespace=tracked.namespace.label,
-            first=first,
-            block_ids=tuple(tracked.block_ids[first:first + count]),
-            block_hashes=tuple(bytes(h) for h in request.block_hashes[first:first + count]),
-        )
-        if len(run) != count:
+        if tracked.block_count < first + count:
             # vLLM allocated fewer blocks than it agreed to load: a broken invariant upstream.
-            raise RuntimeError(f"kvkeep: {request.request_id} has {len(run)} blocks for "
-                               f"{count} external blocks")
+            raise RuntimeError(f"kvkeep: {request.request_id} has {tracked.block_count} "
+                               f"blocks for {first + count}")
         # An asynchronous load makes only its own request wait: it gets the longer hinted
         # deadline, since giving up means recomputing the prefix, a prefill every request in
         # the batch waits for (measured: benchmarks.stall's engine part).
-        tracked.pending_load = LoadSpec(
-            run, is_async=tracked.load_async,
-            deadline_s=(self._config.hinted_restore_deadline_s if tracked.load_async
-                        else self._deadline_s(tracked)))
-        tracked.loading_async = tracked.pending_load.is_async
+        deadline_s = (self._config.hinted_restore_deadline_s if tracked.load_async
+                      else self._deadline_s(tracked))
+        # A group's null entries (outside a sliding window) are neither loaded nor attended.
+        tracked.pending_loads = tuple(
+            LoadSpec(run, is_async=tracked.load_async, deadline_s=deadline_s)
+            for run in self._runs(tracked, first, first + count) if len(run))
+        tracked.loading_async = tracked.load_async
         if tracked.loading_async:
             self._counters.add(Count.ASYNC_LOADS)
 
@@ -189,16 +209,15 @@ class SchedulerSide:
         loads: list[LoadSpec] = []
         saves: list[SaveSpec] = []
         for tracked in self._reqs.values():
-            if tracked.pending_load is not None:
-                loads.append(tracked.pending_load)
-                tracked.pending_load = None
+            loads.extend(tracked.pending_loads)
+            tracked.pending_loads = ()
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             fresh = self._reqs.get(new.req_id)
             if fresh is None:
                 continue
-            fresh.block_ids = list(new.block_ids[0])
+            fresh.group_ids = [list(ids) for ids in new.block_ids]
             done = (new.num_computed_tokens + scheduled[new.req_id]
                     - len(spec_tokens.get(new.req_id, ())))
             self._plan_saves(fresh, done, saves)
@@ -209,9 +228,11 @@ class SchedulerSide:
                 continue
             new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
-                running.block_ids = list(new_ids[0]) if new_ids is not None else []
+                running.group_ids = ([list(ids) for ids in new_ids] if new_ids is not None
+                                     else [[] for _ in self._groups])
             elif new_ids is not None:
-                running.block_ids.extend(new_ids[0])
+                for mine, more in zip(running.group_ids, new_ids, strict=True):
+                    mine.extend(more)
             done = (cached.num_computed_tokens[i] + scheduled[req_id]
                     - len(spec_tokens.get(req_id, ())))
             self._plan_saves(running, done, saves)
@@ -267,17 +288,26 @@ class SchedulerSide:
         for req_id in output.finished_recving or ():
             if (tracked := self._reqs.get(req_id)) is not None:
                 tracked.loading_async = False
+        for req_id in getattr(output, "failed_recving", ()) or ():
+            # A whole request's load failed (several KV cache groups): vLLM recomputes it
+            # from the start. Its lookup answer is stale (the store dropped what failed), and
+            # the store just failed it: it computes, rather than be offered the same blocks.
+            if (tracked := self._reqs.get(req_id)) is not None:
+                tracked.load_failed = True
+                tracked.lookup = None
+                tracked.restored_blocks = 0
 
-    def request_finished(self, request: Request,
-                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: Sequence[Sequence[int]]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM finished `request`; `block_ids`: its blocks per KV cache group."""
         tracked = self._reqs.get(request.request_id)
         if tracked is None:
             return False, None
         tracked.finished = True
         tracked.finished_at = time.monotonic()
-        tracked.block_ids = list(block_ids)
+        tracked.group_ids = [list(ids) for ids in block_ids]
         done = min(request.num_computed_tokens // self._bs, len(request.block_hashes),
-                   len(block_ids))
+                   tracked.block_count)
         # Completed blocks that no checkpoint covered yet: save them before vLLM frees them.
         # Not while an asynchronous load is still filling them: they hold no KV yet.
         if done > tracked.planned and not tracked.loading_async:
@@ -334,11 +364,11 @@ class SchedulerSide:
             return self._probe(tracked, first, count, now)
         if self._background is not None:
             return self._lookup_behind(self._background, tracked, first, count, hashes, now)
-        keys = [BlockKey.of(self._fp, tracked.namespace, bytes(h)) for h in hashes]
+        keys = self._keys(tracked, hashes)
         deadline = now + self._deadline_s(tracked)
         self._counters.add(Count.LOOKUPS)
         try:
-            tiers = _prefix(self._store.locate(keys, deadline=deadline))
+            tiers = self._held(_prefix(self._store.locate(keys, deadline=deadline)))
         except KVKeepError:
             log.warning("kvkeep: lookup failed; computing instead", exc_info=True)
             self._counters.add(Count.LOOKUP_ERRORS)
@@ -363,8 +393,8 @@ class SchedulerSide:
                 tracked.probe = None
                 if finished.failed:
                     self._counters.add(Count.LOOKUP_ERRORS)
-                tiers = finished.tiers if finished.hit >= probe.inline_hit \
-                    else probe.inline_tiers
+                held = self._held(finished.tiers)
+                tiers = held if len(held) >= probe.inline_hit else probe.inline_tiers
                 return self._record_lookup(
                     tracked, LookupAnswer(first, count, len(tiers), now), tiers)
             if now - probe.sent_at < self._deadline_s(tracked):
@@ -377,9 +407,9 @@ class SchedulerSide:
             return self._record_lookup(
                 tracked, LookupAnswer(first, count, probe.inline_hit, now), probe.inline_tiers)
         self._counters.add(Count.LOOKUPS)
-        keys = [BlockKey.of(self._fp, tracked.namespace, bytes(h)) for h in hashes]
+        keys = self._keys(tracked, hashes)
         try:
-            inline = _prefix(self._store.locate(keys, in_process_only=True))
+            inline = self._held(_prefix(self._store.locate(keys, in_process_only=True)))
         except KVKeepError:
             log.warning("kvkeep: lookup failed; computing instead", exc_info=True)
             self._counters.add(Count.LOOKUP_ERRORS)
@@ -411,7 +441,10 @@ class SchedulerSide:
                           decision.load_s, decision.compute_s or 0.0)
         if tiers is not None:
             network = any(not self._in_process[tier] for tier in tiers[:restore])
-        tracked.load_async = self._config.load_mode == "async" or (
+        # With several KV cache groups every load is asynchronous: vLLM maps a failed block
+        # back to its request with one group only, so a failure is reported per request
+        # (`failed_recving`), which only an asynchronous load can be.
+        tracked.load_async = len(self._groups) > 1 or self._config.load_mode == "async" or (
             self._config.load_mode == "auto" and network and self._others_live(tracked))
         # What vLLM is told (and reuses on a second ask) is what the decision kept.
         tracked.lookup = LookupAnswer(answer.first, answer.count, restore, answer.at)
@@ -480,14 +513,14 @@ class SchedulerSide:
     def _plan_saves(self, tracked: TrackedRequest, done_tokens: int,
                     out: list[SaveSpec]) -> None:
         request = tracked.request
-        complete = min(done_tokens // self._bs, len(request.block_hashes),
-                       len(tracked.block_ids))
+        complete = min(done_tokens // self._bs, len(request.block_hashes), tracked.block_count)
         if complete <= tracked.planned or done_tokens < tracked.hold_until_tokens:
             return
         in_prefill = done_tokens <= request.num_prompt_tokens
         if not in_prefill and (complete - tracked.planned) * self._bs < self._interval:
             return
-        out.append(SaveSpec(self._run(tracked, tracked.planned, complete)))
+        out.extend(SaveSpec(run) for run in self._runs(tracked, tracked.planned, complete)
+                   if len(run))
         tracked.planned = complete
 
     def _flushes(self) -> list[SaveSpec]:
@@ -497,23 +530,65 @@ class SchedulerSide:
                 continue
             request = tracked.request
             done = min(request.num_computed_tokens // self._bs, len(request.block_hashes),
-                       len(tracked.block_ids))
-            # Even an empty flush is sent: its completion is what lets vLLM free the blocks.
+                       tracked.block_count)
+            # Even an empty flush is sent (one per group): its completion is what lets vLLM
+            # free the blocks.
             first = min(tracked.planned, done)
-            flushes.append(SaveSpec(self._run(tracked, first, done), flush=True))
+            flushes.extend(SaveSpec(run, flush=True) for run in self._runs(tracked, first, done))
             tracked.planned = max(tracked.planned, done)
             tracked.flush = "sent"
         return flushes
 
-    def _run(self, tracked: TrackedRequest, first: int, stop: int) -> BlockRun:
+    def _runs(self, tracked: TrackedRequest, first: int, stop: int) -> list[BlockRun]:
+        """Block indices [first, stop) of `tracked` as one run per KV cache group, each without
+        the group's null entries: a sliding window frees a prefix of a request's blocks, so
+        what a group still holds of the range is the part after its last null entry (never
+        empty for a full-attention group). Runs may be empty."""
         request = tracked.request
-        return BlockRun(
-            req_id=request.request_id,
-            namespace=tracked.namespace.label,
-            first=first,
-            block_ids=tuple(tracked.block_ids[first:stop]),
-            block_hashes=tuple(bytes(h) for h in request.block_hashes[first:stop]),
-        )
+        self._refresh_freed(tracked)
+        runs: list[BlockRun] = []
+        for group, ids in zip(self._groups, tracked.group_ids, strict=True):
+            span = ids[first:stop]
+            start = first + next((len(span) - i for i, block in enumerate(reversed(span))
+                                  if block == NULL_BLOCK_ID), 0)
+            runs.append(BlockRun(
+                req_id=request.request_id,
+                namespace=tracked.namespace.label,
+                first=start,
+                block_ids=tuple(ids[start:stop]),
+                block_hashes=tuple(bytes(h) for h in request.block_hashes[start:stop]),
+                group=group.index,
+            ))
+        return runs
+
+    def _refresh_freed(self, tracked: TrackedRequest) -> None:
+        """Null the entries a sliding window freed since the request's ids were last read (a
+        freed block may already hold another request's KV: it must never be saved)."""
+        if all(group.window is None for group in self._groups) or tracked.finished:
+            return  # a finished request's ids came from vLLM with the nulls in place
+        if self._block_tables is not None:  # (empty lists for a request it no longer holds)
+            tracked.group_ids = [list(ids) for ids in self._block_tables(tracked.request_id)]
+            return
+        # No manager to ask: null everything below each window's start, as vLLM would by now
+        # (counting this step's tokens as done frees at most more, never less).
+        computed = tracked.request.num_computed_tokens
+        for group, ids in zip(self._groups, tracked.group_ids, strict=True):
+            for i in range(min(group.first_kept_block(computed, self._bs), len(ids))):
+                ids[i] = NULL_BLOCK_ID
+
+    def _keys(self, tracked: TrackedRequest, hashes: Sequence[Any]) -> list[BlockKey]:
+        """The store keys of `hashes`: block-major, one per KV cache group."""
+        return [BlockKey.of(fp, tracked.namespace, bytes(h))
+                for h in hashes for fp in self._group_fps]
+
+    def _held(self, tiers: Sequence[int]) -> tuple[int, ...]:
+        """Per block, the slowest tier holding one of its groups, from a held prefix of
+        `_keys` (a block counts only when every group holds it)."""
+        width = len(self._group_fps)
+        if width == 1:
+            return tuple(tiers)
+        return tuple(max(tiers[i:i + width])
+                     for i in range(0, len(tiers) - width + 1, width))
 
     def _purge_finished(self) -> None:
         # Reports for a step arrive in the same update as `request_finished`, so a finished

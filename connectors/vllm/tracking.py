@@ -58,12 +58,14 @@ class TrackedRequest:
     params: RestoreParams
     started_us: int
     """Wall-clock microseconds when the connector first saw the request (orders manifests)."""
-    block_ids: list[int] = field(default_factory=list)
+    group_ids: list[list[int]] = field(default_factory=list)
+    """Per KV cache group (`connectors.vllm.groups`), the paged block id of each block index
+    (vLLM's null block where a sliding window freed it)."""
     local_blocks: int = 0
     lookup: LookupAnswer | None = None
     probe: PendingProbe | None = None
-    pending_load: LoadSpec | None = None
-    """To send with the next step's metadata."""
+    pending_loads: tuple[LoadSpec, ...] = ()
+    """To send with the next step's metadata (one per KV cache group)."""
     planned: int = 0
     """Blocks [0, planned) have a save planned, done, or found present."""
     hold_until_tokens: int = 0
@@ -81,6 +83,9 @@ class TrackedRequest:
     """How its restore loads, decided with its lookup (`load_mode`, and for "auto" where the
     restored blocks lie)."""
     loading_async: bool = False
+    load_failed: bool = False
+    """Its load failed as a whole (`failed_recving`, several KV cache groups): vLLM computes
+    it from the start, and it is not offered a restore again."""
     restored_blocks: int = 0
     """Blocks of this request whose KV came from the store (over all of its loads)."""
     published_blocks: int = 0
@@ -91,6 +96,11 @@ class TrackedRequest:
     @property
     def request_id(self) -> str:
         return str(self.request.request_id)
+
+    @property
+    def block_count(self) -> int:
+        """Block indices vLLM has allocated for it (every group has an entry for each)."""
+        return len(self.group_ids[0]) if self.group_ids else 0
 
     @property
     def saves_in_flight(self) -> bool:
