@@ -52,8 +52,6 @@ RELIED_ON_DEFAULTS: dict[str, str] = {
     "set_xfer_handshake_metadata": "no peer handshake",
     "set_xfer_handshake_metadata_pp_aware":
         "no peer handshake (and pipeline parallelism is refused at start-up)",
-    "bind_kv_cache_manager":
-        "the base keeps the manager; the connector never touches vLLM's block pool",
     "bind_gpu_block_pool": "no block-pool refcounts taken: blocks are copied, not pinned",
     "get_loaded_kv_cache_group_ids":
         "the prefix-cacheable groups: the one group a hash-addressed store holds",
