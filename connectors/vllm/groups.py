@@ -26,7 +26,7 @@ Groups the store cannot keep are refused at start-up with the reason: SSM/Mamba 
 state per request, overwritten in place: no block of it stands for a prefix), chunked-local,
 encoder and cross attention, and groups whose block size is not the engine's.
 
-One group (HMA off, as on CPU, or a model with one kind of attention) keeps the fingerprint
+One group (HMA off, or a model with one kind of attention) keeps the fingerprint
 and layout the connector always had.
 """
 
