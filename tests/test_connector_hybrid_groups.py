@@ -4,8 +4,9 @@ sliding-window group, each with its own block table (`connectors/vllm/groups.py`
 Real engines with HMA on (`tests/test_connector_sliding_window.py`) prove whole restores; the
 cases they do not reach on demand (blocks a window freed, one group's block corrupt, decode
 checkpoints against the window) are driven here, as vLLM's own scheduler tests do: vLLM's real
-`Scheduler` and `KVCacheManager` in-process over a hybrid `KVCacheConfig`, with the real connector on both sides (scheduler half inside the
-scheduler, worker half bound to CPU paged tensors) and a real store on disk. What stands in
+`Scheduler` and `KVCacheManager` in-process over a hybrid `KVCacheConfig`, with the real
+connector on both sides (scheduler half inside the scheduler, worker half bound to CPU paged
+tensors) and a real store on disk. What stands in
 for the model is the forward pass: each step writes, for every block it completes, a block of
 KV that is a function of the layer and the block's chained hash (so a block restored into the
 wrong group, position or layer is caught), and samples a fixed token.
