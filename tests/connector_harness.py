@@ -166,6 +166,25 @@ def generate(llm: LLM, prompts: Sequence[Sequence[int]], max_tokens: int,
                    o.kv_transfer_params) for o in outputs]
 
 
+GreedyOutputs = list[tuple[tuple[int, ...], list[dict[int, float]], int]]
+"""Per prompt: greedy token ids, each step's top-5 logprobs (exact floats), cached tokens."""
+
+
+def greedy_outputs(llm: LLM, prompts: Sequence[Sequence[int]], max_tokens: int
+                   ) -> GreedyOutputs:
+    """Greedy tokens with their top-5 logprobs and the prompt tokens vLLM found cached: what
+    the exactness tests compare (two runs agree to the bit, or they do not)."""
+    from vllm import SamplingParams
+
+    sampling = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                              logprobs=5)
+    outputs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sampling,
+                           use_tqdm=False)
+    return [(tuple(o.outputs[0].token_ids),
+             [{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs],
+             int(o.num_cached_tokens or 0)) for o in outputs]
+
+
 def random_prompts(count: int, length: int | Sequence[int], *, seed: int,
                    vocab: int = 1000) -> list[list[int]]:
     """Token-id prompts (ids 10..vocab, away from the special tokens)."""

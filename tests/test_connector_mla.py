@@ -21,7 +21,9 @@ import torch
 from connectors.vllm.layouts import check_codec, mla_layout
 from kvstore.errors import ConfigError
 from tests.connector_harness import (
+    GreedyOutputs,
     generate,
+    greedy_outputs,
     kv_transfer_config,
     open_engine,
     random_prompts,
@@ -44,17 +46,8 @@ def mla_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_deepseek_v2(tmp_path_factory.mktemp("mla") / "model")
 
 
-def _run(llm: Any, prompts: Sequence[Sequence[int]]) -> list[tuple[tuple[int, ...], Any, int]]:
-    """Greedy tokens, their top-5 logprobs (exact floats) and the cached prompt tokens."""
-    from vllm import SamplingParams
-
-    sampling = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
-                              logprobs=5)
-    outputs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sampling,
-                           use_tqdm=False)
-    return [(tuple(o.outputs[0].token_ids),
-             [{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs],
-             int(o.num_cached_tokens or 0)) for o in outputs]
+def _run(llm: Any, prompts: Sequence[Sequence[int]]) -> GreedyOutputs:
+    return greedy_outputs(llm, prompts, MAX_TOKENS)
 
 
 def _store(data: Path, name: str) -> dict[str, Any]:

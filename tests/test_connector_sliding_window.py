@@ -31,7 +31,9 @@ import pytest
 import torch
 
 from tests.connector_harness import (
+    GreedyOutputs,
     block_hashes,
+    greedy_outputs,
     kv_transfer_config,
     open_engine,
     random_prompts,
@@ -57,8 +59,6 @@ CASES: dict[str, tuple[Callable[..., Path], tuple[int, ...], str, bool]] = {
     "gpt_oss": (build_tiny_gpt_oss, (WINDOW, -1), "FullAttentionSpec", False),
 }
 
-Outputs = list[tuple[tuple[int, ...], list[dict[int, float]], int]]
-
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
@@ -67,17 +67,8 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             for name, (build, *_) in CASES.items()}
 
 
-def _run(llm: Any, prompts: Sequence[Sequence[int]]) -> Outputs:
-    """Greedy tokens, their top-5 logprobs (exact floats) and the cached prompt tokens."""
-    from vllm import SamplingParams
-
-    sampling = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
-                              logprobs=5)
-    outputs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sampling,
-                           use_tqdm=False)
-    return [(tuple(o.outputs[0].token_ids),
-             [{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs],
-             int(o.num_cached_tokens or 0)) for o in outputs]
+def _run(llm: Any, prompts: Sequence[Sequence[int]]) -> GreedyOutputs:
+    return greedy_outputs(llm, prompts, MAX_TOKENS)
 
 
 def _store(data: Path, name: str) -> dict[str, Any]:
