@@ -519,6 +519,9 @@ class SchedulerSide:
         in_prefill = done_tokens <= request.num_prompt_tokens
         if not in_prefill and (complete - tracked.planned) * self._bs < self._interval:
             return
+        # Only here are the ids possibly stale: `update_state_after_alloc` and
+        # `request_finished` hand over vLLM's current ones.
+        self._refresh_freed(tracked)
         out.extend(SaveSpec(run) for run in self._runs(tracked, tracked.planned, complete)
                    if len(run))
         tracked.planned = complete
@@ -545,7 +548,6 @@ class SchedulerSide:
         what a group still holds of the range is the part after its last null entry (never
         empty for a full-attention group). Runs may be empty."""
         request = tracked.request
-        self._refresh_freed(tracked)
         runs: list[BlockRun] = []
         for group, ids in zip(self._groups, tracked.group_ids, strict=True):
             span = ids[first:stop]
@@ -564,8 +566,8 @@ class SchedulerSide:
     def _refresh_freed(self, tracked: TrackedRequest) -> None:
         """Null the entries a sliding window freed since the request's ids were last read (a
         freed block may already hold another request's KV: it must never be saved)."""
-        if all(group.window is None for group in self._groups) or tracked.finished:
-            return  # a finished request's ids came from vLLM with the nulls in place
+        if all(group.window is None for group in self._groups):
+            return
         if self._block_tables is not None:  # (empty lists for a request it no longer holds)
             tracked.group_ids = [list(ids) for ids in self._block_tables(tracked.request_id)]
             return
