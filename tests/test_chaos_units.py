@@ -57,6 +57,22 @@ def test_the_ci_scenario_kills_a_worker_a_daemon_and_pauses_etcd() -> None:
     assert {KillWorker, KillDaemon, PauseEtcd} <= kinds
 
 
+def test_every_fault_holds_every_fault_of_the_ci_scenario() -> None:
+    """`make test` runs every-fault.yaml instead of ci.yaml where it can (root), so every fault
+    the ci scenario strikes, with its kind of target and the way it ends (restarted or not),
+    must be struck by every-fault too."""
+    def shapes(name: str) -> set[tuple[type, str, bool]]:
+        faults = load_scenario(SCENARIO_DIR / name).faults
+        return {(type(f), str(getattr(f, "target", "")).rstrip("0123456789"),
+                 getattr(f, "restart_after", None) is not None) for f in faults}
+
+    every, ci = shapes("every-fault.yaml"), shapes("ci.yaml")
+    missing = {(kind, target, restarted) for kind, target, restarted in ci
+               if not any(k is kind and restarted <= r for k, _t, r in every)}
+    assert not missing, missing
+    assert {KillWorker, KillDaemon, PauseEtcd} <= {kind for kind, _t, _r in every}
+
+
 @pytest.mark.parametrize(("kills", "sessions", "max_tokens"), [(2, 4, 64), (0, 1, 16), (3, 6, 96)])
 def test_kills_flags_are_a_scenario_of_busy_worker_kills(kills: int, sessions: int,
                                                          max_tokens: int) -> None:

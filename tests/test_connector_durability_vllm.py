@@ -22,7 +22,6 @@ One module of engines (two servers, one in-process engine) serves every test, in
 from __future__ import annotations
 
 import json
-import signal
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +32,8 @@ import pytest
 
 from deploy.chaos.slow_link import SlowLink, slow_links
 from deploy.local.daemons import DaemonProcess, running_daemons
+from deploy.local.engines import vllm_env
+from deploy.local.vllm_server import VllmServer, start_vllm
 from kvstore.metrics import COPY_LAG_BUCKETS
 from tests.connector_harness import (
     BLOCK_SIZE,
@@ -46,7 +47,6 @@ from tests.connector_harness import (
 from tests.metrics_scrape import Scrape, wait_for_sample
 from tests.models import TinyModel
 from tests.test_store_replicated import copies_on
-from tests.vllm_server import VllmServer, start_vllm, vllm_env
 
 pytestmark = pytest.mark.slow
 
@@ -70,7 +70,7 @@ class Worker:
 
     def die(self) -> None:
         """A node lost: its processes SIGKILLed, its link cut."""
-        self.server.kill(signal.SIGKILL)
+        self.server.kill()
         for link in self.links.values():
             link.sever()
 
@@ -111,7 +111,7 @@ def cluster(tiny: TinyModel, tmp_path_factory: pytest.TempPathFactory) -> Iterat
             servers = {
                 "durable": _worker(tiny.path, base, daemons, durable=True, links=durable_links),
                 "behind": _worker(tiny.path, base, daemons, durable=False, links=behind_links)}
-            # The servers hash blocks with PYTHONHASHSEED=0 (tests.vllm_server.vllm_env); the
+            # The servers hash blocks with PYTHONHASHSEED=0 (deploy.local.engines.vllm_env); the
             # engine elsewhere must chain its block hashes from the same seed to find theirs.
             try:
                 with pytest.MonkeyPatch.context() as env:
@@ -124,7 +124,7 @@ def cluster(tiny: TinyModel, tmp_path_factory: pytest.TempPathFactory) -> Iterat
                                       Worker(servers["behind"], behind_links), elsewhere)
             finally:
                 for server in servers.values():
-                    server.kill(signal.SIGKILL)
+                    server.kill()
 
 
 def _respond_then_die(worker: Worker, prompt: list[int]) -> list[int]:

@@ -54,8 +54,8 @@ def test_checkpointed_prefixes_reach_the_router_index(tiny: TinyModel, tmp_path:
                                     "remote": {"daemons": {daemon.node_id: daemon.address}}}
     else:
         store = {"name": "events-local", "host_bytes": 64 << 20}
-    # vLLM's publisher binds only wildcard endpoints (as in tests/vllm_server.py); the SUB side
-    # connects over loopback, as the router does.
+    # vLLM's publisher binds only wildcard endpoints (deploy/local/engines.py says more); the
+    # SUB side connects over loopback, as the router does.
     port = free_port()
     events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}",
               "topic": "kv"}

@@ -1,7 +1,7 @@
 """The connector's metrics reach Prometheus from a running vLLM, and engines whose block hashes
 cannot be reproduced are refused.
 
-The metrics tests scrape a REAL vLLM OpenAI server (tests/vllm_server.py) started with the
+The metrics tests scrape a REAL vLLM OpenAI server (deploy/local/vllm_server.py) started with the
 connector over a real kvstore daemon, in both engine modes (the engine core inside the API
 server, and in a process of its own): after a save, a restore, and a restore whose blocks rotted
 on the daemon's disk, every family holds real values on vLLM's own `/metrics`.
@@ -27,7 +27,9 @@ from connectors.vllm.prometheus import STORE_COUNTERS, KVKeepStats, StatsReporte
 from connectors.vllm.stats import Count, Counts
 from connectors.vllm.telemetry import Telemetry
 from deploy.local.daemons import DaemonProcess, running_daemon
+from deploy.local.engines import vllm_env
 from deploy.local.services import free_port
+from deploy.local.vllm_server import VllmServer, start_vllm
 from kvstore.errors import ConfigError
 from kvstore.metrics import StoreMetrics
 from kvstore.store import TieredStore
@@ -43,7 +45,6 @@ from tests.connector_harness import (
 )
 from tests.metrics_scrape import Scrape, scrape, wait_for_sample
 from tests.models import TinyModel
-from tests.vllm_server import VllmServer, start_vllm, vllm_env
 
 T = 60.0
 PROMPT = random_prompts(1, 4 * BLOCK_SIZE + 5, seed=11)[0]  # 4 full blocks

@@ -22,7 +22,8 @@ def test_every_fault_kind_once_meets_every_target(model_dir: Path, tmp_path: Pat
     (network namespaces), a slowed daemon, a full disk (tmpfs), an etcd restart, corrupted
     block files read back from disk, poison and forged records in etcd while a worker is
     killed (issue 16: none reaches a forged part, and membership still follows), a worker
-    kill. Root only (namespaces, tmpfs)."""
+    kill, then ci.yaml's daemon kill during writes and etcd pause (this test stands in for
+    test_deploy_chaos_ci.py where it runs). Root only (namespaces, tmpfs)."""
     from deploy.local.disks import tmpfs_available
     from deploy.local.netns import netns_available
 
@@ -40,7 +41,7 @@ def test_every_fault_kind_once_meets_every_target(model_dir: Path, tmp_path: Pat
     for target in ("lost_sessions", "client_errors", "outputs_differing_from_reference",
                    "corrupt_reads_served", "forged_requests"):
         assert result[target] == 0, (target, result[target])
-    assert len(result["faults"]) == 9
+    assert len(result["faults"]) == 11
     bad = next(f for f in result["faults"] if f["kind"] == "bad_records")
     assert len(bad["numbers"]["keys"]) == 9 and bad["numbers"]["forged_worker_requests"] == 0
     killed = next(f for f in result["faults"] if f["kind"] == "kill_worker")
@@ -57,3 +58,8 @@ def test_every_fault_kind_once_meets_every_target(model_dir: Path, tmp_path: Pat
     assert result["corrupt_blocks_detected"] > 0 and probe["served_corrupt"] == 0
     assert probe["probes"] > 0 and probe["errors"] == 0
     assert result["retried_turns"] + result["resumed_streams"] >= 1
+    # ci.yaml's faults, struck here too: a daemon killed while puts arrived and restarted on
+    # its disk, etcd paused past the workers' leases.
+    daemon = next(f for f in result["faults"] if f["kind"] == "kill_daemon")
+    assert "while puts arrived" in daemon["detail"] and daemon["recovered_s"] is not None
+    assert any(f["kind"] == "pause_etcd" for f in result["faults"])

@@ -302,3 +302,23 @@ def test_kubectl_killer_against_a_stand_in(tmp_path: Path, monkeypatch: pytest.M
     calls = log.read_text().splitlines()
     assert calls[0] == "-n kvkeep get pods -l app=w -o json"
     assert calls[-1] == "-n kvkeep delete pod w-a --grace-period=0 --force --wait=false"
+
+
+def test_vllm_binds_the_kv_events_endpoint_of_the_cluster_and_the_manifest() -> None:
+    """vLLM's publisher binds only wildcard or ipc endpoints and *connects* to any other; the
+    agents and routers connect too, so an endpoint vLLM would connect to carries no event.
+    Both the local cluster's worker and the k8s worker must hand it one it binds (both once
+    named their own IP, and no event reached a router)."""
+    from vllm.distributed.kv_events import ZmqEventPublisher
+
+    from deploy.local.engines import EngineSettings, vllm_argv
+
+    argv = vllm_argv(EngineSettings(model_dir=Path("/m")), port=1, events_port=5557,
+                     etcd_url="http://127.0.0.1:2379")
+    manifest = next(c["args"] for _doc, c in _containers()
+                    if "--kv-events-config" in c.get("args", []))
+    for args in (argv, manifest):
+        endpoint = json.loads(_flag(args, "--kv-events-config"))["endpoint"]
+        assert ZmqEventPublisher._is_bind_endpoint(endpoint), endpoint
+    assert vllm_argv(EngineSettings(model_dir=Path("/m"), connector=False), port=1,
+                     events_port=None).count("--kv-events-config") == 0

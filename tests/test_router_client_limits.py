@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import signal
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -24,13 +23,13 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from deploy.local.services import free_port
+from deploy.local.vllm_server import VllmServer, start_vllm
 from router.config import RouterConfig, StaticWorker
 from router.limits import Limits
 from router.membership.workers import WorkerId
 from router.policy import policy_preset
 from tests.models import TinyModel
 from tests.router_harness import LoopThread, RouterHandle, wait_until
-from tests.vllm_server import VllmServer, start_vllm
 
 # Starting two engines on a shared 2-core machine can take minutes on its own.
 # serial: its kills and freezes are timed from what the clients have read, which lags the engine
@@ -69,7 +68,7 @@ def env(tmp_path_factory: pytest.TempPathFactory, tiny: TinyModel) -> Iterator[E
     workers = {w: start_vllm(tiny.path, logs, kv_events=False) for w in ("w1", "w2")}
     with contextlib.ExitStack() as stack:
         for server in workers.values():
-            stack.callback(server.kill, signal.SIGTERM)
+            stack.callback(server.stop)
         for server in workers.values():
             server.wait_healthy(timeout=900)  # the shared machine may be busy
         lt = LoopThread()
@@ -480,7 +479,7 @@ def test_penalties_sampling_and_usage_across_a_sigkill(env: Env, tiny: TinyModel
         t.start()
     for _ in shapes:  # each stream has sent its first tokens
         assert started.acquire(timeout=120)
-    env.workers["w1"].kill(signal.SIGKILL)
+    env.workers["w1"].kill()
     for t in threads:
         t.join(300)
     assert set(results) == set(shapes)

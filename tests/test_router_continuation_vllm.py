@@ -26,6 +26,7 @@ import pytest
 from deploy.local.daemons import DaemonProcess, start_daemon
 from deploy.local.engines import EngineSettings, kv_transfer_config
 from deploy.local.services import EtcdServer, free_port, start_etcd, stop_process
+from deploy.local.vllm_server import VllmServer, start_vllm
 from kvstore.keys import SessionId
 from kvstore.tiers.factory import RemoteSpec
 from router.conversations import StoreRecords
@@ -33,7 +34,6 @@ from router.conversations.records import RecordKey
 from tests.deploy_cli import spawn_cli
 from tests.models import TinyModel
 from tests.router_harness import wait_until
-from tests.vllm_server import VllmServer, start_vllm
 
 pytestmark = pytest.mark.slow
 
@@ -103,7 +103,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, tiny: TinyModel
             "--chat-template", str(template), "--kv-transfer-config", json.dumps(kv)])
             for w in ("w1", "w2")}
         for server in workers.values():
-            stack.callback(server.kill, signal.SIGTERM)
+            stack.callback(server.stop)
         agents: dict[str, subprocess.Popen[bytes]] = {}
         routers: dict[str, subprocess.Popen[bytes]] = {}
         stack.callback(lambda: [stop_process(p) for p in [*agents.values(), *routers.values()]])
@@ -320,7 +320,7 @@ def test_after_a_worker_dies_the_next_turn_restores_elsewhere(cluster: Cluster) 
     kept = reply["prompt_token_ids"] + reply["choices"][0]["token_ids"]
     time.sleep(1.0)  # the connector's write-behind reaches the daemons
     cluster.agents[home].send_signal(signal.SIGKILL)
-    cluster.workers[home].kill(signal.SIGKILL)
+    cluster.workers[home].kill()
     wait_until(lambda: home not in cluster.usable("B"), timeout=TTL + 10)
     second = _chat(b, "fo-1", [{"role": "user", "content": "go on"}], headers=CONTINUE,
                    max_tokens=8, ignore_eos=True)

@@ -36,10 +36,10 @@ import pytest
 
 from deploy.local.engines import EngineSettings, serving_flags
 from deploy.local.services import EtcdServer, free_port, start_etcd, stop_process
+from deploy.local.vllm_server import VllmServer, start_vllm
 from tests.deploy_cli import spawn_cli
 from tests.models import TinyModel, build_tiny_llama
 from tests.router_harness import wait_until
-from tests.vllm_server import VllmServer, start_vllm
 
 # Engine starts under a shared machine's load can take several minutes.
 # serial: its kills and freezes are timed from what the clients have read, which lags the engine
@@ -131,13 +131,13 @@ class Cluster:
     def kill(self, wid: str) -> None:
         """The node is gone: its agent and its vLLM (API server and engine core)."""
         self.agents[wid].send_signal(signal.SIGKILL)
-        self.workers[wid].kill(signal.SIGKILL)
+        self.workers[wid].kill()
 
     def freeze(self, wid: str) -> None:
         """The node hangs (or is cut off) with its connections open: its vLLM stopped, its
         agent gone, so its lease expires on its own after the TTL."""
         self.agents[wid].send_signal(signal.SIGKILL)
-        self.workers[wid].send_signal(signal.SIGSTOP)
+        self.workers[wid].signal(signal.SIGSTOP)
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +149,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, tiny: TinyModel) -> Iterat
                for w in ("w1", "w2")}
     with start_etcd(base) as etcd, contextlib.ExitStack() as stack:
         for server in workers.values():
-            stack.callback(server.kill, signal.SIGTERM)
+            stack.callback(server.stop)
         agents: dict[str, subprocess.Popen[bytes]] = {}
         stack.callback(_stop_all, agents)
         port = free_port()
@@ -169,7 +169,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, tiny: TinyModel) -> Iterat
             c.join(wid)
         yield c
         for server in c.workers.values():  # w3, started by the last test
-            server.kill(signal.SIGTERM)
+            server.stop()
 
 
 def _stop_all(procs: dict[str, subprocess.Popen[bytes]]) -> None:
@@ -423,7 +423,7 @@ def run_streams(cluster: Cluster, shapes: tuple[str, ...], sids: dict[str, str],
 def engine_cores(server: VllmServer) -> list[int]:
     """The pids of `server`'s engine core processes (`VLLM::EngineCore`, under its API
     server)."""
-    found, todo = [], [server.proc.pid]
+    found, todo = [], [server.pid]
     while todo:
         pid = todo.pop()
         with contextlib.suppress(OSError):
@@ -433,7 +433,7 @@ def engine_cores(server: VllmServer) -> list[int]:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 if f.read().startswith(b"VLLM::EngineCore"):
                     found.append(pid)
-    assert found, f"no engine core under vLLM {server.proc.pid}"
+    assert found, f"no engine core under vLLM {server.pid}"
     return found
 
 
@@ -558,7 +558,7 @@ def test_a_frozen_worker_s_streams_resume_once_its_lease_expires(cluster: Cluste
     try:
         results = run_streams(cluster, FROZEN, sids, kill, responses=sessions[-1])
     finally:
-        cluster.workers["w1"].send_signal(signal.SIGCONT)
+        cluster.workers["w1"].signal(signal.SIGCONT)
     print("at the freeze:", json.dumps(kill.at_kill))  # shown when the test fails
     for shape in FROZEN:
         got = results[shape]
@@ -637,7 +637,7 @@ def test_a_replay_that_differs_ends_with_an_error_not_other_text(cluster: Cluste
                                        extra_args=TOOL_FLAGS)
     cluster.workers["w3"].wait_healthy(HEALTHY_S)
     cluster.join("w3")
-    if cluster.workers["w1"].alive():  # run on its own, without the test before it
+    if cluster.workers["w1"].alive:  # run on its own, without the test before it
         cluster.kill("w1")
     wait_until(lambda: cluster.usable() == {"w2", "w3"}, timeout=30)
     shapes = ("json_schema", "tool_named")

@@ -23,6 +23,7 @@ import pytest
 from aiohttp import web
 
 from deploy.local.services import free_port
+from deploy.local.vllm_server import VllmServer, start_vllm
 from kvstore.errors import ConfigError
 from router.config import RouterConfig, StaticWorker
 from router.front.api import ClientRequest, Endpoint, parse_request
@@ -35,7 +36,6 @@ from router.tokenize.client import PromptTokenizer
 from router.tokenize.prompts import TokenizeSpec, tokenize_input
 from tests.models import build_tiny_llama
 from tests.router_harness import RouterHandle, loop_thread, wait_until
-from tests.vllm_server import VllmServer, start_vllm
 
 
 def creq(body: dict[str, Any], endpoint: Endpoint = Endpoint.COMPLETIONS) -> ClientRequest:

@@ -23,11 +23,11 @@ import openai
 import pytest
 
 from deploy.local.services import EtcdServer, free_port, start_etcd, stop_process
+from deploy.local.vllm_server import VllmServer, start_vllm
 from router.tenants import ApiKeys
 from tests.deploy_cli import spawn_cli
 from tests.models import TinyModel
 from tests.router_harness import wait_until
-from tests.vllm_server import VllmServer, start_vllm
 
 pytestmark = pytest.mark.slow
 
@@ -72,7 +72,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, tiny: TinyModel
     workers = {w: start_vllm(model.path, logs) for w in ("w1", "w2")}
     with start_etcd(base) as etcd, contextlib.ExitStack() as stack:
         for server in workers.values():
-            stack.callback(server.kill, signal.SIGTERM)
+            stack.callback(server.stop)
         agents: dict[str, subprocess.Popen[bytes]] = {}
         routers: dict[str, subprocess.Popen[bytes]] = {}
         stack.callback(_stop_all, agents, routers)
@@ -395,7 +395,7 @@ def test_worker_sigkill_resumes_the_stream_and_rebinds_sessions(cluster: Cluster
     def maybe_kill(n: int) -> None:
         if n == 25 and not killed:
             cluster.agents["w1"].send_signal(signal.SIGKILL)
-            cluster.workers["w1"].kill(signal.SIGKILL)
+            cluster.workers["w1"].kill()
             killed["at"] = time.monotonic()
             watcher.start()  # times the disappearance from the kill, not after the stream
 
@@ -474,7 +474,7 @@ def test_a_stream_with_stop_strings_survives_a_sigkill(cluster: Cluster, tiny: T
         def maybe_kill(n: int) -> None:
             if n == 25 and not killed:
                 cluster.agents["w3"].send_signal(signal.SIGKILL)
-                w3.kill(signal.SIGKILL)
+                w3.kill()
                 killed["at"] = time.monotonic()
 
         pieces: list[str] = []
@@ -501,7 +501,7 @@ def test_a_stream_with_stop_strings_survives_a_sigkill(cluster: Cluster, tiny: T
         assert "".join(pieces) == reference
         assert finish == [("stop", stop)]
     finally:
-        w3.kill(signal.SIGKILL)
+        w3.kill()
 
 
 def test_a_responses_stream_broken_by_a_sigkill_ends_with_the_failure_events(
@@ -534,7 +534,7 @@ def test_a_responses_stream_broken_by_a_sigkill_ends_with_the_failure_events(
             if sum(e.type == "response.output_text.delta" for e in events) == 10 \
                     and event.type == "response.output_text.delta":
                 cluster.agents["w4"].send_signal(signal.SIGKILL)
-                w4.kill(signal.SIGKILL)
+                w4.kill()
         types = [e.type for e in events]
         assert types[-2:] == ["error", "response.failed"], types
         assert "response.completed" not in types
@@ -545,4 +545,4 @@ def test_a_responses_stream_broken_by_a_sigkill_ends_with_the_failure_events(
         assert failed.response.error is not None and failed.response.error.code == "server_error"
         assert sum(t == "response.output_text.delta" for t in types) >= 10
     finally:
-        w4.kill(signal.SIGKILL)
+        w4.kill()

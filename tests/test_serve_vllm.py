@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from deploy.local.engines import vllm_env
 from deploy.local.services import free_port
 from deploy.serve_vllm import VLLM_SERVER_MODULE, server_argv
 from tests.models import TinyModel
-from tests.vllm_server import vllm_env
 
 KVKEEP = [sys.executable, "-m", "kvstore.commands"]
 

@@ -36,7 +36,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from deploy.local.disks import mount_tmpfs, unmount
-from deploy.local.engines import EngineSettings, vllm_argv, vllm_env
+from deploy.local.engines import REPO_ROOT, EngineSettings, vllm_argv, vllm_env
 from deploy.local.members import Daemon, Router, Worker
 from deploy.local.netns import Fabric
 from deploy.local.probes import daemon_serving, http_json, http_ok, port_open, wait_until
@@ -50,7 +50,6 @@ if TYPE_CHECKING:
 
 __all__ = ["ClusterSpec", "LocalCluster", "Worker", "Daemon", "Router", "REPO_ROOT"]
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 # The daemon re-executes itself with these set unless they already are (kvstore/commands/store.py):
 # set here, it starts once.
 _MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "67108864", "MALLOC_TRIM_THRESHOLD_": "268435456"}
@@ -441,7 +440,7 @@ class LocalCluster:
                                                etcd_url=etcd_url, host=host,
                                                remote_extra=self._connector_remote(),
                                                worker_id=worker_id)),
-                                self.logs / f"vllm-{worker_id}.log", vllm_env(REPO_ROOT),
+                                self.logs / f"vllm-{worker_id}.log", vllm_env(),
                                 REPO_ROOT)
         agent = self._kvkeep(f"agent-{worker_id}", [
             "worker", "--etcd", etcd_url,

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -17,7 +16,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from deploy.local.services import free_port, stop_process
+from deploy.local.processes import ManagedProcess
+from deploy.local.services import free_port
 from kvstore.commands.store import MALLOC_ENV
 from kvstore.errors import KVKeepError
 from kvstore.net.daemon_client import DaemonClient
@@ -33,12 +33,16 @@ DAEMON_PYTHON = os.environ.get("KVKEEP_DAEMON_PYTHON") or sys.executable
 
 @dataclass
 class DaemonProcess:
+    """One daemon: its flags, data dir and log, the running process (a `ManagedProcess`, as
+    every process of a local cluster: its own group, stopped by pid) and the clients handed
+    out, closed at the end."""
+
     node_id: str
     port: int
     data_dir: Path
     log_path: Path
     args: list[str]
-    proc: subprocess.Popen[bytes] | None = None
+    process: ManagedProcess | None = None
     clients: list[DaemonClient] = field(default_factory=list)
 
     @property
@@ -46,8 +50,12 @@ class DaemonProcess:
         return f"127.0.0.1:{self.port}"
 
     @property
+    def proc(self) -> subprocess.Popen[bytes] | None:
+        return None if self.process is None else self.process.proc
+
+    @property
     def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        return self.process is not None and self.process.alive
 
     def client(self, token: str | None = None) -> DaemonClient:
         c = DaemonClient(self.node_id, self.address, token=token)
@@ -55,31 +63,25 @@ class DaemonProcess:
         return c
 
     def spawn(self) -> None:
+        """Start the daemon with its current `args` (a restart appends to the same log)."""
         env = {**os.environ, **MALLOC_ENV, "PYTHONUNBUFFERED": "1"}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT),
                                                           env.get("PYTHONPATH")]))
-        log = open(self.log_path, "ab")  # noqa: SIM115  (the child owns it from here on)
-        try:
-            self.proc = subprocess.Popen([DAEMON_PYTHON, "-m", "kvstore.daemon", *self.args],
-                                         cwd=REPO_ROOT, env=env, stdout=log,
-                                         stderr=subprocess.STDOUT)
-        finally:
-            log.close()
+        self.process = ManagedProcess(
+            f"daemon-{self.node_id}", [DAEMON_PYTHON, "-m", "kvstore.daemon", *self.args],
+            self.log_path, env, REPO_ROOT).start()
 
     def wait_healthy(self, timeout: float = 20.0) -> None:
         wait_healthy(self, timeout)
 
     def kill(self) -> None:
         """SIGKILL: a crash, no draining, no lease revocation."""
-        if self.proc is not None:
-            stop_process(self.proc, signal.SIGKILL)
+        if self.process is not None:
+            self.process.kill()
 
     def terminate(self, timeout: float = 30.0) -> int | None:
-        """SIGTERM: a graceful drain; returns the exit code."""
-        if self.proc is None:
-            return None
-        stop_process(self.proc, signal.SIGTERM, timeout)
-        return self.proc.returncode
+        """SIGTERM: a graceful drain (SIGKILL after `timeout`); returns the exit code."""
+        return None if self.process is None else self.process.stop(timeout)
 
     def restart(self, timeout: float = 20.0) -> None:
         self.kill()
@@ -103,8 +105,9 @@ def wait_healthy(daemon: DaemonProcess, timeout: float = 20.0) -> None:
     probe = DaemonClient(daemon.node_id, daemon.address)
     try:
         while time.monotonic() < deadline:
-            if daemon.proc is not None and daemon.proc.poll() is not None:
-                raise RuntimeError(f"daemon {daemon.node_id} exited with {daemon.proc.returncode}:"
+            if daemon.process is not None and not daemon.process.alive:
+                raise RuntimeError(f"daemon {daemon.node_id} exited with "
+                                   f"{daemon.process.returncode}:"
                                    f"\n{daemon.log_text()[-3000:]}")
             with contextlib.suppress(KVKeepError):
                 if probe.health(timeout=0.5) == "SERVING":
@@ -168,5 +171,4 @@ def running_daemons(tmp: Path, count: int, **kwargs: object) -> Iterator[list[Da
     finally:
         for d in daemons:
             d.close_clients()
-            if d.proc is not None:
-                stop_process(d.proc, signal.SIGTERM, 15.0)
+            d.terminate(15.0)

