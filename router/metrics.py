@@ -19,6 +19,7 @@ class RouterMetrics:
         "cas_conflicts",
         "decision_seconds",
         "decisions",
+        "kv_event_blocks",
         "kv_events_dropped",
         "rebinds",
         "registrations_refused",
@@ -66,6 +67,10 @@ class RouterMetrics:
             "Worker registrations ignored (url: not in the allow-list; events: KV-event "
             "endpoint not allowed, not subscribed; capacity: over the worker limit)",
             ["reason"], registry=r)
+        self.kv_event_blocks = Counter(
+            "kvkeep_router_kv_event_blocks",
+            "Blocks named by the workers' KV events and applied to the prefix index (stored "
+            "and removed); flat under traffic means no event arrives", registry=r)
         self.kv_events_dropped = Counter(
             "kvkeep_router_kv_events_dropped",
             "KV events dropped, in blocks (bytes: a message over a worker's byte budget, "

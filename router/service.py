@@ -116,7 +116,8 @@ class RouterService:
         dropped = self.metrics.kv_events_dropped
         self.subscriber = KVEventSubscriber(
             self.core.blocks, cfg.limits,
-            on_drop=lambda reason, n: dropped.labels(reason).inc(n))
+            on_drop=lambda reason, n: dropped.labels(reason).inc(n),
+            on_apply=self.metrics.kv_event_blocks.inc)
         self.core.registry.feeds = self.subscriber
         # Supervised (kvstore/cluster/supervisor.py): a watch that died would freeze
         # membership or bindings for good.

@@ -121,6 +121,10 @@ def test_everything_the_dashboard_and_alerts_read_is_exported(tmp_path: Path) ->
         departed = prometheus.query(
             f'kvkeep_router_worker_departures_total{{worker="{log.killed}"}}')
         assert float(departed[0]["value"][1]) >= 1
+        # The workers' KV events reach the routers' prefix index (the local cluster once
+        # handed vLLM an endpoint it connected to instead of binding: none ever arrived).
+        indexed = prometheus.query("sum(kvkeep_router_kv_event_blocks_total)")
+        assert float(indexed[0]["value"][1]) > 0
         picture = tmp_path / "dashboard.png"
         drawn = render_dashboard(DASHBOARD, prometheus, log.started, log.ended, picture)
         assert drawn >= 30 and picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -65,6 +65,8 @@ class KVEventSubscriber:
     limits: Limits = field(default_factory=Limits)
     on_drop: Callable[[str, int], None] | None = None
     """Told (reason, blocks) of what was dropped: "bytes" or "rate"."""
+    on_apply: Callable[[int], None] | None = None
+    """Told the blocks of each message applied to the index."""
     gaps: int = 0
     dropped: dict[str, int] = field(default_factory=dict)
     _ctx: zmq.asyncio.Context = field(default_factory=zmq.asyncio.Context)
@@ -138,14 +140,18 @@ class KVEventSubscriber:
         events = batch[1] if isinstance(batch, list | tuple) and len(batch) > 1 else ()
         if not isinstance(events, list | tuple):
             return
+        applied = 0
         for i, event in enumerate(events):
             if not isinstance(event, dict):
                 continue
             if not budget.blocks.take(_blocks_in(event)):
                 self._drop(worker, "rate", sum(_blocks_in(e) for e in events[i:]
                                                 if isinstance(e, dict)))
-                return
+                break
             self.index.apply(worker, event)
+            applied += _blocks_in(event)
+        if applied and self.on_apply is not None:
+            self.on_apply(applied)
 
     def _budget(self, worker: WorkerId) -> _Budget:
         budget = self._budgets.get(worker)
