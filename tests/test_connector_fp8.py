@@ -123,6 +123,7 @@ def test_fp8_cache_restores_bit_exact_and_another_format_misses(tiny: Any,
     from vllm import SamplingParams
 
     from tests.connector_harness import (
+        corrupt_every_frame,
         kv_transfer_config,
         open_engine,
         random_prompts,
@@ -161,3 +162,12 @@ def test_fp8_cache_restores_bit_exact_and_another_format_misses(tiny: Any,
         other = run(llm)
         assert scheduler_connector(llm).counters()["lookup_hit_blocks"] == 0
     assert all(r[2] == 0 for r in other)
+
+    # Every stored frame corrupted: nothing is restored, vLLM recomputes, same outputs.
+    assert corrupt_every_frame(tmp_path / "nvme") > 0
+    with open_engine(tiny.path, kv_transfer_config(store("corrupt")),
+                     kv_cache_dtype="fp8_e4m3") as llm:
+        recomputed = run(llm)
+        counters = worker_connector().counters()
+    assert counters["loaded_blocks"] == 0 and counters["store_corrupt"] > 0
+    assert [r[:2] for r in recomputed] == [r[:2] for r in reference]

@@ -22,6 +22,7 @@ from connectors.vllm.layouts import check_codec, mla_layout
 from kvstore.errors import ConfigError
 from tests.connector_harness import (
     GreedyOutputs,
+    corrupt_every_frame,
     generate,
     greedy_outputs,
     kv_transfer_config,
@@ -110,6 +111,16 @@ def test_mla_latent_restores_bit_exact_in_a_fresh_engine(mla_model: Path,
     # decode kernel for a one-token tail), so its logprobs differ in the last bits from a
     # recompute whatever the KV's source; see the connector README's support matrix.
     assert all(len(r[0]) == MAX_TOKENS for r in computed)
+
+    # Every stored frame corrupted: nothing is restored, vLLM recomputes the whole prompt, and
+    # the outputs are the computing engine's (the same full-prefill kernels), bit for bit.
+    assert corrupt_every_frame(data) > 0
+    with open_engine(mla_model, kv_transfer_config(_store(data, "corrupt")),
+                     **MLA_ENGINE) as llm:
+        recomputed = _run(llm, PROMPTS)
+        counters = worker_connector().counters()
+    assert counters["loaded_blocks"] == 0 and counters["store_corrupt"] >= loaded
+    assert [r[:2] for r in recomputed] == [r[:2] for r in computed]
 
 
 @pytest.mark.slow

@@ -33,6 +33,7 @@ import torch
 from tests.connector_harness import (
     GreedyOutputs,
     block_hashes,
+    corrupt_every_frame,
     greedy_outputs,
     kv_transfer_config,
     open_engine,
@@ -132,15 +133,6 @@ def _prompt_blocks(llm: Any, prompts: Sequence[Sequence[int]]) -> dict[bytes, li
     return blocks
 
 
-def _corrupt_every_frame(data: Path) -> int:
-    files = [p for p in data.rglob("*.kvb") if p.is_file()]
-    for path in files:
-        raw = bytearray(path.read_bytes())
-        raw[len(raw) // 2] ^= 0xFF  # inside the payload, past the header
-        path.write_bytes(bytes(raw))
-    return len(files)
-
-
 @pytest.mark.parametrize("name", list(CASES))
 def test_a_fresh_engine_restores_a_sliding_window_model_exactly(
         name: str, model_dirs: dict[str, Path], tmp_path: Path) -> None:
@@ -185,7 +177,7 @@ def test_a_fresh_engine_restores_a_sliding_window_model_exactly(
         return
     # One model is enough for the corrupt path (the same code for every layout): a flipped
     # byte in every stored frame fails its checksum, nothing is restored, vLLM recomputes.
-    assert _corrupt_every_frame(data) > 0
+    assert corrupt_every_frame(data) > 0
     with open_engine(model, kv_transfer_config(_store(data, f"{name}-corrupt")),
                      **ENGINE) as llm:
         recomputed = _run(llm, PROMPTS)
@@ -238,7 +230,7 @@ def test_with_the_hybrid_kv_cache_manager_on_each_group_restores_exactly(
     assert restored == [(t, lp, _restorable(p))
                         for (t, lp, _), p in zip(reference, PROMPTS, strict=True)]
 
-    assert _corrupt_every_frame(data) > 0
+    assert corrupt_every_frame(data) > 0
     with open_engine(model, kv_transfer_config(_store(data, f"{name}-hma-corrupt")),
                      **HMA_ON) as llm:
         recomputed = _run(llm, PROMPTS)
