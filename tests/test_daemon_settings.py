@@ -192,6 +192,25 @@ def test_a_flag_is_checked_as_its_key_is(tmp_path: Path) -> None:
                   "--mem-budget", "12X")
 
 
+def test_a_key_out_of_range_is_refused_by_its_name(tmp_path: Path) -> None:
+    """From a file or a flag alike, before any daemon is built."""
+    for given, where in (({"replicas": 0}, r"`\$.replicas`"),
+                         ({"lease_ttl": -1}, r"`\$.lease_ttl`"),
+                         ({"tenant_put_share": 1.5}, r"`\$.tenant_put_share`"),
+                         ({"tenant_manifest_share": 0.0}, r"`\$.tenant_manifest_share`"),
+                         ({"drain_timeout": -1.0}, r"`\$.drain_timeout`"),
+                         ({"idle_timeout": 0.0}, r"`\$.idle_timeout`")):
+        with pytest.raises(ConfigError, match=where):
+            _settings(tmp_path, {**REQUIRED, **given})
+    with pytest.raises(ConfigError, match=r"the command line: .*`\$.workers`"):
+        _settings(tmp_path, None, *[f"--{k.replace('_', '-')}={v}" for k, v in REQUIRED.items()],
+                  "--workers", "0")
+    # A daemon built in code (no settings) is still checked by DaemonConfig.
+    with pytest.raises(ConfigError, match="must be >= 1"):
+        DaemonConfig(listen="127.0.0.1:1", data_dir=tmp_path, mem_budget=1, disk_budget=1,
+                     node_id="n", replicas=0)
+
+
 def test_json_files_and_bad_files(tmp_path: Path) -> None:
     settings = _settings(tmp_path, {**REQUIRED, "workers": 2}, name="daemon.json")
     assert settings.workers == 2
@@ -213,8 +232,6 @@ def test_the_cross_field_checks_run_after_parsing(tmp_path: Path) -> None:
             ({"tls_cert": "/c"}, "--tls-cert and --tls-key go together"),
             ({"tls_server_name": "s"}, "--tls-server-name .* needs --tls-ca"),
             ({"listen": "0.0.0.0:7400"}, "loopback only"),
-            ({"replicas": 0}, "--replicas, --lease-ttl and --workers must be >= 1"),
-            ({"tenant_put_share": 1.5}, "tenant shares must be in"),
             ({"etcd_ca": "/ca"}, "etcd_ca given without etcd"),
             ({"etcd": "http://e:2379", "etcd_ca": "/ca"}, "plain http")):
         settings = _settings(tmp_path, {**REQUIRED, **given})

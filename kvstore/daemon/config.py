@@ -21,7 +21,7 @@ import ipaddress
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -54,6 +54,15 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+# Ranges on the settings themselves, so a key out of range is refused by its name
+# (`... - at `$.replicas``), from a file or a flag alike; `DaemonConfig` checks them again for
+# daemons built in code.
+Count = Annotated[int, msgspec.Meta(ge=1)]
+Seconds = Annotated[float, msgspec.Meta(gt=0)]
+Wait = Annotated[float, msgspec.Meta(ge=0)]
+Share = Annotated[float, msgspec.Meta(gt=0, le=1)]
+
+
 class DaemonSettings(RegistrySettings, frozen=True, kw_only=True):
     """`kvkeep store serve`'s settings as given: a `--config` file's keys, and the flags over
     them. Each key is its flag without the dashes (`--mem-budget` is `mem_budget`), save two
@@ -70,7 +79,7 @@ class DaemonSettings(RegistrySettings, frozen=True, kw_only=True):
     mem_prefault: bool | None = None
     disk_fsync: Literal["block", "off"] | None = None
     advertise: Text | None = None
-    lease_ttl: int | None = None
+    lease_ttl: Count | None = None
     token_file: Text | None = None
     """The daemon's token table (`<token> <tenant>[,<tenant>...]` per line), not a client's
     one-token file: the same key, the daemon's side of it."""
@@ -79,31 +88,31 @@ class DaemonSettings(RegistrySettings, frozen=True, kw_only=True):
     tls_ca: Text | None = None
     tls_server_name: Text | None = None
     registration_key: Text | None = None
-    replicas: int | None = None
-    rereplicate_after: float | None = None
-    drain_timeout: float | None = None
-    workers: int | None = None
-    tenant_put_share: float | None = None
-    tenant_put_streams: int | None = None
-    tenant_stored_share: float | None = None
+    replicas: Count | None = None
+    rereplicate_after: Wait | None = None
+    drain_timeout: Wait | None = None
+    workers: Count | None = None
+    tenant_put_share: Share | None = None
+    tenant_put_streams: Count | None = None
+    tenant_stored_share: Share | None = None
     inflight_put_bytes: Size | None = None
-    put_idle_timeout: float | None = None
-    idle_timeout: float | None = None
-    preauth_timeout: float | None = None
+    put_idle_timeout: Seconds | None = None
+    idle_timeout: Seconds | None = None
+    preauth_timeout: Seconds | None = None
     data_listen: Text | None = None
     metrics_listen: Text | None = None
-    backpressure_timeout: float | None = None
-    write_queue_depth: int | None = None
-    max_pending_writes: int | None = None
-    tenant_read_streams: int | None = None
+    backpressure_timeout: Seconds | None = None
+    write_queue_depth: Count | None = None
+    max_pending_writes: Count | None = None
+    tenant_read_streams: Count | None = None
     tenant_read_bytes: Size | None = None
     get_min_rate: Size | None = None
     """Bytes per second, as a size (`1MiB`)."""
-    tenant_max_blocks: int | None = None
-    tenant_manifest_share: float | None = None
-    max_unauth_connections: int | None = None
-    max_connections_per_ip: int | None = None
-    grpc_max_streams: int | None = None
+    tenant_max_blocks: Count | None = None
+    tenant_manifest_share: Share | None = None
+    max_unauth_connections: Count | None = None
+    max_connections_per_ip: Count | None = None
+    grpc_max_streams: Count | None = None
 
     def config(self) -> DaemonConfig:
         """The `DaemonConfig` these settings describe (its checks run here); the etcd's files
