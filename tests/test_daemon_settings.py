@@ -55,7 +55,9 @@ def test_every_flag_is_a_key_and_every_key_a_flag() -> None:
     keys = set(DaemonSettings.__struct_fields__)
     assert {a.dest for a in actions} == keys
     for action in actions:
-        (flag,) = action.option_strings
+        # One flag per key (a boolean's --no- form is its negation, not another key).
+        flag, *negation = action.option_strings
+        assert negation in ([], [f"--no-{flag[2:]}"]), action.option_strings
         assert RENAMED_FLAGS.get(flag, flag[2:].replace("-", "_")) == action.dest, flag
         # A default would be "given" every time and hide the file's key.
         assert action.default is None, flag
@@ -176,8 +178,9 @@ def test_a_flag_wins_over_the_file_and_the_file_over_the_defaults(tmp_path: Path
             "prefix": "/file/", "disk_fsync": "off"}
     config = _settings(tmp_path, file).config()
     assert (config.replicas, config.mem_budget, config.etcd_prefix) == (3, 64 << 20, "/file/")
-    # A store_true flag left out does not say False over the file's true.
+    # A boolean flag left out does not say False over the file's true; --no-mem-prefault does.
     assert config.mem_prefault is True and config.disk_fsync is False
+    assert _settings(tmp_path, file, "--no-mem-prefault").config().mem_prefault is False
     config = _settings(tmp_path, file, "--replicas", "1", "--mem-budget", "128MiB",
                        "--etcd-prefix", "/flag/", "--disk-fsync", "block",
                        "--node-id", "from-flag").config()

@@ -95,7 +95,8 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-dir", type=Path, help="where the nvme tier lives")
     p.add_argument("--mem-budget", help="host RAM tier size (e.g. 8GiB; default 1GiB)")
     p.add_argument("--disk-budget", help="nvme tier size (e.g. 500GiB; default 10GiB)")
-    p.add_argument("--mem-prefault", action="store_true", default=None,  # None: not given
+    # --no-mem-prefault turns off a config file's `mem_prefault: true`; None: not given.
+    p.add_argument("--mem-prefault", action=argparse.BooleanOptionalAction, default=None,
                    help="touch the whole RAM budget at start-up (a slower start, then puts at "
                    "memcpy speed from the first one: on a VM whose host backs memory lazily, "
                    "the first touch of a page runs at a fraction of that, 0.28 GB/s against "
