@@ -32,6 +32,7 @@ from typing import Any
 import pytest
 import torch
 
+from deploy.local.probes import wait_until
 from tests.connector_harness import kv_transfer_config
 
 BS = 16
@@ -285,7 +286,9 @@ def test_a_corrupt_block_of_one_group_fails_the_request_and_vllm_recomputes(
         counters = second.worker.counters()
         assert counters["store_corrupt"] == 1
         assert request.num_output_tokens == MAX_TOKENS
-        assert not path.exists()  # the store dropped the damaged copy
+        # The store drops the damaged copy on its reading thread, after the load's failure is
+        # reported: wait for it rather than race it.
+        wait_until(lambda: not path.exists(), timeout=10, what="the damaged copy's deletion")
 
 
 def test_blocks_completed_in_decode_are_saved_before_the_window_frees_them(

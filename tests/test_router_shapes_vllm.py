@@ -35,6 +35,7 @@ import httpx
 import pytest
 
 from deploy.local.engines import EngineSettings, serving_flags
+from deploy.local.processes import freeze
 from deploy.local.services import EtcdServer, free_port, start_etcd, stop_process
 from deploy.local.vllm_server import VllmServer, start_vllm
 from tests.deploy_cli import spawn_cli
@@ -464,7 +465,13 @@ def step_until_all_reach(kill: KillWhenAllReach, requests: int, start: Callable[
     def signal_cores(sig: int) -> None:
         for pid in cores:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, sig)
+                if sig == signal.SIGSTOP:
+                    # Until the kernel reports it stopped: on a loaded machine a core that has
+                    # only been sent SIGSTOP went on decoding long enough to finish a short
+                    # structured answer before the kill (a CI run's flake).
+                    freeze(pid)
+                else:
+                    os.kill(pid, sig)
 
     signal_cores(signal.SIGSTOP)
     try:
