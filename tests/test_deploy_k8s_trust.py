@@ -274,14 +274,13 @@ def test_service_monitors_check_the_daemons_tls() -> None:
     assert relay == f"$(POD_IP):{ports['metrics']}"
 
 
-def test_worker_http_binds_the_pod_ip_and_events_the_pods_interfaces() -> None:
+def test_worker_ports_bind_the_pod_ip_only() -> None:
     vllm = _one("Deployment", "kvkeep-worker")["spec"]["template"]["spec"]["containers"][0]
     args = vllm["args"]
     assert args[args.index("--host") + 1] == "$(POD_IP)"
     events = json.loads(args[args.index("--kv-events-config") + 1])
-    # vLLM binds only a wildcard endpoint (it connects to any other, and the routers connect
-    # too: no event would flow); in a pod that is the pod's own interfaces.
-    assert events["endpoint"] == "tcp://*:5557"
+    # The pod IP alone, in the IPv4-mapped form vLLM binds (tests/test_deploy_manifests.py).
+    assert events["endpoint"] == "tcp://[::ffff:$(POD_IP)]:5557"  # not tcp://*: one interface
 
 
 # -- TLS settings in the manifests -------------------------------------------------------------

@@ -10,6 +10,7 @@ import os
 import shutil
 import stat
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ import pytest
 import yaml
 
 from connectors.vllm.config import ConnectorConfig
+from deploy.local.ports import free_port
 from kvstore.commands.kvkeep import build_parser
 from kvstore.commands.store import settings_from_args
 from kvstore.daemon.auth import TokenTable
@@ -320,5 +322,28 @@ def test_vllm_binds_the_kv_events_endpoint_of_the_cluster_and_the_manifest() -> 
     for args in (argv, manifest):
         endpoint = json.loads(_flag(args, "--kv-events-config"))["endpoint"]
         assert ZmqEventPublisher._is_bind_endpoint(endpoint), endpoint
+    # Bound by vLLM's own code, the local cluster's endpoint is loopback alone (token ids go
+    # over it), and a subscriber on 127.0.0.1 gets what it publishes.
+    import zmq
+
+    endpoint = json.loads(_flag(argv, "--kv-events-config"))["endpoint"].replace(
+        ":5557", f":{free_port()}")
+    ctx = zmq.Context()
+    pub, sub = ctx.socket(zmq.PUB), ctx.socket(zmq.SUB)
+    try:
+        ZmqEventPublisher._bind(pub, endpoint)
+        bound = pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        assert bound.startswith("tcp://127.0.0.1:"), bound
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(bound)
+        deadline = time.monotonic() + 10
+        while not sub.poll(50):
+            assert time.monotonic() < deadline, "no event reached the subscriber"
+            pub.send(b"kv")
+        assert sub.recv() == b"kv"
+    finally:
+        pub.close(0)
+        sub.close(0)
+        ctx.term()
     assert vllm_argv(EngineSettings(model_dir=Path("/m"), connector=False), port=1,
                      events_port=None).count("--kv-events-config") == 0

@@ -16,8 +16,8 @@ from typing import Any
 
 from kvstore.errors import ConfigError
 
-__all__ = ["REPO_ROOT", "EngineSettings", "kv_transfer_config", "serving_flags", "vllm_argv",
-           "vllm_env"]
+__all__ = ["REPO_ROOT", "EngineSettings", "events_endpoint", "kv_transfer_config",
+           "serving_flags", "vllm_argv", "vllm_env"]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -125,13 +125,9 @@ def vllm_argv(settings: EngineSettings, *, port: int, events_port: int | None,
     if settings.connector and etcd_url is None:
         raise ConfigError("a worker with the kvkeep connector needs the etcd URL its "
                           "connector finds the daemons at")
-    # A wildcard endpoint: vLLM's publisher binds only wildcard (or ipc) endpoints and
-    # *connects* to any other, so `tcp://127.0.0.1:N` left publisher and subscriber both
-    # connecting and no event ever arrived. The port is on every interface of the worker's
-    # host (its namespace's, when isolated); the events carry block hashes, no tokens.
     events = ([] if events_port is None else ["--kv-events-config", json.dumps({
         "enable_kv_cache_events": True, "publisher": "zmq",
-        "endpoint": f"tcp://*:{events_port}", "topic": "kv"})])
+        "endpoint": events_endpoint(host, events_port), "topic": "kv"})])
     connector = ([] if not settings.connector or etcd_url is None else [
         "--kv-transfer-config", json.dumps(kv_transfer_config(
             settings, etcd_url, remote_extra=remote_extra, worker_id=worker_id))])
@@ -145,6 +141,24 @@ def vllm_argv(settings: EngineSettings, *, port: int, events_port: int | None,
         "--enable-prompt-tokens-details", "--uvicorn-log-level", "warning",
         *events, *connector, *serving_flags(settings), *extra_args,
     ]
+
+
+def events_endpoint(host: str, port: int) -> str:
+    """The KV-event endpoint vLLM's publisher binds on `host` (an IPv4 address) alone.
+
+    vLLM binds only an endpoint with `*` or `::` in it (or ipc) and *connects* to any other:
+    `tcp://127.0.0.1:N` left it and its subscribers all connecting, and no event ever arrived.
+    `tcp://*:N` would bind every interface, and the events carry token ids (prompts). The
+    IPv4-mapped form `tcp://[::ffff:127.0.0.1]:N` passes vLLM's test and ZMQ binds the IPv4
+    address it names, only that one.
+    """
+    import ipaddress
+
+    try:
+        ipaddress.IPv4Address(host)
+    except ValueError:
+        raise ConfigError(f"KV events bind an IPv4 address here, not {host!r}") from None
+    return f"tcp://[::ffff:{host}]:{port}"
 
 
 def serving_flags(settings: EngineSettings) -> list[str]:
