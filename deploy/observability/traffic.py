@@ -10,6 +10,7 @@ real Prometheus) and by `python -m deploy.observability.snapshot` (the README's 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -91,13 +92,22 @@ def exercise(cluster: LocalCluster, *, sessions: int = 4, say: Callable[[str], N
     histories = {f"s{i}": [{"role": "system", "content": _SYSTEM}] for i in range(sessions)}
     with httpx.Client(timeout=120) as http:
         say("first turns: every session checkpoints its prompt")
+        placed: dict[str, str] = {}
         for round_ in range(2):
             for session, history in histories.items():
-                _turn(http, cluster.router_url, session, history,
-                      f"Turn {round_}: summarise the state of block {session}.", 16, log)
-        log.note("sessions warm")
+                reply = _turn(http, cluster.router_url, session, history,
+                              f"Turn {round_}: summarise the state of block {session}.", 16,
+                              log)
+                placed[session] = reply.headers.get("X-KVKeep-Worker", "")
+        log.note(f"sessions warm on {placed}")
+        # The streamed session is one of the busiest worker's, so that the kill leaves other
+        # sessions to fail over with a restore: with the prefix index fed by KV events, the
+        # router may put every session sharing the system prompt on one worker, and a lone
+        # session on the other would leave no turn to restore.
+        busiest = Counter(placed.values()).most_common(1)[0][0]
+        streamed = next(s for s, w in placed.items() if w == busiest)
         say("a streamed answer; its worker is SIGKILLed after 30 chunks")
-        _stream_and_kill(http, cluster, "s0", histories["s0"], log,
+        _stream_and_kill(http, cluster, streamed, histories[streamed], log,
                          on_kill=lambda w: say(f"killed {w}"))
         time.sleep(cluster.spec.lease_ttl_s + 1.5)  # the lease expires, sessions are rebound
         say("next turns fail over to the survivor and restore from the daemons")
