@@ -9,34 +9,17 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import multiprocessing.context
-import os
-import signal
-import subprocess
-import sys
 import threading
-import time
 from collections.abc import Iterator, Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
 
 from deploy.chaos.slow_link import SlowLink
+from deploy.local.daemons import DaemonProcess
 from deploy.local.ports import free_port
-from kvstore.commands.store import MALLOC_ENV
-from kvstore.net.daemon_client import DaemonClient
+from deploy.local.services import stop_process
 
 __all__ = ["free_port", "stop_process", "bench_daemon", "slow_link_process"]
-
-
-def stop_process(proc: subprocess.Popen[bytes], timeout: float = 20.0) -> None:
-    """SIGTERM (the process drains), then SIGKILL if it has not exited within `timeout`."""
-    if proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 @contextlib.contextmanager
@@ -44,32 +27,23 @@ def bench_daemon(data_dir: Path, *, mem_budget: int | str, disk_budget: int | st
                  node_id: str = "bench", timeout: float = 30.0,
                  extra: Sequence[str] = (), port: int | None = None
                  ) -> Iterator[tuple[str, int]]:
-    """One `python -m kvstore.daemon` on loopback (on `port`, or a free one), waited on until
-    its health service says SERVING; yields its address and pid, and stops it at the end."""
+    """One `python -m kvstore.daemon` on loopback (on `port`, or a free one), started as the
+    tests start theirs (`deploy.local.daemons.DaemonProcess`: its malloc settings, its own
+    process group, a log beside `data_dir`), waited on until its health service says SERVING;
+    yields its address and pid, and drains it at the end."""
     port = free_port() if port is None else port
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvstore.daemon", "--listen", f"127.0.0.1:{port}",
-         "--data-dir", str(data_dir), "--mem-budget", str(mem_budget),
-         "--disk-budget", str(disk_budget), "--node-id", node_id, *extra],
-        env={**os.environ, **MALLOC_ENV}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    daemon = DaemonProcess(
+        node_id, port, data_dir, data_dir.with_name(f"{data_dir.name}.log"),
+        ["--listen", f"127.0.0.1:{port}", "--data-dir", str(data_dir),
+         "--mem-budget", str(mem_budget), "--disk-budget", str(disk_budget),
+         "--node-id", node_id, *extra])
+    daemon.spawn()
     try:
-        probe = DaemonClient(node_id, f"127.0.0.1:{port}")
-        end = time.monotonic() + timeout
-        try:
-            while time.monotonic() < end:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"the daemon exited with {proc.returncode}")
-                with contextlib.suppress(Exception):
-                    if probe.health(timeout=1) == "SERVING":
-                        break
-                time.sleep(0.05)
-            else:
-                raise TimeoutError(f"the daemon was not serving after {timeout:.0f} s")
-        finally:
-            probe.close()
-        yield f"127.0.0.1:{port}", proc.pid
+        daemon.wait_healthy(timeout)
+        assert daemon.proc is not None
+        yield daemon.address, daemon.proc.pid
     finally:
-        stop_process(proc, timeout)
+        daemon.terminate(timeout)
 
 
 def _serve_link(upstream: str, delay_s: float, conn: Connection) -> None:

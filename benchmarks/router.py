@@ -339,7 +339,7 @@ def fake_worker_behind_router(chunks: int, interval_s: float) -> Iterator[Routed
                          procs[0].pid, procs[1].pid)
     finally:
         for p in reversed(procs):
-            stop_process(p, 10.0)
+            stop_process(p, timeout=10.0)
 
 
 def _wait_models(url: str, timeout: float = 20.0) -> None:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from deploy.local.ports import free_port
+from deploy.local.processes import ManagedProcess
 
 __all__ = ["free_port", "EtcdServer", "RedisCluster", "RedisClusterNode", "RedisServer",
            "start_etcd", "start_redis", "start_redis_cluster", "stop_process", "wait_for_port"]
@@ -51,61 +52,71 @@ def stop_process(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeo
 
 @dataclass
 class EtcdServer:
-    proc: subprocess.Popen[bytes]
+    process: ManagedProcess
     port: int
     peer_port: int
     data_dir: Path
+
+    @property
+    def proc(self) -> subprocess.Popen[bytes]:
+        """The running etcd (tests SIGSTOP its pid to stall it)."""
+        assert self.process.proc is not None, "etcd was never started"
+        return self.process.proc
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def kill(self) -> None:
-        stop_process(self.proc, signal.SIGKILL)
+        self.process.kill()
 
     def restart(self) -> None:
         """Start etcd again on the same ports and data dir (after kill/stop)."""
-        stop_process(self.proc)
-        self.proc = _spawn_etcd(self.port, self.peer_port, self.data_dir)
+        self.process.stop()
+        self.process.start()
         wait_for_port(self.port, proc=self.proc)
 
 
-def _spawn_etcd(port: int, peer_port: int, data_dir: Path) -> subprocess.Popen[bytes]:
+def _etcd_process(port: int, peer_port: int, data_dir: Path) -> ManagedProcess:
     etcd = shutil.which("etcd")
     if etcd is None:
         raise RuntimeError("etcd not installed: run `make setup`")
     peer = f"http://127.0.0.1:{peer_port}"
-    return subprocess.Popen(
-        [etcd, "--name", "t", "--data-dir", str(data_dir),
-         "--listen-client-urls", f"http://127.0.0.1:{port}",
-         "--advertise-client-urls", f"http://127.0.0.1:{port}",
-         "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-         "--initial-cluster", f"t={peer}",
-         # Fast elections keep start-up at ~65 ms; no fsync is for tests only.
-         "--heartbeat-interval", "10", "--election-timeout", "100", "--unsafe-no-fsync",
-         "--log-level", "error"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        env={**os.environ, "ETCD_UNSUPPORTED_ARCH": os.environ.get("ETCD_UNSUPPORTED_ARCH", "")},
-    )
+    return ManagedProcess(
+        "etcd", [etcd, "--name", "t", "--data-dir", str(data_dir),
+                 "--listen-client-urls", f"http://127.0.0.1:{port}",
+                 "--advertise-client-urls", f"http://127.0.0.1:{port}",
+                 "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+                 "--initial-cluster", f"t={peer}",
+                 # Fast elections keep start-up at ~65 ms; no fsync is for tests only.
+                 "--heartbeat-interval", "10", "--election-timeout", "100",
+                 "--unsafe-no-fsync", "--log-level", "error"],
+        data_dir.with_name(f"{data_dir.name}.log"),
+        {**os.environ, "ETCD_UNSUPPORTED_ARCH": os.environ.get("ETCD_UNSUPPORTED_ARCH", "")})
 
 
 @contextlib.contextmanager
 def start_etcd(tmp: Path) -> Iterator[EtcdServer]:
     port, peer_port = free_port(), free_port()
     data_dir = tmp / f"etcd-{port}"
-    proc = _spawn_etcd(port, peer_port, data_dir)
-    server = EtcdServer(proc, port, peer_port, data_dir)
+    server = EtcdServer(_etcd_process(port, peer_port, data_dir).start(), port, peer_port,
+                        data_dir)
     try:
-        wait_for_port(port, proc=proc)
+        wait_for_port(port, proc=server.proc)
         yield server
     finally:
-        stop_process(server.proc)
+        server.process.stop()
 
 
 @dataclass
 class RedisServer:
-    proc: subprocess.Popen[bytes]
+    process: ManagedProcess
     port: int
+
+    @property
+    def proc(self) -> subprocess.Popen[bytes]:
+        assert self.process.proc is not None, "redis-server was never started"
+        return self.process.proc
 
     @property
     def url(self) -> str:
@@ -118,24 +129,29 @@ def start_redis(tmp: Path, maxmemory: str = "0") -> Iterator[RedisServer]:
     if redis is None:
         raise RuntimeError("redis-server not installed: run `make setup`")
     port = free_port()
-    proc = subprocess.Popen(
-        [redis, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
-         "--dir", str(tmp), "--maxmemory", maxmemory, "--proto-max-bulk-len", "1gb"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
+    server = RedisServer(ManagedProcess(
+        "redis", [redis, "--bind", "127.0.0.1", "--port", str(port), "--save", "",
+                  "--appendonly", "no", "--dir", str(tmp), "--maxmemory", maxmemory,
+                  "--proto-max-bulk-len", "1gb"],
+        tmp / f"redis-{port}.log").start(), port)
     try:
-        wait_for_port(port, proc=proc)
-        yield RedisServer(proc, port)
+        wait_for_port(port, proc=server.proc)
+        yield server
     finally:
-        stop_process(proc)
+        server.process.stop()
 
 
 @dataclass
 class RedisClusterNode:
-    proc: subprocess.Popen[bytes]
+    process: ManagedProcess
     port: int
     bus_port: int
     node_dir: Path
+
+    @property
+    def proc(self) -> subprocess.Popen[bytes]:
+        assert self.process.proc is not None, "the node was never started"
+        return self.process.proc
 
     @property
     def address(self) -> str:
@@ -189,7 +205,7 @@ class RedisCluster:
 
     def kill(self, node: RedisClusterNode) -> None:
         """SIGKILL, like a lost machine: no goodbye on the cluster bus."""
-        stop_process(node.proc, signal.SIGKILL)
+        node.process.kill()
 
     def wait_ok(self, timeout: float = 30.0, replicas_in_sync: bool = True) -> None:
         """Until every live node says cluster_state:ok and agrees on the slot owners, and (by
@@ -238,10 +254,11 @@ class RedisCluster:
                    and v.get("state") == "online" and int(v.get("port", 0)) in live)
 
 
-def _spawn_cluster_node(binary: str, node_dir: Path, port: int, bus_port: int,
-                        node_timeout_ms: int, maxmemory: str) -> subprocess.Popen[bytes]:
+def _cluster_node(binary: str, node_dir: Path, port: int, bus_port: int,
+                  node_timeout_ms: int, maxmemory: str) -> ManagedProcess:
     node_dir.mkdir(parents=True, exist_ok=True)
-    return subprocess.Popen(
+    return ManagedProcess(
+        f"redis-{port}",
         [binary, "--bind", "127.0.0.1", "--port", str(port), "--cluster-enabled", "yes",
          # The bus port is given, not port+10000: a free port above 55535 has no +10000.
          "--cluster-port", str(bus_port), "--cluster-config-file", str(node_dir / "nodes.conf"),
@@ -250,7 +267,7 @@ def _spawn_cluster_node(binary: str, node_dir: Path, port: int, bus_port: int,
          "--maxmemory-policy", "noeviction", "--proto-max-bulk-len", "1gb",
          # Replicas sync at once (the default waits 5 s for more replicas to share a transfer).
          "--repl-diskless-sync-delay", "0", "--logfile", str(node_dir / "redis.log")],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        node_dir / "stdout.log")
 
 
 @contextlib.contextmanager
@@ -269,9 +286,9 @@ def start_redis_cluster(tmp: Path, masters: int = 3, replicas: int = 1,
         for _ in range(masters * (1 + replicas)):
             port, bus_port = free_port(), free_port()
             node_dir = tmp / f"redis-cluster-{port}"
-            proc = _spawn_cluster_node(binary, node_dir, port, bus_port, node_timeout_ms,
-                                       maxmemory)
-            nodes.append(RedisClusterNode(proc, port, bus_port, node_dir))
+            process = _cluster_node(binary, node_dir, port, bus_port, node_timeout_ms,
+                                    maxmemory).start()
+            nodes.append(RedisClusterNode(process, port, bus_port, node_dir))
         for node in nodes:
             wait_for_port(node.port, proc=node.proc)
         subprocess.run([cli, "--cluster", "create", *(n.address for n in nodes),
@@ -284,8 +301,6 @@ def start_redis_cluster(tmp: Path, masters: int = 3, replicas: int = 1,
     finally:
         # All signalled first, then waited on: one by one, six shutdowns take ~2 s.
         for node in nodes:
-            if node.proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    node.proc.terminate()
+            node.process.terminate()
         for node in nodes:
-            stop_process(node.proc)
+            node.process.stop()
