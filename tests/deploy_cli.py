@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from deploy.local.processes import ManagedProcess
+
 __all__ = ["REPO", "run_cli", "spawn_cli"]
 
 REPO = Path(__file__).resolve().parents[1]
@@ -30,9 +32,9 @@ def run_cli(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-def spawn_cli(args: list[str], log: Path) -> subprocess.Popen[bytes]:
-    """`kvkeep ARGS` started in the background, its output to `log`; the caller stops it."""
+def spawn_cli(args: list[str], log: Path) -> ManagedProcess:
+    """`kvkeep ARGS` started in the background (its own process group), its output to `log`;
+    the caller stops it (`.stop()`: SIGTERM then SIGKILL, `.kill()`: a crash)."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    with log.open("wb") as out:
-        return subprocess.Popen([sys.executable, "-m", "kvstore.commands", *args], stdout=out,
-                                stderr=subprocess.STDOUT, env=env)
+    return ManagedProcess(log.stem, [sys.executable, "-m", "kvstore.commands", *args], log,
+                          env, REPO).start()

@@ -12,8 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import signal
-import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -25,7 +23,8 @@ import pytest
 
 from deploy.local.daemons import DaemonProcess, start_daemon
 from deploy.local.engines import EngineSettings, kv_transfer_config
-from deploy.local.services import EtcdServer, free_port, start_etcd, stop_process
+from deploy.local.processes import ManagedProcess
+from deploy.local.services import EtcdServer, free_port, start_etcd
 from deploy.local.vllm_server import VllmServer, start_vllm
 from kvstore.keys import SessionId
 from kvstore.tiers.factory import RemoteSpec
@@ -55,8 +54,8 @@ class Cluster:
     etcd: EtcdServer
     daemons: list[DaemonProcess]
     workers: dict[str, VllmServer]
-    agents: dict[str, subprocess.Popen[bytes]]
-    routers: dict[str, subprocess.Popen[bytes]]
+    agents: dict[str, ManagedProcess]
+    routers: dict[str, ManagedProcess]
     router_ports: dict[str, int]
     router_token_file: Path
     clients: dict[str, httpx.Client] = field(default_factory=dict)
@@ -104,9 +103,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, tiny: TinyModel
             for w in ("w1", "w2")}
         for server in workers.values():
             stack.callback(server.stop)
-        agents: dict[str, subprocess.Popen[bytes]] = {}
-        routers: dict[str, subprocess.Popen[bytes]] = {}
-        stack.callback(lambda: [stop_process(p) for p in [*agents.values(), *routers.values()]])
+        agents: dict[str, ManagedProcess] = {}
+        routers: dict[str, ManagedProcess] = {}
+        stack.callback(lambda: [p.stop() for p in [*agents.values(), *routers.values()]])
         ports = {r: free_port() for r in ("A", "B")}
         for name, port in ports.items():
             routers[name] = spawn_cli(
@@ -319,7 +318,7 @@ def test_after_a_worker_dies_the_next_turn_restores_elsewhere(cluster: Cluster) 
     reply = first.json()
     kept = reply["prompt_token_ids"] + reply["choices"][0]["token_ids"]
     time.sleep(1.0)  # the connector's write-behind reaches the daemons
-    cluster.agents[home].send_signal(signal.SIGKILL)
+    cluster.agents[home].kill()
     cluster.workers[home].kill()
     wait_until(lambda: home not in cluster.usable("B"), timeout=TTL + 10)
     second = _chat(b, "fo-1", [{"role": "user", "content": "go on"}], headers=CONTINUE,

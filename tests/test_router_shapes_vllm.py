@@ -23,7 +23,6 @@ import json
 import os
 import re
 import signal
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -35,8 +34,8 @@ import httpx
 import pytest
 
 from deploy.local.engines import EngineSettings, serving_flags
-from deploy.local.processes import freeze
-from deploy.local.services import EtcdServer, free_port, start_etcd, stop_process
+from deploy.local.processes import ManagedProcess, freeze
+from deploy.local.services import EtcdServer, free_port, start_etcd
 from deploy.local.vllm_server import VllmServer, start_vllm
 from tests.deploy_cli import spawn_cli
 from tests.models import TinyModel, build_tiny_llama
@@ -108,8 +107,8 @@ HEALTHY_S = 600.0
 class Cluster:
     etcd: EtcdServer
     workers: dict[str, VllmServer]
-    agents: dict[str, subprocess.Popen[bytes]]
-    router: subprocess.Popen[bytes]
+    agents: dict[str, ManagedProcess]
+    router: ManagedProcess
     port: int
     logs: Path
     http: httpx.Client = field(init=False)
@@ -131,13 +130,13 @@ class Cluster:
 
     def kill(self, wid: str) -> None:
         """The node is gone: its agent and its vLLM (API server and engine core)."""
-        self.agents[wid].send_signal(signal.SIGKILL)
+        self.agents[wid].kill()
         self.workers[wid].kill()
 
     def freeze(self, wid: str) -> None:
         """The node hangs (or is cut off) with its connections open: its vLLM stopped, its
         agent gone, so its lease expires on its own after the TTL."""
-        self.agents[wid].send_signal(signal.SIGKILL)
+        self.agents[wid].kill()
         self.workers[wid].signal(signal.SIGSTOP)
 
 
@@ -151,7 +150,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, tiny: TinyModel) -> Iterat
     with start_etcd(base) as etcd, contextlib.ExitStack() as stack:
         for server in workers.values():
             stack.callback(server.stop)
-        agents: dict[str, subprocess.Popen[bytes]] = {}
+        agents: dict[str, ManagedProcess] = {}
         stack.callback(_stop_all, agents)
         port = free_port()
         router = spawn_cli(["router", "serve", "--listen", f"127.0.0.1:{port}", "--etcd",
@@ -161,7 +160,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, tiny: TinyModel) -> Iterat
                             # Sticky forever: four streams at once on w1 must not migrate.
                             "--policy", "session-only"],
                            logs / "router.log")
-        stack.callback(stop_process, router)
+        stack.callback(router.stop)
         for server in workers.values():
             server.wait_healthy(HEALTHY_S)
         c = Cluster(etcd, workers, agents, router, port, logs)
@@ -173,9 +172,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, tiny: TinyModel) -> Iterat
             server.stop()
 
 
-def _stop_all(procs: dict[str, subprocess.Popen[bytes]]) -> None:
+def _stop_all(procs: dict[str, ManagedProcess]) -> None:
     for proc in procs.values():
-        stop_process(proc)
+        proc.stop()
 
 
 @dataclass

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import signal
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -22,7 +20,8 @@ import httpx
 import openai
 import pytest
 
-from deploy.local.services import EtcdServer, free_port, start_etcd, stop_process
+from deploy.local.processes import ManagedProcess
+from deploy.local.services import EtcdServer, free_port, start_etcd
 from deploy.local.vllm_server import VllmServer, start_vllm
 from router.tenants import ApiKeys
 from tests.deploy_cli import spawn_cli
@@ -39,8 +38,8 @@ CHAT = {"model": "tiny", "temperature": 0}
 class Cluster:
     etcd: EtcdServer
     workers: dict[str, VllmServer]
-    agents: dict[str, subprocess.Popen[bytes]]
-    routers: dict[str, subprocess.Popen[bytes]]
+    agents: dict[str, ManagedProcess]
+    routers: dict[str, ManagedProcess]
     router_ports: dict[str, int]
     logs: Path
     clients: dict[str, httpx.Client] = field(default_factory=dict)
@@ -56,7 +55,7 @@ class Cluster:
                 if w["usable"]}
 
 
-def _start_router(name: str, port: int, etcd_url: str, logs: Path) -> subprocess.Popen[bytes]:
+def _start_router(name: str, port: int, etcd_url: str, logs: Path) -> ManagedProcess:
     return spawn_cli(["router", "serve", "--listen", f"127.0.0.1:{port}", "--etcd", etcd_url,
                       "--replica-id", name, "--stream-idle-timeout", "20"],
                      logs / f"router-{name}.log")
@@ -73,8 +72,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, tiny: TinyModel
     with start_etcd(base) as etcd, contextlib.ExitStack() as stack:
         for server in workers.values():
             stack.callback(server.stop)
-        agents: dict[str, subprocess.Popen[bytes]] = {}
-        routers: dict[str, subprocess.Popen[bytes]] = {}
+        agents: dict[str, ManagedProcess] = {}
+        routers: dict[str, ManagedProcess] = {}
         stack.callback(_stop_all, agents, routers)
         ports = {r: free_port() for r in ("A", "B")}
         for name, port in ports.items():
@@ -93,10 +92,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, tiny: TinyModel
             client.close()
 
 
-def _stop_all(*groups: dict[str, subprocess.Popen[bytes]]) -> None:
+def _stop_all(*groups: dict[str, ManagedProcess]) -> None:
     for group in groups:
         for proc in group.values():
-            stop_process(proc)
+            proc.stop()
 
 
 def _quiet(fn: Any) -> Any:
@@ -323,8 +322,7 @@ def test_killing_a_router_replica_loses_no_session(cluster: Cluster) -> None:
         r = cluster.http("A").post("/v1/completions", headers={"X-Session-Id": f"ha-{i}"},
                                    json={**CHAT, "prompt": "hi", "max_tokens": 2})
         homes[f"ha-{i}"] = r.headers["X-KVKeep-Worker"]
-    cluster.routers["A"].send_signal(signal.SIGKILL)
-    cluster.routers["A"].wait()
+    cluster.routers["A"].kill()
     for sid, home in homes.items():
         r = cluster.http("B").post("/v1/completions", headers={"X-Session-Id": sid},
                                    json={**CHAT, "prompt": "hi", "max_tokens": 2})
@@ -394,7 +392,7 @@ def test_worker_sigkill_resumes_the_stream_and_rebinds_sessions(cluster: Cluster
 
     def maybe_kill(n: int) -> None:
         if n == 25 and not killed:
-            cluster.agents["w1"].send_signal(signal.SIGKILL)
+            cluster.agents["w1"].kill()
             cluster.workers["w1"].kill()
             killed["at"] = time.monotonic()
             watcher.start()  # times the disappearance from the kill, not after the stream
@@ -473,7 +471,7 @@ def test_a_stream_with_stop_strings_survives_a_sigkill(cluster: Cluster, tiny: T
 
         def maybe_kill(n: int) -> None:
             if n == 25 and not killed:
-                cluster.agents["w3"].send_signal(signal.SIGKILL)
+                cluster.agents["w3"].kill()
                 w3.kill()
                 killed["at"] = time.monotonic()
 
@@ -533,7 +531,7 @@ def test_a_responses_stream_broken_by_a_sigkill_ends_with_the_failure_events(
             events.append(event)
             if sum(e.type == "response.output_text.delta" for e in events) == 10 \
                     and event.type == "response.output_text.delta":
-                cluster.agents["w4"].send_signal(signal.SIGKILL)
+                cluster.agents["w4"].kill()
                 w4.kill()
         types = [e.type for e in events]
         assert types[-2:] == ["error", "response.failed"], types
