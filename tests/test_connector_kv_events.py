@@ -14,6 +14,7 @@ import pytest
 import zmq
 
 from deploy.local.daemons import start_daemon
+from deploy.local.engines import events_endpoint
 from deploy.local.services import free_port
 from router.indexer.events import SHARED, KVBlockIndex
 from router.indexer.subscriber import KVEventSubscriber
@@ -54,11 +55,11 @@ def test_checkpointed_prefixes_reach_the_router_index(tiny: TinyModel, tmp_path:
                                     "remote": {"daemons": {daemon.node_id: daemon.address}}}
     else:
         store = {"name": "events-local", "host_bytes": 64 << 20}
-    # vLLM's publisher binds only wildcard endpoints (deploy/local/engines.py says more); the
-    # SUB side connects over loopback, as the router does.
+    # The endpoint vLLM binds on loopback alone (deploy/local/engines.events_endpoint says
+    # why); the SUB side connects over loopback, as the router does.
     port = free_port()
-    events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}",
-              "topic": "kv"}
+    events = {"enable_kv_cache_events": True, "publisher": "zmq",
+              "endpoint": events_endpoint("127.0.0.1", port), "topic": "kv"}
     index = KVBlockIndex(block_size=BLOCK_SIZE)
     subscriber = KVEventSubscriber(index)
     ctx = zmq.Context()
