@@ -309,8 +309,9 @@ def run(quick: bool, venv: Path) -> dict[str, Any]:
                          "kvkeep": "1 daemon, 1 copy; kvkeep_r2: 2 daemons, 2 copies; the "
                                    "daemons serve from RAM and make every block durable "
                                    "(fsync'd file, written behind with back-pressure: acks "
-                                   "wait once 64 blocks are pending); kvkeep_nofsync: 1 "
-                                   "daemon, --disk-fsync off (page cache, as fs_native); "
+                                   "wait once 512 blocks or 256 MiB are pending); "
+                                   "kvkeep_nofsync: 1 daemon, --disk-fsync off (page "
+                                   "cache, as fs_native); "
                                    f"every daemon {_DAEMON_MEM} of RAM, --mem-prefault",
                          "fs_native": "C++ fs adapter, 4 workers, no O_DIRECT, no fsync; cold "
                                       "load after evicting its files from the page cache",

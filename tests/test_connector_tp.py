@@ -72,17 +72,20 @@ def test_tp2_restores_tp2_and_tp1_misses(tiny: TinyModel, tmp_path: Path) -> Non
     assert first["cached"] == 0
     assert sorted(p.name for p in nvme.iterdir()) == ["tp0of2", "tp1of2"]  # a shard per rank
 
-    # The TP = 2 reader and the TP = 1 engine at once: the second reads the first's shards, the
-    # TP = 1 one (another layout) finds none of them and writes under its own subdirectory.
-    engines = [_start(tiny.path, nvme, "tp2-b", 2), _start(tiny.path, nvme, "tp1", 1)]
-    second, single = (_answer(engine) for engine in engines)
+    # Three engines at once (each start is mostly imports and process spawns): a TP = 2
+    # reader of the first's shards; a TP = 1 engine (another layout) that finds none of them
+    # and writes under its own subdirectory; and a TP = 2 reader of a copy whose rank 1 shard
+    # is gone while rank 0's is all there.
+    partial_nvme = tmp_path / "nvme-rank0-only"
+    shutil.copytree(nvme, partial_nvme)
+    shutil.rmtree(partial_nvme / "tp1of2")
+    engines = [_start(tiny.path, nvme, "tp2-b", 2), _start(tiny.path, nvme, "tp1", 1),
+               _start(tiny.path, partial_nvme, "tp2-c", 2)]
+    second, single, partial = (_answer(engine) for engine in engines)
     assert second["cached"] == BLOCKS * 32
     assert second["tokens"] == first["tokens"]
     assert single["cached"] == 0
     assert single["tokens"] == first["tokens"]
-
-    shutil.rmtree(nvme / "tp1of2")  # rank 1's shard is gone, rank 0's is all there
-    partial = _engine(tiny.path, nvme, "tp2-c", 2)
     assert partial["cached"] == 0
     assert partial["tokens"] == first["tokens"]
 

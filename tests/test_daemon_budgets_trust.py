@@ -514,3 +514,34 @@ def test_a_refused_copy_is_deleted_at_the_daemon_that_served_it_only(tmp_path: P
             assert again is not None and again.to_frame() == good
         finally:
             tier.close()
+
+
+def test_the_back_pressure_mark_is_in_blocks_and_in_bytes(tmp_path: Path) -> None:
+    """Acks run ahead of the disk by at most `max_pending_writes` blocks, `max_pending_bytes`
+    of blocks of the put's size, and half the RAM tier's blocks of that size; and an ack held
+    by the mark goes once the writer catches up, or is refused past the timeout (M3)."""
+    frame = len(make_frame(block_key(0, NS_A), segment_bytes=100_000))
+    with _served(tmp_path, max_pending_writes=512, max_pending_bytes=4 * frame,
+                 backpressure_timeout=0.3) as (_, core, store, _, gate):
+        page = int(store.tiers[0].page_bytes)  # type: ignore[attr-defined]
+        held = -(-frame // page) * page  # the RAM pages one frame takes
+        mark = core.backpressure_mark(frame)
+        assert mark >= 1 and mark * held <= 4 * frame < (mark + 1) * held  # the byte mark
+        assert core.backpressure_mark(48 << 20) == 1  # half the 64 MiB RAM tier: one block
+        gate.open.clear()
+        for i in range(mark + 1):  # one more than the mark: the next ack must wait
+            key = block_key(i, NS_A)
+            assert store.put(key, make_frame(key, segment_bytes=100_000))
+        assert store.pending_writes == mark + 1
+        with pytest.raises(Refusal):
+            core.wait_for_disk(frame)
+        assert core.counters().backpressure_refusals == 1
+        waiter: Future[None] = ThreadPoolExecutor(1).submit(core.wait_for_disk, frame)
+        time.sleep(0.1)
+        assert not waiter.done()
+        gate.open.set()
+        waiter.result(T)  # woken once the writer is back under the mark, not refused
+        assert core.counters().backpressure_refusals == 1
+    with _served(tmp_path / "blocks", max_pending_writes=64) as (_, core, _, _, _):
+        assert core.backpressure_mark(1) == 64  # small blocks: the block mark
+        assert core.backpressure_mark(4 << 20) == 8  # half the 64 MiB RAM tier's 4 MiB blocks

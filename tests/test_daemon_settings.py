@@ -81,6 +81,7 @@ EVERY_KEY: dict[str, Any] = {
     "inflight_put_bytes": "256MiB", "put_idle_timeout": 12.5, "idle_timeout": 60,
     "preauth_timeout": 3, "data_listen": "off", "metrics_listen": "0.0.0.0:7402",
     "backpressure_timeout": 20, "write_queue_depth": 512, "max_pending_writes": 32,
+    "max_pending_bytes": "96MiB",
     "tenant_read_streams": 16, "tenant_read_bytes": "32MiB", "get_min_rate": "2MiB",
     "tenant_max_blocks": 100000, "tenant_manifest_share": 0.5,
     "max_unauth_connections": 16, "max_connections_per_ip": 64, "grpc_max_streams": 128,

@@ -230,20 +230,23 @@ def _closed_within(sock: socket.socket, seconds: float, trickle: bytes = b"") ->
 
 
 def test_the_data_plane_drops_idle_and_trickling_connections(tmp_path: Path) -> None:
-    d = _daemon(tmp_path, "--idle-timeout", "3")
+    # Short timeouts (defaults: 5 s before the first request, 120 s idle; 2 s lets the
+    # trickle below send bytes before its deadline), and the bounds
+    # checked below are loose: a loaded machine delays the daemon's own clock checks.
+    d = _daemon(tmp_path, "--idle-timeout", "1.5", "--preauth-timeout", "2")
     port = _data_port(d)
     key = block_key(1, NS_A)
     try:
         # Unauthenticated and silent: dropped within seconds (slowloris).
         with socket.create_connection(("127.0.0.1", port), timeout=T) as idle:
             closed = _closed_within(idle, 15)
-            assert closed is not None and closed < 8
+            assert closed is not None and closed < 6
         # Unauthenticated and trickling a request head a byte a second: dropped as quickly,
         # however alive it looks.
         request = encode_request(OP_GET, SCOPE_A, key.block_hash, TOKEN_A.encode())
         with socket.create_connection(("127.0.0.1", port), timeout=T) as slow:
             closed = _closed_within(slow, 15, trickle=request)
-            assert closed is not None and closed < 8
+            assert closed is not None and closed < 6
         # Authenticated, then idle: closed after --idle-timeout, and its client reconnects.
         a = DaemonClient(d.node_id, d.address, token=TOKEN_A)
         try:
@@ -253,8 +256,8 @@ def test_the_data_plane_drops_idle_and_trickling_connections(tmp_path: Path) -> 
                 used.settimeout(T)
                 assert used.recv(1 << 16)  # answered: this connection is authenticated now
                 closed = _closed_within(used, 15)
-                assert closed is not None and 2 < closed < 8
-            time.sleep(3.5)  # the client's pooled connection has been closed too
+                assert closed is not None and 1 < closed < 6
+            time.sleep(2)  # the client's pooled connection has been closed too
             read = a.get(SCOPE_A, key.block_hash, timeout=T)
             assert read is not None and read.to_frame() == make_frame(key)
         finally:

@@ -24,13 +24,14 @@ both admit and refuse exactly the same things, and count them in one set of coun
   and puts do not fill the key cache, so a daemon's memory does not grow with the blocks it
   ever stored.
 - back-pressure: a put is acknowledged only while the store's write-behind queue (host ->
-  nvme) is below `max_pending_writes`, and below half the blocks of that size the RAM tier
-  holds, so acknowledged blocks can neither outrun the disk and be dropped from the queue
-  unwritten, nor be evicted from RAM before the write-behind has copied them down. A put
-  whose copy could not be queued, or whose wait for the disk passed `backpressure_timeout`,
-  is refused (RESOURCE_EXHAUSTED, counted), never acknowledged (M3). `commit` waits
-  (`wait_for_disk`, blocking: the TCP front's own connection thread) unless the caller waits
-  itself (`IncomingBlock.wait_for_disk = False`): the gRPC front waits on its event loop, so a
+  nvme) is below `max_pending_writes` blocks, `max_pending_bytes` bytes' worth of blocks of its
+  size, and half the blocks of that size the RAM tier holds, so acknowledged blocks can neither
+  outrun the disk and be dropped from the queue unwritten, nor be evicted from RAM before the
+  write-behind has copied them down. A put whose copy could not be queued, or whose wait for
+  the disk passed `backpressure_timeout`, is refused (RESOURCE_EXHAUSTED, counted), never
+  acknowledged (M3). `commit` waits (`wait_for_disk`, blocking: the TCP front's own connection
+  thread, woken as the writer finishes each batch) unless the caller waits itself
+  (`IncomingBlock.wait_for_disk = False`): the gRPC front waits on its event loop, so a
   tenant's slow disk holds no thread of the executor every tenant's reads share (M2).
 - reads: `open_read` lends a block's pages in place from host RAM (key binding checked before,
   segment checksums right after they are sent: the client verifies every block anyway, and
@@ -121,7 +122,8 @@ class BlockServiceCore:
 
     def __init__(self, node_id: str, store: TieredStore, catalog: KeyCatalog, *,
                  tokens: TokenTable | None, limits: DaemonLimits | None = None,
-                 max_inflight_put_bytes: int | None = None, max_pending_writes: int = 64,
+                 max_inflight_put_bytes: int | None = None, max_pending_writes: int = 512,
+                 max_pending_bytes: int | None = 256 << 20,
                  backpressure_timeout: float = 30.0, read_deadline: float = 10.0,
                  scratch_buffers: int = 8, key_cache_limit: int = 1 << 16) -> None:
         self.node_id = node_id
@@ -143,6 +145,7 @@ class BlockServiceCore:
                 limits = DaemonLimits.scaled(budgets[0], budgets[-1])
         self._budgets = PutBudgets(limits)
         self._max_pending = max_pending_writes
+        self._max_pending_bytes = max_pending_bytes
         self._ram_budget, self._ram_page = budgets[0], int(getattr(store.tiers[0],
                                                                    "page_bytes", 1))
         keep_free = getattr(store.tiers[0], "keep_free", None)
@@ -424,8 +427,11 @@ class BlockServiceCore:
         """The write-behind depth past which a put of `size` bytes is not acknowledged yet (see
         the module doc)."""
         page = max(self._ram_page, 1)
-        fits = self._ram_budget // (max(-(-size // page), 1) * page)
-        return max(1, min(self._max_pending, fits // 2))
+        held = max(-(-size // page), 1) * page  # the RAM a block of `size` takes
+        marks = [self._max_pending, self._ram_budget // held // 2]
+        if self._max_pending_bytes is not None:
+            marks.append(self._max_pending_bytes // held)
+        return max(1, min(marks))
 
     def disk_behind(self, mark: int) -> bool:
         return self._store.pending_writes > mark
@@ -446,14 +452,9 @@ class BlockServiceCore:
         """Hold the ack while the write-behind queue is over its mark; refuse once it stayed
         there `backpressure_timeout`. Blocking: for the TCP front's own connection threads;
         the gRPC front waits on its event loop instead (never on the shared executor, M2)."""
-        mark = self.backpressure_mark(size)
-        end = time.monotonic() + self._backpressure_timeout
-        delay = 0.001
-        while self.disk_behind(mark):
-            if time.monotonic() >= end:
-                raise self.backpressure_refusal()
-            time.sleep(delay)
-            delay = min(delay * 2, 0.02)
+        if not self._store.wait_pending_writes(self.backpressure_mark(size),
+                                               self._backpressure_timeout):
+            raise self.backpressure_refusal()
 
     # -- reads --------------------------------------------------------------------------------
 

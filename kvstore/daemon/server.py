@@ -137,6 +137,7 @@ class Daemon:
         self.core = BlockServiceCore(config.node_id, self.store, self.catalog,
                                      tokens=self.tokens, limits=config.limits(),
                                      max_pending_writes=config.max_pending_writes,
+                                     max_pending_bytes=config.max_pending_bytes,
                                      backpressure_timeout=config.backpressure_timeout)
         self.grpc_front = GrpcFront(self.core, self.executor)
         self.metrics.registry.register(DaemonCollector(config.node_id, self.metrics_state))

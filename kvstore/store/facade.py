@@ -137,6 +137,10 @@ class TieredStore:
     def pending_writes(self) -> int:
         return self._writes.pending
 
+    def wait_pending_writes(self, at_most: int, timeout: float) -> bool:
+        """Wait until at most `at_most` background writes are pending; False on timeout."""
+        return self._writes.wait_pending(at_most, timeout)
+
     @property
     def answers_in_process(self) -> bool:
         """Every tier's `contains` is an in-process index read (`IndexedInProcess`): a lookup

@@ -193,8 +193,14 @@ class WriteBehind:
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued job is done; False if `timeout` ran out."""
+        return self.wait_pending(0, timeout)
+
+    def wait_pending(self, at_most: int, timeout: float | None = None) -> bool:
+        """Wait until at most `at_most` jobs are queued or being written; False if `timeout`
+        ran out. Woken as each batch finishes, not by polling: a put's ack that waits for the
+        disk goes as soon as the disk has caught up."""
         with self._state:
-            return self._state.wait_for(lambda: self._pending == 0, timeout)
+            return self._state.wait_for(lambda: self._pending <= at_most, timeout)
 
     def close(self, timeout: float) -> None:
         """Flush (up to `timeout`), refuse new jobs, drop what is left, stop the writers."""
@@ -386,8 +392,7 @@ class WriteBehind:
             if isinstance(job, Promotion):
                 self._promoting.discard(job.key)
             self._calls.metrics.write_queue_depth.set(self._pending)
-            if self._pending == 0:
-                self._state.notify_all()
+            self._state.notify_all()  # flush, and acks held by back-pressure (wait_pending)
 
     def _cancelled(self, job: Job) -> bool:
         with self._state:
