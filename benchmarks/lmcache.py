@@ -25,10 +25,18 @@ same machine load.
 Baselines in the same run: memcpy into a touched buffer, disk write (+fsync, and without),
 cold sequential disk read, loopback TCP, redis-py GET/SET of one object size. GB/s are 10^9
 bytes per second from the median round duration of LMCache's benchmark (keys per round x
-object size / duration). The JSON::
+object size / duration). `cold_run_server_cpu_ms_per_object` is the CPU the processes
+serving an adapter (the daemons, redis-server; none for fs_native) spent per object of the
+load-only run. LMCache's own process cannot be measured so (its start-up would swamp it), so
+`plugin_direct` drives the plugin's kvkeep side (`ObjectStore`, no LMCache) on the first
+daemon the way LMCache's benchmark drives the adapter, in this process, and records the CPU
+per object of both sides: where a rate is bound by CPU, this says whose. The JSON::
 
     {"baseline": {...}, "adapters": {"kvkeep": {"256KiB": {"store_gbps", "load_gbps",
-     "load_cold_gbps", "lookup_us_per_key", ...}}, "fs_native": ..., "resp": ...},
+     "load_cold_gbps", "lookup_us_per_key", "cold_run_server_cpu_ms_per_object", ...}},
+     "fs_native": ..., "resp": ...},
+     "plugin_direct": {"256KiB": {"store_gbps", "load_gbps", "cpu_ms_per_object": {"store":
+     {"client", "server"}, "load": {...}}}, ...},
      "ratios": {"kvkeep/fs_native": {...}, "kvkeep/resp": {...}}, "settings": {...}}
 """
 
@@ -60,7 +68,7 @@ from benchmarks.baselines import (
 )
 from benchmarks.cli import run_benchmark
 from deploy.local.daemons import DaemonProcess, start_daemon
-from deploy.local.services import start_redis
+from deploy.local.services import RedisServer, start_redis
 from kvstore.commands.store import MALLOC_ENV
 
 __all__ = ["main", "run"]
@@ -155,6 +163,56 @@ class _Adapter:
     spec: dict[str, Any]
     files: Path | None = None
     """Where the adapter keeps files (evicted from the page cache before the cold load)."""
+    servers: tuple[int, ...] = ()
+    """The pids of the processes that serve it (kvkeep daemons, redis-server): their CPU time
+    counts with LMCache's own."""
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds a live process has used (/proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _plugin_direct(daemon: DaemonProcess, w: Workload) -> dict[str, Any]:
+    """The plugin's kvkeep side (`ObjectStore`: no LMCache, this venv) on `daemon`, driven like
+    LMCache's benchmark drives the adapter (a task of `keys_per_submit` objects stored, then
+    loaded, one warm-up round), in this process: GB/s from the median round, and the CPU per
+    object of this process (the plugin's client work) and of the daemon, for each operation."""
+    from connectors.lmcache.config import PluginSettings
+    from connectors.lmcache.keys import ObjectRef
+    from connectors.lmcache.store import ObjectStore
+
+    assert daemon.proc is not None
+    pid, n = daemon.proc.pid, w.keys_per_submit
+    store = ObjectStore.open(PluginSettings.from_params({
+        "daemons": {daemon.node_id: daemon.address}, "replicas": 1,
+        "model_revision": f"bench-direct-{w.label}-{time.time_ns()}"}))
+    payloads = [os.urandom(w.object_bytes) for _ in range(n)]
+    outs = [bytearray(w.object_bytes) for _ in range(n)]
+    seconds: dict[str, list[float]] = {"store": [], "load": []}
+    cpu = {op: {"client": 0.0, "server": 0.0} for op in seconds}
+    try:
+        for round_ in range(w.rounds + 1):
+            refs = [ObjectRef(os.urandom(16), "bench", i) for i in range(n)]
+            for op in ("store", "load"):
+                client, server, started = time.process_time(), _cpu_s(pid), time.perf_counter()
+                ok = (store.store(refs, payloads).ok if op == "store"
+                      else all(store.load(refs, outs)))
+                elapsed = time.perf_counter() - started
+                if not ok:
+                    raise RuntimeError(f"plugin_direct: a {op} of {n} objects failed")
+                if round_:  # the first round warms up
+                    seconds[op].append(elapsed)
+                    cpu[op]["client"] += time.process_time() - client
+                    cpu[op]["server"] += _cpu_s(pid) - server
+    finally:
+        store.close()
+    objects = n * w.rounds
+    return {f"{op}_gbps": n * w.object_bytes / statistics.median(times) / GB
+            for op, times in seconds.items()} | {
+        "cpu_ms_per_object": {op: {side: 1e3 * v / objects for side, v in sides.items()}
+                              for op, sides in cpu.items()}}
 
 
 def _lmcache_bench(venv: Path, adapter: _Adapter, w: Workload, out: Path,
@@ -205,7 +263,13 @@ def _evict(directory: Path | None) -> None:
 def _one(venv: Path, adapter: _Adapter, w: Workload, scratch: Path) -> dict[str, Any]:
     warm = _ops(_lmcache_bench(venv, adapter, w, scratch / "all.json"), w)
     _evict(adapter.files)
+    # The CPU the serving processes spent on the load-only run, per object (LMCache's own
+    # process is not counted: its start-up, torch's import, would swamp it; `plugin_direct`
+    # measures the plugin's client side alone).
+    servers = [_cpu_s(pid) for pid in adapter.servers]
     cold = _ops(_lmcache_bench(venv, adapter, w, scratch / "load.json", only="load"), w)
+    server = sum(_cpu_s(pid) - before for pid, before in zip(adapter.servers, servers,
+                                                              strict=True))
     expected = w.keys_per_submit * w.rounds
     for name, op in (("store", warm["store"]), ("load", warm["load"]), ("load", cold["load"])):
         if op["success"] != expected:
@@ -214,7 +278,10 @@ def _one(venv: Path, adapter: _Adapter, w: Workload, scratch: Path) -> dict[str,
     return {"store_gbps": warm["store"]["gbps"], "load_gbps": warm["load"]["gbps"],
             "load_cold_gbps": cold["load"]["gbps"],
             "lookup_us_per_key": warm["lookup"]["us_per_key"],
-            "lookup_hits": warm["lookup"]["success"]}
+            "lookup_hits": warm["lookup"]["success"],
+            # Every round of the load-only run (warm-up included) loads the task's objects.
+            "cold_run_server_cpu_ms_per_object":
+                1e3 * server / (w.keys_per_submit * (w.rounds + 1))}
 
 
 # The daemons' RAM budget, touched at start (--mem-prefault): on these VMs the first touch of
@@ -225,7 +292,7 @@ _DAEMON_MEM = "2GiB"
 
 
 @contextlib.contextmanager
-def _services(tmp: Path) -> Iterator[tuple[int, list[DaemonProcess]]]:
+def _services(tmp: Path) -> Iterator[tuple[RedisServer, list[DaemonProcess]]]:
     """redis, and three daemons: k0 and k1 as deployed (every block fsync'd behind RAM), k2
     with `--disk-fsync off` (page cache only: the durability fs_native and redis give)."""
     with start_redis(tmp) as redis_server:
@@ -237,13 +304,13 @@ def _services(tmp: Path) -> Iterator[tuple[int, list[DaemonProcess]]]:
                                             extra=("--mem-prefault", "--disk-fsync", fsync)))
             for d in daemons:
                 d.wait_healthy(120)
-            yield redis_server.port, daemons
+            yield redis_server, daemons
         finally:
             for d in daemons:
                 d.terminate()
 
 
-def _adapters(place: str, tmp: Path, redis_port: int, daemons: list[DaemonProcess]
+def _adapters(place: str, tmp: Path, redis: RedisServer, daemons: list[DaemonProcess]
               ) -> list[_Adapter]:
     """The adapters, each storing into a place of its own named `place` (fresh per workload
     and repetition: LMCache's benchmark numbers its keys from 0 in every run)."""
@@ -257,11 +324,16 @@ def _adapters(place: str, tmp: Path, redis_port: int, daemons: list[DaemonProces
             "daemons": {d.node_id: d.address for d in ds}, "replicas": len(ds),
             "timeout_ms": 30_000, "model_revision": f"bench-{label}-{place}-{time.time_ns()}"}}
 
-    return [_Adapter("kvkeep", plugin(daemons[:1], "r1")),
-            _Adapter("kvkeep_r2", plugin(daemons[:2], "r2")),
-            _Adapter("kvkeep_nofsync", plugin(daemons[2:], "nofsync")),
+    def pids(ds: list[DaemonProcess]) -> tuple[int, ...]:
+        return tuple(proc.pid for d in ds if (proc := d.proc) is not None)
+
+    return [_Adapter("kvkeep", plugin(daemons[:1], "r1"), servers=pids(daemons[:1])),
+            _Adapter("kvkeep_r2", plugin(daemons[:2], "r2"), servers=pids(daemons[:2])),
+            _Adapter("kvkeep_nofsync", plugin(daemons[2:], "nofsync"),
+                     servers=pids(daemons[2:])),
             _Adapter("fs_native", {"type": "fs_native", "base_path": str(fs_dir)}, fs_dir),
-            _Adapter("resp", {"type": "resp", "host": "127.0.0.1", "port": redis_port})]
+            _Adapter("resp", {"type": "resp", "host": "127.0.0.1", "port": redis.port},
+                     servers=(redis.proc.pid,))]
 
 
 def _flush_redis(port: int) -> None:
@@ -281,13 +353,14 @@ def run(quick: bool, venv: Path) -> dict[str, Any]:
     workloads = QUICK if quick else FULL
     repeats = 1 if quick else 3
     samples: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    direct: dict[str, list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory(prefix="kvkeep-lmcache-bench-") as tmp_name:
         tmp = Path(tmp_name)
-        with _services(tmp) as (redis_port, daemons):
-            baseline = _baselines(tmp, redis_port, workloads)
+        with _services(tmp) as (redis, daemons):
+            baseline = _baselines(tmp, redis.port, workloads)
             for rep in range(repeats):
                 for w in workloads:
-                    for adapter in _adapters(f"{w.label}-{rep}", tmp, redis_port, daemons):
+                    for adapter in _adapters(f"{w.label}-{rep}", tmp, redis, daemons):
                         _progress(f"repeat {rep + 1}/{repeats}: {adapter.name}, {w.label} "
                                   f"objects x {w.keys_per_submit} per submit")
                         scratch = tmp / f"out-{adapter.name}-{w.label}-{rep}"
@@ -297,10 +370,14 @@ def run(quick: bool, venv: Path) -> dict[str, Any]:
                             result)
                         if adapter.files is not None:
                             shutil.rmtree(adapter.files, ignore_errors=True)
-                    _flush_redis(redis_port)
+                    _flush_redis(redis.port)
+                    _progress(f"repeat {rep + 1}/{repeats}: the plugin without LMCache, "
+                              f"{w.label}")
+                    direct.setdefault(w.label, []).append(_plugin_direct(daemons[0], w))
     adapters = {name: {label: _median(runs) for label, runs in by_size.items()}
                 for name, by_size in samples.items()}
     return {"baseline": baseline, "adapters": adapters, "ratios": _ratios(adapters, baseline),
+            "plugin_direct": {label: _median(runs) for label, runs in direct.items()},
             "settings": {"repeats": repeats,
                          "workloads": [dataclasses.asdict(w) for w in workloads],
                          "driver": "lmcache bench l2 (LMCache 0.5.6, CPU build), in-flight 1, "
@@ -321,7 +398,9 @@ def run(quick: bool, venv: Path) -> dict[str, Any]:
 
 
 def _median(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    """Field by field (nested mappings too), the median over repetitions."""
+    return {k: _median([r[k] for r in runs]) if isinstance(v, dict)
+            else statistics.median(r[k] for r in runs) for k, v in runs[0].items()}
 
 
 def _ratios(adapters: dict[str, dict[str, dict[str, Any]]], baseline: dict[str, Any]
@@ -361,11 +440,19 @@ def _table(result: dict[str, Any]) -> str:
     add(f"baselines: memcpy {base['memcpy_gbps']:.1f}, disk write {base['disk_write_gbps']:.2f}"
         f" (+fsync {base['disk_write_fsync_gbps']:.2f}), cold read "
         f"{base['disk_cold_read_gbps']:.2f}, loopback TCP {base['tcp_loopback_gbps']:.2f} GB/s")
-    add(f"{'adapter':>10} {'size':>7} {'store':>7} {'load':>7} {'cold':>7} {'lookup us/key':>14}")
+    add(f"{'adapter':>10} {'size':>7} {'store':>7} {'load':>7} {'cold':>7} {'lookup us/key':>14}"
+        f" {'server CPU ms/object':>21}")
     for name, by_size in result["adapters"].items():
         for label, r in by_size.items():
             add(f"{name:>10} {label:>7} {r['store_gbps']:7.2f} {r['load_gbps']:7.2f} "
-                f"{r['load_cold_gbps']:7.2f} {r['lookup_us_per_key']:14.1f}")
+                f"{r['load_cold_gbps']:7.2f} {r['lookup_us_per_key']:14.1f} "
+                f"{r['cold_run_server_cpu_ms_per_object']:21.3f}")
+    for label, r in result["plugin_direct"].items():
+        cpu = r["cpu_ms_per_object"]
+        add(f"plugin without LMCache {label}: store {r['store_gbps']:.2f} GB/s (CPU ms/object "
+            f"client {cpu['store']['client']:.3f}, daemon {cpu['store']['server']:.3f}), load "
+            f"{r['load_gbps']:.2f} GB/s (client {cpu['load']['client']:.3f}, daemon "
+            f"{cpu['load']['server']:.3f})")
     for label, rs in base["redis_get_gbps"].items():
         add(f"{label}: redis-py SET {base['redis_set_gbps'][label]:.2f}, GET {rs:.2f} GB/s; "
             f"disk write+fsync per object {base['disk_write_fsync_gbps_per_object'][label]:.2f}"
