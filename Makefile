@@ -48,14 +48,16 @@ typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
 ## pytest: the test suite only (assumes setup), whole modules spread over PYTEST_WORKERS
-## processes (pytest-xdist), slow modules first (tests/conftest.py). Default: the cores, at
-## most 4 (each may run vLLM engines and clusters). One worker more than cores ran faster on 2
-## cores (12.9 vs ~14 min) but starved the tests that SIGKILL a worker once a client has read N
-## chunks: the client read so far behind the engines that streams had ended before the kill
-## (4 such failures in one run). Modules marked `serial` (their kills and freezes are timed from
-## what clients have read, which lags on a loaded machine) run afterwards, alone.
+## processes (pytest-xdist), slow modules first (tests/conftest.py). Default: one more than the
+## cores, at most 4 (each may run vLLM engines and clusters): the tests wait a good part of the
+## time (engine start-ups, leases, timeouts), and on 2 cores 3 workers kept the CPU 98 % busy
+## and ran the parallel part in 9:17 against 10:15-10:56 with 2 (2026-12-06). An earlier try of
+## one worker more than cores starved the tests that SIGKILL a worker once a client has read N
+## chunks (the client read so far behind the engines that streams had ended before the kill):
+## those modules are marked `serial` (their kills and freezes are timed from what clients have
+## read, which lags on a loaded machine) and run afterwards, alone.
 ## PYTEST_WORKERS=0: everything in this one process.
-PYTEST_WORKERS ?= $(shell n=$$(nproc); echo $$(( n < 4 ? n : 4 )))
+PYTEST_WORKERS ?= $(shell n=$$(( $$(nproc) + 1 )); echo $$(( n < 4 ? n : 4 )))
 pytest: $(STAMP)
 	@status=0; \
 	$(PY) -m pytest -q --durations=30 -n $(PYTEST_WORKERS) --dist loadfile \
