@@ -48,16 +48,15 @@ typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
 ## pytest: the test suite only (assumes setup), whole modules spread over PYTEST_WORKERS
-## processes (pytest-xdist), slow modules first (tests/conftest.py). Default: one more than the
-## cores, at most 4 (each may run vLLM engines and clusters): the tests wait a good part of the
-## time (engine start-ups, leases, timeouts), and on 2 cores 3 workers kept the CPU 98 % busy
-## and ran the parallel part in 9:17 against 10:15-10:56 with 2 (2026-12-06). An earlier try of
-## one worker more than cores starved the tests that SIGKILL a worker once a client has read N
-## chunks (the client read so far behind the engines that streams had ended before the kill):
-## those modules are marked `serial` (their kills and freezes are timed from what clients have
-## read, which lags on a loaded machine) and run afterwards, alone.
-## PYTEST_WORKERS=0: everything in this one process.
-PYTEST_WORKERS ?= $(shell n=$$(( $$(nproc) + 1 )); echo $$(( n < 4 ? n : 4 )))
+## processes (pytest-xdist), slow modules first (tests/conftest.py). Default: the cores, at
+## most 4 (each may run vLLM engines and clusters). One worker more than the cores is faster on
+## 2 cores (the parallel part 9:17 against 10:15, 2026-12-06, the CPU 98 % busy) but too loaded
+## for the tests' deadlines: a restore waited past the connector's 2 s restore deadline and was
+## recomputed, and earlier the tests that SIGKILL a worker once a client has read N chunks saw
+## the streams end before the kill. Those modules are marked `serial` (their kills and freezes
+## are timed from what clients have read, which lags on a loaded machine) and run afterwards,
+## alone. PYTEST_WORKERS=0: everything in this one process.
+PYTEST_WORKERS ?= $(shell n=$$(nproc); echo $$(( n < 4 ? n : 4 )))
 pytest: $(STAMP)
 	@status=0; \
 	$(PY) -m pytest -q --durations=30 -n $(PYTEST_WORKERS) --dist loadfile \

@@ -7,24 +7,20 @@ one kills a worker, so it goes last.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
 
-from deploy.local.processes import ManagedProcess
-from deploy.local.services import EtcdServer, free_port, start_etcd
-from deploy.local.vllm_server import VllmServer, start_vllm
+from deploy.local.cluster import ClusterSpec, LocalCluster, Worker
+from deploy.local.engines import EngineSettings
 from router.tenants import ApiKeys
-from tests.deploy_cli import spawn_cli
 from tests.models import TinyModel
 from tests.router_harness import wait_until
 
@@ -36,18 +32,17 @@ CHAT = {"model": "tiny", "temperature": 0}
 
 @dataclass
 class Cluster:
-    etcd: EtcdServer
-    workers: dict[str, VllmServer]
-    agents: dict[str, ManagedProcess]
-    routers: dict[str, ManagedProcess]
-    router_ports: dict[str, int]
-    logs: Path
+    """The module's cluster, deploy/local's `LocalCluster` without daemons (etcd, two vLLM
+    workers without the connector and their agents, router replicas r1 and r2), and one HTTP
+    client per router replica."""
+
+    local: LocalCluster
     clients: dict[str, httpx.Client] = field(default_factory=dict)
 
     def http(self, replica: str) -> httpx.Client:
         if replica not in self.clients:
-            self.clients[replica] = httpx.Client(
-                base_url=f"http://127.0.0.1:{self.router_ports[replica]}", timeout=120)
+            self.clients[replica] = httpx.Client(base_url=self.local.router(replica).url,
+                                                 timeout=120)
         return self.clients[replica]
 
     def worker_ids(self, replica: str) -> set[str]:
@@ -55,47 +50,17 @@ class Cluster:
                 if w["usable"]}
 
 
-def _start_router(name: str, port: int, etcd_url: str, logs: Path) -> ManagedProcess:
-    return spawn_cli(["router", "serve", "--listen", f"127.0.0.1:{port}", "--etcd", etcd_url,
-                      "--replica-id", name, "--stream-idle-timeout", "20"],
-                     logs / f"router-{name}.log")
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory, tiny: TinyModel
             ) -> Iterator[Cluster]:
-    base = tmp_path_factory.mktemp("router-vllm")
-    logs = base / "logs"
-    logs.mkdir()
-    model = tiny
-    workers = {w: start_vllm(model.path, logs) for w in ("w1", "w2")}
-    with start_etcd(base) as etcd, contextlib.ExitStack() as stack:
-        for server in workers.values():
-            stack.callback(server.stop)
-        agents: dict[str, ManagedProcess] = {}
-        routers: dict[str, ManagedProcess] = {}
-        stack.callback(_stop_all, agents, routers)
-        ports = {r: free_port() for r in ("A", "B")}
-        for name, port in ports.items():
-            routers[name] = _start_router(name, port, etcd.url, logs)
-        for wid, server in workers.items():
-            server.wait_healthy()
-            agents[wid] = spawn_cli(["worker", "--etcd", etcd.url, "--url", server.url, "--id", wid,
-                                     "--kv-events", server.events_endpoint or "",
-                                     "--ttl", str(TTL)], logs / f"agent-{wid}.log")
-        c = Cluster(etcd, workers, agents, routers, ports, logs)
-        for replica in ports:
-            wait_until(lambda r=replica: _quiet(lambda: c.worker_ids(r)) == {"w1", "w2"},
-                       timeout=60)
+    spec = ClusterSpec(daemons=0, workers=2, routers=2, lease_ttl_s=TTL, model_dir=tiny.path,
+                       base_dir=tmp_path_factory.mktemp("router-vllm"),
+                       engine=EngineSettings(model_dir=tiny.path, tool_call_parser=None))
+    with LocalCluster(spec) as local:
+        c = Cluster(local)
         yield c
         for client in c.clients.values():
             client.close()
-
-
-def _stop_all(*groups: dict[str, ManagedProcess]) -> None:
-    for group in groups:
-        for proc in group.values():
-            proc.stop()
 
 
 def _quiet(fn: Any) -> Any:
@@ -105,10 +70,11 @@ def _quiet(fn: Any) -> Any:
         return None
 
 
-def _watch_leave(port: int, worker: str, times: dict[str, float], timeout: float) -> None:
-    """Poll router `port` until `worker` is no longer registered; record when in `gone`."""
+def _watch_leave(url: str, worker: str, times: dict[str, float], timeout: float) -> None:
+    """Poll the router at `url` until `worker` is no longer registered; record when in
+    `gone`."""
     deadline = time.monotonic() + timeout
-    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=5) as http:
+    with httpx.Client(base_url=url, timeout=5) as http:
         while time.monotonic() < deadline:
             listed = _quiet(lambda: {w["id"] for w in http.get("/kvkeep/workers").json()})
             if listed is not None and worker not in listed:
@@ -117,7 +83,7 @@ def _watch_leave(port: int, worker: str, times: dict[str, float], timeout: float
             time.sleep(0.05)
 
 
-def direct_chat(server: VllmServer, messages: list[dict[str, str]], max_tokens: int) -> str:
+def direct_chat(server: Worker, messages: list[dict[str, str]], max_tokens: int) -> str:
     """The reference: the same greedy request straight to a worker, no router."""
     r = httpx.post(f"{server.url}/v1/chat/completions", timeout=120,
                    json={**CHAT, "messages": messages, "max_tokens": max_tokens,
@@ -127,10 +93,10 @@ def direct_chat(server: VllmServer, messages: list[dict[str, str]], max_tokens: 
 
 
 def test_openai_client_through_the_router(cluster: Cluster) -> None:
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{cluster.router_ports['A']}/v1",
+    client = openai.OpenAI(base_url=f"{cluster.local.router('r1').url}/v1",
                            api_key="unused", max_retries=0)
     messages = [{"role": "user", "content": "Permission is hereby granted"}]
-    reference = direct_chat(cluster.workers["w2"], messages, 24)
+    reference = direct_chat(cluster.local.workers["w2"], messages, 24)
     stream = client.chat.completions.create(
         model="tiny", messages=messages, max_tokens=24, temperature=0, stream=True,
         stream_options={"include_usage": True}, extra_headers={"X-Session-Id": "oai-1"},
@@ -161,10 +127,10 @@ def test_responses_api_through_the_router_is_the_workers(cluster: Cluster) -> No
     body = {"model": "tiny", "input": [{"role": "user", "content": "Permission is hereby"}],
             "instructions": "Answer.", "max_output_tokens": 12, "temperature": 0}
     sid = {"X-Session-Id": "responses-1"}
-    r = cluster.http("A").post("/v1/responses", json=body, headers=sid)
+    r = cluster.http("r1").post("/v1/responses", json=body, headers=sid)
     assert r.status_code == 200, r.text
     home = r.headers["X-KVKeep-Worker"]
-    direct = httpx.post(f"{cluster.workers[home].url}/v1/responses", json=body, timeout=120)
+    direct = httpx.post(f"{cluster.local.workers[home].url}/v1/responses", json=body, timeout=120)
     direct.raise_for_status()
 
     def text(response: dict[str, Any]) -> str:
@@ -175,7 +141,7 @@ def test_responses_api_through_the_router_is_the_workers(cluster: Cluster) -> No
     assert len(reference) > 0 and text(r.json()) == reference
     assert r.json()["usage"] == {**direct.json()["usage"], "input_tokens_details":
                                  r.json()["usage"]["input_tokens_details"]}
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{cluster.router_ports['B']}/v1",
+    client = openai.OpenAI(base_url=f"{cluster.local.router('r2').url}/v1",
                            api_key="unused", max_retries=0)
     events = list(client.responses.create(
         model="tiny", input=body["input"], instructions="Answer.", max_output_tokens=12,
@@ -185,12 +151,12 @@ def test_responses_api_through_the_router_is_the_workers(cluster: Cluster) -> No
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") \
         == reference
     assert events[-1].response.output_text == reference
-    r = cluster.http("A").post("/v1/responses", json={**body, "stream": True}, headers=sid)
+    r = cluster.http("r1").post("/v1/responses", json={**body, "stream": True}, headers=sid)
     assert r.headers["X-KVKeep-Worker"] == home and r.headers["X-KVKeep-Route"] == "sticky"
 
 
 def test_sessions_stick_and_replicas_agree(cluster: Cluster) -> None:
-    a, b = cluster.http("A"), cluster.http("B")
+    a, b = cluster.http("r1"), cluster.http("r2")
     body = {**CHAT, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
     r = a.post("/v1/chat/completions", json=body, headers={"X-Session-Id": "agree-1"})
     assert r.status_code == 200, r.text
@@ -213,7 +179,7 @@ def test_sessions_stick_and_replicas_agree(cluster: Cluster) -> None:
         routes[(replica, sid)] = resp.headers["X-KVKeep-Route"]
 
     threads = [threading.Thread(target=send, args=(rep, f"race-{i}"))
-               for i in range(12) for rep in ("A", "B")]
+               for i in range(12) for rep in ("r1", "r2")]
     for t in threads:
         t.start()
     for t in threads:
@@ -224,10 +190,10 @@ def test_sessions_stick_and_replicas_agree(cluster: Cluster) -> None:
     for i in range(12):
         sid = f"race-{i}"
         bound = {cluster.http(replica).get(f"/kvkeep/sessions/{sid}").json()["worker"]
-                 for replica in ("A", "B")}
-        assert len(bound) == 1, (sid, routes[("A", sid)], routes[("B", sid)])
-        assert bound <= {seen[("A", sid)], seen[("B", sid)]}
-        for replica in ("A", "B"):  # and the next turn, through either, goes there
+                 for replica in ("r1", "r2")}
+        assert len(bound) == 1, (sid, routes[("r1", sid)], routes[("r2", sid)])
+        assert bound <= {seen[("r1", sid)], seen[("r2", sid)]}
+        for replica in ("r1", "r2"):  # and the next turn, through either, goes there
             r = cluster.http(replica).post("/v1/completions", headers={"X-Session-Id": sid},
                                            json={**CHAT, "prompt": sid, "max_tokens": 1})
             assert {r.headers["X-KVKeep-Worker"]} == bound
@@ -237,20 +203,20 @@ def test_kv_events_give_a_precise_prefix(cluster: Cluster) -> None:
     """Blocks vLLM reports over ZMQ steer a stateless request to the worker holding its
     prefix: prefill it on w2 directly, then ask the router."""
     tokens = [(i * 37 + 11) % 900 + 20 for i in range(160)]  # 5 full blocks of 32
-    w2 = cluster.workers["w2"]
-    before = cluster.http("B").get("/health").json()["kv_index_blocks"]
+    w2 = cluster.local.workers["w2"]
+    before = cluster.http("r2").get("/health").json()["kv_index_blocks"]
     httpx.post(f"{w2.url}/v1/completions", timeout=60,
                json={**CHAT, "prompt": tokens, "max_tokens": 1}).raise_for_status()
-    wait_until(lambda: cluster.http("B").get("/health").json()["kv_index_blocks"] >= before + 5)
+    wait_until(lambda: cluster.http("r2").get("/health").json()["kv_index_blocks"] >= before + 5)
     for _ in range(3):
-        r = cluster.http("B").post("/v1/completions", json={**CHAT, "prompt": [*tokens, 5, 6],
+        r = cluster.http("r2").post("/v1/completions", json={**CHAT, "prompt": [*tokens, 5, 6],
                                                             "max_tokens": 1})
         assert r.status_code == 200 and r.headers["X-KVKeep-Worker"] == "w2"
         assert int(r.headers["X-KVKeep-Cached-Tokens"]) >= 160
 
 
 def test_kv_transfer_params_reach_vllm_without_a_connector(cluster: Cluster) -> None:
-    r = httpx.post(f"{cluster.workers['w1'].url}/v1/completions", timeout=60, json={
+    r = httpx.post(f"{cluster.local.workers['w1'].url}/v1/completions", timeout=60, json={
         **CHAT, "prompt": "x", "max_tokens": 1,
         "kv_transfer_params": {"session_id": "s", "restore": "auto", "restore_reason": "failover",
                                "previous_worker": "w2", "session_epoch": 1}})
@@ -265,15 +231,11 @@ def test_tenants_never_share_vllms_prefix_cache(cluster: Cluster) -> None:
     alice has cached shows as cached to her (and, through vLLM's KV events, which carry the
     salt, steers her next request to that worker), never to bob, even when bob's request lands
     on alice's worker and names her salt itself."""
-    keys = cluster.logs / "api-keys"
+    keys = cluster.local.logs / "api-keys"
     keys.write_text("".join(f"{k} {t}\n" for t, k in TENANT_KEYS.items())
                     + "operator-key-0123456789 *\n")  # /health's detail is an operator's
-    port = free_port()
-    cluster.router_ports["T"] = port
-    cluster.routers["T"] = spawn_cli(["router", "serve", "--listen", f"127.0.0.1:{port}",
-                                      "--etcd", cluster.etcd.url, "--replica-id", "T",
-                                      "--api-keys", str(keys)], cluster.logs / "router-T.log")
-    http = cluster.http("T")
+    cluster.local.add_router("tenants", ("--api-keys", str(keys)), see_workers=False)
+    http = cluster.http("tenants")
 
     def auth(who: str) -> dict[str, str]:
         return {"Authorization": f"Bearer {TENANT_KEYS[who]}"}
@@ -319,21 +281,19 @@ def test_tenants_never_share_vllms_prefix_cache(cluster: Cluster) -> None:
 def test_killing_a_router_replica_loses_no_session(cluster: Cluster) -> None:
     homes = {}
     for i in range(4):
-        r = cluster.http("A").post("/v1/completions", headers={"X-Session-Id": f"ha-{i}"},
+        r = cluster.http("r1").post("/v1/completions", headers={"X-Session-Id": f"ha-{i}"},
                                    json={**CHAT, "prompt": "hi", "max_tokens": 2})
         homes[f"ha-{i}"] = r.headers["X-KVKeep-Worker"]
-    cluster.routers["A"].kill()
+    cluster.local.kill_router("r1")
     for sid, home in homes.items():
-        r = cluster.http("B").post("/v1/completions", headers={"X-Session-Id": sid},
+        r = cluster.http("r2").post("/v1/completions", headers={"X-Session-Id": sid},
                                    json={**CHAT, "prompt": "hi", "max_tokens": 2})
         assert r.headers["X-KVKeep-Worker"] == home and r.headers["X-KVKeep-Route"] == "sticky"
     # a replacement replica starts from etcd and agrees at once
-    port = free_port()
-    cluster.router_ports["A2"] = port
-    cluster.routers["A2"] = _start_router("A2", port, cluster.etcd.url, cluster.logs)
-    wait_until(lambda: _quiet(lambda: cluster.worker_ids("A2")) == {"w1", "w2"}, timeout=30)
+    cluster.local.add_router("r3")  # waits until it uses both workers
+    assert cluster.worker_ids("r3") == {"w1", "w2"}
     for sid, home in homes.items():
-        assert cluster.http("A2").get(f"/kvkeep/sessions/{sid}").json()["worker"] == home
+        assert cluster.http("r3").get(f"/kvkeep/sessions/{sid}").json()["worker"] == home
 
 
 def _stream_chat(client: httpx.Client, sid: str, messages: list[dict[str, str]],
@@ -370,7 +330,7 @@ def test_worker_sigkill_resumes_the_stream_and_rebinds_sessions(cluster: Cluster
     """SIGKILL worker w1 (vLLM and its agent: the node is gone) while it streams greedy
     tokens. The client's stream continues on w2 with exactly the text of an unbroken run; the
     lease expires within TTL + 1 s; w1's other sessions are rebound with a restore hint."""
-    client = cluster.http("B")
+    client = cluster.http("r2")
     # sessions living on w1; the first one found carries the stream
     on_w1: list[str] = []
     for i in range(40):
@@ -385,16 +345,14 @@ def test_worker_sigkill_resumes_the_stream_and_rebinds_sessions(cluster: Cluster
     assert len(on_w1) == 4
     stream_sid = on_w1[0]
     messages = [{"role": "user", "content": "Tell a long story about licences"}]
-    reference = direct_chat(cluster.workers["w2"], messages, 400)
+    reference = direct_chat(cluster.local.workers["w2"], messages, 400)
     killed: dict[str, float] = {}
     watcher = threading.Thread(target=_watch_leave, daemon=True,
-                               args=(cluster.router_ports["B"], "w1", killed, TTL + 10))
+                               args=(cluster.local.router("r2").url, "w1", killed, TTL + 10))
 
     def maybe_kill(n: int) -> None:
         if n == 25 and not killed:
-            cluster.agents["w1"].kill()
-            cluster.workers["w1"].kill()
-            killed["at"] = time.monotonic()
+            killed["at"] = cluster.local.kill_worker("w1")
             watcher.start()  # times the disappearance from the kill, not after the stream
 
     logprobs: list[dict[str, Any]] = []
@@ -433,32 +391,21 @@ def test_worker_sigkill_resumes_the_stream_and_rebinds_sessions(cluster: Cluster
         assert r.headers["X-KVKeep-Failover"] == "1" and r.headers["X-KVKeep-Restore"] == "1"
 
 
-def _agent(cluster: Cluster, wid: str, server: VllmServer) -> None:
-    cluster.agents[wid] = spawn_cli(["worker", "--etcd", cluster.etcd.url, "--url", server.url,
-                                     "--id", wid, "--kv-events", server.events_endpoint or "",
-                                     "--ttl", str(TTL)], cluster.logs / f"agent-{wid}.log")
-
-
-def test_a_stream_with_stop_strings_survives_a_sigkill(cluster: Cluster, tiny: TinyModel
-                                                        ) -> None:
+def test_a_stream_with_stop_strings_survives_a_sigkill(cluster: Cluster) -> None:
     """A chat stream with stop strings on a worker SIGKILLed mid-answer: vLLM held the last
     characters back (a 20-character stop string makes it hold 19), the stream resumes on
     another worker, and the client gets exactly what one unbroken vLLM stream gives: the same
     text, cut before the same stop string, with `finish_reason` "stop"."""
-    w3 = start_vllm(tiny.path, cluster.logs)
-    cluster.workers["w3"] = w3
+    cluster.local.add_worker("w3")  # waits until every router uses it
     try:
-        w3.wait_healthy()
-        _agent(cluster, "w3", w3)
-        client = cluster.http("B")
-        wait_until(lambda: "w3" in (_quiet(lambda: cluster.worker_ids("B")) or ()), timeout=60)
+        client = cluster.http("r2")
         messages = [{"role": "user", "content": "Tell a long story about stops"}]
-        plain = direct_chat(cluster.workers["w2"], messages, 200)
+        plain = direct_chat(cluster.local.workers["w2"], messages, 200)
         at = len(plain) * 3 // 5  # a stop string well after the kill (at chunk 25)
         stop = next(plain[i:i + 6] for i in range(at, len(plain) - 6)
                     if plain.find(plain[i:i + 6]) == i)
         stops = [stop, "never-generated-20ch"]
-        direct = httpx.post(f"{cluster.workers['w2'].url}/v1/chat/completions", timeout=120,
+        direct = httpx.post(f"{cluster.local.workers['w2'].url}/v1/chat/completions", timeout=120,
                             json={**CHAT, "messages": messages, "max_tokens": 200,
                                   "ignore_eos": True, "stop": stops}).json()["choices"][0]
         reference = direct["message"]["content"]
@@ -471,9 +418,7 @@ def test_a_stream_with_stop_strings_survives_a_sigkill(cluster: Cluster, tiny: T
 
         def maybe_kill(n: int) -> None:
             if n == 25 and not killed:
-                cluster.agents["w3"].kill()
-                w3.kill()
-                killed["at"] = time.monotonic()
+                killed["at"] = cluster.local.kill_worker("w3")
 
         pieces: list[str] = []
         comments: list[str] = []
@@ -499,7 +444,7 @@ def test_a_stream_with_stop_strings_survives_a_sigkill(cluster: Cluster, tiny: T
         assert "".join(pieces) == reference
         assert finish == [("stop", stop)]
     finally:
-        w3.kill()
+        cluster.local.kill_worker("w3")
 
 
 def test_a_responses_stream_broken_by_a_sigkill_ends_with_the_failure_events(
@@ -507,18 +452,17 @@ def test_a_responses_stream_broken_by_a_sigkill_ends_with_the_failure_events(
     """A `/v1/responses` stream whose worker is SIGKILLed mid-answer is not resumed: the OpenAI
     client gets the deltas sent so far, then the API's `error` event and `response.failed`
     (the created response, status failed), numbered on from the worker's last event, and the
-    stream ends (`router/streaming/responses_api.py`). Through replica B: A was SIGKILLed by
-    the replica test above. The module's last test: it kills w2, the last worker standing (a
+    stream ends (`router/streaming/responses_api.py`). Through replica r2: r1 was SIGKILLed
+    by the replica test above. The module's last test: it kills w2, the last worker standing (a
     stream that is not resumed needs no other), rather than starting a vLLM server of its own."""
-    victim = cluster.workers["w2"]
     try:
         body = {"model": "tiny", "input": "Tell a long story", "max_output_tokens": 200,
                 "temperature": 0, "ignore_eos": True}
         sid = next(s for s in (f"resp-kill-{i}" for i in range(40))
-                   if cluster.http("B").post("/v1/responses", headers={"X-Session-Id": s},
+                   if cluster.http("r2").post("/v1/responses", headers={"X-Session-Id": s},
                                              json={**body, "max_output_tokens": 1}
                                              ).headers["X-KVKeep-Worker"] == "w2")
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{cluster.router_ports['B']}/v1",
+        client = openai.OpenAI(base_url=f"{cluster.local.router('r2').url}/v1",
                                api_key="unused", max_retries=0)
         events = []
         for event in client.responses.create(
@@ -528,8 +472,7 @@ def test_a_responses_stream_broken_by_a_sigkill_ends_with_the_failure_events(
             events.append(event)
             if sum(e.type == "response.output_text.delta" for e in events) == 10 \
                     and event.type == "response.output_text.delta":
-                cluster.agents["w2"].kill()
-                victim.kill()
+                cluster.local.kill_worker("w2")
         types = [e.type for e in events]
         assert types[-2:] == ["error", "response.failed"], types
         assert "response.completed" not in types
@@ -540,4 +483,4 @@ def test_a_responses_stream_broken_by_a_sigkill_ends_with_the_failure_events(
         assert failed.response.error is not None and failed.response.error.code == "server_error"
         assert sum(t == "response.output_text.delta" for t in types) >= 10
     finally:
-        victim.kill()
+        cluster.local.kill_worker("w2")

@@ -8,6 +8,10 @@ connector, a `kvkeep worker` agent per vLLM server, and router replicas, all as 
         cluster.kill_daemon("d1"); cluster.restart_daemon("d1")      # same port, same disk
         cluster.kill_router("r1"); cluster.restart_router("r1")
         cluster.signal_etcd(signal.SIGSTOP); cluster.signal_etcd(signal.SIGCONT)
+        cluster.add_worker("w3"); cluster.add_router("r2", ("--api-keys", "keys"))
+
+`ClusterSpec(daemons=0)` is a router-only cluster: its workers run plain vLLM, without the
+connector (the router's own tests); `worker_args` gives every worker more vLLM flags.
 
 For chaos runs (root only): `daemon_disk_tmpfs` puts each daemon's data dir on a tmpfs of its
 own (a disk that really fills, `disks.py`), `isolated_workers` runs those workers and their
@@ -58,6 +62,8 @@ _MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "67108864", "MALLOC_TRIM_THRESHOLD_": "
 @dataclass(frozen=True, slots=True)
 class ClusterSpec:
     daemons: int = 2
+    """0: no daemons, and the workers run without the kvkeep connector (a router-only set-up,
+    as the router's own tests use)."""
     workers: int = 2
     routers: int = 1
     lease_ttl_s: float = 2.0
@@ -72,6 +78,9 @@ class ClusterSpec:
     """Overrides for the workers' engine (its model_dir is replaced by the cluster's)."""
     router_args: tuple[str, ...] = ()
     """Extra `kvkeep router serve` flags for every router (e.g. `--policy round-robin`)."""
+    worker_args: tuple[str, ...] = ()
+    """Extra vLLM flags for every worker (a chat template, tool parsers); they go last, so
+    they win over the cluster's own."""
     daemon_mem_budget: str = "128MiB"
     daemon_disk_budget: str = "1GiB"
     daemon_disk_tmpfs: str | None = None
@@ -83,8 +92,9 @@ class ClusterSpec:
     deploy/k8s's trust settings, with a throwaway CA in the cluster's dir (deploy/local/tls.py)."""
 
     def __post_init__(self) -> None:
-        if self.daemons < 1 or self.workers < 1 or self.routers < 1:
-            raise ConfigError("a local cluster needs at least one daemon, worker and router")
+        if self.daemons < 0 or self.workers < 1 or self.routers < 1:
+            raise ConfigError("a local cluster needs at least one worker and router (and no "
+                              "negative number of daemons)")
         from kvstore.daemon.config import parse_size  # the daemon's own size syntax
 
         for size in (self.daemon_mem_budget, self.daemon_disk_budget,
@@ -256,6 +266,34 @@ class LocalCluster:
         self._wait_worker(w)
         self.wait_routers_see({worker_id})
 
+    def add_worker(self, worker_id: str) -> Worker:
+        """Start one more worker node (vLLM and its agent) and wait until the routers use it."""
+        if worker_id in self.workers:
+            raise ConfigError(f"worker {worker_id!r} exists already")
+        self._add_worker(worker_id)
+        w = self.workers[worker_id]
+        self._wait_worker(w)
+        self.wait_routers_see({worker_id})
+        return w
+
+    def add_router(self, replica_id: str, args: tuple[str, ...] = (), *,
+                   see_workers: bool = True) -> Router:
+        """Start one more router replica (`args`: flags of its own, after the cluster's) and
+        wait until it answers, and until it uses every live worker unless `see_workers` is
+        False (a router with `--api-keys` lists its workers to operators only; the cluster
+        then never waits on its worker list)."""
+        if any(r.replica_id == replica_id for r in self.routers):
+            raise ConfigError(f"router {replica_id!r} exists already")
+        self._add_router(replica_id, args)
+        r = self.routers[-1]
+        r.lists_workers = see_workers
+        wait_until(partial(http_ok, f"{r.url}/health"), timeout=60,
+                   what=f"router {replica_id}", process=r.process)
+        if see_workers:
+            wait_until(partial(self._router_sees, r, set(self.alive_workers())), timeout=60,
+                       what=f"router {replica_id} to see the live workers", process=r.process)
+        return r
+
     def daemon(self, node_id: str) -> Daemon:
         for d in self.daemons:
             if d.node_id == node_id:
@@ -298,7 +336,7 @@ class LocalCluster:
         wait_until(partial(http_ok, f"{r.url}/health"), timeout=60,
                    what=f"router {r.replica_id}", process=r.process)
         others = [self.router_workers(o) for o in self.routers
-                  if o is not r and o.process.alive]
+                  if o is not r and o.process.alive and o.lists_workers]
         expected = set.intersection(*others) if others else set(self.alive_workers())
         wait_until(partial(self._router_sees, r, expected), timeout=60,
                    what=f"router {r.replica_id} to see {sorted(expected)}", process=r.process)
@@ -329,7 +367,7 @@ class LocalCluster:
         """Every live router uses `worker_ids`. A router that is down (or killed meanwhile, as
         chaos does) is not waited for: `restart_router` waits for it when it comes back."""
         def sees_or_down(r: Router) -> bool:
-            return not r.process.alive or self._router_sees(r, worker_ids)
+            return not r.process.alive or not r.lists_workers or self._router_sees(r, worker_ids)
 
         for r in self.routers:
             wait_until(partial(sees_or_down, r), timeout=timeout,
@@ -356,9 +394,9 @@ class LocalCluster:
             model_dir = build_tiny_llama(self.base_dir / "tiny-llama").path
             say(f"built a tiny random-weight Llama in {model_dir}")
         token = None if self.tokens is None else self.tokens.tenant_token_file
-        if self.spec.engine is None:
-            return EngineSettings(model_dir=model_dir, store_token_file=token)
-        return replace(self.spec.engine, model_dir=model_dir, store_token_file=token)
+        engine = self.spec.engine or EngineSettings(model_dir=model_dir)
+        return replace(engine, model_dir=model_dir, store_token_file=token,
+                       connector=engine.connector and self.spec.daemons > 0)
 
     def _kvkeep(self, name: str, args: list[str], env: dict[str, str] | None = None,
                 wrap: Callable[[list[str]], list[str]] = list) -> ManagedProcess:
@@ -439,7 +477,8 @@ class LocalCluster:
                                 wrap(vllm_argv(self.engine, port=port, events_port=events,
                                                etcd_url=etcd_url, host=host,
                                                remote_extra=self._connector_remote(),
-                                               worker_id=worker_id)),
+                                               worker_id=worker_id,
+                                               extra_args=self.spec.worker_args)),
                                 self.logs / f"vllm-{worker_id}.log", vllm_env(),
                                 REPO_ROOT)
         agent = self._kvkeep(f"agent-{worker_id}", [
@@ -459,7 +498,7 @@ class LocalCluster:
         if not w.agent.alive:
             w.agent.start()
 
-    def _add_router(self, replica_id: str) -> None:
+    def _add_router(self, replica_id: str, args: tuple[str, ...] = ()) -> None:
         assert self.engine is not None
         port = free_port()
         # Routers trust loopback workers only unless told; isolated workers register their
@@ -470,6 +509,6 @@ class LocalCluster:
             "router", "serve", "--listen", f"127.0.0.1:{port}", "--etcd", self.etcd_url,
             *([] if self.pki is None else self.pki.router_flags()),
             "--replica-id", replica_id, "--block-size", str(self.engine.block_size),
-            "--stream-idle-timeout", "20", *allow, *self.spec.router_args])
+            "--stream-idle-timeout", "20", *allow, *self.spec.router_args, *args])
         self.routers.append(Router(replica_id, port, process.start()))
 

@@ -54,6 +54,9 @@ class Router:
     replica_id: str
     port: int
     process: ManagedProcess
+    lists_workers: bool = True
+    """False: its worker list is an operator's (`--api-keys`), so the cluster does not wait for
+    it to see workers."""
 
     @property
     def url(self) -> str:
