@@ -31,3 +31,16 @@ def test_a_cluster_without_daemons_runs_plain_vllm_workers() -> None:
         ClusterSpec(daemons=-1)
     with pytest.raises(ConfigError, match="at least one worker"):
         ClusterSpec(workers=0)
+
+
+def test_daemon_tokens_of_ones_own_are_for_loopback_clusters(tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens"
+    spec = ClusterSpec(daemon_token_file=tokens, model_dir=tmp_path,
+                       engine=EngineSettings(model_dir=tmp_path,
+                                             store_token_file=tmp_path / "mine"))
+    cluster = LocalCluster(spec)
+    assert cluster._daemon_trust_flags("d1") == ["--token-file", str(tokens)]
+    assert _engine(spec).store_token_file == tmp_path / "mine"  # the connector's, kept
+    for clash in ({"tls": True}, {"isolated_workers": ("w1",)}):
+        with pytest.raises(ConfigError, match="bring their own credentials"):
+            ClusterSpec(daemon_token_file=tokens, **clash)  # type: ignore[arg-type]

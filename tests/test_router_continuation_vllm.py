@@ -10,7 +10,6 @@ continuation token for token. Tests run in file order; the last one kills a work
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
 from collections.abc import Iterator
@@ -21,16 +20,12 @@ from typing import Any
 import httpx
 import pytest
 
-from deploy.local.daemons import DaemonProcess, start_daemon
-from deploy.local.engines import EngineSettings, kv_transfer_config
-from deploy.local.processes import ManagedProcess
-from deploy.local.services import EtcdServer, free_port, start_etcd
-from deploy.local.vllm_server import VllmServer, start_vllm
+from deploy.local.cluster import ClusterSpec, LocalCluster, Worker
+from deploy.local.engines import EngineSettings
 from kvstore.keys import SessionId
 from kvstore.tiers.factory import RemoteSpec
 from router.conversations import StoreRecords
 from router.conversations.records import RecordKey
-from tests.deploy_cli import spawn_cli
 from tests.models import TinyModel
 from tests.router_harness import wait_until
 
@@ -51,19 +46,18 @@ CONTINUE = {"X-KVKeep-Continue": "1"}
 
 @dataclass
 class Cluster:
-    etcd: EtcdServer
-    daemons: list[DaemonProcess]
-    workers: dict[str, VllmServer]
-    agents: dict[str, ManagedProcess]
-    routers: dict[str, ManagedProcess]
-    router_ports: dict[str, int]
+    """The module's cluster (deploy/local's `LocalCluster`: etcd, two daemons checking bearer
+    tokens, two vLLM workers with the connector and the chat template, their agents, router
+    replicas r1 and r2 with continuation on), and one HTTP client per replica."""
+
+    local: LocalCluster
     router_token_file: Path
     clients: dict[str, httpx.Client] = field(default_factory=dict)
 
     def http(self, replica: str) -> httpx.Client:
         if replica not in self.clients:
-            self.clients[replica] = httpx.Client(
-                base_url=f"http://127.0.0.1:{self.router_ports[replica]}", timeout=120)
+            self.clients[replica] = httpx.Client(base_url=self.local.router(replica).url,
+                                                 timeout=120)
         return self.clients[replica]
 
     def usable(self, replica: str) -> set[str]:
@@ -78,9 +72,6 @@ class Cluster:
 def cluster(tmp_path_factory: pytest.TempPathFactory, tiny: TinyModel
             ) -> Iterator[Cluster]:
     base = tmp_path_factory.mktemp("continuation")
-    logs = base / "logs"
-    logs.mkdir()
-    model = tiny
     template = base / "template.jinja"
     template.write_text(TEMPLATE)
     tokens = base / "tokens"
@@ -91,49 +82,28 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, tiny: TinyModel
     router_token.write_text(ROUTER_TOKEN + "\n")
     record_key = base / "records.key"  # both replicas sign and check records with it
     record_key.write_text(RECORD_KEY.hex() + "\n")
-    with start_etcd(base) as etcd, contextlib.ExitStack() as stack:
-        daemons = [start_daemon(base, f"d{i}", etcd_url=etcd.url, token_file=tokens)
-                   for i in range(2)]
-        for d in daemons:
-            stack.callback(d.kill)
-        kv = kv_transfer_config(EngineSettings(model.path), etcd.url)
-        kv["kv_connector_extra_config"]["store"]["remote"]["token_file"] = str(connector_token)
-        workers = {w: start_vllm(model.path, logs, extra_args=[
-            "--chat-template", str(template), "--kv-transfer-config", json.dumps(kv)])
-            for w in ("w1", "w2")}
-        for server in workers.values():
-            stack.callback(server.stop)
-        agents: dict[str, ManagedProcess] = {}
-        routers: dict[str, ManagedProcess] = {}
-        stack.callback(lambda: [p.stop() for p in [*agents.values(), *routers.values()]])
-        ports = {r: free_port() for r in ("A", "B")}
-        for name, port in ports.items():
-            routers[name] = spawn_cli(
-                ["router", "serve", "--listen", f"127.0.0.1:{port}", "--etcd", etcd.url,
-                 "--replica-id", name, "--continuation", "--store-token-file",
-                 str(router_token), "--store-tenant", "conversations",
-                 "--store-record-key-file", str(record_key)],
-                logs / f"router-{name}.log")
-        for wid, server in workers.items():
-            server.wait_healthy()
-            agents[wid] = spawn_cli(["worker", "--etcd", etcd.url, "--url", server.url, "--id", wid,
-                                     "--kv-events", server.events_endpoint or "",
-                                     "--ttl", str(TTL)], logs / f"agent-{wid}.log")
-        c = Cluster(etcd, daemons, workers, agents, routers, ports, router_token)
-        for replica in ports:
-            wait_until(lambda r=replica: c.usable(r) == {"w1", "w2"}, timeout=90)
+    spec = ClusterSpec(
+        daemons=2, workers=2, routers=2, lease_ttl_s=TTL, model_dir=tiny.path, base_dir=base,
+        engine=EngineSettings(model_dir=tiny.path, tool_call_parser=None,
+                              store_token_file=connector_token),
+        daemon_token_file=tokens, worker_args=("--chat-template", str(template)),
+        router_args=("--continuation", "--store-token-file", str(router_token),
+                     "--store-tenant", "conversations", "--store-record-key-file",
+                     str(record_key)))
+    with LocalCluster(spec) as local:
+        c = Cluster(local, router_token)
         yield c
         for client in c.clients.values():
             client.close()
 
 
-def _tokenize(server: VllmServer, **body: Any) -> list[int]:
+def _tokenize(server: Worker, **body: Any) -> list[int]:
     r = httpx.post(f"{server.url}/tokenize", json={"model": "tiny", **body}, timeout=60)
     r.raise_for_status()
     return list(r.json()["tokens"])
 
 
-def _word_tokens(server: VllmServer) -> list[int]:
+def _word_tokens(server: Worker) -> list[int]:
     """Tokens that are whole words (one token each, decoded alone as the word): an answer
     made of them decodes to text that tokenizes back to the same ids."""
     words = []
@@ -187,14 +157,14 @@ def test_continuation_prompt_is_the_full_history_token_for_token(cluster: Cluste
     """Turn 1 (whole messages) on replica A; turn 2 sent as the new message only, streamed,
     on replica B; turn 3 likewise, unary, on A. Each continuation's prompt is exactly what
     the worker renders for the whole history, and its answer the same."""
-    w1 = cluster.workers["w1"]
+    w1 = cluster.local.workers["w1"]
     words = _word_tokens(w1)
     # Answers of whole words only, ended by EOS after 3 (turn 1) or cut by length (turn 2).
     by_eos: dict[str, Any] = {"allowed_token_ids": [*words, EOS], "min_tokens": 3,
               "logit_bias": {str(EOS): 100}, "max_tokens": 8}
     by_length: dict[str, Any] = {"allowed_token_ids": words, "max_tokens": 4}
     history: list[dict[str, Any]] = [{"role": "user", "content": "the licence of this software"}]
-    a, b = cluster.http("A"), cluster.http("B")
+    a, b = cluster.http("r1"), cluster.http("r2")
     first = _chat(a, "cont-1", history, **by_eos)
     assert first.status_code == 200, first.text
     reply = first.json()
@@ -234,7 +204,7 @@ def test_continuation_keeps_the_generated_tokens_where_text_would_drift(cluster:
                                                                         ) -> None:
     """A free answer's text need not tokenize back to the ids generated: the continuation
     still starts with exactly those ids, so the worker finds its KV for all of them."""
-    a = cluster.http("A")
+    a = cluster.http("r1")
     first = _chat(a, "drift-1", [{"role": "user", "content": "Permission is granted"}],
                   max_tokens=90, ignore_eos=True)
     assert first.status_code == 200
@@ -250,8 +220,8 @@ def test_continuation_keeps_the_generated_tokens_where_text_would_drift(cluster:
 
 
 def test_completions_continue_from_text_and_token_ids(cluster: Cluster) -> None:
-    b = cluster.http("B")
-    w2 = cluster.workers["w2"]
+    b = cluster.http("r2")
+    w2 = cluster.local.workers["w2"]
     first = b.post("/v1/completions", headers={"X-Session-Id": "text-1"}, json={
         "model": "tiny", "prompt": "The licence", "max_tokens": 5, "temperature": 0,
         "ignore_eos": True, "return_token_ids": True})
@@ -272,7 +242,7 @@ def test_completions_continue_from_text_and_token_ids(cluster: Cluster) -> None:
 
 
 def test_a_missing_history_is_a_409(cluster: Cluster) -> None:
-    a = cluster.http("A")
+    a = cluster.http("r1")
     never = _chat(a, "never-seen", [{"role": "user", "content": "hi"}], headers=CONTINUE)
     assert never.status_code == 409
     error = never.json()["error"]
@@ -282,7 +252,7 @@ def test_a_missing_history_is_a_409(cluster: Cluster) -> None:
     assert _chat(a, "gone-1", [{"role": "user", "content": "again"}], headers=CONTINUE,
                  max_tokens=2).status_code == 200
     # The record is lost from the store (a test client holding the router's token deletes it).
-    records = StoreRecords(RemoteSpec(etcd=cluster.etcd.url,
+    records = StoreRecords(RemoteSpec(etcd=cluster.local.etcd_url,
                                       token_file=str(cluster.router_token_file)),
                            "conversations", key=RecordKey(RECORD_KEY))
 
@@ -292,7 +262,7 @@ def test_a_missing_history_is_a_409(cluster: Cluster) -> None:
         await records.close()
 
     asyncio.run(forget())
-    gone = _chat(cluster.http("B"), "gone-1", [{"role": "user", "content": "and?"}],
+    gone = _chat(cluster.http("r2"), "gone-1", [{"role": "user", "content": "and?"}],
                  headers=CONTINUE)
     assert gone.status_code == 409 and "gone-1" in gone.json()["error"]["message"]
     # No session: a 400 naming it; a continuation flag of the wrong type: a 400.
@@ -309,7 +279,7 @@ def test_after_a_worker_dies_the_next_turn_restores_elsewhere(cluster: Cluster) 
     """The session's worker is SIGKILLed (vLLM and agent) after a turn; the next turn, sent
     as a continuation to the other replica, goes to the surviving worker, whose connector
     restores the conversation's KV from the daemons, and answers as the full prompt would."""
-    a, b = cluster.http("A"), cluster.http("B")
+    a, b = cluster.http("r1"), cluster.http("r2")
     first = _chat(a, "fo-1", [{"role": "user", "content": "Permission is hereby granted"}],
                   max_tokens=100, ignore_eos=True)
     assert first.status_code == 200
@@ -318,9 +288,8 @@ def test_after_a_worker_dies_the_next_turn_restores_elsewhere(cluster: Cluster) 
     reply = first.json()
     kept = reply["prompt_token_ids"] + reply["choices"][0]["token_ids"]
     time.sleep(1.0)  # the connector's write-behind reaches the daemons
-    cluster.agents[home].kill()
-    cluster.workers[home].kill()
-    wait_until(lambda: home not in cluster.usable("B"), timeout=TTL + 10)
+    cluster.local.kill_worker(home)
+    wait_until(lambda: home not in cluster.usable("r2"), timeout=TTL + 10)
     second = _chat(b, "fo-1", [{"role": "user", "content": "go on"}], headers=CONTINUE,
                    max_tokens=8, ignore_eos=True)
     assert second.status_code == 200, second.text
@@ -331,7 +300,7 @@ def test_after_a_worker_dies_the_next_turn_restores_elsewhere(cluster: Cluster) 
     assert int(second.headers["X-KVKeep-Restored-Tokens"]) >= (len(kept) - 1) // 32 * 32 - 32
     assert int(second.headers["X-KVKeep-Restored-Tokens"]) > 0
     # The same prompt sent whole, straight to the survivor: the same greedy answer.
-    direct = httpx.post(f"{cluster.workers[other].url}/v1/completions", timeout=60, json={
+    direct = httpx.post(f"{cluster.local.workers[other].url}/v1/completions", timeout=60, json={
         "model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0,
         "ignore_eos": True, "return_token_ids": True}).json()
     assert second.json()["choices"][0]["token_ids"] == direct["choices"][0]["token_ids"]

@@ -87,6 +87,11 @@ class ClusterSpec:
     """Mount each daemon's data dir on a tmpfs of this size (root only): a disk that fills."""
     isolated_workers: tuple[str, ...] = ()
     """Workers (`w1`, ...) run in network namespaces of their own (root only)."""
+    daemon_token_file: Path | None = None
+    """A `--token-file` for every daemon (bearer tokens and the tenants each may touch): the
+    workers' connectors then present `engine.store_token_file`. Loopback daemons, so clients
+    need no proof of their identity (isolated workers and `tls` bring their own tokens and
+    certificates instead)."""
     tls: bool = False
     """etcd over TLS with client certificates, daemons over mTLS with signed registrations:
     deploy/k8s's trust settings, with a throwaway CA in the cluster's dir (deploy/local/tls.py)."""
@@ -104,6 +109,9 @@ class ClusterSpec:
         if unknown:
             raise ConfigError(f"isolated_workers names no worker of this cluster: "
                               f"{sorted(unknown)} (workers are w1..w{self.workers})")
+        if self.daemon_token_file is not None and (self.tls or self.isolated_workers):
+            raise ConfigError("daemon_token_file is for loopback clusters: tls and "
+                              "isolated_workers bring their own credentials")
         if self.tls and self.isolated_workers:
             # The throwaway certificates name 127.0.0.1 and localhost, not the fabric's
             # addresses the isolated nodes reach etcd and the daemons at.
@@ -395,7 +403,8 @@ class LocalCluster:
             say(f"built a tiny random-weight Llama in {model_dir}")
         token = None if self.tokens is None else self.tokens.tenant_token_file
         engine = self.spec.engine or EngineSettings(model_dir=model_dir)
-        return replace(engine, model_dir=model_dir, store_token_file=token,
+        return replace(engine, model_dir=model_dir,
+                       store_token_file=engine.store_token_file if token is None else token,
                        connector=engine.connector and self.spec.daemons > 0)
 
     def _kvkeep(self, name: str, args: list[str], env: dict[str, str] | None = None,
@@ -455,7 +464,10 @@ class LocalCluster:
     def _daemon_trust_flags(self, node_id: str) -> list[str]:
         if self.pki is not None:
             return self.pki.daemon_flags(node_id)
-        return [] if self.tokens is None else self.tokens.daemon_flags()
+        if self.tokens is not None:
+            return self.tokens.daemon_flags()
+        token_file = self.spec.daemon_token_file
+        return [] if token_file is None else ["--token-file", str(token_file)]
 
     def _connector_remote(self) -> dict[str, Any] | None:
         """More `store.remote` keys: TLS and identity settings, or the registrations' key."""
