@@ -67,6 +67,7 @@ from benchmarks.baselines import (
     tcp_loopback_gbps,
 )
 from benchmarks.cli import run_benchmark
+from benchmarks.processes import process_cpu_s
 from deploy.local.daemons import DaemonProcess, start_daemon
 from deploy.local.services import RedisServer, start_redis
 from kvstore.commands.store import MALLOC_ENV
@@ -168,12 +169,6 @@ class _Adapter:
     counts with LMCache's own."""
 
 
-def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds a live process has used (/proc/PID/stat)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def _plugin_direct(daemon: DaemonProcess, w: Workload) -> dict[str, Any]:
     """The plugin's kvkeep side (`ObjectStore`: no LMCache, this venv) on `daemon`, driven like
     LMCache's benchmark drives the adapter (a task of `keys_per_submit` objects stored, then
@@ -196,7 +191,8 @@ def _plugin_direct(daemon: DaemonProcess, w: Workload) -> dict[str, Any]:
         for round_ in range(w.rounds + 1):
             refs = [ObjectRef(os.urandom(16), "bench", i) for i in range(n)]
             for op in ("store", "load"):
-                client, server, started = time.process_time(), _cpu_s(pid), time.perf_counter()
+                client, server = time.process_time(), process_cpu_s(pid)
+                started = time.perf_counter()
                 ok = (store.store(refs, payloads).ok if op == "store"
                       else all(store.load(refs, outs)))
                 elapsed = time.perf_counter() - started
@@ -205,7 +201,7 @@ def _plugin_direct(daemon: DaemonProcess, w: Workload) -> dict[str, Any]:
                 if round_:  # the first round warms up
                     seconds[op].append(elapsed)
                     cpu[op]["client"] += time.process_time() - client
-                    cpu[op]["server"] += _cpu_s(pid) - server
+                    cpu[op]["server"] += process_cpu_s(pid) - server
     finally:
         store.close()
     objects = n * w.rounds
@@ -266,10 +262,10 @@ def _one(venv: Path, adapter: _Adapter, w: Workload, scratch: Path) -> dict[str,
     # The CPU the serving processes spent on the load-only run, per object (LMCache's own
     # process is not counted: its start-up, torch's import, would swamp it; `plugin_direct`
     # measures the plugin's client side alone).
-    servers = [_cpu_s(pid) for pid in adapter.servers]
+    servers = [process_cpu_s(pid) for pid in adapter.servers]
     cold = _ops(_lmcache_bench(venv, adapter, w, scratch / "load.json", only="load"), w)
-    server = sum(_cpu_s(pid) - before for pid, before in zip(adapter.servers, servers,
-                                                              strict=True))
+    server = sum(process_cpu_s(pid) - before
+                 for pid, before in zip(adapter.servers, servers, strict=True))
     expected = w.keys_per_submit * w.rounds
     for name, op in (("store", warm["store"]), ("load", warm["load"]), ("load", cold["load"])):
         if op["success"] != expected:

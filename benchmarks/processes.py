@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import multiprocessing.context
+import os
 import threading
 from collections.abc import Iterator, Sequence
 from multiprocessing.connection import Connection
@@ -19,7 +20,17 @@ from deploy.local.daemons import DaemonProcess
 from deploy.local.ports import free_port
 from deploy.local.services import stop_process
 
-__all__ = ["free_port", "stop_process", "bench_daemon", "slow_link_process"]
+__all__ = ["free_port", "stop_process", "bench_daemon", "process_cpu_s", "slow_link_process"]
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds a process has used, all its threads (Linux /proc); 0.0 once
+    it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 @contextlib.contextmanager

@@ -81,7 +81,7 @@ from typing import Any
 from benchmarks.baselines import tcp_loopback_gbps
 from benchmarks.cli import run_benchmark
 from benchmarks.plots import RatioPanel
-from benchmarks.processes import bench_daemon, free_port, stop_process
+from benchmarks.processes import bench_daemon, free_port, process_cpu_s, stop_process
 from benchmarks.progress import progress
 from kvstore.commands.store import MALLOC_ENV
 from kvstore.frame import CodecId, Compression, DType, build_frame
@@ -290,21 +290,12 @@ def _measure(redis_port: int, address: str, daemon_pid: int, total: int, repeats
 
 def _timed(nbytes: int, work: Callable[[], None], daemon_pid: int) -> tuple[float, float]:
     """GB/s of `work`, and the CPU seconds per GB it cost this process and the daemon."""
-    cpu = time.process_time() + _cpu_seconds(daemon_pid)
+    cpu = time.process_time() + process_cpu_s(daemon_pid)
     started = time.perf_counter()
     work()
     elapsed = time.perf_counter() - started
-    cpu = time.process_time() + _cpu_seconds(daemon_pid) - cpu
+    cpu = time.process_time() + process_cpu_s(daemon_pid) - cpu
     return nbytes / elapsed / 1e9, cpu / (nbytes / 1e9)
-
-
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process, all its threads (Linux /proc)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _put(tier: Tier, frames: list[tuple[BlockKey, bytes]]) -> None:

@@ -536,11 +536,12 @@ def test_the_back_pressure_mark_is_in_blocks_and_in_bytes(tmp_path: Path) -> Non
         with pytest.raises(Refusal):
             core.wait_for_disk(frame)
         assert core.counters().backpressure_refusals == 1
-        waiter: Future[None] = ThreadPoolExecutor(1).submit(core.wait_for_disk, frame)
-        time.sleep(0.1)
-        assert not waiter.done()
-        gate.open.set()
-        waiter.result(T)  # woken once the writer is back under the mark, not refused
+        with ThreadPoolExecutor(1) as pool:
+            waiter: Future[None] = pool.submit(core.wait_for_disk, frame)
+            time.sleep(0.1)
+            assert not waiter.done()
+            gate.open.set()
+            waiter.result(T)  # woken once the writer is back under the mark, not refused
         assert core.counters().backpressure_refusals == 1
     with _served(tmp_path / "blocks", max_pending_writes=64) as (_, core, _, _, _):
         assert core.backpressure_mark(1) == 64  # small blocks: the block mark

@@ -230,9 +230,9 @@ def _closed_within(sock: socket.socket, seconds: float, trickle: bytes = b"") ->
 
 
 def test_the_data_plane_drops_idle_and_trickling_connections(tmp_path: Path) -> None:
-    # Short timeouts (defaults: 5 s before the first request, 120 s idle; 2 s lets the
-    # trickle below send bytes before its deadline), and the bounds
-    # checked below are loose: a loaded machine delays the daemon's own clock checks.
+    # Short timeouts (defaults: 5 s before the first request, 120 s idle; 2 s lets the trickle
+    # below send bytes before its deadline), and loose bounds on them below: a loaded machine
+    # delays the daemon's own clock checks.
     d = _daemon(tmp_path, "--idle-timeout", "1.5", "--preauth-timeout", "2")
     port = _data_port(d)
     key = block_key(1, NS_A)

@@ -183,8 +183,7 @@ class LocalCluster:
                        what=f"kvstore daemon {d.node_id}", process=d.process)
             say(f"kvstore daemon {d.node_id} serving on {d.address} (kvkeep store serve)")
         for r in self.routers:
-            wait_until(partial(http_ok, f"{r.url}/health"), timeout=60,
-                       what=f"router {r.replica_id}", process=r.process)
+            self._wait_router(r)
             say(f"router {r.replica_id} listening on {r.url} (kvkeep router serve)")
         started = time.monotonic()
         for w in self.workers.values():
@@ -295,11 +294,7 @@ class LocalCluster:
         self._add_router(replica_id, args)
         r = self.routers[-1]
         r.lists_workers = see_workers
-        wait_until(partial(http_ok, f"{r.url}/health"), timeout=60,
-                   what=f"router {replica_id}", process=r.process)
-        if see_workers:
-            wait_until(partial(self._router_sees, r, set(self.alive_workers())), timeout=60,
-                       what=f"router {replica_id} to see the live workers", process=r.process)
+        self._wait_router(r, set(self.alive_workers()) if see_workers else None)
         return r
 
     def daemon(self, node_id: str) -> Daemon:
@@ -341,13 +336,9 @@ class LocalCluster:
         r = self.router(replica_id)
         r.process.stop(5)
         r.process.start()
-        wait_until(partial(http_ok, f"{r.url}/health"), timeout=60,
-                   what=f"router {r.replica_id}", process=r.process)
         others = [self.router_workers(o) for o in self.routers
                   if o is not r and o.process.alive and o.lists_workers]
-        expected = set.intersection(*others) if others else set(self.alive_workers())
-        wait_until(partial(self._router_sees, r, expected), timeout=60,
-                   what=f"router {r.replica_id} to see {sorted(expected)}", process=r.process)
+        self._wait_router(r, set.intersection(*others) if others else set(self.alive_workers()))
 
     def signal_etcd(self, sig: int) -> None:
         """SIGSTOP / SIGCONT (a hung etcd), SIGKILL (a crash)."""
@@ -382,6 +373,14 @@ class LocalCluster:
                        what=f"router {r.replica_id} to see {sorted(worker_ids)}")
 
     # --- private ---------------------------------------------------------------------------
+    def _wait_router(self, r: Router, sees: set[str] | None = None) -> None:
+        """Until the router answers its health check, and then uses `sees` (None: no wait)."""
+        wait_until(partial(http_ok, f"{r.url}/health"), timeout=60,
+                   what=f"router {r.replica_id}", process=r.process)
+        if sees is not None:
+            wait_until(partial(self._router_sees, r, sees), timeout=60,
+                       what=f"router {r.replica_id} to see {sorted(sees)}", process=r.process)
+
     def _router_sees(self, router: Router, worker_ids: set[str]) -> bool:
         return worker_ids <= self.router_workers(router)
 
