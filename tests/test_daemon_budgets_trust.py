@@ -283,7 +283,9 @@ def test_a_star_token_holds_one_tenants_put_streams_over_all_its_names(tmp_path:
                            i, 1 << 20) for i in (1, 2)]
     try:
         x3 = Scope(FINGERPRINT.digest, Namespace("x3"))
-        deadline = time.monotonic() + T
+        # Up to 30 s for the daemon to take both stalled streams in (the loop ends at the
+        # first refusal): 10 s was once not enough on a loaded CI-like run.
+        deadline = time.monotonic() + 3 * T
         refused = False
         while not refused and time.monotonic() < deadline:  # until the daemon read both
             try:
@@ -292,7 +294,8 @@ def test_a_star_token_holds_one_tenants_put_streams_over_all_its_names(tmp_path:
             except TierFull as exc:
                 assert "this token" in str(exc)
                 refused = True
-        assert refused, "a * token got a third put stream through new tenant names"
+        assert refused, ("a * token got a third put stream through new tenant names",
+                         [s.call.done() for s in stalled])
         assert _put(a, SCOPE_A, 1)
     finally:
         for s in stalled:
