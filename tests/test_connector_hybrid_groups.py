@@ -286,7 +286,8 @@ def test_a_corrupt_block_of_one_group_fails_the_request_and_vllm_recomputes(
         (path,) = store.rglob(f"{key.digest.hex()}.kvb")
         data = bytearray(path.read_bytes())
         data[len(data) // 2] ^= 0x5A
-        path.write_bytes(bytes(data))
+        damaged = bytes(data)
+        path.write_bytes(damaged)
         second.run("b")
         assert second.failed_recving == {"b"}
         assert [load.run.group for load in second.loads] == [0, 1]  # one attempt only
@@ -294,8 +295,25 @@ def test_a_corrupt_block_of_one_group_fails_the_request_and_vllm_recomputes(
         assert counters["store_corrupt"] == 1
         assert request.num_output_tokens == MAX_TOKENS
         # The store drops the damaged copy on its reading thread, after the load's failure is
-        # reported: wait for it rather than race it.
-        wait_until(lambda: not path.exists(), timeout=10, what="the damaged copy's deletion")
+        # reported: wait for it rather than race it. The recompute may then save the block
+        # again (the saver asks the store, which no longer has it), so the path may hold a
+        # fresh copy: what must be gone is the damaged one.
+        wait_until(lambda: _content(path) != damaged, timeout=10,
+                   what="the damaged copy's deletion")
+    from kvstore.tiers.nvme.tier import NvmeTier
+    reopened = NvmeTier(store, 256 << 20)
+    try:
+        read = reopened.get(key)  # CorruptBlock here would be the damaged copy still served
+        assert read is None or read.verified_for(key.digest).payload
+    finally:
+        reopened.close()
+
+
+def _content(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        return None
 
 
 def test_blocks_completed_in_decode_are_saved_before_the_window_frees_them(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -110,8 +111,13 @@ def test_three_daemons_survive_a_killed_node(tmp_path: Path, etcd_server: EtcdSe
             # Its lease expires, survivors re-replicate: each block has 2 copies again.
             survivors = [daemons[0], daemons[2]]
             wait_until(lambda: len(tier.members()) == 2, 15, "the victim's lease to expire")
-            wait_until(lambda: copies(survivors, keys) == [2] * N_BLOCKS, 60,
-                       "re-replication to 2 copies")
+            try:
+                wait_until(lambda: copies(survivors, keys) == [2] * N_BLOCKS, 60,
+                           "re-replication to 2 copies")
+            except AssertionError as exc:  # say where each survivor's repair stands
+                logs = "\n".join(f"--- {d.node_id}:\n{d.log_text()[-4000:]}" for d in survivors)
+                raise AssertionError(f"{exc}; keys by copies: "
+                                     f"{Counter(copies(survivors, keys))}\n{logs}") from None
             # Counted by the pushing daemon once each put returns: a moment after the copies
             # are visible to a lookup, so waited for rather than read once.
             def repaired() -> int:

@@ -165,17 +165,25 @@ class Rereplicator:
         by_scope: dict[Scope, list[BlockKey]] = defaultdict(list)
         for key in keys:
             by_scope[scope_of(key)].append(key)
-        pushed = 0
+        pushed = offered = 0
         for scope, scoped in by_scope.items():
             for i in range(0, len(scoped), _LOOKUP_BATCH):
                 batch = scoped[i:i + _LOOKUP_BATCH]
                 has = client.lookup(scope, [k.block_hash for k in batch], timeout=self._timeout)
                 missing = [k for k, h in zip(batch, has, strict=True) if not h]
-                pushed += self._push(client, scope, missing)
+                batch_pushed, batch_offered = self._push(client, scope, missing)
+                pushed += batch_pushed
+                offered += batch_offered
+        if pushed < offered:
+            # Copies the peer did not admit (full, or over a tenant's budget) still lack their
+            # R-th copy: the pass is not done, and the peer is tried again after `grace`.
+            raise KVKeepError(f"{client.node_id} admitted {pushed} of {offered} copies")
         return pushed
 
-    def _push(self, client: DaemonClient, scope: Scope, keys: list[BlockKey]) -> int:
-        pushed = 0
+    def _push(self, client: DaemonClient, scope: Scope, keys: list[BlockKey]
+              ) -> tuple[int, int]:
+        """Push the copies of `keys` this node can read: (admitted, offered)."""
+        pushed = offered = 0
         batch: list[tuple[bytes, bytes]] = []
         size = 0
         for key in keys:
@@ -189,6 +197,7 @@ class Rereplicator:
                 _log.info("not re-replicating %s: %s", key.storage_name, exc)
                 continue
             frame = read.to_frame()
+            offered += 1
             batch.append((key.block_hash, frame))
             size += len(frame)
             if size >= _PUT_BATCH_BYTES:
@@ -196,7 +205,7 @@ class Rereplicator:
                 batch, size = [], 0
         if batch:
             pushed += self._put(client, scope, batch)
-        return pushed
+        return pushed, offered
 
     def _put(self, client: DaemonClient, scope: Scope, batch: list[tuple[bytes, bytes]]
              ) -> int:
