@@ -7,7 +7,8 @@ random model fills "any whitespace" with whitespace and never closes its JSON). 
 calls no tool on its own: a named or `required` `tool_choice` is what makes it, through
 guided decoding of the tool's parameters schema.
 
-One cluster per module, in file order: w1 and w2 serve the same model. The lease test freezes
+One `LocalCluster` per module (no daemons: plain vLLM workers, their agents, one router), in
+file order: w1 and w2 serve the same model. The lease test freezes
 w1 while nine streams run on it (the six replayed shapes, greedy text, n = 2 choices and a
 Responses API stream); the failover test kills w1 while six streams (json_schema, json_object,
 regex, choice, named and required tool calls) run on it, and each is replayed on w2
@@ -27,17 +28,14 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from deploy.local.engines import EngineSettings, serving_flags
-from deploy.local.processes import ManagedProcess, freeze
-from deploy.local.services import EtcdServer, free_port, start_etcd
-from deploy.local.vllm_server import VllmServer, start_vllm
-from tests.deploy_cli import spawn_cli
+from deploy.local.cluster import ClusterSpec, LocalCluster, Worker
+from deploy.local.engines import EngineSettings
+from deploy.local.processes import freeze
 from tests.models import TinyModel, build_tiny_llama
 from tests.router_harness import wait_until
 
@@ -47,10 +45,10 @@ from tests.router_harness import wait_until
 pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(900)]
 
 TTL = 2.0
-# The local cluster's serving flags (deploy/local/engines.py), with no free whitespace; and
-# requests logged, so that a test sees when vLLM has handed each to its engine core.
-TOOL_FLAGS = (*serving_flags(EngineSettings(Path(), structured_outputs={
-    "backend": "xgrammar", "disable_any_whitespace": True})), "--enable-log-requests")
+# The local cluster's serving flags (deploy/local/engines.py) with no free whitespace; and
+# requests logged (the workers' `--enable-log-requests`), so that a test sees when vLLM has
+# handed each to its engine core.
+STRUCTURED_OUTPUTS = {"backend": "xgrammar", "disable_any_whitespace": True}
 MESSAGES = [{"role": "user", "content": "Describe the licence as data"}]
 GREEDY = {"model": "tiny", "temperature": 0, "messages": MESSAGES}
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
@@ -105,76 +103,53 @@ HEALTHY_S = 600.0
 
 @dataclass
 class Cluster:
-    etcd: EtcdServer
-    workers: dict[str, VllmServer]
-    agents: dict[str, ManagedProcess]
-    router: ManagedProcess
-    port: int
-    logs: Path
+    """The module's `LocalCluster` (no daemons: plain vLLM workers), with the client's view."""
+
+    local: LocalCluster
     http: httpx.Client = field(init=False)
 
     def __post_init__(self) -> None:
-        self.http = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=120)
+        self.http = httpx.Client(base_url=self.local.router_url, timeout=120)
+
+    @property
+    def workers(self) -> dict[str, Worker]:
+        return self.local.workers
 
     def usable(self) -> set[str]:
-        with contextlib.suppress(httpx.HTTPError, ValueError):
-            return {w["id"] for w in self.http.get("/kvkeep/workers").json() if w["usable"]}
+        with contextlib.suppress(httpx.HTTPError, ValueError, OSError):
+            return self.local.router_workers()
         return set()
 
     def join(self, wid: str) -> None:
-        server = self.workers[wid]
-        self.agents[wid] = spawn_cli(["worker", "--etcd", self.etcd.url, "--url", server.url,
-                                      "--id", wid, "--ttl", str(TTL)],
-                                     self.logs / f"agent-{wid}.log")
-        wait_until(lambda: wid in self.usable(), timeout=60)
+        """A frozen worker thawed and registered again."""
+        self.local.thaw_worker(wid)
 
     def kill(self, wid: str) -> None:
         """The node is gone: its agent and its vLLM (API server and engine core)."""
-        self.agents[wid].kill()
-        self.workers[wid].kill()
+        self.local.kill_worker(wid)
 
     def freeze(self, wid: str) -> None:
         """The node hangs (or is cut off) with its connections open: its vLLM stopped, its
         agent gone, so its lease expires on its own after the TTL."""
-        self.agents[wid].kill()
-        self.workers[wid].signal(signal.SIGSTOP)
+        self.local.freeze_worker(wid)
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory, tiny: TinyModel) -> Iterator[Cluster]:
-    base = tmp_path_factory.mktemp("router-shapes")
-    logs = base / "logs"
-    logs.mkdir()
-    workers = {w: start_vllm(tiny.path, logs, kv_events=False, extra_args=TOOL_FLAGS)
-               for w in ("w1", "w2")}
-    with start_etcd(base) as etcd, contextlib.ExitStack() as stack:
-        for server in workers.values():
-            stack.callback(server.stop)
-        agents: dict[str, ManagedProcess] = {}
-        stack.callback(_stop_all, agents)
-        port = free_port()
-        router = spawn_cli(["router", "serve", "--listen", f"127.0.0.1:{port}", "--etcd",
-                            # Past the client's timeout: a frozen worker's streams must
-                            # resume by its lease, never by the idle timeout.
-                            etcd.url, "--replica-id", "S", "--stream-idle-timeout", "600",
-                            # Sticky forever: four streams at once on w1 must not migrate.
-                            "--policy", "session-only"],
-                           logs / "router.log")
-        stack.callback(router.stop)
-        for server in workers.values():
-            server.wait_healthy(HEALTHY_S)
-        c = Cluster(etcd, workers, agents, router, port, logs)
-        stack.callback(c.http.close)
-        for wid in ("w1", "w2"):
-            c.join(wid)
-        yield c
-        for server in c.workers.values():  # w3, started by the last test
-            server.stop()
-
-
-def _stop_all(procs: dict[str, ManagedProcess]) -> None:
-    for proc in procs.values():
-        proc.stop()
+    spec = ClusterSpec(
+        daemons=0, workers=2, model_dir=tiny.path, lease_ttl_s=TTL,
+        base_dir=tmp_path_factory.mktemp("router-shapes"), vllm_start_timeout_s=HEALTHY_S,
+        engine=EngineSettings(tiny.path, structured_outputs=STRUCTURED_OUTPUTS),
+        worker_args=("--enable-log-requests",),
+        # Past the client's timeout: a frozen worker's streams must resume by its lease,
+        # never by the idle timeout. Sticky forever: streams at once on w1 must not migrate.
+        router_args=("--stream-idle-timeout", "600", "--policy", "session-only"))
+    with LocalCluster(spec) as local:
+        c = Cluster(local)
+        try:
+            yield c
+        finally:
+            c.http.close()
 
 
 @dataclass
@@ -280,17 +255,17 @@ def stream_responses(cluster: Cluster, sid: str, on_chunk: Any = None) -> Events
     return got
 
 
-def direct_answer(server: VllmServer, shape: str) -> dict[str, Any]:
+def direct_answer(worker: Worker, shape: str) -> dict[str, Any]:
     """The reference: the same greedy request straight to a worker, unbroken, not streamed."""
-    r = httpx.post(f"{server.url}/v1/chat/completions", timeout=120,
+    r = httpx.post(f"{worker.url}/v1/chat/completions", timeout=120,
                    json={**GREEDY, **ALL_SHAPES[shape], "max_tokens": MAX_TOKENS})
     assert r.status_code == 200, r.text
     answer: dict[str, Any] = r.json()
     return answer
 
 
-def direct(server: VllmServer, shape: str) -> dict[str, Any]:
-    choice: dict[str, Any] = direct_answer(server, shape)["choices"][0]
+def direct(worker: Worker, shape: str) -> dict[str, Any]:
+    choice: dict[str, Any] = direct_answer(worker, shape)["choices"][0]
     return choice
 
 
@@ -420,10 +395,13 @@ def run_streams(cluster: Cluster, shapes: tuple[str, ...], sids: dict[str, str],
     return out
 
 
-def engine_cores(server: VllmServer) -> list[int]:
-    """The pids of `server`'s engine core processes (`VLLM::EngineCore`, under its API
+def engine_cores(worker: Worker) -> list[int]:
+    """The pids of `worker`'s engine core processes (`VLLM::EngineCore`, under its API
     server)."""
-    found, todo = [], [server.pid]
+    root = worker.server.pid
+    assert root is not None, f"vLLM of {worker.worker_id} is not running"
+    found: list[int] = []
+    todo = [root]
     while todo:
         pid = todo.pop()
         with contextlib.suppress(OSError):
@@ -433,7 +411,7 @@ def engine_cores(server: VllmServer) -> list[int]:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 if f.read().startswith(b"VLLM::EngineCore"):
                     found.append(pid)
-    assert found, f"no engine core under vLLM {server.pid}"
+    assert found, f"no engine core under vLLM {root}"
     return found
 
 
@@ -452,12 +430,12 @@ def step_until_all_reach(kill: KillWhenAllReach, requests: int, start: Callable[
     tokens apart (the API server prepares requests one at a time) and the worker would run
     far ahead of a busy machine's client threads: the short structured answers would be
     whole before the slowest client had read its first chunks."""
-    server = kill.cluster.workers[kill.wid]
-    cores = engine_cores(server)
-    offset = server.log_path.stat().st_size
+    worker = kill.cluster.workers[kill.wid]
+    cores = engine_cores(worker)
+    offset = worker.server.log_path.stat().st_size
 
     def added() -> int:
-        with server.log_path.open("rb") as f:
+        with worker.server.log_path.open("rb") as f:
             f.seek(offset)
             return f.read().count(b"Added request ")
 
@@ -494,11 +472,11 @@ def step_until_all_reach(kill: KillWhenAllReach, requests: int, start: Callable[
             signal_cores(signal.SIGCONT)  # a frozen worker is thawed whole by its test
 
 
-def warm(server: VllmServer, shapes: tuple[str, ...]) -> None:
-    """Compile each shape's grammar on `server` first (vLLM caches it), so that the streams
+def warm(worker: Worker, shapes: tuple[str, ...]) -> None:
+    """Compile each shape's grammar on `worker` first (vLLM caches it), so that the streams
     start decoding together rather than one grammar compilation apart."""
     for shape in shapes:
-        direct(server, shape)
+        direct(worker, shape)
 
 
 def sessions_on(cluster: Cluster, wid: str, count: int, prefix: str) -> list[str]:
@@ -564,7 +542,7 @@ def test_a_frozen_worker_s_streams_resume_once_its_lease_expires(cluster: Cluste
     try:
         results = run_streams(cluster, FROZEN, sids, kill, responses=sessions[-1])
     finally:
-        cluster.workers["w1"].signal(signal.SIGCONT)
+        cluster.workers["w1"].server.signal(signal.SIGCONT)
     print("at the freeze:", json.dumps(kill.at_kill))  # shown when the test fails
     for shape in FROZEN:
         got = results[shape]
@@ -638,11 +616,8 @@ def test_a_replay_that_differs_ends_with_an_error_not_other_text(cluster: Cluste
     Each stream ends with an OpenAI-shaped error event, and what the client got before it is a
     prefix of w2's answer: nothing of w3's other JSON reached the client."""
     # w3: the same shape and name, other weights (seed 1): a replay on it cannot agree.
-    other = build_tiny_llama(cluster.logs.parent / "other-llama", seed=1)
-    cluster.workers["w3"] = start_vllm(other.path, cluster.logs, kv_events=False,
-                                       extra_args=TOOL_FLAGS)
-    cluster.workers["w3"].wait_healthy(HEALTHY_S)
-    cluster.join("w3")
+    other = build_tiny_llama(cluster.local.base_dir / "other-llama", seed=1)
+    cluster.local.add_worker("w3", model_dir=other.path)
     if cluster.workers["w1"].alive:  # run on its own, without the test before it
         cluster.kill("w1")
     wait_until(lambda: cluster.usable() == {"w2", "w3"}, timeout=30)

@@ -9,6 +9,7 @@ connector, a `kvkeep worker` agent per vLLM server, and router replicas, all as 
         cluster.kill_router("r1"); cluster.restart_router("r1")
         cluster.signal_etcd(signal.SIGSTOP); cluster.signal_etcd(signal.SIGCONT)
         cluster.add_worker("w3"); cluster.add_router("r2", ("--api-keys", "keys"))
+        cluster.freeze_worker("w2"); cluster.thaw_worker("w2")   # SIGSTOP: a hung node
 
 `ClusterSpec(daemons=0)` is a router-only cluster: its workers run plain vLLM, without the
 connector (the router's own tests); `worker_args` gives every worker more vLLM flags.
@@ -273,11 +274,30 @@ class LocalCluster:
         self._wait_worker(w)
         self.wait_routers_see({worker_id})
 
-    def add_worker(self, worker_id: str) -> Worker:
-        """Start one more worker node (vLLM and its agent) and wait until the routers use it."""
+    def freeze_worker(self, worker_id: str) -> float:
+        """The node hangs with its connections open: its agent SIGKILLed (nobody renews the
+        lease, which expires after the TTL) and its vLLM SIGSTOPped (API server and engine
+        core: sockets open and silent). Returns the monotonic time of the freeze."""
+        w = self.workers[worker_id]
+        w.agent.kill()
+        w.server.signal(signal.SIGSTOP)
+        return time.monotonic()
+
+    def thaw_worker(self, worker_id: str) -> None:
+        """A frozen node resumes: SIGCONT its vLLM, start its agent again, and wait until the
+        routers use it."""
+        w = self.workers[worker_id]
+        w.server.signal(signal.SIGCONT)
+        w.agent.stop(5)
+        self._wait_worker(w)
+        self.wait_routers_see({worker_id})
+
+    def add_worker(self, worker_id: str, model_dir: Path | None = None) -> Worker:
+        """Start one more worker node (vLLM and its agent) and wait until the routers use it;
+        `model_dir`: other weights served under the same name (None: the cluster's model)."""
         if worker_id in self.workers:
             raise ConfigError(f"worker {worker_id!r} exists already")
-        self._add_worker(worker_id)
+        self._add_worker(worker_id, model_dir)
         w = self.workers[worker_id]
         self._wait_worker(w)
         self.wait_routers_see({worker_id})
@@ -474,8 +494,9 @@ class LocalCluster:
             return self.pki.connector_remote()
         return None if self.tokens is None else self.tokens.connector_remote()
 
-    def _add_worker(self, worker_id: str) -> None:
+    def _add_worker(self, worker_id: str, model_dir: Path | None = None) -> None:
         assert self.engine is not None
+        engine = self.engine if model_dir is None else replace(self.engine, model_dir=model_dir)
         port, events, metrics = free_port(), free_port(), free_port()
         host, etcd_url = "127.0.0.1", self.etcd_url
         wrap: Callable[[list[str]], list[str]] = list
@@ -485,7 +506,7 @@ class LocalCluster:
             etcd_url = f"http://{self.fabric.etcd_address}:{self.etcd_port}"
             wrap = partial(self.fabric.wrap, worker_id)
         server = ManagedProcess(f"vllm-{worker_id}",
-                                wrap(vllm_argv(self.engine, port=port, events_port=events,
+                                wrap(vllm_argv(engine, port=port, events_port=events,
                                                etcd_url=etcd_url, host=host,
                                                remote_extra=self._connector_remote(),
                                                worker_id=worker_id,
