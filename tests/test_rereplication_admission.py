@@ -2,7 +2,8 @@
 
 A peer answers a put with one flag per block; a block it did not admit (full, or over a tenant's
 budget) still lacks its R-th copy. The pass then counts the peer as failed, which keeps the pass
-"not done" and brings another one after the grace period (kvstore/daemon/replication.py).
+"not done" and brings another one after the grace period, and passes that keep failing pause
+longer and longer in between (kvstore/daemon/replication.py).
 
 The peer here is a stand-in client (a daemon that refuses admission on demand cannot be made
 without filling a real disk); the pushing side is real: a store, a catalog, the Rereplicator.
@@ -11,6 +12,8 @@ tests/test_remote_tier_cluster.py proves the repair itself against real daemons.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -86,3 +89,22 @@ def test_copies_a_peer_did_not_admit_leave_the_pass_not_done(
     report = rereplicator.repair_pass(_MEMBERS)
     assert len(_Peer.offered) == N_BLOCKS  # every copy was still offered ...
     assert report.failed_peers == ("peer",)  # ... and the pass is not done: tried again
+
+
+def test_passes_that_keep_failing_back_off(rereplicator: Rereplicator) -> None:
+    """A peer that admits nothing: each pass fails, and the pause before the next one grows
+    (grace x 0, 1, 3, 7, 15 ...). Without it, passes would come every grace (0.1 s here),
+    some 20 in 2 s; a slower machine makes fewer passes, never more."""
+    _Peer.admit = staticmethod(lambda _i: False)
+
+    async def run_for(seconds: float) -> None:
+        task = asyncio.create_task(rereplicator.run())
+        await asyncio.sleep(seconds)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    asyncio.run(run_for(2.0))
+    assert 2 <= rereplicator.passes <= 6, rereplicator.passes
+    assert rereplicator.last_report is not None
+    assert rereplicator.last_report.failed_peers == ("peer",)

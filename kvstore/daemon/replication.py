@@ -8,6 +8,11 @@ then batched Puts). So when a node leaves for good, each of its blocks is copied
 replica to the node that now ranks in its top R; when a node joins, it receives the blocks it
 now ranks for; a node that comes back within `grace` causes no traffic at all.
 
+A pass is done when every push was admitted. A peer that failed (unreachable, or admitting
+fewer copies than it was sent: full, or over a tenant's budget) makes another pass come after
+`grace`, and passes that fail in a row pause longer and longer in between (up to 10 minutes;
+a membership change ends the pause), so a full peer is not sent the same copies every `grace`.
+
 Two survivors of one block may both push it to the same new owner; puts are idempotent, so the
 cost is bandwidth, never a wrong block. Pushes go through the same verified Put path as client
 writes, so the receiver checks every frame.
@@ -40,6 +45,7 @@ __all__ = ["Rereplicator", "RepairReport"]
 _log = logging.getLogger(__name__)
 _LOOKUP_BATCH = 1000
 _PUT_BATCH_BYTES = 4 * CHUNK_BYTES
+_MAX_RETRY_PAUSE_S = 600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +108,7 @@ class Rereplicator:
         """Forever: wait for membership to settle, repair if it differs from the last pass."""
         self._loop = asyncio.get_running_loop()
         seen: frozenset[tuple[str, str]] | None = None
+        failures = 0  # passes in a row with a failed peer
         self._changed.set()  # the first pass (after start-up) repairs what changed while down
         while True:
             await self._changed.wait()
@@ -125,13 +132,32 @@ class Rereplicator:
                 self._executor, self.repair_pass, members)
             self.last_report = report
             self.passes += 1
-            # A peer that failed keeps the pass "not done": try again after another grace.
+            # A peer that failed keeps the pass "not done": try again after another grace,
+            # and after a growing pause once passes fail in a row.
             seen = snapshot if not report.failed_peers else None
             if report.failed_peers:
+                failures += 1
+                await self._pause_before_retry(failures)
                 self._changed.set()
-            elif not self._changed.is_set():
-                self._pending_since = None
+            else:
+                failures = 0
+                if not self._changed.is_set():
+                    self._pending_since = None
             _log.info("repair pass: %s", report)
+
+    async def _pause_before_retry(self, failures: int) -> None:
+        """After the `failures`-th pass in a row with a failed peer: wait `grace` x
+        (2^(failures-1) - 1), at most `_MAX_RETRY_PAUSE_S`, before the next pass's own grace.
+        A peer that stays down or full (it admits no copies) is then not sent the same copies
+        every `grace`; a membership change ends the pause early."""
+        pause = min(self._grace * (2 ** min(failures - 1, 16) - 1), _MAX_RETRY_PAUSE_S)
+        if pause <= 0:
+            return
+        try:
+            async with asyncio.timeout(pause):
+                await self._changed.wait()
+        except TimeoutError:
+            pass
 
     def repair_pass(self, members: Mapping[str, DaemonInfo]) -> RepairReport:
         """Push every locally held block to the top-R live daemons that lack it (blocking)."""
