@@ -549,3 +549,26 @@ def test_the_back_pressure_mark_is_in_blocks_and_in_bytes(tmp_path: Path) -> Non
     with _served(tmp_path / "blocks", max_pending_writes=64) as (_, core, _, _, _):
         assert core.backpressure_mark(1) == 64  # small blocks: the block mark
         assert core.backpressure_mark(4 << 20) == 8  # half the 64 MiB RAM tier's 4 MiB blocks
+
+
+def test_an_event_loops_wait_for_the_disk_is_woken_by_the_writer(tmp_path: Path) -> None:
+    """The gRPC front's held acks wait on its event loop: `when_disk_within` calls back once,
+    from the writer that brings the queue down to the mark (at once when it is there already),
+    never before, and not after a cancel."""
+    with _served(tmp_path, max_pending_writes=2) as (_, core, store, _, gate):
+        called: list[str] = []
+        core.when_disk_within(0, lambda: called.append("at once"))
+        assert called == ["at once"]  # nothing pending
+        gate.open.clear()
+        for i in range(4):
+            key = block_key(i, NS_A)
+            assert store.put(key, make_frame(key, segment_bytes=1000))
+        woken = threading.Event()
+        core.when_disk_within(1, woken.set)
+        cancel = core.when_disk_within(0, lambda: called.append("cancelled"))
+        cancel()
+        assert not woken.wait(0.2) and store.pending_writes == 4  # the disk stalls: no call
+        gate.open.set()
+        assert woken.wait(T)
+        assert store.flush(T)
+        assert called == ["at once"]

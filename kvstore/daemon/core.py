@@ -433,8 +433,10 @@ class BlockServiceCore:
             marks.append(self._max_pending_bytes // held)
         return max(1, min(marks))
 
-    def disk_behind(self, mark: int) -> bool:
-        return self._store.pending_writes > mark
+    def when_disk_within(self, mark: int, wake: Callable[[], None]) -> Callable[[], None]:
+        """Call `wake` once the write-behind queue is at most `mark` deep (at once if it is);
+        returns what cancels the call. For the gRPC front's event loop (see wait_for_disk)."""
+        return self._store.when_pending_writes_at_most(mark, wake)
 
     @property
     def backpressure_timeout(self) -> float:

@@ -162,16 +162,20 @@ class GrpcFront:
         holds no executor thread, so other tenants' Gets, Deletes and manifest calls are not
         queued behind it (M2)."""
         core = self._core
-        mark = core.backpressure_mark(size)
-        if not core.disk_behind(mark):
-            return
-        end = time.monotonic() + core.backpressure_timeout
-        delay = 0.001
-        while core.disk_behind(mark):
-            if time.monotonic() >= end:
-                raise core.backpressure_refusal()
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.02)
+        loop = asyncio.get_running_loop()
+        caught_up = asyncio.Event()
+
+        def wake() -> None:  # on the writer thread that brings the queue to the mark
+            loop.call_soon_threadsafe(caught_up.set)
+
+        cancel = core.when_disk_within(core.backpressure_mark(size), wake)
+        try:
+            async with asyncio.timeout(core.backpressure_timeout):
+                await caught_up.wait()
+        except TimeoutError:
+            raise core.backpressure_refusal() from None
+        finally:
+            cancel()
 
     async def _next_message(self, messages: AsyncIterator[bytes],
                             incoming: IncomingBlock | None) -> bytes | None:

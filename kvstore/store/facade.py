@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Literal
@@ -140,6 +140,13 @@ class TieredStore:
     def wait_pending_writes(self, at_most: int, timeout: float) -> bool:
         """Wait until at most `at_most` background writes are pending; False on timeout."""
         return self._writes.wait_pending(at_most, timeout)
+
+    def when_pending_writes_at_most(self, at_most: int, wake: Callable[[], None]
+                                    ) -> Callable[[], None]:
+        """`wait_pending_writes` for a waiter that cannot block (an event loop): `wake` is
+        called once, maybe on a writer thread, when at most `at_most` background writes are
+        pending. Returns what cancels the call."""
+        return self._writes.when_pending_at_most(at_most, wake)
 
     @property
     def answers_in_process(self) -> bool:

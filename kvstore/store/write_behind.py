@@ -76,6 +76,9 @@ class WriteBehind:
         self._job_bytes: dict[int, int] = {}  # seq -> bytes, for the block jobs queued
         self._queued_bytes = 0
         self._dropped = 0
+        # (at_most, wake): one-shot calls for waiters that cannot block a thread (an event
+        # loop's), made as the pending count falls to at_most (when_pending_at_most).
+        self._watchers: list[tuple[int, Callable[[], None]]] = []
         budget = _QUEUED_BYTES_MAX
         if calls.tiers:
             try:
@@ -201,6 +204,26 @@ class WriteBehind:
         disk goes as soon as the disk has caught up."""
         with self._state:
             return self._state.wait_for(lambda: self._pending <= at_most, timeout)
+
+    def when_pending_at_most(self, at_most: int, wake: Callable[[], None]
+                             ) -> Callable[[], None]:
+        """Call `wake` once when at most `at_most` jobs are queued or being written: here and
+        now if so already, otherwise on the writer thread that finishes the job that brings it
+        there. Returns what cancels the call. `wait_pending` for a waiter that must not block
+        a thread (an event loop's: its `wake` is a call_soon_threadsafe); `wake` must not
+        block either."""
+        watcher = (at_most, wake)
+        with self._state:
+            if self._pending > at_most:
+                self._watchers.append(watcher)
+                return lambda: self._unwatch(watcher)
+        wake()
+        return lambda: None
+
+    def _unwatch(self, watcher: tuple[int, Callable[[], None]]) -> None:
+        with self._state:
+            if watcher in self._watchers:
+                self._watchers.remove(watcher)
 
     def close(self, timeout: float) -> None:
         """Flush (up to `timeout`), refuse new jobs, drop what is left, stop the writers."""
@@ -393,6 +416,14 @@ class WriteBehind:
                 self._promoting.discard(job.key)
             self._calls.metrics.write_queue_depth.set(self._pending)
             self._state.notify_all()  # flush, and acks held by back-pressure (wait_pending)
+            due = [w for w in self._watchers if w[0] >= self._pending]
+            if due:
+                self._watchers = [w for w in self._watchers if w[0] < self._pending]
+        for _, wake in due:
+            try:
+                wake()
+            except Exception:  # a waiter's loop already closed: never the writer's failure
+                log.debug("a pending-writes watcher failed", exc_info=True)
 
     def _cancelled(self, job: Job) -> bool:
         with self._state:
