@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -55,6 +54,27 @@ def copies(daemons: list[DaemonProcess], keys: list[BlockKey]) -> list[int]:
         finally:
             c.close()
     return counts
+
+
+def _repair_report(survivors: list[DaemonProcess], keys: list[BlockKey],
+                   victim_keys: list[BlockKey]) -> str:
+    """Why copies are missing: the keys short of copies (held by whom, the victim's or not),
+    each survivor's Stat counters, and the end of its log (its repair passes)."""
+    short = [k for k, n in zip(keys, copies(survivors, keys), strict=True) if n < 2]
+    victims = {k.digest for k in victim_keys}
+    lines = [f"{len(short)} keys short of copies"]
+    for key in short[:10]:
+        holders = [d.node_id for d in survivors if held_by(d, [key])]
+        lines.append(f"  {key.block_hash.hex()[:16]}: held by {holders}, "
+                     f"{'a' if key.digest in victims else 'not a'} victim's key")
+    for d in survivors:
+        c = DaemonClient(d.node_id, d.address)
+        try:
+            lines.append(f"--- {d.node_id}: {c.stat(timeout=T)}")
+        finally:
+            c.close()
+        lines.append(d.log_text()[-4000:])
+    return "\n".join(lines)
 
 
 def held_by(d: DaemonProcess, keys: list[BlockKey]) -> list[BlockKey]:
@@ -115,9 +135,8 @@ def test_three_daemons_survive_a_killed_node(tmp_path: Path, etcd_server: EtcdSe
                 wait_until(lambda: copies(survivors, keys) == [2] * N_BLOCKS, 60,
                            "re-replication to 2 copies")
             except AssertionError as exc:  # say where each survivor's repair stands
-                logs = "\n".join(f"--- {d.node_id}:\n{d.log_text()[-4000:]}" for d in survivors)
-                raise AssertionError(f"{exc}; keys by copies: "
-                                     f"{Counter(copies(survivors, keys))}\n{logs}") from None
+                raise AssertionError(f"{exc}; {_repair_report(survivors, keys, victim_keys)}"
+                                     ) from None
             # Counted by the pushing daemon once each put returns: a moment after the copies
             # are visible to a lookup, so waited for rather than read once.
             def repaired() -> int:

@@ -42,7 +42,7 @@ from kvstore.manifest import SessionRecord
 from kvstore.store.config import StoreConfig
 from kvstore.store.jobs import BlockCopy, BlockJob, Job, ManifestCopy, Promotion
 from kvstore.store.tier_calls import TierCalls
-from kvstore.tiers.capabilities import SupportsPutMany
+from kvstore.tiers.capabilities import SupportsHold, SupportsPutMany
 
 __all__ = ["WriteBehind"]
 
@@ -79,6 +79,7 @@ class WriteBehind:
         # (at_most, wake): one-shot calls for waiters that cannot block a thread (an event
         # loop's), made as the pending count falls to at_most (when_pending_at_most).
         self._watchers: list[tuple[int, Callable[[], None]]] = []
+        self._on_done: dict[int, Callable[[], None]] = {}  # seq -> release of a held source
         budget = _QUEUED_BYTES_MAX
         if calls.tiers:
             try:
@@ -102,8 +103,19 @@ class WriteBehind:
         targets = tuple(t for t in range(1, len(self._calls)) if t not in skip)
         if not targets:
             return True
-        return self._submit(key, lambda seq: BlockCopy(seq, key, targets, header, computed_at,
-                                                       frame), nbytes=header.frame_size)
+        release = None
+        first = self._calls.tiers[0]
+        if frame is None and isinstance(first, SupportsHold):
+            # Read back from the first tier later: kept there until then (an eviction before
+            # the read-back would lose a block its put acknowledged).
+            release = first.hold(key)
+            if release is None:  # evicted already: nothing to copy down
+                self._drop("source_gone")
+                return False
+        queued = self._submit(key, lambda seq: BlockCopy(seq, key, targets, header, computed_at,
+                                                         frame),
+                              nbytes=header.frame_size, on_done=release)
+        return queued
 
     def promote(self, key: BlockKey, source: int, header: FrameHeader,
                 frame: bytes | None = None) -> None:
@@ -127,24 +139,31 @@ class WriteBehind:
                             wait=self._config.manifest_enqueue_timeout_s)
 
     def _submit(self, key: _JobKey, make: Callable[[int], Job], wait: float = 0.0,
-                nbytes: int = 0) -> bool:
+                nbytes: int = 0, on_done: Callable[[], None] | None = None) -> bool:
+        """Queue the job `make` builds; False (counted as dropped) when it cannot be.
+        `on_done` is called once the job is done, or at once when it is not queued."""
         with self._state:
-            if self._closed:
-                self._drop("closed")
-                return False
-            # One job bigger than the whole bound still goes into an empty queue: else a
-            # block bigger than half of RAM could never be written down.
-            if nbytes and self._queued_bytes and \
-                    self._queued_bytes + nbytes > self.max_queued_bytes:
-                self._drop("queue_bytes")
-                return False
-            job = make(next(self._seq))
-            if nbytes:
-                self._job_bytes[job.seq] = nbytes
-                self._queued_bytes += nbytes
-            self._pending += 1
-            self._pending_keys[key] = self._pending_keys.get(key, 0) + 1
-            self._calls.metrics.write_queue_depth.set(self._pending)
+            refused = "closed" if self._closed else (
+                # One job bigger than the whole bound still goes into an empty queue: else a
+                # block bigger than half of RAM could never be written down.
+                "queue_bytes" if nbytes and self._queued_bytes
+                and self._queued_bytes + nbytes > self.max_queued_bytes else None)
+            if refused is not None:
+                self._drop(refused)
+            else:
+                job = make(next(self._seq))
+                if on_done is not None:
+                    self._on_done[job.seq] = on_done
+                if nbytes:
+                    self._job_bytes[job.seq] = nbytes
+                    self._queued_bytes += nbytes
+                self._pending += 1
+                self._pending_keys[key] = self._pending_keys.get(key, 0) + 1
+                self._calls.metrics.write_queue_depth.set(self._pending)
+        if refused is not None:
+            if on_done is not None:
+                on_done()
+            return False
         try:
             if wait > 0:
                 self._queue.put(job, timeout=wait)
@@ -419,6 +438,9 @@ class WriteBehind:
             due = [w for w in self._watchers if w[0] >= self._pending]
             if due:
                 self._watchers = [w for w in self._watchers if w[0] < self._pending]
+            on_done = self._on_done.pop(job.seq, None)
+        if on_done is not None:
+            on_done()
         for _, wake in due:
             try:
                 wake()

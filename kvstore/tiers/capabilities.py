@@ -27,7 +27,7 @@ from kvstore.keys import BlockKey
 from kvstore.tiers.base import Buffer
 
 __all__ = ["SupportsPutMany", "SupportsBorrow", "SupportsReserve", "SupportsReplicas",
-           "SupportsBatchedGet",
+           "SupportsBatchedGet", "SupportsHold",
            "IndexedInProcess", "BorrowedBlock", "PageReservation"]
 
 
@@ -108,6 +108,16 @@ class SupportsReserve(Protocol):
 
     def reserve(self, key: BlockKey, size: int, *, evict: bool = True
                 ) -> PageReservation | None: ...
+
+
+@runtime_checkable
+class SupportsHold(Protocol):
+    """A tier that keeps a block from eviction until a copy of it is made elsewhere (the
+    store's write-behind reads a put back from the first tier: evicted before that, an
+    acknowledged block would be lost). `hold` returns the release (idempotent), or None when
+    the tier does not hold the block."""
+
+    def hold(self, key: BlockKey) -> Callable[[], None] | None: ...
 
 
 @runtime_checkable

@@ -8,7 +8,9 @@ the storage (an arena type) and the two copies (into pages, out of pages).
 Concurrency: one lock guards the index, the pool and the counters, and is held only for
 bookkeeping, never while bytes move. A reader pins the block (a pin count) before it copies
 outside the lock; eviction skips pinned blocks, and a block deleted while pinned gives its pages
-back only when the last pin goes. A writer reserves pages, copies into them outside the lock and
+back only when the last pin goes. The store's write-behind pins a put the same way (`hold`)
+until its copy to the tiers below is made, so that no acknowledged block is evicted before it
+is on disk. A writer reserves pages, copies into them outside the lock and
 publishes the block only when the copy is complete, so no reader ever sees a partial block. A
 put of a key that is already present is a no-op (frames are content-addressed by their key), so
 a block is never overwritten under a reader.
@@ -24,7 +26,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -106,6 +108,27 @@ class MemoryTier(ABC, Generic[A]):
                     touch(digest)
                 found.append(hit)
             return found
+
+    def hold(self, key: BlockKey) -> Callable[[], None] | None:
+        """Pin the block until the returned release is called (`SupportsHold`): eviction skips
+        it meanwhile; None when this tier does not hold it."""
+        with self._lock:
+            if self._closed:
+                return None
+            entry = self._index.get(key.digest)
+            if entry is None:
+                return None
+            entry.pins += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            with self._lock:
+                if not released:
+                    released = True
+                    self._unpin(entry)
+
+        return release
 
     def get(self, key: BlockKey, layers: LayerRange | None = None, *,
             out: Buffer | None = None, deadline: float | None = None) -> BlockRead | None:
