@@ -5,7 +5,8 @@ writer threads that carry them out.
   up) are block jobs: the writer asks each target first (`contains`, batched) and skips those
   that hold the block already, so a prefix block saved by many requests is written down once;
   it reads the frame back from the job's source tier into a reusable scratch buffer (unless the
-  job holds a copy), gives way to reads in flight on the target (at most
+  job holds a copy; until then the first tier holds the block, `SupportsHold`, so that no
+  eviction loses a block a put acknowledged), gives way to reads in flight on the target (at most
   `read_priority_max_wait_s` per batch, so it cannot starve), and writes up to `write_batch`
   blocks at a time, as one `put_many` where the tier has it. Each copy a target acknowledges
   is timed from the block's computation (`BlockCopy.computed_at`) into `copy_lag_seconds`:
