@@ -50,11 +50,11 @@ from kvstore.net.scope import Scope, scope_of
 from kvstore.net.tcp_protocol import OP_GET, REPLY_HEAD, decode_reply_head, encode_request
 from kvstore.store import StoreConfig, TieredStore
 from kvstore.tiers.memory.host import HostTier
-from kvstore.tiers.nvme.durable_files import write_chunked
 from kvstore.tiers.nvme.tier import NvmeTier
 from kvstore.tiers.remote.config import RemoteConfig
 from kvstore.tiers.remote.tier import RemoteTier
 from tests.blockframes import FINGERPRINT, block_key, make_frame
+from tests.stalled_disk import DiskGate
 
 T = 10.0
 TOKEN_A = "token-tenant-a-0123456789"
@@ -67,22 +67,10 @@ SCOPE_A, SCOPE_B = Scope(FINGERPRINT.digest, NS_A), Scope(FINGERPRINT.digest, NS
 # -- an in-process daemon whose disk stalls on cue (M2, M3) ------------------------------------
 
 
-class _Gate:
-    """The nvme tier's file writes, held while the gate is closed (a stalled disk)."""
-
-    def __init__(self) -> None:
-        self.open = threading.Event()
-        self.open.set()
-
-    def write(self, fd: int, data: memoryview) -> None:
-        self.open.wait(60)
-        write_chunked(fd, data)
-
-
 @contextlib.contextmanager
 def _served(tmp: Path, *, workers: int = 2, queue_depth: int = 1024, **core_args: object
-            ) -> Iterator[tuple[str, BlockServiceCore, TieredStore, NvmeTier, _Gate]]:
-    gate = _Gate()
+            ) -> Iterator[tuple[str, BlockServiceCore, TieredStore, NvmeTier, DiskGate]]:
+    gate = DiskGate()
     nvme = NvmeTier(tmp / "nvme", 256 << 20, write_fn=gate.write, verify_on_put=False)
     store = TieredStore([HostTier(64 << 20), nvme],
                         config=StoreConfig(write_queue_depth=queue_depth, writer_threads=1))

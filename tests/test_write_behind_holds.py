@@ -13,33 +13,20 @@ Real tiers here (host RAM, NVMe files), with the disk's writes held at a gate.
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 from kvstore.store import StoreConfig, TieredStore
 from kvstore.tiers.memory.host import HostTier
-from kvstore.tiers.nvme.durable_files import write_chunked
 from kvstore.tiers.nvme.tier import NvmeTier
 from tests.blockframes import block_key, make_frame
+from tests.stalled_disk import DiskGate
 
 T = 30.0
 PAGE = 64 << 10
 
 
-class _Gate:
-    """The NVMe tier's file writes, held while the gate is closed (a stalled disk)."""
-
-    def __init__(self) -> None:
-        self.open = threading.Event()
-        self.open.set()
-
-    def write(self, fd: int, data: memoryview) -> None:
-        self.open.wait(60)
-        write_chunked(fd, data)
-
-
 def test_blocks_waiting_for_the_disk_are_not_evicted_from_ram(tmp_path: Path) -> None:
-    gate = _Gate()
+    gate = DiskGate()
     ram = HostTier(8 * PAGE, page_bytes=PAGE)
     disk = NvmeTier(tmp_path / "nvme", 64 << 20, write_fn=gate.write, verify_on_put=False)
     frames = {i: make_frame(block_key(i), layers=2, segment_bytes=20_000) for i in range(24)}
