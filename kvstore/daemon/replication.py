@@ -132,6 +132,7 @@ class Rereplicator:
                 self._executor, self.repair_pass, members)
             self.last_report = report
             self.passes += 1
+            _log.info("repair pass: %s", report)
             # A peer that failed keeps the pass "not done": try again after another grace,
             # and after a growing pause once passes fail in a row.
             seen = snapshot if not report.failed_peers else None
@@ -143,7 +144,6 @@ class Rereplicator:
                 failures = 0
                 if not self._changed.is_set():
                     self._pending_since = None
-            _log.info("repair pass: %s", report)
 
     async def _pause_before_retry(self, failures: int) -> None:
         """After the `failures`-th pass in a row with a failed peer: wait `grace` x

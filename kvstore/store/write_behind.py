@@ -81,6 +81,9 @@ class WriteBehind:
         # loop's), made as the pending count falls to at_most (when_pending_at_most).
         self._watchers: list[tuple[int, Callable[[], None]]] = []
         self._on_done: dict[int, Callable[[], None]] = {}  # seq -> release of a held source
+        # The first tier's `hold`, looked up once: a Protocol isinstance on every put is slow.
+        first = calls.tiers[0] if calls.tiers else None
+        self._hold_first = first.hold if isinstance(first, SupportsHold) else None
         budget = _QUEUED_BYTES_MAX
         if calls.tiers:
             try:
@@ -105,18 +108,16 @@ class WriteBehind:
         if not targets:
             return True
         release = None
-        first = self._calls.tiers[0]
-        if frame is None and isinstance(first, SupportsHold):
+        if frame is None and self._hold_first is not None:
             # Read back from the first tier later: kept there until then (an eviction before
             # the read-back would lose a block its put acknowledged).
-            release = first.hold(key)
+            release = self._hold_first(key)
             if release is None:  # evicted already: nothing to copy down
                 self._drop("source_gone")
                 return False
-        queued = self._submit(key, lambda seq: BlockCopy(seq, key, targets, header, computed_at,
-                                                         frame),
-                              nbytes=header.frame_size, on_done=release)
-        return queued
+        return self._submit(key, lambda seq: BlockCopy(seq, key, targets, header, computed_at,
+                                                       frame),
+                            nbytes=header.frame_size, on_done=release)
 
     def promote(self, key: BlockKey, source: int, header: FrameHeader,
                 frame: bytes | None = None) -> None:
