@@ -1,7 +1,7 @@
 """A short, bounded run against a local cluster that makes every dashboard panel move: chat
 sessions that checkpoint and restore, a worker SIGKILLed in the middle of a streamed answer
 (the router resumes it elsewhere and rebinds its sessions, which restore from the daemons), the
-worker back, more turns.
+worker back (unless asked not to), more turns.
 
 Used by the observability test (every metric the dashboard and alerts name must then be in a
 real Prometheus) and by `python -m deploy.observability.snapshot` (the README's picture).
@@ -85,9 +85,11 @@ def _stream_and_kill(http: httpx.Client, cluster: LocalCluster, session: str,
     log.turns += 1
 
 
-def exercise(cluster: LocalCluster, *, sessions: int = 4, say: Callable[[str], None] = print
-             ) -> RunLog:
-    """The run (about a minute on two loaded cores, plus a worker restart)."""
+def exercise(cluster: LocalCluster, *, sessions: int = 4, say: Callable[[str], None] = print,
+             restart_killed: bool = True) -> RunLog:
+    """The run (about a minute on two loaded cores, plus a worker restart). Without
+    `restart_killed` the killed worker stays down (the picture shows it back; a check of what
+    is exported needs no second start of the same server, ~20 s of vLLM start-up here)."""
     log = RunLog()
     histories = {f"s{i}": [{"role": "system", "content": _SYSTEM}] for i in range(sessions)}
     with httpx.Client(timeout=120) as http:
@@ -114,7 +116,7 @@ def exercise(cluster: LocalCluster, *, sessions: int = 4, say: Callable[[str], N
         for session, history in histories.items():
             _turn(http, cluster.router_url, session, history, "And after the failure?", 16,
                   log)
-        if log.killed is not None:
+        if log.killed is not None and restart_killed:
             say(f"restarting {log.killed}")
             cluster.restart_worker(log.killed)
             log.note(f"{log.killed} back")
