@@ -13,6 +13,7 @@ workers: `tests/test_router_client_limits.py::test_penalties_sampling_and_usage_
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -168,6 +169,7 @@ def test_each_choice_resumes_from_its_own_prefix(env: Env, chat: bool, n: int) -
     expected = {j: fake_generate_choice(prompt, 20, j) for j in range(n)}
     assert unbroken.ids == expected and unbroken.resumed_on == []
     env.fakes[first].break_after = 4 * n + 1  # a few tokens of every choice, then it dies
+    before = len(env.fakes[other].requests)
     got = seen(env.http.post(path, json=body, headers={"X-Session-Id": sid}).text)
     assert got.errors == [] and got.resumed_on == [other]
     assert got.texts == unbroken.texts and got.ids == expected
@@ -176,7 +178,7 @@ def test_each_choice_resumes_from_its_own_prefix(env: Env, chat: bool, n: int) -
     assert got.usages == [{"prompt_tokens": len(prompt), "completion_tokens": 20 * n,
                            "total_tokens": len(prompt) + 20 * n}]
     assert got.notes[-1]["choice_tokens"] == [20] * n
-    cont = env.fakes[other].requests[-1]
+    cont, *later = env.fakes[other].requests[before:]
     assert cont.get("n", 1) == 1 and cont["stream"] is True
     prompts = cont["prompt"]
     assert isinstance(prompts, list) and len(prompts) == n  # every choice was unfinished
@@ -184,7 +186,11 @@ def test_each_choice_resumes_from_its_own_prefix(env: Env, chat: bool, n: int) -
     for j, p in enumerate(prompts):  # choice j's own prefix, in order
         assert p == prompt + expected[j][:delivered[j]]
     assert min(delivered) > 0 and max(delivered) < 20
-    assert cont["max_tokens"] == 20 - min(delivered)
+    # The least any choice may still have; the choices owed more go on in further rounds,
+    # one per other count of tokens still owed.
+    assert cont["max_tokens"] == 20 - max(delivered)
+    counts = sorted(set(delivered), reverse=True)  # each round ends the choices furthest on
+    assert [r["max_tokens"] for r in later] == [a - b for a, b in itertools.pairwise(counts)]
 
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
@@ -197,6 +203,7 @@ def test_a_choice_that_finished_before_the_break_is_not_continued(env: Env, chat
         fake.short_choices = {1: 2}  # choice 1 ends after 2 tokens (as at an EOS)
     unbroken = seen(env.http.post(path, json=body, headers={"X-Session-Id": sid}).text)
     env.fakes[first].break_after = 3 * 4 + 3  # choice 1 has finished by then
+    before = len(env.fakes[other].requests)
     got = seen(env.http.post(path, json=body, headers={"X-Session-Id": sid}).text)
     assert got.errors == [] and got.resumed_on == [other]
     assert got.texts == unbroken.texts
@@ -204,7 +211,7 @@ def test_a_choice_that_finished_before_the_break_is_not_continued(env: Env, chat
     assert got.finish == {0: ("length", None), 1: ("stop", None), 2: ("length", None)}
     assert got.usages == [{"prompt_tokens": len(prompt), "completion_tokens": 34,
                            "total_tokens": len(prompt) + 34}]
-    cont = env.fakes[other].requests[-1]
+    cont = env.fakes[other].requests[before]
     expected = {j: fake_generate_choice(prompt, 16, j) for j in (0, 2)}
     assert len(cont["prompt"]) == 2  # choices 0 and 2, in order; 1 is done
     for p, j in zip(cont["prompt"], (0, 2), strict=True):
@@ -285,63 +292,65 @@ def _chunk(index: int, ids: list[int], finish: str | None = None) -> dict[str, A
                                     "finish_reason": finish}]}
 
 
-def test_each_choice_ends_at_its_own_limit_in_a_shared_continuation() -> None:
+def test_each_choice_ends_at_its_own_limit_in_rounds() -> None:
     """A break between the chunks of one step leaves choice 0 a token ahead: the
-    continuation asks for what choice 1 still may (the most), and the router ends choice 0
-    itself at its limit ("length"), dropping what the worker makes of it past that."""
-    state = _state(2, 6)
+    continuation asks for what choice 0 still may (the least), so vLLM ends choice 0 at its
+    limit; choice 1 stops there one short of its own, its "length" not passed on, the usage
+    held back; another round continues it alone."""
+    state = _state(2, 6, stream_options={"include_usage": True})
     for step in range(3):
         state.absorb(_chunk(0, [10 + step]))
         state.absorb(_chunk(1, [20 + step]))
     state.absorb(_chunk(0, [13]))
     body = resume_body(state, None)
     assert body["prompt"] == [[100, 101, 10, 11, 12, 13], [100, 101, 20, 21, 22]]
-    assert body["max_tokens"] == 3 and "n" not in body
+    assert body["max_tokens"] == 2 and "n" not in body
     state.continue_here()
-    outs = []
-    for ids in ([14], [15], [16]):  # continuation choice 0 is the client's choice 0
-        outs.append(state.absorb(_chunk(0, ids)))
-    assert outs[0] is not None and outs[0]["choices"][0]["finish_reason"] is None
-    assert outs[1] is not None and outs[1]["choices"][0]["finish_reason"] == "length"
-    assert outs[2] is None  # past choice 0's limit: not sent
-    assert not state.ended and state.finish_reason is None  # choice 1 goes on
-    state.absorb(_chunk(1, [23]))
-    state.absorb(_chunk(1, [24]))
-    last = state.absorb(_chunk(1, [25], "length"))
+    assert state.absorb(_chunk(0, [14])) is not None
+    first = state.absorb(_chunk(0, [15], "length"))
+    assert first is not None and first["choices"][0]["finish_reason"] == "length"
+    assert state.absorb(_chunk(1, [23])) is not None
+    paused = state.absorb(_chunk(1, [24], "length"))  # the continuation's limit, not choice 1's
+    assert paused is not None and paused["choices"][0]["finish_reason"] is None
+    assert state.absorb({"id": "c", "choices": [], "usage": {"prompt_tokens": 13,
+                                                             "completion_tokens": 4}}) is None
+    assert state.owes_more() and state.finish_reason is None and not state.usage_sent
+    body = resume_body(state, None)
+    assert body["prompt"] == [[100, 101, 20, 21, 22, 23, 24]] and body["max_tokens"] == 1
+    state.continue_here()
+    last = state.absorb(_chunk(0, [25], "length"))  # its choice 0 is the client's 1
     assert last is not None and last["choices"][0]["index"] == 1
-    assert state.finish_reason == "length" and state.choice_tokens == {0: 6, 1: 6}
+    assert last["choices"][0]["finish_reason"] == "length"
+    assert not state.owes_more() and state.finish_reason == "length"
+    assert state.choice_tokens == {0: 6, 1: 6}
     assert state.choices[0].generated == [10, 11, 12, 13, 14, 15]
     assert state.usage()["completion_tokens"] == 12
 
 
-def test_the_last_choice_ended_by_the_router_ends_the_stream() -> None:
-    state = _state(2, 4)
+def test_length_short_of_what_was_asked_ends_the_choice() -> None:
+    """vLLM ends a choice at "length" before the continuation's `max_tokens` only when the
+    model's context is full: that choice ends there, no other round is asked for it."""
+    state = _state(2, 10)
     state.absorb(_chunk(0, [1]))
     state.absorb(_chunk(1, [2]))
-    state.absorb(_chunk(1, [3]))
     state.continue_here()
-    assert state.asked == 3 and state.order == [0, 1]
-    state.absorb(_chunk(0, [4]))
-    state.absorb(_chunk(1, [5, 6], "length"))  # choice 1 is done: 4 tokens
-    assert state.finish_reason is None and not state.ended
-    state.absorb(_chunk(0, [7, 8]))  # choice 0 reaches 4: the router ends it, and the stream
-    assert state.ended and state.finish_reason == "length"
+    assert state.asked == 9
+    out = state.absorb(_chunk(0, [3, 4], "length"))
+    assert out is not None and out["choices"][0]["finish_reason"] == "length"
+    state.absorb(_chunk(1, [5], "length"))
+    assert not state.owes_more() and state.finish_reason == "length"
 
 
-def test_a_chunk_merged_past_a_choices_limit_is_kept_whole_within_what_was_asked() -> None:
-    """vLLM may merge several tokens into one chunk; one that carries a choice past its own
-    limit (but within the continuation's `max_tokens`) is kept whole, its text and ids
-    agreeing; past the continuation's `max_tokens` it is the worker's overrun."""
+def test_a_chunk_past_a_choices_limit_is_the_workers_overrun() -> None:
+    """No choice is asked for more than it may have: a chunk that carries one past the
+    client's limit (a worker ignoring `max_tokens`) is the worker's overrun, never sent."""
     state = _state(2, 6)
     state.absorb(_chunk(0, [1, 2, 3, 4]))
     state.absorb(_chunk(1, [5]))
     state.continue_here()
-    assert state.asked == 5
-    out = state.absorb(_chunk(0, [6, 7, 8]))  # choice 0 may have 2 more
-    assert out is not None and out["choices"][0]["text"] == _text([6, 7, 8])
-    assert out["choices"][0]["finish_reason"] == "length" and state.choice_tokens[0] == 7
+    assert state.asked == 2
     with pytest.raises(StreamOverrun):
-        state.absorb(_chunk(1, [9, 10, 11, 12, 13, 14]))  # 6 > the 5 asked
+        state.absorb(_chunk(0, [6, 7, 8]))  # choice 0 may have 2 more
 
 
 def test_one_choice_left_is_continued_as_a_batch_of_one() -> None:

@@ -349,6 +349,7 @@ class RequestDirector:
         failed_type, failed_code = "upstream_error", 502
         end: list[bytes] = []  # the stream's last bytes, sent with its end in one write
         tail = b""  # the worker's last events, read with its [DONE]
+        rounds = 0  # continuations opened for choices a continuation left owing tokens
         try:
             while True:
                 assert attempt.resp is not None
@@ -357,6 +358,19 @@ class RequestDirector:
                                       first_byte_by=attempt.first_byte_by,
                                       idle_s=dispatcher.idle_timeout_s, replay=replay,
                                       registered=dispatcher.registered(attempt.worker))
+                    if state.owes_more() and rounds < state.expected:
+                        # n > 1 continued: vLLM ended every choice at the least any still
+                        # owed, and some owe more. Another round (no worker failed).
+                        rounds += 1
+                        if tail:
+                            await out.write(tail)
+                        nxt = await self._next_round(creq, state, attempt, tried)
+                        if nxt is None:
+                            failed = "no worker could continue the answer's unfinished choices"
+                            metrics.resumptions.labels("failed").inc()
+                            break
+                        attempt = nxt
+                        continue
                     end.append(tail)
                     break
                 except ReplayMismatch as exc:
@@ -442,8 +456,17 @@ class RequestDirector:
         finally:
             dispatcher.close(attempt, reuse=state.done)
 
+    async def _next_round(self, creq: ClientRequest, state: StreamState, done: Attempt,
+                          tried: set[WorkerId]) -> Attempt | None:
+        """Close `done` (its [DONE] came; a round ends as a failed attempt does, its outcome
+        not the answer's) and open the next round of the continuation: most likely on the
+        same worker, which holds the prefix's KV."""
+        self.dispatcher.close(done, reuse=True)
+        state.done = False
+        return await self._resume(creq, state, None, tried, broken=None)
+
     async def _resume(self, creq: ClientRequest, state: StreamState, replay: Replay | None,
-                      tried: set[WorkerId], *, broken: WorkerId) -> Attempt | None:
+                      tried: set[WorkerId], *, broken: WorkerId | None) -> Attempt | None:
         """Open the resumption of `state`'s stream on another worker (`resume.resumption`:
         a continuation, or a replay); None when none can take it."""
         dispatcher = self.dispatcher
@@ -451,7 +474,8 @@ class RequestDirector:
         try:
             attempt = await dispatcher.send(creq, tried, stream=True, body_for=how.body_for)
         except RouterError as exc:
-            log.warning("no worker can %s a stream of %s: %s", how.how, broken, exc)
+            log.warning("no worker can %s a stream (broken on %s): %s", how.how,
+                        broken or "no worker", exc)
             return None
         if attempt.resp is None:  # the worker's verdict on the resumption (a 4xx): no stream
             dispatcher.finish(attempt)

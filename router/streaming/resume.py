@@ -66,7 +66,9 @@ def resume_body(state: StreamState, kv_params: dict[str, Any] | None) -> dict[st
     body["max_tokens"] = state.remaining_max_tokens()
     min_tokens = req.body.get("min_tokens")
     if isinstance(min_tokens, int) and min_tokens > 0:
-        body["min_tokens"] = state.remaining_min_tokens(min_tokens)
+        # No more than this round's `max_tokens` (vLLM refuses more); a later round asks the
+        # rest.
+        body["min_tokens"] = min(state.remaining_min_tokens(min_tokens), body["max_tokens"])
     frequency = req.body.get("frequency_penalty")
     if isinstance(frequency, int | float) and frequency and state.generated:
         body["logit_bias"] = _frequency_bias(req.body.get("logit_bias"), frequency,
@@ -108,8 +110,9 @@ class Resume:
 
 
 def resumption(creq: ClientRequest, state: StreamState, replay: Replay | None, *,
-               broken: WorkerId) -> Resume:
-    """The resumption of `state`'s stream, broken on `broken`: a replay of the request when
+               broken: WorkerId | None) -> Resume:
+    """The resumption of `state`'s stream, broken on `broken` (None: not broken, another round
+    of a continuation, `StreamState.owes_more`): a replay of the request when
     `replay` records it, else a continuation from the tokens delivered (or, when nothing is
     known to resume from, the original request again: `StreamState.resumable_now` allows that
     only while nothing reached the client)."""

@@ -24,12 +24,16 @@ strings), and the answer is finished only once every choice is. Its continuation
 `/v1/completions` request with a batch of token-id prompts, one per unfinished choice (the
 prompt's ids + that choice's), which vLLM answers as choices 0..k of its own; `order` maps
 them back to the client's. A choice that finished before the break is not continued. They
-share one `max_tokens`, the most any of them may still have, so the router ends each of the
-others at its own limit ("length", as vLLM would) and drops the worker's rest of it; a chunk
-that vLLM merged from several tokens past that limit is kept whole (its text cannot be split
-by token here), so such a choice may carry that chunk's extra tokens. What one continuation
-cannot say per choice (a frequency penalty's `logit_bias`, `min_tokens` still owed
-differently) is refused (`resumable_now`). Sampled choices continue conditioned on what the
+share one `max_tokens`: the least any of them may still have, so that vLLM itself ends each
+choice at exactly its limit. A choice that may still have more ends that continuation
+unfinished ("length" at the continuation's own limit is not passed on), and another round
+continues it (`owes_more`; the request director opens it, no worker having failed), until
+every choice has its own end: at most one round per choice. The router never cuts a choice at
+its limit mid-chunk: vLLM merges the tokens of several steps into one chunk for a reader
+slower than its decoding, and a chunk's text cannot be split by token here (a choice once
+ended a token past the client's `max_tokens` that way). What one continuation cannot say per
+choice (a frequency penalty's `logit_bias`, `min_tokens` still owed differently) is refused
+(`resumable_now`). Sampled choices continue conditioned on what the
 client was sent: every token once, none lost or doubled, but not the same draws.
 """
 
@@ -71,9 +75,8 @@ class Choice:
     stop_reason: int | str | None = None
     finished: bool = False
     cut: bool = False
-    """The router ended it (a stop string the worker could not see, or its limit reached in a
-    continuation shared with choices that may run longer): the worker's rest of it is
-    dropped."""
+    """The router ended it (a stop string the worker could not see): the worker's rest of it
+    is dropped."""
     text_chars: int = 0
     """Characters of its generated text seen so far (its logprobs' text offsets go on from
     here after a break)."""
@@ -114,8 +117,7 @@ class StreamState:
     new worker's preamble (a chat role chunk) is not sent twice."""
     ended: bool = False
     """The router ended the last unfinished choice itself (a stop string the worker could not
-    see across a break, or its limit in a shared continuation): the stream ends here, the
-    worker's rest unread."""
+    see across a break): the stream ends here, the worker's rest unread."""
     choices: dict[int, Choice] = field(default_factory=dict)
     """Every choice by its index in the client's stream (all `n` of them from the start)."""
     order: list[int] = field(default_factory=list)
@@ -124,6 +126,9 @@ class StreamState:
     """The current continuation's `max_tokens` (what each of its prompts may generate)."""
     expected: int = 1
     """Choices the answer has: `n` per prompt."""
+    paused: bool = False
+    """The current continuation ended a choice at its own `max_tokens`, short of the
+    client's: another round is owed (`owes_more`)."""
 
     def __post_init__(self) -> None:
         req = self.request
@@ -188,14 +193,20 @@ class StreamState:
         return [self.prompt_ids + self.choices[i].generated for i in self.unfinished()]
 
     def remaining_max_tokens(self) -> int:
-        """What a continuation may still generate: the most any unfinished choice may (the
-        router ends each of the others at its own limit). Without a limit in the request,
-        the router's cap: vLLM clamps it to what the model's context leaves, as it clamped
-        the original (a continuation without one would get completions' default of 16)."""
+        """What a continuation may generate: the least any unfinished choice may still have
+        (vLLM ends each choice there; those owed more go on in another round, `owes_more`).
+        Without a limit in the request, the router's cap: vLLM clamps it to what the model's
+        context leaves, as it clamped the original (a continuation without one would get
+        completions' default of 16)."""
         limit = self._limit()
         left = [limit - len(self.choices[i].generated) for i in self.unfinished()] \
             or [limit - len(self.generated)]
-        return max(0, *left)
+        return max(0, min(left))
+
+    def owes_more(self) -> bool:
+        """Whether a continuation ended (its [DONE]) with choices that stopped at its own
+        `max_tokens` short of theirs: another round continues them."""
+        return self.paused and not self.ended and self.finish_reason is None
 
     def remaining_min_tokens(self, min_tokens: int) -> int:
         """A continuation's `min_tokens` for a request asking `min_tokens` per choice (the
@@ -214,6 +225,7 @@ class StreamState:
         self.resumed = True
         self.order = self.unfinished() if self.expected > 1 else [0]
         self.asked = self.remaining_max_tokens()
+        self.paused = False
         for choice in self.choices.values():
             choice.offset_base = choice.text_chars
             choice.continued = 0
@@ -340,9 +352,11 @@ class StreamState:
         """A chunk of the `/v1/completions` continuation, in the original stream's format."""
         choices = obj.get("choices") or []
         if not choices:
-            if obj.get("usage") is not None and self.request.include_usage:
+            if obj.get("usage") is not None and self.request.include_usage \
+                    and not self.paused:
                 # The continuation's usage counts the resent tokens as prompt: report the
-                # client's view instead.
+                # client's view instead. Before the last round's end, nothing: the director
+                # sends the usage once every choice has ended.
                 return self.usage_chunk()
             return None
         outs = [out for c in choices if isinstance(c, dict)
@@ -361,28 +375,23 @@ class StreamState:
             return None  # no prompt of this continuation: its choices end unfinished
         state = self._choice(order[k])
         if state.finished:
-            return None  # ended by the router at its own limit: the worker's rest is not sent
+            return None  # ended by the router (a stop string): the worker's rest is not sent
         ids = choice.get("token_ids") or []
         text = choice.get("text") or ""
         finish = choice.get("finish_reason")
         stop_reason = choice.get("stop_reason")
         logprobs = choice.get("logprobs") if self.request.logprobs is not None else None
         raw_chars = len(text)
-        left = self._limit() - len(state.generated)
-        if left <= 0:
-            # At its limit already, and the worker goes on (its prompt shares the
-            # continuation's `max_tokens` with choices that may run longer): it ends here.
-            ids, text, finish, stop_reason, logprobs = [], "", "length", None, None
-            state.cut = True
-        elif finish is None and len(ids) >= left:
-            # Its limit is reached in this chunk: it ends as vLLM ends it ("length"). A chunk
-            # vLLM merged past the limit is kept whole, so its text and ids agree.
-            state.cut, finish = True, "length"
         state.continued += len(ids)
-        # A choice the router ends may pass its limit by the rest of a merged chunk; past
-        # the continuation's own `max_tokens` it is the worker's overrun all the same.
-        asked = self.asked or self._limit()
-        self._extend(state, ids, limited=not state.cut or state.continued > asked)
+        # Past the client's own limit is the worker's overrun: the continuation asked for no
+        # more than the least any choice may still have (`remaining_max_tokens`).
+        self._extend(state, ids)
+        if finish == "length" and state.continued >= (self.asked or self._limit()) \
+                and len(state.generated) < self._limit():
+            # The continuation's own limit, not the client's: another round goes on with it.
+            # (Short of what was asked, "length" is vLLM's end: the model's context is full.)
+            finish, stop_reason = None, None
+            self.paused = True
         if state.stops is not None:
             held: dict[str, Any] = {"finish_reason": finish, "stop_reason": stop_reason}
             text = self._hold(state, held, text, len(ids))
