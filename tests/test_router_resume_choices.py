@@ -189,6 +189,7 @@ def test_each_choice_resumes_from_its_own_prefix(env: Env, chat: bool, n: int) -
     # The least any choice may still have; the choices owed more go on in further rounds,
     # one per other count of tokens still owed.
     assert cont["max_tokens"] == 20 - max(delivered)
+    assert got.notes[-1].get("rounds", 0) == len(later)  # the summary counts them
     counts = sorted(set(delivered), reverse=True)  # each round ends the choices furthest on
     assert [r["max_tokens"] for r in later] == [a - b for a, b in itertools.pairwise(counts)]
 

@@ -441,6 +441,7 @@ class RequestDirector:
                 end.append(note({"worker": attempt.worker, "route": attempt.placement.label,
                                  "resumed_on": resumed_on, "failover": bool(tried),
                                  "completion_tokens": state.completion_tokens,
+                                 **({"rounds": rounds} if rounds else {}),
                                  "choice_tokens": [state.choice_tokens.get(i, 0) for i in
                                                    range(max(state.choice_tokens, default=-1)
                                                          + 1)],
