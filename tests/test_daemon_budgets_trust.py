@@ -276,6 +276,15 @@ def test_a_star_token_holds_one_tenants_put_streams_over_all_its_names(tmp_path:
         deadline = time.monotonic() + 3 * T
         refused = False
         while not refused and time.monotonic() < deadline:  # until the daemon read both
+            for j, s in enumerate(stalled):
+                if s.call.done():
+                    # Refused on arrival while a probe below held one of the token's two
+                    # streams (the daemon right, the test's order lost): stall it again.
+                    assert s.call.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, s.call.exception()
+                    assert "this token" in str(s.call.details())
+                    s.close()
+                    stalled[j] = _StalledPut(channel, TOKEN_STAR, Scope(
+                        FINGERPRINT.digest, Namespace(f"x{j + 1}")), j + 1, 1 << 20)
             try:
                 _put(star, x3, 1)
                 time.sleep(0.1)
