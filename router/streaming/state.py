@@ -306,14 +306,14 @@ class StreamState:
             first = self._choice(0)
             self.finish_reason, self.stop_reason = first.finish_reason, first.stop_reason
 
-    def _extend(self, choice: Choice, ids: list[int], *, limited: bool = True) -> None:
+    def _extend(self, choice: Choice, ids: list[int]) -> None:
         choice.generated.extend(ids)
         key = choice.index
         count = self.choice_tokens.get(key, 0) + len(ids)
         self.choice_tokens[key] = count
         bounded = self.request.max_tokens is not None
         limit = self._limit()
-        if limited and count > limit:
+        if count > limit:
             what = "the request's limit of" if bounded else "the router's cap of"
             raise StreamOverrun(f"choice {key} of the answer has {count} tokens, over {what} "
                                 f"{limit} per choice", bounded=bounded)
