@@ -267,8 +267,11 @@ def test_a_star_token_holds_one_tenants_put_streams_over_all_its_names(tmp_path:
     channel = grpc.insecure_channel(d.address)
     star = DaemonClient(d.node_id, d.address, token=TOKEN_STAR, data_plane=False)
     a = DaemonClient(d.node_id, d.address, token=TOKEN_A, data_plane=False)
-    stalled = [_StalledPut(channel, TOKEN_STAR, Scope(FINGERPRINT.digest, Namespace(f"x{i}")),
-                           i, 1 << 20) for i in (1, 2)]
+    def stall(i: int) -> _StalledPut:  # the star token's stalled put in tenant x{i}
+        return _StalledPut(channel, TOKEN_STAR, Scope(FINGERPRINT.digest, Namespace(f"x{i}")),
+                           i, 1 << 20)
+
+    stalled = [stall(1), stall(2)]
     try:
         x3 = Scope(FINGERPRINT.digest, Namespace("x3"))
         # Up to 30 s for the daemon to take both stalled streams in (the loop ends at the
@@ -283,8 +286,7 @@ def test_a_star_token_holds_one_tenants_put_streams_over_all_its_names(tmp_path:
                     assert s.call.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, s.call.exception()
                     assert "this token" in str(s.call.details())
                     s.close()
-                    stalled[j] = _StalledPut(channel, TOKEN_STAR, Scope(
-                        FINGERPRINT.digest, Namespace(f"x{j + 1}")), j + 1, 1 << 20)
+                    stalled[j] = stall(j + 1)
             try:
                 _put(star, x3, 1)
                 time.sleep(0.1)
