@@ -47,14 +47,15 @@ from kvstore.net.refusal import OK, RefusalReason, client_error
 from kvstore.net.scope import Scope
 from kvstore.net.tcp_protocol import (
     OP_GET,
+    OP_GET_MANY,
     OP_LOOKUP,
     OP_PUT,
     REPLY_HEAD,
     REQUEST_HEAD,
-    decode_lookup_body,
+    decode_batch_body,
     decode_reply_head,
     decode_request_head,
-    encode_lookup,
+    encode_batch,
     encode_reply,
     encode_request,
     recv_exact,
@@ -140,31 +141,35 @@ def test_requests_round_trip_and_bad_heads_are_refused() -> None:
                                            body_len=1)[:44])
 
 
-def test_lookup_requests_round_trip_and_bad_ones_are_refused() -> None:
+@pytest.mark.parametrize("op", [OP_LOOKUP, OP_GET_MANY])
+def test_batch_requests_round_trip_and_bad_ones_are_refused(op: int) -> None:
     hashes = [b"a", b"h" * 32, b"z" * 64]
-    head_and_tail, body = encode_lookup(SCOPE, hashes, b"tok")
+    head_and_tail, body = encode_batch(op, SCOPE, hashes, b"tok")
     head = decode_request_head(head_and_tail[:tp.REQUEST_HEAD.size])
     assert (head.op, head.token_len, head.hash_len, head.layers, head.body_len) == (
-        OP_LOOKUP, 3, 0, None, len(body))
+        op, 3, 0, None, len(body))
     assert head_and_tail[tp.REQUEST_HEAD.size:] == b"tok" + b"tenant-a"
-    assert decode_lookup_body(body) == hashes
+    assert decode_batch_body(body) == hashes
     good = bytearray(head_and_tail[:tp.REQUEST_HEAD.size])
-    for offset, value in [(10, 1), (11, 1)]:  # a hash in the head; flags
+    # a hash in the head; flags; a layer range
+    for offset, value in [(10, 1), (11, 1), (12, 1), (16, 2)]:
         bad = bytearray(good)
         bad[offset] = value
         with pytest.raises(ValueError):
             decode_request_head(bad)
-    for body_len in (0, 1, tp.MAX_LOOKUP_BODY_BYTES + 1):
+    for body_len in (0, 1, tp.MAX_BATCH_BODY_BYTES + 1):
         bad = bytearray(good)
         bad[20:28] = body_len.to_bytes(8, "little")
         with pytest.raises(ValueError):
             decode_request_head(bad)
     for broken in (b"\x00", b"\x41" + b"x" * 64, b"\x05abc", body + b"\x02a"):
         with pytest.raises(ValueError):
-            decode_lookup_body(broken)
+            decode_batch_body(broken)
     for asked in ([], [b""], [b"x" * 65]):
         with pytest.raises(ValueError):
-            encode_lookup(SCOPE, asked, b"")
+            encode_batch(op, SCOPE, asked, b"")
+    with pytest.raises(ValueError):
+        encode_batch(OP_GET, SCOPE, hashes, b"")
 
 
 def test_reply_heads_are_checked() -> None:
@@ -368,6 +373,151 @@ def test_a_corrupt_copy_in_ram_is_caught_by_the_client_and_dropped_by_the_daemon
         server.stop(1.0)
         store.close()
         catalog.close()
+
+
+@contextlib.contextmanager
+def in_process_daemon(tmp_path: Path, **limits: object) -> Iterator[tuple[BlockServiceCore, str]]:
+    """A daemon's core and TCP front in this process (RAM only): for what a test must reach
+    into, such as a tenant's read budget held from outside."""
+    store = TieredStore([HostTier(256 << 20)])
+    catalog = KeyCatalog(tmp_path / "keys.log")
+    core = BlockServiceCore("local", store, catalog, tokens=None, limits=dataclasses.replace(
+        DaemonLimits.scaled(256 << 20, 256 << 20), **limits))  # type: ignore[arg-type]
+    server = TcpFront(core, "127.0.0.1")
+    try:
+        yield core, f"127.0.0.1:{server.start()}"
+    finally:
+        server.stop(1.0)
+        store.close()
+        catalog.close()
+
+
+def read_replies(sock: socket.socket, count: int) -> list[tuple[tp.Reply, bytes, bytes]]:
+    """`count` replies read off a live connection: (head, message, header + payload)."""
+    def take(size: int) -> bytes:
+        buf = bytearray(size)
+        recv_exact(sock, memoryview(buf))
+        return bytes(buf)
+
+    out = []
+    for _ in range(count):
+        head = decode_reply_head(take(REPLY_HEAD.size))
+        out.append((head, take(head.message_len), take(head.header_len + head.payload_len)))
+    return out
+
+
+def test_get_many_answers_every_hash_in_order_in_one_request(tmp_path: Path) -> None:
+    """GET_MANY: one reply per hash, in order, hits and misses mixed, payloads straight into
+    the callers' buffers; more blocks than one send of the daemon holds (8 MiB, 256 pieces),
+    so its batches are cut and sent in turn."""
+    with in_process_daemon(tmp_path) as (core, address):
+        c = TcpBlockTransport("l", address)
+        keys = [block_key(i) for i in range(3000, 3040)]
+        frames = [make_frame(k, layers=4, segment_bytes=75_000 + 1000 * (i % 3))
+                  for i, k in enumerate(keys)]
+        stored = [i % 5 != 2 for i in range(len(keys))]
+        assert c.put(SCOPE, [(k.block_hash, f) for k, f, s in zip(keys, frames, stored, strict=True)
+                             if s], timeout=T) == [True] * sum(stored)
+        before = core.counters()
+        outs = [bytearray(len(f)) for f in frames]
+        reads = c.get_into(SCOPE, [(k.block_hash, o) for k, o in zip(keys, outs, strict=True)],
+                           timeout=T)
+        after = core.counters()
+        for key, frame, out, held, read in zip(keys, frames, outs, stored, reads, strict=True):
+            if not held:
+                assert read is None
+                continue
+            assert read is not None
+            read.verify()
+            read.verify_key(key.digest)
+            assert read.to_frame() == frame and bytes(out[:len(read.payload)]) == bytes(
+                read.payload)
+        assert after.hits - before.hits == sum(stored)
+        assert after.misses - before.misses == len(keys) - sum(stored)
+        assert after.get_bytes_sent - before.get_bytes_sent == sum(
+            len(r.payload) for r in reads if r is not None)
+        # On the wire: one request, its replies in the order asked.
+        host, port = address.rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=T) as sock:
+            asked = [keys[0], block_key(9999), keys[1]]
+            send_parts(sock, encode_batch(OP_GET_MANY, SCOPE, [k.block_hash for k in asked],
+                                          b""))
+            got = read_replies(sock, 3)
+            assert [(h.status, h.result, h.close) for h, _, _ in got] == [
+                (OK, True, False), (OK, False, False), (OK, True, False)]
+            assert got[2][2][got[2][0].header_len:] == bytes(reads[1].payload)  # type: ignore[union-attr]
+            # A body that does not parse leaves the count unknown: one refusal, then the end.
+            head_and_tail, body = encode_batch(OP_GET_MANY, SCOPE, [b"x"], b"")
+            sock.sendall(head_and_tail + b"\x00" * len(body))
+            ((head, message, _),) = read_replies(sock, 1)
+            assert (head.status, head.close) == (RefusalReason.INVALID_ARGUMENT, True)
+            assert b"bad batch" in message
+            assert sock.recv(1) == b""
+        c.close()
+
+
+def reads_given_back(core: BlockServiceCore) -> dict[str, tuple[int, int]]:
+    """The reads still held once the daemon's threads are past their sends (a client can
+    read the last reply before the thread that sent it gives its budget back)."""
+    deadline = time.monotonic() + 5
+    while core.budgets.reads_held() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return core.budgets.reads_held()
+
+
+def test_get_many_under_a_short_read_budget(tmp_path: Path) -> None:
+    """A tenant's read budget (M1) holds a GET_MANY's blocks only until they are sent: a
+    batch whose next block would pass it is sent first, so a budget of two blocks still
+    serves ten; with most of the budget held elsewhere, every block is refused
+    (RESOURCE_EXHAUSTED), the connection stays in step, and nothing stays held."""
+    with in_process_daemon(tmp_path, read_bytes=3 << 20) as (core, address):
+        c = TcpBlockTransport("l", address)
+        keys = [block_key(i) for i in range(3100, 3110)]
+        frames = [make_frame(k, layers=4, segment_bytes=300_000) for k in keys]  # 1.2 MB
+        assert c.put(SCOPE, [(k.block_hash, f) for k, f in zip(keys, frames, strict=True)],
+                     timeout=T) == [True] * 10
+        items: list[tuple[bytes, bytearray | None]] = [(k.block_hash, None) for k in keys]
+        reads = c.get_into(SCOPE, items, timeout=T)
+        assert [r.to_frame() if r else None for r in reads] == frames
+        assert reads_given_back(core) == {}
+        # another reader of tenant-a holds all but 1 MB of the budget
+        with core.read_bytes(SCOPE, (3 << 20) - 1_000_000), \
+                pytest.raises(TierError, match="RESOURCE_EXHAUSTED"):
+            c.get_into(SCOPE, items, timeout=T)
+        assert reads_given_back(core) == {}
+        reads = c.get_into(SCOPE, items, timeout=T)  # the same pooled connection, in step
+        assert all(r is not None for r in reads)
+        c.close()
+
+
+def test_a_daemon_without_get_many_is_sent_single_gets(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A daemon of an older release answers GET_MANY as an unknown op (INVALID_ARGUMENT, then
+    it closes the connection): the client sends that window again as single pipelined GETs,
+    and only single GETs from then on."""
+    from kvstore.daemon import tcp_front
+
+    asked: list[int] = []
+
+    def older(raw: bytes | bytearray | memoryview) -> tp.Request:
+        asked.append(raw[5])
+        if raw[5] == OP_GET_MANY:
+            raise ValueError(f"unknown op {raw[5]}")
+        return decode_request_head(raw)
+
+    monkeypatch.setattr(tcp_front, "decode_request_head", older)
+    with in_process_daemon(tmp_path) as (_, address):
+        c = TcpBlockTransport("l", address)
+        keys = [block_key(i) for i in range(3200, 3203)]
+        frames = [make_frame(k) for k in keys]
+        assert c.put(SCOPE, [(k.block_hash, f) for k, f in zip(keys, frames, strict=True)],
+                     timeout=T) == [True] * 3
+        items: list[tuple[bytes, bytearray | None]] = [(k.block_hash, None) for k in keys]
+        for _ in range(2):
+            reads = c.get_into(SCOPE, items, timeout=T)
+            assert [r.to_frame() if r else None for r in reads] == frames
+        assert asked == [OP_PUT] * 3 + [OP_GET_MANY] + [OP_GET] * 6
+        c.close()
 
 
 # -- a real daemon -----------------------------------------------------------------------------
@@ -583,7 +733,25 @@ def test_auth_and_tenants_on_the_data_plane(tmp_path: Path) -> None:
             with pytest.raises(ConfigError):
                 b_transport.lookup(SCOPE, [key.block_hash], timeout=T)
             assert b_transport.lookup(b_scope, [key.block_hash], timeout=T) == [False]
+            with pytest.raises(ConfigError):
+                b_transport.get_into(SCOPE, [(key.block_hash, None)] * 3, timeout=T)
+            assert b_transport.get_into(b_scope, [(key.block_hash, None)] * 3,
+                                        timeout=T) == [None] * 3
         b_transport.close()
+        # On the wire: a GET_MANY refused for its scope is answered once per hash and the
+        # connection stays in step; one without a token is answered once, and closed.
+        with socket.create_connection(("127.0.0.1", port), timeout=T) as sock:
+            hashes = [key.block_hash, b"other", key.block_hash]
+            send_parts(sock, encode_batch(OP_GET_MANY, SCOPE, hashes, TOKEN_B.encode()))
+            assert [(h.status, h.close) for h, _, _ in read_replies(sock, 3)] == [
+                (RefusalReason.PERMISSION_DENIED, False)] * 3
+            send_parts(sock, encode_batch(OP_GET_MANY, SCOPE, hashes, TOKEN_A.encode()))
+            assert [(h.status, h.result, len(data) > 0) for h, _, data in read_replies(
+                sock, 3)] == [(OK, True, True), (OK, False, False), (OK, True, True)]
+            send_parts(sock, encode_batch(OP_GET_MANY, SCOPE, hashes, b""))
+            ((head, _, _),) = read_replies(sock, 1)
+            assert (head.status, head.close) == (RefusalReason.UNAUTHENTICATED, True)
+            assert sock.recv(1) == b""
         owner.close()
         other.close()
     finally:
@@ -712,7 +880,8 @@ def _valid_requests() -> list[bytes]:
     return [put_request(100, frame),
             encode_request(OP_GET, SCOPE, key.block_hash, b"", layers=LayerRange(0, 2)),
             encode_request(OP_GET, SCOPE, key.block_hash, b""),
-            b"".join(encode_lookup(SCOPE, [key.block_hash, b"other"], b""))]
+            b"".join(encode_batch(OP_LOOKUP, SCOPE, [key.block_hash, b"other"], b"")),
+            b"".join(encode_batch(OP_GET_MANY, SCOPE, [b"other", key.block_hash], b""))]
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow,

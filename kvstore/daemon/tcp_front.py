@@ -36,18 +36,21 @@ import threading
 import time
 
 from kvstore.daemon.auth import Principal
+from kvstore.daemon.block_io import OutgoingBlock
 from kvstore.daemon.core import BlockServiceCore
 from kvstore.daemon.metrics import DaemonMetrics, timed_call
+from kvstore.keys import BlockKey
 from kvstore.net.limits import MAX_FRAME_BYTES
 from kvstore.net.refusal import OK, Refusal, RefusalReason
 from kvstore.net.scope import Scope
 from kvstore.net.tcp_protocol import (
     OP_GET,
+    OP_GET_MANY,
     OP_LOOKUP,
     OP_PUT,
     REQUEST_HEAD,
     Request,
-    decode_lookup_body,
+    decode_batch_body,
     decode_request_head,
     encode_reply,
     recv_exact,
@@ -62,7 +65,15 @@ _DISCARD_BYTES = 1 << 20
 # A refused PUT's body is read and dropped (the connection stays in step) up to this size, a
 # client's pipelining window (tcp_transport.py); past it the connection is closed instead.
 _DISCARD_MAX_BYTES = 64 << 20
-_OP_NAMES = {OP_GET: "Get", OP_LOOKUP: "Lookup", OP_PUT: "Put"}  # metrics' method labels
+_OP_NAMES = {OP_GET: "Get", OP_GET_MANY: "GetMany", OP_LOOKUP: "Lookup",
+             OP_PUT: "Put"}  # metrics' method labels
+# A GET_MANY's replies go out together up to these bounds (one sendmsg for several blocks),
+# each block's pages pinned and its bytes held against its tenant's read budget until sent.
+# Small enough that the client parses the first blocks while the daemon gathers the next:
+# 32 x 256 KiB blocks a request, three rounds, GB/s: 1 MiB / 64 pieces 1.92, 1.58, 1.15;
+# 512 KiB / 32: 1.46, 1.24, 1.23; 8 MiB / 256: 1.23, 1.18, 1.10 (single GETs: ~0.77).
+_BATCH_SEND_BYTES = 1 << 20
+_BATCH_SEND_PIECES = 64
 
 
 def send_by(sock: socket.socket, parts: list[bytes | memoryview], deadline: float) -> None:
@@ -74,7 +85,7 @@ def send_by(sock: socket.socket, parts: list[bytes | memoryview], deadline: floa
         if left <= 0:
             raise TimeoutError("the reader did not take the block within its send deadline")
         sock.settimeout(min(left, 30.0))
-        n = sock.sendmsg(views[:64])
+        n = sock.sendmsg(views[:512])
         while n:
             if n >= len(views[0]):
                 n -= len(views[0])
@@ -102,6 +113,102 @@ class _Close(Exception):
     def __init__(self, refusal: Refusal) -> None:
         super().__init__(refusal.message)
         self.refusal = refusal
+
+
+class _Repeated(Exception):
+    """A refusal of a whole GET_MANY: answered once for each of its `count` hashes."""
+
+    def __init__(self, refusal: Refusal, count: int) -> None:
+        super().__init__(refusal.message)
+        self.refusal = refusal
+        self.count = count
+
+
+class _GetReplies:
+    """GET replies on their way to one client, gathered so that several go out in one sendmsg.
+    A hit's pages stay borrowed, and its bytes held against its tenant's (and token's) read
+    budget, until it is sent (M1); a batch is sent once it reaches `_BATCH_SEND_BYTES` or
+    `_BATCH_SEND_PIECES`, and at the end. Misses and refused blocks are replies of their own,
+    in order."""
+
+    def __init__(self, core: BlockServiceCore, sock: socket.socket, scope: Scope,
+                 principal: Principal | None) -> None:
+        self._core = core
+        self._sock = sock
+        self._scope = scope
+        self._principal = principal
+        self._parts: list[bytes | memoryview] = []
+        self._blocks: list[OutgoingBlock] = []
+        self._held = contextlib.ExitStack()
+        self._bytes = 0
+
+    def add(self, key: BlockKey, layers: tuple[int, int] | None) -> None:
+        """One block's reply: a hit, a miss, or a refusal (the tenant's read budget, a bad
+        layer range), sending what is gathered first when this block would pass the bounds."""
+        core = self._core
+        try:
+            block = core.open_read(key, layers)
+        except Refusal as refusal:
+            self._parts.append(encode_reply(refusal.reason, message=refusal.message))
+            return
+        if block is None:
+            self._parts.append(encode_reply(OK, result=False))
+            return
+        try:
+            if self._blocks and (self._bytes + block.size > _BATCH_SEND_BYTES
+                                 or len(self._parts) + len(block.pieces) > _BATCH_SEND_PIECES):
+                self.send()
+            held = self._hold(block)
+        except BaseException:
+            block.finish()
+            raise
+        if not held:
+            block.finish()
+            return
+        self._parts += [encode_reply(OK, result=True, header=block.header.pack(),
+                                     layers=(block.layers.start, block.layers.stop),
+                                     payload_len=block.size), *block.pieces]
+
+    def _hold(self, block: OutgoingBlock) -> bool:
+        """Charge the block's bytes to the read budget, sending what is gathered first if the
+        budget is short; False (and a refusal as the block's reply) when it is short even
+        then."""
+        try:
+            self._held.enter_context(self._core.read_bytes(self._scope, block.size,
+                                                           self._principal))
+        except Refusal as refusal:
+            if not self._blocks:
+                self._parts.append(encode_reply(refusal.reason, message=refusal.message))
+                return False
+            self.send()
+            return self._hold(block)
+        self._blocks.append(block)
+        self._bytes += block.size
+        return True
+
+    def send(self) -> None:
+        """Send what is gathered, then release its blocks and budget. Counted before the
+        send: counted after, a client that has read a block could ask Stat (another
+        connection) before this thread counts it. A reader too slow for the batch's
+        `get_deadline` loses the connection, so it cannot pin the pages for long (M1)."""
+        try:
+            if self._parts:
+                if self._bytes:
+                    self._core.count(get_bytes_sent=self._bytes)
+                send_by(self._sock, self._parts,
+                        time.monotonic() + self._core.limits.get_deadline(self._bytes))
+        finally:
+            self.release()
+
+    def release(self) -> None:
+        """Give back the blocks (a copy lent unverified is checked now, as the client does)
+        and their budget, sent or not."""
+        blocks, self._blocks, self._parts, self._bytes = self._blocks, [], [], 0
+        try:
+            for block in blocks:
+                block.finish()
+        finally:
+            self._held.close()
 
 
 class _Connection:
@@ -339,6 +446,8 @@ class TcpFront:
             try:
                 if request.op == OP_GET:
                     self._get(conn, request, tail)
+                elif request.op == OP_GET_MANY:
+                    self._get_many(conn, request, tail, deadline)
                 elif request.op == OP_LOOKUP:
                     self._lookup(conn, request, tail, deadline)
                 else:
@@ -351,6 +460,10 @@ class TcpFront:
             except Refusal as refusal:
                 call.code = refusal.reason
                 send_parts(sock, [encode_reply(refusal.reason, message=refusal.message)])
+            except _Repeated as repeated:
+                call.code = repeated.refusal.reason
+                reply = encode_reply(repeated.refusal.reason, message=repeated.refusal.message)
+                send_parts(sock, [reply] * repeated.count)
         return True
 
     def _scope(self, conn: _Connection, request: Request, tail: bytearray
@@ -380,33 +493,57 @@ class TcpFront:
         return self._core.scope(principal, request.fingerprint, tenant, salt), bytes(tail[pos:])
 
     def _get(self, conn: _Connection, request: Request, tail: bytearray) -> None:
-        sock, core = conn.sock, self._core
+        core = self._core
         scope, block_hash = self._scope(conn, request, tail)
         with core.read_stream(scope, conn.principal):  # M1: reads in progress, per tenant
-            block = core.open_read(core.key(scope, block_hash), request.layers)
-            if block is None:
-                send_parts(sock, [encode_reply(OK, result=False)])
-                return
-            try:
-                # The pages (or the buffer) it holds count against the tenant's read bytes
-                # until sent; a reader too slow for `get_deadline` loses the connection, so a
-                # trickling reader cannot pin them for long (M1).
-                with core.read_bytes(scope, block.size, conn.principal):
-                    reply = encode_reply(OK, result=True, header=block.header.pack(),
-                                         layers=(block.layers.start, block.layers.stop),
-                                         payload_len=block.size)
-                    deadline = time.monotonic() + core.limits.get_deadline(block.size)
-                    # Counted before the send: counted after, a client that has read the
-                    # block could ask Stat (another connection) before this thread counts it.
-                    core.count(get_bytes_sent=block.size)
-                    send_by(sock, [reply, *block.pieces], deadline)
-            finally:
-                block.finish()  # a copy lent unverified is checked now, as the client does
+            self._send_replies(conn, scope, [core.key(scope, block_hash)], request.layers)
+
+    def _get_many(self, conn: _Connection, request: Request, tail: bytearray,
+                  deadline: float) -> None:
+        """One GET reply per hash of the body, in order (tcp_protocol.py: GET_MANY). The body
+        is read whole before any refusal of its scope, so the connection stays in step, and a
+        refusal of the whole request is repeated for every hash; a body that does not parse
+        leaves the count unknown, so it ends the connection."""
+        sock, core = conn.sock, self._core
+        body = bytearray(request.body_len)
+        refused: Refusal | None = None
+        try:
+            scope, _ = self._scope(conn, request, tail)  # no token, or an unknown one: _Close
+        except Refusal as refusal:
+            refused = refusal
+        recv_exact(sock, memoryview(body), deadline)
+        try:
+            hashes = decode_batch_body(body)
+        except ValueError as exc:
+            raise _Close(Refusal(RefusalReason.INVALID_ARGUMENT, f"bad batch: {exc}")) from None
+        try:
+            if refused is not None:
+                raise refused
+            keys = core.keys(scope, hashes, remember=False)
+        except Refusal as refusal:  # nothing sent yet: the same answer for every hash
+            raise _Repeated(refusal, len(hashes)) from None
+        with contextlib.ExitStack() as holding:
+            try:  # M1: one of the tenant's read streams for the whole batch
+                holding.enter_context(core.read_stream(scope, conn.principal))
+            except Refusal as refusal:
+                raise _Repeated(refusal, len(hashes)) from None
+            self._send_replies(conn, scope, keys, None)
+
+    def _send_replies(self, conn: _Connection, scope: Scope, keys: list[BlockKey],
+                      layers: tuple[int, int] | None) -> None:
+        replies = _GetReplies(self._core, conn.sock, scope, conn.principal)
+        try:
+            for key in keys:
+                replies.add(key, layers)
+        except BaseException:
+            replies.release()
+            raise
+        replies.send()
 
     def _lookup(self, conn: _Connection, request: Request, tail: bytearray,
                 deadline: float) -> None:
         """Which of the body's hashes the daemon holds, one byte each. The body (at most
-        MAX_LOOKUP_BODY_BYTES) is read whole before any refusal of its scope, so the
+        MAX_BATCH_BODY_BYTES) is read whole before any refusal of its scope, so the
         connection stays in step; a missing or unknown token ends it unread."""
         sock, core = conn.sock, self._core
         body = bytearray(request.body_len)
@@ -417,7 +554,7 @@ class TcpFront:
             raise
         recv_exact(sock, memoryview(body), deadline)
         try:
-            hashes = decode_lookup_body(body)
+            hashes = decode_batch_body(body)
         except ValueError as exc:
             raise Refusal(RefusalReason.INVALID_ARGUMENT, f"bad lookup: {exc}") from None
         present = core.lookup(core.keys(scope, hashes))

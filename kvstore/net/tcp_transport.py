@@ -3,7 +3,8 @@
 A small pool of connections per daemon; each call takes one (or opens one) and gives it back
 only after a complete exchange. A connection that saw any error or timeout is closed, never
 reused. Batches of puts are pipelined: a window of requests goes out back to back, then its
-replies are read.
+replies are read. A batch of gets is one GET_MANY request per window (pipelined single GETs
+to a daemon that predates it).
 """
 
 from __future__ import annotations
@@ -28,12 +29,13 @@ from kvstore.net.scope import Scope
 from kvstore.net.tcp_protocol import (
     MAX_TOKEN_BYTES,
     OP_GET,
+    OP_GET_MANY,
     OP_LOOKUP,
     OP_PUT,
     REPLY_HEAD,
     Reply,
     decode_reply_head,
-    encode_lookup,
+    encode_batch,
     encode_request,
     recv_exact,
     send_parts,
@@ -76,6 +78,7 @@ class TcpBlockTransport:
         self._idle: list[socket.socket] = []
         self._lock = threading.Lock()
         self._closed = False
+        self._get_many = True  # until the daemon answers GET_MANY as an unknown op
 
     @property
     def kind(self) -> str:
@@ -94,20 +97,31 @@ class TcpBlockTransport:
 
     def get_into(self, scope: Scope, items: Sequence[tuple[bytes, Buffer | None]], *,
                  timeout: float) -> list[BlockRead | None]:
-        """Whole blocks, pipelined: a window of GETs goes out back to back, then their replies
-        are read, each payload straight into its `out` (when large enough), so a batch of
-        blocks costs one round trip per window, not per block. Unverified; None per miss.
-        Raises the first refusal of a window (after reading the rest of it)."""
+        """Whole blocks, batched: a window of hashes goes out as one GET_MANY request, then
+        its replies are read, each payload straight into its `out` (when large enough), so a
+        batch of blocks costs one round trip per window, not per block. Unverified; None per
+        miss. Raises the first refusal of a window (after reading the rest of it)."""
         what = f"get from {self.node_id}"
         deadline = time.monotonic() + timeout
         reads: list[BlockRead | None] = []
         for start in range(0, len(items), _WINDOW_BLOCKS):
             window = items[start:start + _WINDOW_BLOCKS]
-            requests: list[bytes | memoryview] = [
-                encode_request(OP_GET, scope, block_hash, self._token)
-                for block_hash, _ in window]
-            for result in self._exchange(what, OP_GET, requests, len(window),
-                                         [out for _, out in window], deadline):
+            outs = [out for _, out in window]
+            if self._get_many:
+                parts: list[bytes | memoryview] = [*encode_batch(
+                    OP_GET_MANY, scope, [block_hash for block_hash, _ in window], self._token)]
+                try:
+                    results = self._exchange(what, OP_GET_MANY, parts, len(window), outs,
+                                             deadline)
+                except TierError as exc:
+                    if "unknown op" not in str(exc):
+                        raise
+                    self._get_many = False  # a daemon of an older release
+            if not self._get_many:
+                parts = [encode_request(OP_GET, scope, block_hash, self._token)
+                         for block_hash, _ in window]
+                results = self._exchange(what, OP_GET, parts, len(window), outs, deadline)
+            for result in results:
                 assert result is None or isinstance(result, BlockRead)
                 reads.append(result)
         return reads
@@ -120,7 +134,8 @@ class TcpBlockTransport:
             return []
         what = f"lookup on {self.node_id}"
         try:
-            parts: list[bytes | memoryview] = [*encode_lookup(scope, block_hashes, self._token)]
+            parts: list[bytes | memoryview] = [
+                *encode_batch(OP_LOOKUP, scope, block_hashes, self._token)]
         except ValueError as exc:
             raise TierError(f"{what}: {exc}") from None
         try:
