@@ -6,7 +6,9 @@ reason's number as its status. Here: one accept thread, and one thread per conne
 serves its requests in order with blocking socket calls (they release the GIL while the kernel
 copies). A PUT is received straight into the host-tier pages the core reserved for it, and a
 GET is sent straight from the block's pages (`socket.sendmsg` of the core's pieces), so a block
-crosses the wire with one kernel copy each way.
+crosses the wire with one kernel copy each way. A GET_MANY is served as its GETs would be, one
+reply per block in order, but its request is parsed, authenticated and budgeted once, and its
+replies go out several to a sendmsg (`_GetReplies`).
 
 Timeouts (slowloris): a connection that has not had a request authenticated must send one,
 whole, within `preauth_timeout` seconds of opening (or of its last request); a request with a
@@ -19,9 +21,9 @@ connection takes the place of the longest idle one (unauthenticated first), so i
 connections never lock clients out. Connections that have not authenticated yet are capped
 apart (`max_unauthenticated`; at the cap the oldest of them goes, busy or not: one byte no
 longer holds a slot), and so are connections from one source address (`max_per_address`),
-so reconnecting unauthenticated clients cannot fill the data plane (M5). A GET must be taken
-by its reader within `get_deadline` (30 s plus size / the minimum rate), and holds its tenant's
-read budgets while it is sent (M1).
+so reconnecting unauthenticated clients cannot fill the data plane (M5). A GET (each send of
+a GET_MANY's replies) must be taken by its reader within `get_deadline` (30 s plus size / the
+minimum rate), and holds its tenant's read budgets while it is sent (M1).
 
 Stop: `stop()` closes the listener, waits up to `drain_timeout` for requests in progress to
 finish (the core refuses new PUTs once it is draining), then shuts every connection down.
@@ -141,6 +143,8 @@ class _GetReplies:
         self._blocks: list[OutgoingBlock] = []
         self._held = contextlib.ExitStack()
         self._bytes = 0
+        self.refused: RefusalReason | None = None
+        """The first refusal among the replies (the request's status in the metrics)."""
 
     def add(self, key: BlockKey, layers: tuple[int, int] | None) -> None:
         """One block's reply: a hit, a miss, or a refusal (the tenant's read budget, a bad
@@ -149,7 +153,7 @@ class _GetReplies:
         try:
             block = core.open_read(key, layers)
         except Refusal as refusal:
-            self._parts.append(encode_reply(refusal.reason, message=refusal.message))
+            self._refuse(refusal)
             return
         if block is None:
             self._parts.append(encode_reply(OK, result=False))
@@ -178,13 +182,17 @@ class _GetReplies:
                                                            self._principal))
         except Refusal as refusal:
             if not self._blocks:
-                self._parts.append(encode_reply(refusal.reason, message=refusal.message))
+                self._refuse(refusal)
                 return False
             self.send()
             return self._hold(block)
         self._blocks.append(block)
         self._bytes += block.size
         return True
+
+    def _refuse(self, refusal: Refusal) -> None:
+        self._parts.append(encode_reply(refusal.reason, message=refusal.message))
+        self.refused = self.refused or refusal.reason
 
     def send(self) -> None:
         """Send what is gathered, then release its blocks and budget. Counted before the
@@ -444,10 +452,11 @@ class TcpFront:
         recv_exact(sock, memoryview(tail), deadline)
         with timed_call(self._metrics, "tcp", _OP_NAMES[request.op]) as call:
             try:
-                if request.op == OP_GET:
-                    self._get(conn, request, tail)
-                elif request.op == OP_GET_MANY:
-                    self._get_many(conn, request, tail, deadline)
+                if request.op in (OP_GET, OP_GET_MANY):
+                    refused = (self._get(conn, request, tail) if request.op == OP_GET
+                               else self._get_many(conn, request, tail, deadline))
+                    if refused is not None:  # a block's reply was a refusal
+                        call.code = refused
                 elif request.op == OP_LOOKUP:
                     self._lookup(conn, request, tail, deadline)
                 else:
@@ -492,14 +501,16 @@ class TcpFront:
             raise Refusal(RefusalReason.INVALID_ARGUMENT, f"bad scope: {exc}") from None
         return self._core.scope(principal, request.fingerprint, tenant, salt), bytes(tail[pos:])
 
-    def _get(self, conn: _Connection, request: Request, tail: bytearray) -> None:
+    def _get(self, conn: _Connection, request: Request, tail: bytearray
+             ) -> RefusalReason | None:
         core = self._core
         scope, block_hash = self._scope(conn, request, tail)
         with core.read_stream(scope, conn.principal):  # M1: reads in progress, per tenant
-            self._send_replies(conn, scope, [core.key(scope, block_hash)], request.layers)
+            return self._send_replies(conn, scope, [core.key(scope, block_hash)],
+                                      request.layers)
 
     def _get_many(self, conn: _Connection, request: Request, tail: bytearray,
-                  deadline: float) -> None:
+                  deadline: float) -> RefusalReason | None:
         """One GET reply per hash of the body, in order (tcp_protocol.py: GET_MANY). The body
         is read whole before any refusal of its scope, so the connection stays in step, and a
         refusal of the whole request is repeated for every hash; a body that does not parse
@@ -527,10 +538,11 @@ class TcpFront:
                 holding.enter_context(core.read_stream(scope, conn.principal))
             except Refusal as refusal:
                 raise _Repeated(refusal, len(hashes)) from None
-            self._send_replies(conn, scope, keys, None)
+            return self._send_replies(conn, scope, keys, None)
 
     def _send_replies(self, conn: _Connection, scope: Scope, keys: list[BlockKey],
-                      layers: tuple[int, int] | None) -> None:
+                      layers: tuple[int, int] | None) -> RefusalReason | None:
+        """Every key's GET reply, in order; the first refusal among them, if any."""
         replies = _GetReplies(self._core, conn.sock, scope, conn.principal)
         try:
             for key in keys:
@@ -539,6 +551,7 @@ class TcpFront:
             replies.release()
             raise
         replies.send()
+        return replies.refused
 
     def _lookup(self, conn: _Connection, request: Request, tail: bytearray,
                 deadline: float) -> None:
