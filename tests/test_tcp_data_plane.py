@@ -265,20 +265,32 @@ def test_data_listen_configuration(tmp_path: Path) -> None:
 # -- the server in this process ----------------------------------------------------------------
 
 
-@pytest.fixture
-def local_server(tmp_path: Path) -> Iterator[tuple[TcpFront, str]]:
-    store = TieredStore([HostTier(64 << 20)])
+@contextlib.contextmanager
+def in_process_daemon(tmp_path: Path, *, ram: int = 256 << 20,
+                      front: dict[str, float] | None = None, **limits: object
+                      ) -> Iterator[tuple[BlockServiceCore, TcpFront, str]]:
+    """A daemon's core and TCP front in this process (RAM only, `limits` over the scaled
+    defaults, `front` for TcpFront): for what a test must reach into, such as a tenant's read
+    budget held from outside, or the front's connection limits."""
+    store = TieredStore([HostTier(ram)])
     catalog = KeyCatalog(tmp_path / "keys.log")
-    limits = dataclasses.replace(DaemonLimits.scaled(64 << 20, 64 << 20), put_idle_s=2.0)
-    core = BlockServiceCore("local", store, catalog, tokens=None, limits=limits)
-    server = TcpFront(core, "127.0.0.1", max_connections=1, request_timeout=2.0)
-    port = server.start()
+    core = BlockServiceCore("local", store, catalog, tokens=None, limits=dataclasses.replace(
+        DaemonLimits.scaled(ram, ram), **limits))  # type: ignore[arg-type]
+    server = TcpFront(core, "127.0.0.1", **(front or {}))  # type: ignore[arg-type]
     try:
-        yield server, f"127.0.0.1:{port}"
+        yield core, server, f"127.0.0.1:{server.start()}"
     finally:
         server.stop(1.0)
         store.close()
         catalog.close()
+
+
+@pytest.fixture
+def local_server(tmp_path: Path) -> Iterator[tuple[TcpFront, str]]:
+    with in_process_daemon(tmp_path, ram=64 << 20, put_idle_s=2.0,
+                           front={"max_connections": 1, "request_timeout": 2.0}
+                           ) as (_, server, address):
+        yield server, address
 
 
 def _wait_idle(server: TcpFront) -> None:
@@ -375,23 +387,6 @@ def test_a_corrupt_copy_in_ram_is_caught_by_the_client_and_dropped_by_the_daemon
         catalog.close()
 
 
-@contextlib.contextmanager
-def in_process_daemon(tmp_path: Path, **limits: object) -> Iterator[tuple[BlockServiceCore, str]]:
-    """A daemon's core and TCP front in this process (RAM only): for what a test must reach
-    into, such as a tenant's read budget held from outside."""
-    store = TieredStore([HostTier(256 << 20)])
-    catalog = KeyCatalog(tmp_path / "keys.log")
-    core = BlockServiceCore("local", store, catalog, tokens=None, limits=dataclasses.replace(
-        DaemonLimits.scaled(256 << 20, 256 << 20), **limits))  # type: ignore[arg-type]
-    server = TcpFront(core, "127.0.0.1")
-    try:
-        yield core, f"127.0.0.1:{server.start()}"
-    finally:
-        server.stop(1.0)
-        store.close()
-        catalog.close()
-
-
 def read_replies(sock: socket.socket, count: int) -> list[tuple[tp.Reply, bytes, bytes]]:
     """`count` replies read off a live connection: (head, message, header + payload)."""
     def take(size: int) -> bytes:
@@ -410,7 +405,7 @@ def test_get_many_answers_every_hash_in_order_in_one_request(tmp_path: Path) -> 
     """GET_MANY: one reply per hash, in order, hits and misses mixed, payloads straight into
     the callers' buffers; more blocks than one send of the daemon holds (8 MiB, 256 pieces),
     so its batches are cut and sent in turn."""
-    with in_process_daemon(tmp_path) as (core, address):
+    with in_process_daemon(tmp_path) as (core, _, address):
         c = TcpBlockTransport("l", address)
         keys = [block_key(i) for i in range(3000, 3040)]
         frames = [make_frame(k, layers=4, segment_bytes=75_000 + 1000 * (i % 3))
@@ -470,7 +465,7 @@ def test_get_many_under_a_short_read_budget(tmp_path: Path) -> None:
     batch whose next block would pass it is sent first, so a budget of two blocks still
     serves ten; with most of the budget held elsewhere, every block is refused
     (RESOURCE_EXHAUSTED), the connection stays in step, and nothing stays held."""
-    with in_process_daemon(tmp_path, read_bytes=3 << 20) as (core, address):
+    with in_process_daemon(tmp_path, read_bytes=3 << 20) as (core, _, address):
         c = TcpBlockTransport("l", address)
         keys = [block_key(i) for i in range(3100, 3110)]
         frames = [make_frame(k, layers=4, segment_bytes=300_000) for k in keys]  # 1.2 MB
@@ -506,7 +501,7 @@ def test_a_daemon_without_get_many_is_sent_single_gets(tmp_path: Path,
         return decode_request_head(raw)
 
     monkeypatch.setattr(tcp_front, "decode_request_head", older)
-    with in_process_daemon(tmp_path) as (_, address):
+    with in_process_daemon(tmp_path) as (_, _, address):
         c = TcpBlockTransport("l", address)
         keys = [block_key(i) for i in range(3200, 3203)]
         frames = [make_frame(k) for k in keys]
