@@ -709,6 +709,8 @@ def test_auth_and_tenants_on_the_data_plane(tmp_path: Path) -> None:
                 c.get(SCOPE, key.block_hash, timeout=T)
             with pytest.raises(ConfigError):
                 c.lookup(SCOPE, [key.block_hash], timeout=T)
+            with pytest.raises(ConfigError):  # not an unwell daemon (the breakers' kind)
+                c.get_into(SCOPE, [(key.block_hash, None)] * 3, timeout=T)
             c.close()
         owner = DaemonClient("sec", d.address, token=TOKEN_A)
         assert owner.lookup(SCOPE, [key.block_hash], timeout=T) == [False]  # nothing stored

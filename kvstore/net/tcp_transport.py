@@ -245,7 +245,9 @@ class TcpBlockTransport:
                 reply = decode_reply_head(head)
                 message = self._read(sock, reply.message_len, what, deadline)
                 keep = not reply.close
-                if reply.close and i < count - 1:
+                # A refusal that closes the connection early is raised as its own status (a
+                # missing token is ConfigError, not an unwell daemon for the breakers).
+                if reply.close and reply.status == OK and i < count - 1:
                     refused = refused or TierUnavailable(
                         f"{what}: the daemon closed the connection after {i + 1} of {count} "
                         f"replies: {message.decode(errors='replace')}")
