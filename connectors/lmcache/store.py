@@ -6,7 +6,7 @@ kvkeep daemons, with every failure turned into a miss. Nothing here imports LMCa
   daemon. With `skip_present`, one batched lookup first leaves out what the daemons hold.
 - lookup: one batched lookup per daemon.
 - load: a task's objects are fetched in up to `load_threads` slices in parallel, each slice
-  one pipelined request stream (one round trip, not one per object), each object straight
+  one batched request stream (one request per window, not one per object), each object straight
   into the caller's buffer; the remote tier verifies checksums and key binding before a read
   counts, and a read of another format or size is a miss. A failed or corrupt read may have
   written into the caller's buffer, but it is reported as a miss, so LMCache never uses those
@@ -125,7 +125,7 @@ class ObjectStore:
         views = [byte_view(out) for out in outs]
         if any(view.readonly for view in views):
             raise ValueError("load buffers must be writable")
-        # A task's objects in up to `load_threads` slices, each one pipelined request stream
+        # A task's objects in up to `load_threads` slices, each one batched request stream
         # per daemon (one round trip per slice, not per object). One slice is the default: on
         # a 2-core machine, 32 objects of 256 KiB load at 0.87 GB/s in one stream and at
         # 0.55 in two or four, which contend for the daemon's and this process's interpreter

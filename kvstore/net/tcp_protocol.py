@@ -78,7 +78,8 @@ Rules, the same as over gRPC: both fronts ask the daemon's one core (kvstore/dae
   body read and discarded, so the connection stays usable; a bigger one is answered with the
   close flag set (its body is never read). A request that breaks the framing (bad magic,
   version, op, flags, lengths, fields that must be zero) is answered with the close flag set,
-  and the daemon closes the connection. A missing or unknown token is answered with the close
+  and the daemon closes the connection; so is a GET_MANY whose body does not parse (the count
+  of replies it is owed is unknown). A missing or unknown token is answered with the close
   flag set too, as is everything by a daemon shutting down (UNAVAILABLE).
 - Slow clients (slowloris): a connection must send an authenticated request within a few
   seconds of opening, and each request's head must arrive within a bound however slowly it

@@ -21,7 +21,7 @@ special-cases a tier by name, and it imports no concrete tier: what a tier can d
   block up into the tiers above it (in the background because it needs the whole frame and a
   copy, and a get must not pay for either). `get_many` walks tier by tier with the keys no
   tier above had; a tier that reads batches (`SupportsBatchedGet`) gets a batch of whole-block
-  reads in one call (one pipelined stream per remote node, not a round trip per block).
+  reads in one call (one batched stream per remote node, not a round trip per block).
 - reads before writes: background writers wait while reads are in flight on the tier they are
   about to write to, for at most `read_priority_max_wait_s` per batch so they cannot starve.
 - lookup: the longest contiguous prefix of keys held by any tier, one batched `contains` per
@@ -173,7 +173,7 @@ class TieredStore:
         """`get` for each key under one shared deadline; `outs`, if given, one buffer per key.
 
         Tier by tier: each tier is asked for the keys no tier above it had, and a tier that
-        reads batches (`SupportsBatchedGet`: the remote daemons, one pipelined stream per node)
+        reads batches (`SupportsBatchedGet`: the remote daemons, one batched stream per node)
         gets them in one call when whole blocks are wanted, instead of one round trip per
         block. The results are what `get` per key gives: verified, promoted, counted."""
         if outs is not None and len(outs) != len(keys):

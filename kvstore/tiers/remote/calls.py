@@ -37,8 +37,9 @@ def lookup_call(peers: PeerSet, node: str, keys: list[BlockKey], deadline: float
 
 def get_into_call(peers: PeerSet, node: str, keys: list[BlockKey], outs: list[Buffer | None],
                   deadline: float) -> Callable[[], list[BlockRead | None]]:
-    """Whole blocks from one daemon, pipelined (its client's `get_into`), each payload into
-    its buffer; per key the unverified read or None."""
+    """Whole blocks from one daemon, batched (its client's `get_into`: one GET_MANY request a
+    window over the data plane), each payload into its buffer; per key the unverified read or
+    None."""
     def call() -> list[BlockRead | None]:
         peer = peers.checked(node)
         reads: list[BlockRead | None] = [None] * len(keys)

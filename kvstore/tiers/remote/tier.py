@@ -240,8 +240,8 @@ class RemoteTier:
     def get_into(self, keys: Sequence[BlockKey], outs: Sequence[Buffer | None], *,
                  deadline: float | None = None) -> list[BlockRead | None]:
         """Verified whole blocks, each payload into its buffer where large enough; None per
-        miss. Every key is asked of its best-ranked usable daemon, pipelined per daemon (one
-        round trip per window of blocks, not per block; daemons in parallel); a key that daemon
+        miss. Every key is asked of its best-ranked usable daemon, batched per daemon (one
+        request per window of blocks, not per block; daemons in parallel); a key that daemon
         lacks, fails on or serves corrupt is then read alone by `get` (the other replicas, read
         repair), so the result is what `get` per key would give."""
         if len(keys) != len(outs):
