@@ -452,15 +452,17 @@ class TcpFront:
         recv_exact(sock, memoryview(tail), deadline)
         with timed_call(self._metrics, "tcp", _OP_NAMES[request.op]) as call:
             try:
-                if request.op in (OP_GET, OP_GET_MANY):
-                    refused = (self._get(conn, request, tail) if request.op == OP_GET
-                               else self._get_many(conn, request, tail, deadline))
-                    if refused is not None:  # a block's reply was a refusal
-                        call.code = refused
+                refused: RefusalReason | None = None  # a block's reply was a refusal
+                if request.op == OP_GET:
+                    refused = self._get(conn, request, tail)
+                elif request.op == OP_GET_MANY:
+                    refused = self._get_many(conn, request, tail, deadline)
                 elif request.op == OP_LOOKUP:
                     self._lookup(conn, request, tail, deadline)
                 else:
                     self._put(conn, request, tail)
+                if refused is not None:
+                    call.code = refused
             except _Close as closing:
                 call.code = closing.refusal.reason
                 send_parts(sock, [encode_reply(closing.refusal.reason, close=True,
@@ -515,21 +517,15 @@ class TcpFront:
         is read whole before any refusal of its scope, so the connection stays in step, and a
         refusal of the whole request is repeated for every hash; a body that does not parse
         leaves the count unknown, so it ends the connection."""
-        sock, core = conn.sock, self._core
-        body = bytearray(request.body_len)
-        refused: Refusal | None = None
-        try:
-            scope, _ = self._scope(conn, request, tail)  # no token, or an unknown one: _Close
-        except Refusal as refusal:
-            refused = refusal
-        recv_exact(sock, memoryview(body), deadline)
+        core = self._core
+        scope, body = self._batch(conn, request, tail, deadline)
         try:
             hashes = decode_batch_body(body)
         except ValueError as exc:
             raise _Close(Refusal(RefusalReason.INVALID_ARGUMENT, f"bad batch: {exc}")) from None
         try:
-            if refused is not None:
-                raise refused
+            if isinstance(scope, Refusal):
+                raise scope
             keys = core.keys(scope, hashes, remember=False)
         except Refusal as refusal:  # nothing sent yet: the same answer for every hash
             raise _Repeated(refusal, len(hashes)) from None
@@ -553,19 +549,27 @@ class TcpFront:
         replies.send()
         return replies.refused
 
-    def _lookup(self, conn: _Connection, request: Request, tail: bytearray,
-                deadline: float) -> None:
-        """Which of the body's hashes the daemon holds, one byte each. The body (at most
-        MAX_BATCH_BODY_BYTES) is read whole before any refusal of its scope, so the
-        connection stays in step; a missing or unknown token ends it unread."""
-        sock, core = conn.sock, self._core
-        body = bytearray(request.body_len)
+    def _batch(self, conn: _Connection, request: Request, tail: bytearray, deadline: float
+               ) -> tuple[Scope | Refusal, bytearray]:
+        """A LOOKUP's or GET_MANY's scope (or its refusal) and its body (at most
+        MAX_BATCH_BODY_BYTES), read whole either way so the connection stays in step; a
+        missing or unknown token (_Close) ends the connection with the body unread."""
+        scope: Scope | Refusal
         try:
             scope, _ = self._scope(conn, request, tail)
-        except Refusal:
-            recv_exact(sock, memoryview(body), deadline)
-            raise
-        recv_exact(sock, memoryview(body), deadline)
+        except Refusal as refusal:
+            scope = refusal
+        body = bytearray(request.body_len)
+        recv_exact(conn.sock, memoryview(body), deadline)
+        return scope, body
+
+    def _lookup(self, conn: _Connection, request: Request, tail: bytearray,
+                deadline: float) -> None:
+        """Which of the body's hashes the daemon holds, one byte each."""
+        sock, core = conn.sock, self._core
+        scope, body = self._batch(conn, request, tail, deadline)
+        if isinstance(scope, Refusal):
+            raise scope
         try:
             hashes = decode_batch_body(body)
         except ValueError as exc:

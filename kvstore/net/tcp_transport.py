@@ -105,26 +105,29 @@ class TcpBlockTransport:
         deadline = time.monotonic() + timeout
         reads: list[BlockRead | None] = []
         for start in range(0, len(items), _WINDOW_BLOCKS):
-            window = items[start:start + _WINDOW_BLOCKS]
-            outs = [out for _, out in window]
-            if self._get_many:
-                parts: list[bytes | memoryview] = [*encode_batch(
-                    OP_GET_MANY, scope, [block_hash for block_hash, _ in window], self._token)]
-                try:
-                    results = self._exchange(what, OP_GET_MANY, parts, len(window), outs,
-                                             deadline)
-                except TierError as exc:
-                    if "unknown op" not in str(exc):
-                        raise
-                    self._get_many = False  # a daemon of an older release
-            if not self._get_many:
-                parts = [encode_request(OP_GET, scope, block_hash, self._token)
-                         for block_hash, _ in window]
-                results = self._exchange(what, OP_GET, parts, len(window), outs, deadline)
-            for result in results:
+            for result in self._get_window(what, scope, items[start:start + _WINDOW_BLOCKS],
+                                           deadline):
                 assert result is None or isinstance(result, BlockRead)
                 reads.append(result)
         return reads
+
+    def _get_window(self, what: str, scope: Scope, window: Sequence[tuple[bytes, Buffer | None]],
+                    deadline: float) -> list[BlockRead | bool | bytes | None]:
+        """One GET_MANY for the window; pipelined single GETs to a daemon that predates it
+        (from then on)."""
+        hashes = [block_hash for block_hash, _ in window]
+        outs = [out for _, out in window]
+        if self._get_many:
+            parts: list[bytes | memoryview] = [
+                *encode_batch(OP_GET_MANY, scope, hashes, self._token)]
+            try:
+                return self._exchange(what, OP_GET_MANY, parts, len(window), outs, deadline)
+            except TierError as exc:
+                if not _unknown_op(exc):
+                    raise
+                self._get_many = False
+        parts = [encode_request(OP_GET, scope, block_hash, self._token) for block_hash in hashes]
+        return self._exchange(what, OP_GET, parts, len(window), outs, deadline)
 
     def lookup(self, scope: Scope, block_hashes: Sequence[bytes], *,
                timeout: float) -> list[bool]:
@@ -142,7 +145,7 @@ class TcpBlockTransport:
             (result,) = self._exchange(what, OP_LOOKUP, parts, 1, [],
                                        time.monotonic() + timeout)
         except TierError as exc:
-            if "unknown op" in str(exc):
+            if _unknown_op(exc):
                 raise LookupUnsupported(f"{what}: the daemon's data plane has no LOOKUP"
                                         ) from exc
             raise
@@ -355,6 +358,12 @@ class _Refusal(Exception):
         super().__init__(str(error))
         self.error = error
         self.keep = keep
+
+
+def _unknown_op(exc: TierError) -> bool:
+    """A daemon of an older release refused an op it does not know (INVALID_ARGUMENT, then it
+    closed the connection)."""
+    return "unknown op" in str(exc)
 
 
 def _remaining(what: str, deadline: float) -> float:
