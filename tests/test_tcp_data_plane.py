@@ -60,6 +60,7 @@ from kvstore.net.tcp_protocol import (
     encode_request,
     recv_exact,
     recv_into_pieces,
+    recv_whole,
     send_parts,
 )
 from kvstore.net.tcp_transport import LookupUnsupported, TcpBlockTransport
@@ -233,6 +234,67 @@ def test_scatter_send_and_receive_move_every_byte_in_order(sizes: list[int]) -> 
         a.close()
         with pytest.raises(ConnectionError):
             recv_exact(b, memoryview(bytearray(1)))
+    finally:
+        a.close()
+        b.close()
+
+
+@settings(max_examples=40, deadline=None)
+@given(sizes=st.lists(st.integers(0, 300_000), min_size=1, max_size=6))
+def test_waiting_reads_fill_every_piece_in_order(sizes: list[int]) -> None:
+    """recv_whole, the client's reply reader: a blocking socket, each read waiting for all it
+    asked (pieces larger than the socket's buffer included)."""
+    parts = [os.urandom(n) for n in sizes]
+    a, b = socket.socketpair()
+    try:
+        b.settimeout(None)
+        sender = threading.Thread(target=send_parts, args=(a, parts))
+        sender.start()
+        into = [memoryview(bytearray(n)) for n in reversed(sizes)]  # other boundaries
+        recv_whole(b, into, time.monotonic() + T)
+        sender.join()
+        assert b"".join(bytes(p) for p in into) == b"".join(parts)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_waiting_reads_end_at_the_deadline_or_the_peers_close() -> None:
+    a, b = socket.socketpair()
+    try:
+        b.settimeout(None)
+        # Nothing at all arrives: the deadline ends the read.
+        started = time.monotonic()
+        with pytest.raises(TimeoutError):
+            recv_whole(b, [memoryview(bytearray(10))], started + 0.3)
+        assert time.monotonic() - started < 1.5
+
+        # Bytes trickling in slower than asked: the deadline still ends the read.
+        def trickle() -> None:
+            with contextlib.suppress(OSError):
+                for _ in range(20):
+                    a.sendall(b"x")
+                    time.sleep(0.05)
+
+        sender = threading.Thread(target=trickle)
+        sender.start()
+        started = time.monotonic()
+        with pytest.raises(TimeoutError):
+            recv_whole(b, [memoryview(bytearray(1000))], started + 0.5)
+        assert 0.4 < time.monotonic() - started < 1.5
+        sender.join()
+    finally:
+        a.close()
+        b.close()
+    a, b = socket.socketpair()
+    try:
+        b.settimeout(None)
+        # The peer closes part way through a piece.
+        a.sendall(b"abc")
+        a.close()
+        with pytest.raises(ConnectionError):
+            recv_whole(b, [memoryview(bytearray(2)), memoryview(bytearray(10))],
+                       time.monotonic() + T)
     finally:
         a.close()
         b.close()

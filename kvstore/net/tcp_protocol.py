@@ -132,6 +132,7 @@ __all__ = [
     "decode_reply_head",
     "recv_exact",
     "recv_into_pieces",
+    "recv_whole",
     "send_parts",
 ]
 
@@ -158,6 +159,7 @@ MAX_HEADER_BYTES = 1 << 20
 """A frame header is at most 1 MiB whatever it claims (kvstore/frame.py)."""
 
 _MAX_IOV = 512  # buffers per sendmsg call (Linux allows 1024)
+_TIMEVAL = struct.Struct("@ll")  # struct timeval, for SO_RCVTIMEO
 
 
 @dataclass(frozen=True, slots=True)
@@ -321,6 +323,35 @@ def recv_into_pieces(sock: socket.socket, pieces: Sequence[memoryview],
     while i < len(views):
         _time_left(sock, deadline)
         n = sock.recvmsg_into(views[i:i + _MAX_IOV])[0]
+        if n == 0:
+            raise ConnectionError("connection closed by peer")
+        i = _advance(views, i, n)
+
+
+def recv_whole(sock: socket.socket, pieces: Sequence[memoryview], deadline: float) -> None:
+    """Fill every buffer of `pieces`, in order, from a socket in blocking mode
+    (`settimeout(None)`), each syscall waiting for all that is asked (MSG_WAITALL) up to what is
+    left of `deadline` (SO_RCVTIMEO); raises ConnectionError on EOF, TimeoutError past the
+    deadline.
+
+    Why not recv_into_pieces: with a Python timeout the socket is non-blocking, and each read
+    is a poll and a recv returning whatever has arrived, ~4-8 per 256 KiB block on loopback,
+    each releasing and retaking the interpreter lock. Under another busy Python thread (LMCache's
+    own, in the same process) every retake waits its turn. Here a block's message, frame
+    header, payload and the next reply's head are one syscall and one release."""
+    views = [p for p in pieces if len(p)]
+    i = 0
+    while i < len(views):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("deadline passed")
+        # A zero timeval means "no timeout": at least 1 us.
+        seconds, micros = divmod(max(1, int(left * 1e6)), 1_000_000)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _TIMEVAL.pack(seconds, micros))
+        try:
+            n = sock.recvmsg_into(views[i:i + _MAX_IOV], 0, socket.MSG_WAITALL)[0]
+        except BlockingIOError:  # SO_RCVTIMEO passed with nothing read: the loop checks time
+            continue
         if n == 0:
             raise ConnectionError("connection closed by peer")
         i = _advance(views, i, n)

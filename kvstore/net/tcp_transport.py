@@ -37,7 +37,7 @@ from kvstore.net.tcp_protocol import (
     decode_reply_head,
     encode_batch,
     encode_request,
-    recv_exact,
+    recv_whole,
     send_parts,
 )
 from kvstore.net.transport import FrameBytes, TransportUnreachable
@@ -239,15 +239,25 @@ class TcpBlockTransport:
         refused: KVKeepError | None = None
         keep = True
         try:
+            # Blocking from here on: each reply's rest and the next reply's head are one
+            # waiting read (recv_whole). A pooled socket's next use sets a timeout again.
+            sock.settimeout(None)
+            if n < len(head):
+                recv_whole(sock, [memoryview(head)[n:]], deadline)
             for i in range(count):
-                if i:
-                    n = 0
-                sock.settimeout(_remaining(what, deadline))
-                if n < len(head):
-                    recv_exact(sock, memoryview(head)[n:])
                 reply = decode_reply_head(head)
-                message = self._read(sock, reply.message_len, what, deadline)
-                keep = not reply.close
+                _check_shape(op, reply, what)
+                # A refusal carrying data is out of step: its data is not read, the connection
+                # not kept.
+                keep = not reply.close and (reply.status == OK or not (
+                    reply.header_len or reply.payload_len))
+                message = bytearray(reply.message_len)
+                header = bytearray(reply.header_len if reply.status == OK else 0)
+                payload = _payload_buffer(op, reply, outs[i] if i < len(outs) else None)
+                pieces = [memoryview(message), memoryview(header), payload]
+                if keep and i < count - 1:
+                    pieces.append(memoryview(head))
+                recv_whole(sock, pieces, deadline)
                 # A refusal that closes the connection early is raised as its own status (a
                 # missing token is ConfigError, not an unwell daemon for the breakers).
                 if reply.close and reply.status == OK and i < count - 1:
@@ -256,21 +266,16 @@ class TcpBlockTransport:
                         f"replies: {message.decode(errors='replace')}")
                 if reply.status != OK:
                     refused = refused or client_error(reply.status, what,
-                                                          message.decode(errors="replace"))
-                    if reply.close or reply.header_len or reply.payload_len:
+                                                      message.decode(errors="replace"))
+                    if not keep:
                         raise _Refusal(refused, False)
                     results.append(None)
                 elif op == OP_PUT:
-                    if reply.header_len or reply.payload_len:
-                        raise CorruptBlock(f"{what}: a put reply carrying data")
                     results.append(reply.result)
                 elif op == OP_LOOKUP:
-                    if reply.header_len or not reply.result:
-                        raise CorruptBlock(f"{what}: a lookup reply with a frame header")
-                    results.append(self._read(sock, reply.payload_len, what, deadline))
+                    results.append(bytes(payload))
                 else:
-                    out = outs[i] if i < len(outs) else None
-                    results.append(self._block(sock, reply, what, out, deadline))
+                    results.append(_block(reply, what, header, payload))
                 if not keep:
                     break
             if refused is not None:
@@ -280,41 +285,6 @@ class TcpBlockTransport:
             raise DeadlineExceeded(f"{what}: deadline passed") from exc
         except OSError as exc:  # ConnectionError included
             raise TierUnavailable(f"{what}: connection lost: {exc}") from exc
-
-    def _block(self, sock: socket.socket, reply: Reply, what: str, out: Buffer | None,
-               deadline: float) -> BlockRead | None:
-        """The rest of a GET reply: None on a miss, else the header and the payload."""
-        if not reply.result:
-            if reply.header_len or reply.payload_len:
-                raise CorruptBlock(f"{what}: a miss carrying data")
-            return None
-        raw_header = self._read(sock, reply.header_len, what, deadline)
-        try:
-            header = FrameHeader.unpack(raw_header)
-            layers = LayerRange(*reply.layers)
-            start, stop = header.span(layers)
-        except ValueError as exc:  # InvalidFrame is a ValueError too
-            raise CorruptBlock(f"{what}: bad header in reply: {exc}") from exc
-        if reply.payload_len != stop - start:
-            raise CorruptBlock(f"{what}: payload of {reply.payload_len} bytes for a span "
-                               f"of {stop - start}")
-        size = reply.payload_len
-        dst = _flat(out) if out is not None else None
-        if dst is not None and not dst.readonly and len(dst) >= size:
-            payload: memoryview = dst[:size]
-        else:
-            payload = memoryview(bytearray(size))
-        sock.settimeout(_remaining(what, deadline))
-        recv_exact(sock, payload)
-        return BlockRead(header, layers, payload)
-
-    def _read(self, sock: socket.socket, size: int, what: str, deadline: float) -> bytes:
-        if not size:
-            return b""
-        buf = bytearray(size)
-        sock.settimeout(_remaining(what, deadline))
-        recv_exact(sock, memoryview(buf))
-        return bytes(buf)
 
     def _connection(self, what: str, deadline: float) -> tuple[socket.socket, bool]:
         with self._lock:
@@ -358,6 +328,47 @@ class _Refusal(Exception):
         super().__init__(str(error))
         self.error = error
         self.keep = keep
+
+
+def _check_shape(op: int, reply: Reply, what: str) -> None:
+    """Refuse, before reading it, a reply its op never has (a confused or hostile daemon)."""
+    if reply.status != OK:
+        return
+    has_data = bool(reply.header_len or reply.payload_len)
+    if op == OP_PUT and has_data:
+        raise CorruptBlock(f"{what}: a put reply carrying data")
+    if op == OP_LOOKUP and (reply.header_len or not reply.result):
+        raise CorruptBlock(f"{what}: a lookup reply with a frame header")
+    if op in (OP_GET, OP_GET_MANY) and not reply.result and has_data:
+        raise CorruptBlock(f"{what}: a miss carrying data")
+
+
+def _payload_buffer(op: int, reply: Reply, out: Buffer | None) -> memoryview:
+    """Where a reply's payload lands: the caller's buffer for a GET hit that fits in it, else a
+    fresh one (none for a refusal: its data is not read)."""
+    size = reply.payload_len if reply.status == OK else 0
+    if op in (OP_GET, OP_GET_MANY) and out is not None and size:
+        dst = _flat(out)
+        if not dst.readonly and len(dst) >= size:
+            return dst[:size]
+    return memoryview(bytearray(size))
+
+
+def _block(reply: Reply, what: str, raw_header: bytearray, payload: memoryview
+           ) -> BlockRead | None:
+    """A GET reply read whole: None on a miss, else its header and payload, checked to agree."""
+    if not reply.result:
+        return None
+    try:
+        header = FrameHeader.unpack(bytes(raw_header))
+        layers = LayerRange(*reply.layers)
+        start, stop = header.span(layers)
+    except ValueError as exc:  # InvalidFrame is a ValueError too
+        raise CorruptBlock(f"{what}: bad header in reply: {exc}") from exc
+    if reply.payload_len != stop - start:
+        raise CorruptBlock(f"{what}: payload of {reply.payload_len} bytes for a span "
+                           f"of {stop - start}")
+    return BlockRead(header, layers, payload)
 
 
 def _unknown_op(exc: TierError) -> bool:
