@@ -178,12 +178,6 @@ _CHILD = textwrap.dedent("""
 def test_sigkill_mid_generation_then_continue_elsewhere(tiny: TinyModel, tmp_path: Path) -> None:
     prompt = random_prompts(1, 70, seed=25)[0]
     max_tokens, kill_at, interval = 300, 150, 32
-    # float32: a resumed session computes its lost tail by prefill where the unbroken run used
-    # decode steps; in bf16 those differ in the last bits and flip near-tied tokens of a random
-    # model hundreds of tokens later. In fp32 the comparison is about the KV, not the rounding.
-    with open_engine(tiny.path, dtype="float32") as llm:
-        (reference,) = generate(llm, [prompt], max_tokens)
-
     store = {"nvme": {"path": str(tmp_path / "nvme"), "bytes": 64 << 20}}
     script = _CHILD.format(repo=str(REPO), model=str(tiny.path), store=store, interval=interval,
                            prompt=prompt, max_tokens=max_tokens)
@@ -204,23 +198,33 @@ def test_sigkill_mid_generation_then_continue_elsewhere(tiny: TinyModel, tmp_pat
     assert child.returncode == -signal.SIGKILL
     assert kill_at <= generated < max_tokens
 
+    # float32: a resumed session computes its lost tail by prefill where the unbroken run used
+    # decode steps; in bf16 those differ in the last bits and flip near-tied tokens of a random
+    # model hundreds of tokens later. In fp32 the comparison is about the KV, not the rounding.
     with open_engine(tiny.path, kv_transfer_config(store, checkpoint_tokens=interval),
                      dtype="float32") as llm:
         manifest = _manifest(llm, "kill-1")
         assert manifest is not None
         history = list(manifest.token_ids)
-        # The router would resend exactly this: the session's tokens as the manifest knows them.
-        assert history == list(prompt) + list(reference.tokens[:len(history) - len(prompt)])
         remaining = max_tokens - (len(history) - len(prompt))
         (resumed,) = generate(llm, [history], remaining, {"session_id": "kill-1"})
         # At most one checkpoint interval (plus the block in progress) was lost.
         total = len(prompt) + generated
         assert resumed.num_cached_tokens >= total - interval - BLOCK_SIZE
         assert resumed.num_cached_tokens == manifest.token_count
-        assert list(history) + list(resumed.tokens) == list(prompt) + list(reference.tokens)
         # And restored KV acts like recomputed KV.
         llm.reset_prefix_cache()
         (recomputed,) = generate(llm, [history], remaining,
                                  {"session_id": "kill-1-recompute", "restore": "none"})
         assert recomputed.num_cached_tokens == 0
         assert list(resumed.tokens) == list(recomputed.tokens)
+        # The unbroken run, last (its own saves must not be what the resumed session read), in
+        # this engine rather than one of its own (an engine start is most of this test's time).
+        llm.reset_prefix_cache()
+        (reference,) = generate(llm, [prompt], max_tokens,
+                                {"session_id": "kill-1-reference", "restore": "none"})
+        assert reference.num_cached_tokens == 0
+    # The router would resend exactly the history: the session's tokens as the manifest knows
+    # them, those of the unbroken run.
+    assert history == list(prompt) + list(reference.tokens[:len(history) - len(prompt)])
+    assert list(history) + list(resumed.tokens) == list(prompt) + list(reference.tokens)

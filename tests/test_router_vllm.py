@@ -7,22 +7,33 @@ one kills a worker, so it goes last.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
 import openai
 import pytest
 
 from deploy.local.cluster import ClusterSpec, LocalCluster, Worker
 from deploy.local.engines import EngineSettings
+from deploy.local.services import free_port
+from router.config import RouterConfig, StaticWorker
+from router.front.api import Endpoint, parse_request
+from router.indexer.keys import text_prefix_keys
+from router.membership.workers import WorkerId, WorkerInfo, WorkerPool
 from router.tenants import ApiKeys
+from router.tokenize.client import PromptTokenizer
+from router.tokenize.prompts import TokenizeSpec
 from tests.models import TinyModel
-from tests.router_harness import wait_until
+from tests.router_harness import RouterHandle, loop_thread, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -55,7 +66,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, tiny: TinyModel
             ) -> Iterator[Cluster]:
     spec = ClusterSpec(daemons=0, workers=2, routers=2, lease_ttl_s=TTL, model_dir=tiny.path,
                        base_dir=tmp_path_factory.mktemp("router-vllm"),
-                       engine=EngineSettings(model_dir=tiny.path, tool_call_parser=None))
+                       engine=EngineSettings(model_dir=tiny.path, tool_call_parser=None,
+                                             max_model_len=2048))
     with LocalCluster(spec) as local:
         c = Cluster(local)
         yield c
@@ -221,6 +233,108 @@ def test_kv_transfer_params_reach_vllm_without_a_connector(cluster: Cluster) -> 
         "kv_transfer_params": {"session_id": "s", "restore": "auto", "restore_reason": "failover",
                                "previous_worker": "w2", "session_epoch": 1}})
     assert r.status_code == 200
+
+
+# --- the router's tokenizer against vLLM's own (tests/test_router_tokenize.py has its units) -----
+LICENCE = Path("/usr/share/common-licenses/GPL-3")
+
+
+def _words(n: int, seed: int) -> str:
+    """Text of `n` words, different per seed: the licence when the machine has it."""
+    words = LICENCE.read_text().split() if LICENCE.exists() else \
+        ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog"]
+    return " ".join(words[(seed * 97 + i) % len(words)] for i in range(n))
+
+
+def test_router_ids_equal_vllms_prompt_token_ids(cluster: Cluster) -> None:
+    w1 = cluster.local.workers["w1"]
+    system = {"role": "system", "content": _words(120, 1)}
+    cases: list[tuple[Endpoint, dict[str, Any]]] = [
+        (Endpoint.COMPLETIONS, {"prompt": _words(300, 2)}),
+        (Endpoint.COMPLETIONS, {"prompt": _words(40, 3), "add_special_tokens": False}),
+        (Endpoint.CHAT, {"messages": [system, {"role": "user", "content": _words(30, 4)}]}),
+        (Endpoint.CHAT, {"messages": [system, {"role": "user", "content": "hi"},
+                                      {"role": "assistant", "content": _words(20, 5)}],
+                         "add_generation_prompt": False, "continue_final_message": True}),
+    ]
+
+    async def go() -> list[tuple[tuple[int, ...] | None, list[int]]]:
+        pool = WorkerPool()
+        pool.upsert(WorkerInfo(WorkerId("w1"), w1.url, ("tiny",)))
+        out = []
+        async with aiohttp.ClientSession() as http:
+            tok = PromptTokenizer(TokenizeSpec(timeout_s=10), pool, http)
+            for endpoint, extra in cases:
+                body = {"model": "tiny", "max_tokens": 1, "return_token_ids": True, **extra}
+                features = await tok.features(
+                    parse_request(endpoint, json.dumps(body).encode(), None))
+                async with http.post(w1.url + endpoint.value, json=body) as resp:
+                    reply = await resp.json()
+                vllm_ids = reply["prompt_token_ids"] if endpoint is Endpoint.CHAT \
+                    else reply["choices"][0]["prompt_token_ids"]
+                out.append((features.prompt_tokens, vllm_ids))
+        return out
+
+    for (endpoint, extra), (ours, theirs) in zip(cases, asyncio.run(go()), strict=True):
+        assert ours is not None and len(ours) > 0, (endpoint, extra)
+        assert list(ours) == theirs, (endpoint, extra)
+
+
+def _prefill_until_indexed(core: Any, server: Worker, seed: int) -> str:
+    """Prefill a new prompt straight on `server` until the router's KV-event index holds its
+    blocks; the prompt. A SUB socket receives nothing published before its connection and
+    subscription are through (ZMQ's slow joiner), and on a loaded machine the router's may
+    still be connecting when the first prompt's events go out: that prompt is then never
+    indexed (vLLM caches it, so sending it again publishes nothing), and the next one is."""
+    for attempt in range(5):
+        prompt = _words(200, seed + attempt)
+        before = len(core.blocks)
+        httpx.post(server.url + "/v1/completions", timeout=120, json={
+            "model": "tiny", "prompt": prompt, "max_tokens": 1}).raise_for_status()
+        with contextlib.suppress(TimeoutError):
+            wait_until(lambda b=before: len(core.blocks) >= b + 5, timeout=10)
+            return prompt
+    raise AssertionError(f"{server.url}'s KV events never reached the router's index")
+
+
+def test_a_text_prompt_is_routed_by_the_kv_event_index(cluster: Cluster) -> None:
+    """Prompts prefilled straight on a worker (no router saw them: this router's routing
+    history knows nothing) are sent by a router that tokenizes text to that worker, because it
+    found their blocks in vLLM's KV events."""
+    workers = cluster.local.workers
+    with loop_thread() as lt:
+        static = tuple(StaticWorker(WorkerId(w), s.url, f"tcp://{s.host}:{s.events_port}")
+                       for w, s in workers.items())
+        config = RouterConfig(port=free_port(), scrape_interval_s=0.1, static_workers=static,
+                              static_ttl_s=2.0)
+        router = RouterHandle(lt, config).start()
+        http = httpx.Client(base_url=router.url, timeout=120)
+        try:
+            wait_until(lambda: {w["id"] for w in http.get("/kvkeep/workers").json()
+                                if w["usable"]} == set(workers), timeout=60)
+            assert router.service is not None
+            core = router.service.core
+            primed: dict[str, str] = {}
+            for i in range(4):  # two prompts on each worker, alternating
+                worker = ("w1", "w2")[i % 2]
+                primed[_prefill_until_indexed(core, workers[worker], 10 + 10 * i)] = worker
+            for prompt, worker in primed.items():
+                assert core.history.match(text_prefix_keys(prompt)) == {}  # never routed
+                r = http.post("/v1/completions", json={"model": "tiny", "prompt": prompt,
+                                                       "max_tokens": 2})
+                assert r.status_code == 200, r.text
+                assert r.headers["X-KVKeep-Worker"] == worker
+                assert int(r.headers["X-KVKeep-Cached-Tokens"]) >= 5 * 32
+            metrics = http.get("/metrics").text
+            assert 'kvkeep_router_tokenize_total{outcome="tokenized"} 4.0' in metrics
+            # the same prompt again: the cache answers, no round trip
+            http.post("/v1/completions", json={"model": "tiny", "prompt": next(iter(primed)),
+                                               "max_tokens": 1})
+            assert 'kvkeep_router_tokenize_total{outcome="cached"} 1.0' in \
+                http.get("/metrics").text
+        finally:
+            http.close()
+            router.stop()
 
 
 TENANT_KEYS = {"alice": "alice-key-0123456789", "bob": "bob-key-0123456789ab"}
