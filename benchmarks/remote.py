@@ -25,6 +25,9 @@ EXISTS), and the p50 of a one-key lookup over each transport beside one EXISTS. 
                        "redis_get_gbps": {...}, "redis_set_gbps": {...},
                        "get_over_redis": {...}, "put_over_redis": {...},
                        "kvkeep_lookup_1000_p99_ms": f, "redis_exists_1000_p99_ms": f, ...},
+     "batched_256KiB": {"nothing": {"kvkeep_gbps": f, "redis_mget_gbps": f,
+                                    "kvkeep_over_redis": f},
+                        "busy_thread": {...}},
      "settings": {...}}
 
 GB/s are 10^9 bytes of frame per second, sequential calls from one client thread, median over
@@ -44,6 +47,13 @@ nodes: redis-py's `RedisCluster` + hiredis, frames of more than 4 MiB in 4 MiB c
 slot) against redis-py's own `RedisCluster` GET/SET of plain values of the same size on the
 same cluster, interleaved round by round (AB, then BA), medians; its `*_over_redis` are the
 median of per-round ratios. The kvkeep daemons' figures for the same sizes are `remote` above.
+
+`batched_256KiB` is a batch of 32 blocks of 256 KiB (one LMCache load task's worth) read in
+one call, the remote tier's `get_into` (one GET_MANY request) against redis-py's MGET of 32
+values of 256 KiB, alternated round by round: alone, and beside a Python thread in this
+process that never waits (as LMCache's or vLLM's own threads can be beside the store's
+client). Beside it, every system call that releases the interpreter lock costs a wait to
+take it back, so that row measures how few each client makes.
 
 gRPC is measured tuned: the glibc allocator settings the daemon uses apply to this client
 process too, messages of 4 MiB with 16 MiB flow-control windows, the zero-copy codec of the
@@ -72,6 +82,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from functools import partial
@@ -94,6 +105,9 @@ from kvstore.tiers.remote.tier import RemoteConfig, RemoteTier
 __all__ = ["main", "run"]
 
 SIZES = {"1MiB": 1 << 20, "4MiB": 4 << 20, "16MiB": 16 << 20}
+BATCH = 32  # blocks a batched read asks for (one LMCache load task of 256 KiB objects)
+BATCH_BLOCK_BYTES = 256 << 10
+BATCH_SECONDS = 0.3  # each timed sample repeats its batch for at least this long
 _LAYERS = 32
 _FINGERPRINT = ModelFingerprint("bench/model", "w", "float16", _LAYERS, 8, 128, 32, "nhd", "raw")
 _NAMESPACE = Namespace("bench")
@@ -182,7 +196,8 @@ _ABBA = ("tcp", "grpc", "grpc", "tcp")
 
 
 def _measure(redis_port: int, address: str, daemon_pid: int, total: int, repeats: int
-             ) -> tuple[_Rates, list[float], dict[str, float], str]:
+             ) -> tuple[_Rates, list[float], dict[str, float], str,
+                        dict[str, dict[str, float]]]:
     """Redis and both transports interleaved round by round, so that all see the same machine
     load (these machines are noisy: a run of one after the other compares two moments)."""
     import redis
@@ -235,9 +250,11 @@ def _measure(redis_port: int, address: str, daemon_pid: int, total: int, repeats
                             rates.samples.setdefault(f"{kind}_{name}/{label}", []).append(
                                 statistics.fmean(p[name] for p in pair))
                     tcp_samples.append(tcp_loopback_gbps(4 << 20, 16, 1))
+        tier = tiers["tcp"]
+        progress(f"{BATCH} x 256 KiB batched reads: alone and beside a busy Python thread")
+        batched = _measure_batched(client, tier, stat, repeats)
         # A batched lookup of 1,000 keys, all present; redis answers the same question with a
         # pipeline of 1,000 EXISTS. Interleaved, like the rest.
-        tier = tiers["tcp"]
         keys = [_key("lookup", i) for i in range(1000)]
         tier.put_many([(k, _frame(k, 4096)) for k in keys])
         names = [f"bench:lookup:{i}" for i in range(1000)]
@@ -285,7 +302,76 @@ def _measure(redis_port: int, address: str, daemon_pid: int, total: int, repeats
             t.close()
         stat.close()
         client.close()
-    return rates, tcp_samples, latency, transport
+    return rates, tcp_samples, latency, transport, batched
+
+
+def _measure_batched(client: Any, tier: RemoteTier, stat: DaemonClient, repeats: int
+                     ) -> dict[str, dict[str, float]]:
+    """BATCH x 256 KiB read as one batch (`RemoteTier.get_into`: one GET_MANY request; redis-py:
+    one MGET), alone and beside a Python thread that never waits, as LMCache's or vLLM's own
+    threads in the reader's process can be: both clients then wait for the interpreter lock
+    after each system call that released it, so the figure says how few they make."""
+    keys = [_key("batch", i) for i in range(BATCH)]
+    frames = [(k, _frame(k, BATCH_BLOCK_BYTES)) for k in keys]
+    if not all(tier.put_many(frames)):
+        raise RuntimeError("the daemon did not admit a block")
+    names = [f"bench:batch:{i}" for i in range(BATCH)]
+    client.mset({name: os.urandom(BATCH_BLOCK_BYTES) for name in names})
+    _settle(stat)
+    outs: list[bytearray] = [bytearray(b"\1" * len(frame)) for _, frame in frames]
+    nbytes = sum(len(frame) for _, frame in frames)
+
+    def kvkeep() -> None:
+        if any(read is None for read in tier.get_into(keys, list(outs))):
+            raise RuntimeError("a stored block was not found")
+
+    def redis_mget() -> None:
+        if any(value is None for value in client.mget(names)):
+            raise RuntimeError("redis lost a value")
+
+    works: dict[str, Callable[[], None]] = {"kvkeep": kvkeep, "redis_mget": redis_mget}
+    result: dict[str, dict[str, float]] = {}
+    for beside in ("nothing", "busy_thread"):
+        stop = threading.Event()
+        spinner = threading.Thread(target=_spin, args=(stop,), daemon=True)
+        if beside == "busy_thread":
+            spinner.start()
+        samples: dict[str, list[float]] = {name: [] for name in works}
+        try:
+            for r in range(repeats + 1):  # round 0 warms up, unrecorded
+                for name, work in works.items():
+                    rate = _repeated_rate(nbytes, work, BATCH_SECONDS)
+                    if r:
+                        samples[name].append(rate)
+        finally:
+            stop.set()
+            if spinner.is_alive():
+                spinner.join()
+        result[beside] = {
+            "kvkeep_gbps": statistics.median(samples["kvkeep"]),
+            "redis_mget_gbps": statistics.median(samples["redis_mget"]),
+            "kvkeep_over_redis": statistics.median(
+                k / r for k, r in zip(samples["kvkeep"], samples["redis_mget"], strict=True))}
+    tier.delete(keys)
+    client.delete(*names)
+    return result
+
+
+def _spin(stop: threading.Event) -> None:
+    while not stop.is_set():
+        pass
+
+
+def _repeated_rate(nbytes: int, work: Callable[[], None], seconds: float) -> float:
+    """GB/s of `work` repeated for at least `seconds` (at least once)."""
+    started = time.perf_counter()
+    calls = 0
+    while True:
+        work()
+        calls += 1
+        elapsed = time.perf_counter() - started
+        if elapsed >= seconds:
+            return nbytes * calls / elapsed / 1e9
 
 
 def _timed(nbytes: int, work: Callable[[], None], daemon_pid: int) -> tuple[float, float]:
@@ -418,7 +504,8 @@ def run(quick: bool) -> dict[str, object]:
         tmp = Path(tmp_name)
         daemon = bench_daemon(tmp / "daemon", mem_budget="3GiB", disk_budget="8GiB")
         with _redis_server(tmp) as port, daemon as (address, pid):
-            rates, tcp, latency, transport = _measure(port, address, pid, total, repeats)
+            rates, tcp, latency, transport, batched = _measure(port, address, pid, total,
+                                                               repeats)
         progress("starting a Redis Cluster (3 masters, 3 replicas)")
         cluster = _measure_cluster(tmp, total, repeats)
     kinds = {kind: {op: {s: rates.median(f"{kind}_{op}/{s}") for s in SIZES}
@@ -452,6 +539,7 @@ def run(quick: bool) -> dict[str, object]:
                                   strict=True)) for s in SIZES} for op in ("get", "put")},
         "remote_grpc_only": {"get_gbps": kinds["grpc"]["get"], "put_gbps": kinds["grpc"]["put"]},
         "redis_cluster": cluster,
+        "batched_256KiB": batched,
         "settings": {
             "malloc_env": {k: os.environ.get(k) for k in MALLOC_ENV},
             "malloc_env_applied_to": ["this process (redis-py client, remote tier client)",
@@ -529,6 +617,12 @@ def _table(result: dict[str, object]) -> str:
     add("CPU s per GB (this process + the daemon), gRPC / TCP, median of rounds: "
         + ", ".join(f"{label} get {cpu['get'][label]:.2f} put {cpu['put'][label]:.2f}"
                     for label in SIZES))
+    batched = result["batched_256KiB"]
+    assert isinstance(batched, dict)
+    add(f"{BATCH} x 256 KiB as one batch (kvkeep get_into / redis-py MGET, GB/s, medians):")
+    for beside, figures in batched.items():
+        add(f"  beside {beside.replace('_', ' ')}: kvkeep {figures['kvkeep_gbps']:.2f}, "
+            f"redis {figures['redis_mget_gbps']:.2f}, ratio {figures['kvkeep_over_redis']:.2f}")
     cluster = result["redis_cluster"]
     assert isinstance(cluster, dict)
     add("Redis Cluster (3 masters + 3 replicas), GB/s, medians; ratio: median of per-round "

@@ -162,8 +162,13 @@ class BlockRead:
             return
         check_payload_size(self.header, self.layers, len(self.payload))
         checksum = checksum_of(self.header)
+        view = memoryview(self.payload)
+        segments = self.header.segments
+        base = segments[self.layers.start].offset
         for layer in range(self.layers.start, self.layers.stop):
-            if checksum(self._segment_view(layer)) != self.header.segments[layer].checksum:
+            seg = segments[layer]
+            start = seg.offset - base
+            if checksum(view[start:start + seg.length]) != seg.checksum:
                 raise CorruptBlock(f"segment {layer} checksum mismatch")
 
     def verify_key(self, key_digest: bytes) -> None:

@@ -60,7 +60,7 @@ def rewrite_segment(frame: bytes, layer: int = 0) -> bytes:
     data = bytearray(frame)
     data[info.offset] ^= 0x40
     segments = list(header.segments)
-    segments[layer] = dataclasses.replace(info, checksum=signed_segment_checksum(
+    segments[layer] = info._replace(checksum=signed_segment_checksum(
         bytes(data[info.offset:info.offset + info.length])))
     forged = dataclasses.replace(header, segments=tuple(segments))
     return forged.pack() + bytes(data[header.header_size:])
