@@ -360,7 +360,7 @@ def _block(reply: Reply, what: str, raw_header: bytearray, payload: memoryview
     if not reply.result:
         return None
     try:
-        header = FrameHeader.unpack(bytes(raw_header))
+        header = FrameHeader.unpack(raw_header)
         layers = LayerRange(*reply.layers)
         start, stop = header.span(layers)
     except ValueError as exc:  # InvalidFrame is a ValueError too
