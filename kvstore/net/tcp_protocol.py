@@ -345,8 +345,9 @@ def recv_whole(sock: socket.socket, pieces: Sequence[memoryview], deadline: floa
         left = deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError("deadline passed")
-        # A zero timeval means "no timeout": at least 1 us.
-        seconds, micros = divmod(max(1, int(left * 1e6)), 1_000_000)
+        # A zero timeval means "no timeout": at least 1 us. At most a day a syscall (the loop
+        # sets it again), so that a very distant deadline still fits a timeval.
+        seconds, micros = divmod(max(1, int(min(left, 86_400.0) * 1e6)), 1_000_000)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _TIMEVAL.pack(seconds, micros))
         try:
             n = sock.recvmsg_into(views[i:i + _MAX_IOV], 0, socket.MSG_WAITALL)[0]
