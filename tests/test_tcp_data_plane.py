@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import signal
 import socket
@@ -289,12 +290,15 @@ def test_waiting_reads_end_at_the_deadline_or_the_peers_close() -> None:
     a, b = socket.socketpair()
     try:
         b.settimeout(None)
-        # The peer closes part way through a piece.
+        # No deadline at all (infinity) is a valid one; then the peer closes part way through
+        # a piece.
         a.sendall(b"abc")
+        first = bytearray(2)
+        recv_whole(b, [memoryview(first)], math.inf)
+        assert first == b"ab"
         a.close()
         with pytest.raises(ConnectionError):
-            recv_whole(b, [memoryview(bytearray(2)), memoryview(bytearray(10))],
-                       time.monotonic() + T)
+            recv_whole(b, [memoryview(bytearray(10))], time.monotonic() + T)
     finally:
         a.close()
         b.close()
