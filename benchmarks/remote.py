@@ -99,7 +99,7 @@ from kvstore.frame import CodecId, Compression, DType, build_frame
 from kvstore.keys import BlockKey, ModelFingerprint, Namespace
 from kvstore.net.daemon_client import DaemonClient, DaemonStat
 from kvstore.net.grpc_options import channel_options
-from kvstore.tiers.base import Tier
+from kvstore.tiers.base import Buffer, Tier
 from kvstore.tiers.remote.tier import RemoteConfig, RemoteTier
 
 __all__ = ["main", "run"]
@@ -318,11 +318,11 @@ def _measure_batched(client: Any, tier: RemoteTier, stat: DaemonClient, repeats:
     names = [f"bench:batch:{i}" for i in range(BATCH)]
     client.mset({name: os.urandom(BATCH_BLOCK_BYTES) for name in names})
     _settle(stat)
-    outs: list[bytearray] = [bytearray(b"\1" * len(frame)) for _, frame in frames]
+    outs: list[Buffer | None] = [bytearray(b"\1" * len(frame)) for _, frame in frames]
     nbytes = sum(len(frame) for _, frame in frames)
 
     def kvkeep() -> None:
-        if any(read is None for read in tier.get_into(keys, list(outs))):
+        if any(read is None for read in tier.get_into(keys, outs)):
             raise RuntimeError("a stored block was not found")
 
     def redis_mget() -> None:
@@ -338,10 +338,10 @@ def _measure_batched(client: Any, tier: RemoteTier, stat: DaemonClient, repeats:
             spinner.start()
         samples: dict[str, list[float]] = {name: [] for name in works}
         try:
-            for r in range(repeats + 1):  # round 0 warms up, unrecorded
+            for round_ in range(repeats + 1):  # round 0 warms up, unrecorded
                 for name, work in works.items():
                     rate = _repeated_rate(nbytes, work, BATCH_SECONDS)
-                    if r:
+                    if round_:
                         samples[name].append(rate)
         finally:
             stop.set()
@@ -351,7 +351,8 @@ def _measure_batched(client: Any, tier: RemoteTier, stat: DaemonClient, repeats:
             "kvkeep_gbps": statistics.median(samples["kvkeep"]),
             "redis_mget_gbps": statistics.median(samples["redis_mget"]),
             "kvkeep_over_redis": statistics.median(
-                k / r for k, r in zip(samples["kvkeep"], samples["redis_mget"], strict=True))}
+                ours / theirs for ours, theirs in zip(samples["kvkeep"], samples["redis_mget"],
+                                                      strict=True))}
     tier.delete(keys)
     client.delete(*names)
     return result
