@@ -14,7 +14,38 @@ from typing import Any
 from benchmarks.plots import RatioPanel, write_ratio_plots
 from benchmarks.progress import progress
 
-__all__ = ["run_benchmark", "as_json"]
+__all__ = ["run_benchmark", "as_json", "partial_writer", "partial_path"]
+
+
+def partial_path(json_path: Path) -> Path:
+    """Where a long benchmark keeps the stages it has finished: OUT.partial.json beside
+    OUT.json, replaced after each stage and removed once OUT.json is written."""
+    return json_path.with_name(json_path.stem + ".partial.json")
+
+
+def _write_whole(path: Path, results: dict[str, Any]) -> None:
+    # Whole or not at all: a run killed while writing leaves the previous file.
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(results, indent=2) + "\n")
+    tmp.replace(path)
+
+
+def partial_writer(name: str, args: argparse.Namespace) -> Callable[[dict[str, Any], str], None]:
+    """`stage_done(results, stage)`: the results so far into `partial_path(args.json)`, marked
+    partial with the last stage finished, so that a run cut off (a CI limit, a dead machine)
+    still leaves the figures it measured. Does nothing without `--json`."""
+    started = time.perf_counter()
+
+    def stage_done(results: dict[str, Any], stage: str) -> None:
+        if args.json is None:
+            return
+        _write_whole(partial_path(args.json), {**results, "meta": {
+            "benchmark": name, "quick": args.quick, "partial": True, "last_stage": stage,
+            "seconds": round(time.perf_counter() - started, 1)}})
+        progress(f"stage done: {stage} (partial results in {partial_path(args.json)})")
+
+    return stage_done
 
 
 def run_benchmark(name: str, measure: Callable[[argparse.Namespace], dict[str, Any]],
@@ -36,11 +67,8 @@ def run_benchmark(name: str, measure: Callable[[argparse.Namespace], dict[str, A
                        "python": platform.python_version(),
                        "seconds": round(time.perf_counter() - started, 1)}
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        # Whole or not at all: a run killed while writing leaves the previous results.
-        tmp = args.json.with_name(args.json.name + ".tmp")
-        tmp.write_text(json.dumps(results, indent=2) + "\n")
-        tmp.replace(args.json)
+        _write_whole(args.json, results)
+        partial_path(args.json).unlink(missing_ok=True)
         if plots is not None:
             png = write_ratio_plots(args.json, f"benchmarks.{name}", plots(results))
             if png is not None:

