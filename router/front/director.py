@@ -448,6 +448,10 @@ class RequestDirector:
                                  **extra}))
                 dispatcher.finish(attempt, _delivered(state))
             end.append(b"data: [DONE]\n\n")
+            # The worker's connection goes back to the pool (its terminator read in the
+            # background) before the client is answered: it waits on no slow client, and
+            # whoever has read the stream's end finds the deferred read already there.
+            dispatcher.close(attempt, reuse=state.done)
             # One write (and one wake-up of the client) for the summary, [DONE] and the
             # chunked-encoding terminator; the client's last byte is the stream's end.
             await sink.write_eof(b"".join(end))
