@@ -41,7 +41,7 @@ them. The figures come from two tiny local models (2 layers, hidden 128):
 
 `machine`: the run's own baselines (memcpy GB/s; float32 and bfloat16 matrix products in
 GFLOP/s on the engines' threads; AVX-512, AMX). A recompute is bound by the products, and
-bfloat16 ones differ ~80x between CPUs with and without AVX-512, so compare recompute TTFTs
+bfloat16 ones ran 50-85x slower than float32 on an AVX2-only CPU, so compare recompute TTFTs
 and restore / recompute ratios only between runs whose `machine` matches.
 
 Writes::
