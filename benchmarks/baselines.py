@@ -136,13 +136,14 @@ def tcp_loopback_gbps(message_bytes: int = 4 << 20, messages: int = 64, repeats:
 
 def gemm_gflops(dtype: str, m: int = 512, k: int = 1024, n: int = 2816, repeats: int = 3
                 ) -> float:
-    """torch's matrix product in `dtype` ("float32", "bfloat16") on the threads torch has (the
-    engines' own setting), GFLOP/s, median of `repeats`: the ceiling of a CPU prefill. Not
-    GB/s like the rest: recompute is bound by it, and it differs by far more than noise
-    between machines (2026-12-07, one thread: an AVX2-only AMD EPYC ran float32 at 68 GFLOP/s
-    and bfloat16 at 0.8, which torch 2.13 has no fast kernel for without AVX-512)."""
+    """torch's linear layer (`F.linear`, what vLLM's CPU linear layers fall back to when oneDNN
+    has no kernel) in `dtype` ("float32", "bfloat16") on the threads torch has (the engines'
+    own setting), GFLOP/s, median of `repeats`: the ceiling of a CPU prefill. Not GB/s like
+    the rest: recompute is bound by it, and it differs by far more than noise between machines
+    (2026-12-07, one thread, an AVX2-only AMD EPYC, torch 2.13: a float32 linear of this shape
+    ran at ~60 GFLOP/s and a bfloat16 one at ~8; `torch.mm` in bfloat16 at 0.8)."""
     import torch
 
-    a = torch.randn(m, k).to(getattr(torch, dtype))
-    b = torch.randn(k, n).to(getattr(torch, dtype))
-    return median_gbps(2 * m * k * n, lambda: torch.mm(a, b), repeats)
+    x = torch.randn(m, k).to(getattr(torch, dtype))
+    weight = torch.randn(n, k).to(getattr(torch, dtype))
+    return median_gbps(2 * m * k * n, lambda: torch.nn.functional.linear(x, weight), repeats)

@@ -41,8 +41,9 @@ them. The figures come from two tiny local models (2 layers, hidden 128):
 
 `machine`: the run's own baselines (memcpy GB/s; float32 and bfloat16 matrix products in
 GFLOP/s on the engines' threads; AVX-512, AMX). A recompute is bound by the products, and
-bfloat16 ones ran 50-85x slower than float32 on an AVX2-only CPU, so compare recompute TTFTs
-and restore / recompute ratios only between runs whose `machine` matches.
+bfloat16 ones ran 6-7x slower than float32 on an AVX2-only CPU (a bf16 recompute ~20x an
+AVX-512 machine's), so compare recompute TTFTs and restore / recompute ratios only between
+runs whose `machine` matches.
 
 Writes::
 
@@ -257,12 +258,12 @@ def mla_bench_model(directory: Path, hidden: int, layers: int) -> dict[str, Any]
 
 def machine_baselines() -> dict[str, Any]:
     """What bounds each side on this machine, measured in the run: a restore is copies (RAM,
-    disk, loopback), a recompute matrix products. bfloat16 products ran 50-85x slower than
-    float32 on an AVX2-only CPU (torch 2.13, 2026-12-07), so recompute TTFTs, and every ratio to
-    them, are only comparable between runs on the same kind of CPU."""
+    disk, loopback), a recompute matrix products. bfloat16 ones ran 6-7x slower than float32
+    on an AVX2-only CPU (torch 2.13, 2026-12-07), so recompute TTFTs, and every ratio to them,
+    are only comparable between runs on the same kind of CPU."""
     import torch
 
-    progress("machine baselines: memcpy, matrix products in float32 and bfloat16")
+    progress("machine baselines: memcpy, linear layers in float32 and bfloat16")
     return {"memcpy_gbps": round(memcpy_gbps(), 2),
             "gemm_gflops": {dtype: round(gemm_gflops(dtype), 2)
                             for dtype in ("float32", "bfloat16")},
