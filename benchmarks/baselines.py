@@ -141,7 +141,7 @@ def gemm_gflops(dtype: str, m: int = 512, k: int = 1024, n: int = 2816, repeats:
     own setting), GFLOP/s, median of `repeats`: the ceiling of a CPU prefill. Not GB/s like
     the rest: recompute is bound by it, and it differs by far more than noise between machines
     (2026-12-07, one thread, an AVX2-only AMD EPYC, torch 2.13: a float32 linear of this shape
-    ran at ~60 GFLOP/s and a bfloat16 one at ~8; `torch.mm` in bfloat16 at 0.8)."""
+    ran at 53-82 GFLOP/s and a bfloat16 one at 8-10; `torch.mm` in bfloat16 at 0.8)."""
     import torch
 
     x = torch.randn(m, k).to(getattr(torch, dtype))

@@ -41,7 +41,7 @@ them. The figures come from two tiny local models (2 layers, hidden 128):
 
 `machine`: the run's own baselines (memcpy GB/s; float32 and bfloat16 matrix products in
 GFLOP/s on the engines' threads; AVX-512, AMX). A recompute is bound by the products, and
-bfloat16 ones ran 6-7x slower than float32 on an AVX2-only CPU (a bf16 recompute ~20x an
+bfloat16 ones ran 6-8x slower than float32 on an AVX2-only CPU (a bf16 recompute ~20x an
 AVX-512 machine's), so compare recompute TTFTs and restore / recompute ratios only between
 runs whose `machine` matches.
 
@@ -258,7 +258,7 @@ def mla_bench_model(directory: Path, hidden: int, layers: int) -> dict[str, Any]
 
 def machine_baselines() -> dict[str, Any]:
     """What bounds each side on this machine, measured in the run: a restore is copies (RAM,
-    disk, loopback), a recompute matrix products. bfloat16 ones ran 6-7x slower than float32
+    disk, loopback), a recompute matrix products. bfloat16 ones ran 6-8x slower than float32
     on an AVX2-only CPU (torch 2.13, 2026-12-07), so recompute TTFTs, and every ratio to them,
     are only comparable between runs on the same kind of CPU."""
     import torch
