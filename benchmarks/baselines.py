@@ -21,7 +21,7 @@ __all__ = ["median_gbps", "memcpy_gbps", "disk_write_fsync_gbps", "disk_cold_rea
            "tcp_loopback_gbps", "drop_file_cache", "gemm_gflops"]
 
 
-def median_gbps(nbytes: int, run: Callable[[], None], repeats: int = 5) -> float:
+def median_gbps(nbytes: int, run: Callable[[], object], repeats: int = 5) -> float:
     """Median throughput of `run`, which moves `nbytes` per call, after one untimed warm-up
     (the first run pays for page faults, file creation and readahead state)."""
     run()

@@ -40,10 +40,11 @@ def partial_writer(name: str, args: argparse.Namespace) -> Callable[[dict[str, A
     def stage_done(results: dict[str, Any], stage: str) -> None:
         if args.json is None:
             return
-        _write_whole(partial_path(args.json), {**results, "meta": {
+        path = partial_path(args.json)
+        _write_whole(path, {**results, "meta": {
             "benchmark": name, "quick": args.quick, "partial": True, "last_stage": stage,
             "seconds": round(time.perf_counter() - started, 1)}})
-        progress(f"stage done: {stage} (partial results in {partial_path(args.json)})")
+        progress(f"stage done: {stage} (partial results in {path})")
 
     return stage_done
 

@@ -207,11 +207,11 @@ def _recompute_ttfts(model: Path, engine_kwargs: dict[str, Any], prompts: Prompt
 def _restore_ttfts(model: Path, engine_kwargs: dict[str, Any],
                    stores: dict[str, tuple[dict[str, Any], dict[str, Any]]], prompts: Prompts,
                    reference: dict[int, tuple[int, ...]], trials: int,
-                   restore: dict[str, list[float]], tier_done: Callable[[str], None]
-                   ) -> bool:
+                   restore: dict[str, list[float]], stage_done: Callable[[str], None],
+                   label: str = "") -> bool:
     """Restore TTFT per tier into `restore` (one engine each, saving then restoring every
-    context; `tier_done(tier)` after each), and whether every restore's 16 greedy tokens equal
-    the recomputed reference's."""
+    context; `stage_done(f"{label}restore from {tier}")` after each), and whether every
+    restore's 16 greedy tokens equal the recomputed reference's."""
     block = int(engine_kwargs.get("block_size", BLOCK))
     identical = True
     for tier, (store, extra) in stores.items():
@@ -228,7 +228,7 @@ def _restore_ttfts(model: Path, engine_kwargs: dict[str, Any],
                 tokens, cached = generate(llm, [prompt], 16)
                 identical &= tokens[0] == reference[ctx] and cached[0] == restorable
             restore[tier] = times
-        tier_done(tier)
+        stage_done(f"{label}restore from {tier}")
     return identical
 
 
@@ -314,21 +314,29 @@ def _format_rows(tmp: Path, hidden: int, layers: int, engine_kwargs: dict[str, A
                       "name": f"bench-{name}-nvme"}, {}),
             "remote": ({"remote": daemon, "name": f"bench-{name}-remote"}, {}),
         }
-
-        def tier_done(tier: str, name: str = name, row: dict[str, Any] = row,
-                      recompute: list[float] = recompute) -> None:
-            row["restore_over_recompute"] = _over(row["restore_ttft_s"], recompute)
-            stage_done(f"{name} restore from {tier}")
-
-        row["raw_outputs_identical"] = _restore_ttfts(model, kwargs, stores, prompts,
-                                                      reference, trials, restore, tier_done)
-        stage_done(f"{name} restores")
+        row["raw_outputs_identical"] = _restore_ttfts(
+            model, kwargs, stores, prompts, reference, trials, restore, stage_done,
+            label=f"{name} ")
 
 
 def _over(times: dict[str, list[float]], base: list[float]) -> dict[str, list[float]]:
     """Each tier's times over `base`, context by context."""
     return {tier: [round(t / b, 4) for t, b in zip(ts, base, strict=True)]
             for tier, ts in times.items()}
+
+
+def _derive_ratios(out: dict[str, Any]) -> None:
+    """The ratios of the times measured so far: restore over recompute (the bf16 rows and each
+    format's) and remote over host restore."""
+    for row in (out, *out.get("formats", {}).values()):
+        if "restore_ttft_s" in row:
+            row["restore_over_recompute"] = _over(row["restore_ttft_s"],
+                                                  row["recompute_ttft_s"])
+    restore = out.get("restore_ttft_s", {})
+    if "host" in restore:
+        out["remote_over_host"] = _over(
+            {t: restore[t] for t in ("remote", "remote_pipelined", "host_staged")
+             if t in restore}, restore["host"])
 
 
 def _decode_rate(llm: LLM, seed: int, batch: int, tokens: int, trials: int) -> float:
@@ -476,6 +484,7 @@ def run(*, quick: bool, hidden: int = 1024, layers: int | None = None,
     out: dict[str, Any] = {"context_tokens": contexts, "machine": machine_baselines()}
 
     def done(stage: str) -> None:
+        _derive_ratios(out)
         stage_done(out, stage)
 
     with tempfile.TemporaryDirectory(prefix="kvkeep-bench-") as tmp_name:
@@ -501,17 +510,8 @@ def run(*, quick: bool, hidden: int = 1024, layers: int | None = None,
             }
             restore: dict[str, list[float]] = {}
             out["restore_ttft_s"] = restore
-
-            def tier_done(tier: str) -> None:
-                out["restore_over_recompute"] = _over(restore, recompute)
-                if "host" in restore:
-                    out["remote_over_host"] = _over(
-                        {t: restore[t] for t in ("remote", "remote_pipelined", "host_staged")
-                         if t in restore}, restore["host"])
-                done(f"restore from {tier}")
-
             out["raw_outputs_identical"] = _restore_ttfts(
-                model, engine_kwargs, stores, prompts, reference, trials, restore, tier_done)
+                model, engine_kwargs, stores, prompts, reference, trials, restore, done)
             progress("restore vs recompute for an MLA model and an fp8 KV cache")
             out["formats"] = {}
             _format_rows(tmp, hidden, layers, engine_kwargs,
@@ -532,6 +532,7 @@ def run(*, quick: bool, hidden: int = 1024, layers: int | None = None,
         out["int8_greedy_token_match_random_model"] = int8["random"]["free_running"]
         out["int8_teacher_forced_match_random_model"] = int8["random"]["teacher_forced"]
         out["int8_eval"] = int8
+    _derive_ratios(out)
     return out
 
 
