@@ -59,12 +59,23 @@ HARNESS_SAVE_TIMEOUT_MS = 2000  # the connector's old default: what these tests 
 HARNESS_RESTORE_POLICY = "always"
 
 
+# These tests check which blocks come back and that they are bit-exact, not how fast: with the
+# connector's 2 s default a load that a loaded test machine (`make pytest` runs more workers
+# than cores) delays past it is rightly dropped and recomputed, and an exact-restore assertion
+# then fails for the machine's sake. The harness waits up to a minute unless a test sets
+# `restore_deadline_ms` itself (the deadline tests: test_connector_failures, _lookups,
+# _router_fields, _save_stall).
+HARNESS_RESTORE_DEADLINE_MS = 60_000
+
+
 def kv_transfer_config(store: dict[str, Any], **extra: Any) -> dict[str, Any]:
     return {"kv_connector": "KVKeepConnector", "kv_connector_module_path": "connectors.vllm",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"store": store,
                                           "save_timeout_ms": HARNESS_SAVE_TIMEOUT_MS,
-                                          "restore_policy": HARNESS_RESTORE_POLICY, **extra}}
+                                          "restore_policy": HARNESS_RESTORE_POLICY,
+                                          "restore_deadline_ms": HARNESS_RESTORE_DEADLINE_MS,
+                                          **extra}}
 
 
 # vLLM runs a full `gc.collect()` about eight times per engine start and stop (to measure and
