@@ -34,7 +34,7 @@ from deploy.observe import EngineCache, StoreTraffic, scrape_engine, scrape_stor
 from deploy.report import Report
 from kvstore.errors import ConfigError, KVKeepError
 
-__all__ = ["DemoOptions", "run_demo", "SYSTEM_PROMPT"]
+__all__ = ["DemoOptions", "SYSTEM_PROMPT", "demo_cluster", "run_demo", "run_scenario"]
 
 # The tokenizer was trained on licence texts, so licence prose tokenizes compactly; the model's
 # weights are random, so its answers are word salad: what matters is that tokens are exact.
@@ -87,13 +87,25 @@ class DemoOptions:
                               f"{self.stream_tokens}")
 
 
-def run_demo(options: DemoOptions, out: TextIO = sys.stdout) -> Report:
-    """Run the whole demo; the report says what passed (and is written to `json_path`)."""
-    report = Report("kvkeep failover demo", out=out)
-    cluster = LocalCluster(ClusterSpec(
+def demo_cluster(options: DemoOptions) -> LocalCluster:
+    """The demo's cluster, not yet started (`run_demo` starts it; tests start it themselves to
+    watch it with Prometheus while the scenario runs)."""
+    return LocalCluster(ClusterSpec(
         daemons=2, workers=2, routers=1, lease_ttl_s=options.lease_ttl_s,
         model_dir=options.model_dir, base_dir=options.base_dir, keep_dir=options.keep_dir,
         tls=options.tls))
+
+
+def run_scenario(cluster: LocalCluster, options: DemoOptions, report: Report) -> None:
+    """The demo's story on a started `demo_cluster`: its checks and numbers go into `report`
+    (`killed_worker` among the numbers once the kill has struck)."""
+    _Scenario(cluster, options, report).run()
+
+
+def run_demo(options: DemoOptions, out: TextIO = sys.stdout) -> Report:
+    """Run the whole demo; the report says what passed (and is written to `json_path`)."""
+    report = Report("kvkeep failover demo", out=out)
+    cluster = demo_cluster(options)
     try:
         report.step("start a local cluster: etcd, 2 kvstore daemons, 2 vLLM workers with the "
                     "kvkeep connector (host RAM + the daemons via etcd), 2 agents, 1 router")
@@ -101,7 +113,7 @@ def run_demo(options: DemoOptions, out: TextIO = sys.stdout) -> Report:
         report.record(cluster_start_s=round(time.monotonic() - report.started, 1))
         report.say(f"logs in {cluster.logs}" + ("" if options.keep_dir else
                                                  " (removed at the end; --keep to keep)"))
-        _Scenario(cluster, options, report).run()
+        run_scenario(cluster, options, report)
     except Exception as exc:  # every failure is reported as one, and the cluster still stops
         report.check("demo ran to completion", False,
                      f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
@@ -198,6 +210,7 @@ class _Scenario:
         def kill_midway(chunks: int) -> None:
             if chunks >= o.kill_after_chunks and self.killed_at is None:
                 self.killed_at = self.cluster.kill_worker(self.home)
+                r.record(killed_worker=self.home)
                 self._watch_for_gone()
                 r.say(f"*** SIGKILL {self.home} after the client read {chunks} chunks ***")
 

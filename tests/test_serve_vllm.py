@@ -1,5 +1,9 @@
 """`kvkeep serve-vllm`: vLLM's OpenAI server through kvkeep's CLI, exec'd (same pid, signals
-and exit status pass through), with every argument handed to vLLM untouched."""
+and exit status pass through), with every argument handed to vLLM untouched.
+
+The real server's pid is the one kvkeep started, running vLLM's module: after the exec there
+is no kvkeep left to alter an exit status or an error, so vLLM's own (an unknown flag's exit 2,
+say) need no run of their own, which cost a whole vLLM import (~22 s on two cores)."""
 
 from __future__ import annotations
 
@@ -25,15 +29,6 @@ def test_the_command_line_is_the_server_module_with_every_argument() -> None:
     assert server_argv(["--model", "m", "--help"]) == [
         sys.executable, "-m", VLLM_SERVER_MODULE, "--model", "m", "--help"]
     assert server_argv(["--", "--port", "1"])[3:] == ["--port", "1"]
-
-
-def test_vllms_own_errors_and_exit_status_come_through(tmp_path: Path) -> None:
-    done = subprocess.run([*KVKEEP, "serve-vllm", "--model", str(tmp_path), "--no-such-flag"],
-                          capture_output=True, text=True, timeout=120, env=vllm_env(),
-                          check=False)
-    assert done.returncode == 2
-    assert "unrecognized arguments: --no-such-flag" in done.stderr
-    assert "api_server" in done.stderr  # vLLM's parser said it, not kvkeep's
 
 
 @pytest.mark.slow

@@ -34,6 +34,21 @@ class ScrapeJob:
     name: str
     targets: tuple[str, ...]
     """host:port of each target (`/metrics` on each)."""
+    ca_file: Path | None = None
+    """Scrape over HTTPS, the targets' certificates checked against this CA under
+    `server_name` (the TLS daemons' `/metrics`, as deploy/k8s/monitoring.yaml scrapes them)."""
+    server_name: str | None = None
+
+    def config(self) -> dict[str, Any]:
+        """This job's entry of prometheus.yml's `scrape_configs`."""
+        job: dict[str, Any] = {"job_name": self.name,
+                               "static_configs": [{"targets": list(self.targets)}]}
+        if self.ca_file is not None:
+            job["scheme"] = "https"
+            job["tls_config"] = {"ca_file": str(self.ca_file),
+                                 **({"server_name": self.server_name}
+                                    if self.server_name else {})}
+        return job
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,9 +88,7 @@ class PrometheusServer:
             "global": {"scrape_interval": interval, "evaluation_interval": interval,
                        "scrape_timeout": interval},
             "rule_files": [str(path) for path in self._rules],
-            "scrape_configs": [{"job_name": job.name,
-                                "static_configs": [{"targets": list(job.targets)}]}
-                               for job in self._jobs]}
+            "scrape_configs": [job.config() for job in self._jobs]}
         config_path = self._dir / "prometheus.yml"
         config_path.write_bytes(msgspec.yaml.encode(config))
         self.port = free_port()

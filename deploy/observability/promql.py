@@ -14,7 +14,8 @@ from typing import Any
 import msgspec
 import promql_parser
 
-__all__ = ["Query", "DASHBOARD", "ALERTS", "dashboard_queries", "alert_queries", "metric_names"]
+__all__ = ["Query", "DASHBOARD", "ALERTS", "dashboard_queries", "alert_queries", "metric_names",
+           "needed_metrics"]
 
 HERE = Path(__file__).resolve().parent
 DASHBOARD = HERE / "dashboard.json"
@@ -68,3 +69,13 @@ def metric_names(expr: str) -> set[str]:
         return True
     promql_parser.walk(promql_parser.parse(expr), pre_visit=visit)
     return names
+
+
+def needed_metrics() -> dict[str, list[str]]:
+    """Every metric name the dashboard and the alert rules read -> the panels and alerts that
+    read it (what a scrape of the running components must hold)."""
+    needed: dict[str, list[str]] = {}
+    for query in dashboard_queries() + alert_queries():
+        for name in metric_names(query.expr):
+            needed.setdefault(name, []).append(query.where)
+    return needed

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from deploy.local.cluster import ClusterSpec, LocalCluster
+from deploy.local.tls import STORE_NAME
 from deploy.observability.prometheus import PrometheusServer, ScrapeJob
 from deploy.observability.promql import ALERTS, DASHBOARD
 from deploy.observability.render import render_dashboard
@@ -30,9 +31,13 @@ DEFAULT_OUT = Path(__file__).resolve().parent / "dashboard.png"
 def scrape_jobs(cluster: LocalCluster) -> list[ScrapeJob]:
     """The jobs the dashboard's queries expect (`job="kvkeep-daemon"` ...), as the
     ServiceMonitors in deploy/k8s/monitoring.yaml name them; the workers through their agents'
-    relay of vLLM's /metrics, as there."""
+    relay of vLLM's /metrics, as there; with TLS on, the daemons over HTTPS checked against
+    the cluster's CA under the store's name, as there."""
+    pki = cluster.pki
     return [
-        ScrapeJob("kvkeep-daemon", tuple(f"{d.host}:{d.metrics_port}" for d in cluster.daemons)),
+        ScrapeJob("kvkeep-daemon", tuple(f"{d.host}:{d.metrics_port}" for d in cluster.daemons),
+                  ca_file=None if pki is None else pki.store.ca,
+                  server_name=None if pki is None else STORE_NAME),
         ScrapeJob("kvkeep-router", tuple(f"127.0.0.1:{r.port}" for r in cluster.routers)),
         ScrapeJob("kvkeep-worker", tuple(f"{w.host}:{w.metrics_port}"
                                          for w in cluster.workers.values()))]
