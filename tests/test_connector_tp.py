@@ -9,8 +9,9 @@ counts as stored only as far as every rank holds it, and rank 0 holds all of B),
 identical tokens; a TP = 1 engine finds none of either (another layout, so another
 fingerprint).
 
-Each engine runs in a subprocess (`python -m tests.test_connector_tp`): vLLM's spawned workers
-and its process-global connector stay out of the test process.
+The TP = 2 engines run in subprocesses (`python -m tests.test_connector_tp`): vLLM's spawned
+rank workers and their process-global connectors stay out of the test process. The TP = 1
+engine runs its one rank in the test process, as the connector harness's engines do.
 """
 
 from __future__ import annotations
@@ -30,7 +31,13 @@ from connectors.vllm.config import ConnectorConfig
 from connectors.vllm.connector import _per_rank_store
 from connectors.vllm.layouts import cpu_layout
 from kvstore.tiers.nvme.recovery import BLOCK_SUFFIX
-from tests.connector_harness import ENGINE_DEFAULTS, kv_transfer_config, random_prompts
+from tests.connector_harness import (
+    ENGINE_DEFAULTS,
+    generate,
+    kv_transfer_config,
+    open_engine,
+    random_prompts,
+)
 from tests.models import TinyModel
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,12 +74,28 @@ def _answer(engine: subprocess.Popen[str]) -> dict[str, Any]:
     return result
 
 
+def _single_rank_here(model: Path, nvme: Path, monkeypatch: pytest.MonkeyPatch
+                      ) -> dict[str, Any]:
+    """`_main`'s TP = 1 "read" run in this process: A, then B, one at a time, on one thread
+    unbound as the TP engines' ranks (their bf16 sums in the same order)."""
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    prompts = random_prompts(2, BLOCKS * 32 + 5, seed=PROMPT_SEED)
+    config = kv_transfer_config({"nvme": {"path": str(nvme), "bytes": 64 << 20},
+                                 "name": "tp1"})
+    with open_engine(model, config, tensor_parallel_size=1,
+                     distributed_executor_backend="uni") as llm:
+        outs = [generate(llm, [prompt], 4)[0] for prompt in prompts]
+    return {"tokens": [list(out.tokens) for out in outs],
+            "cached": [out.num_cached_tokens for out in outs]}
+
+
 def _block_files(shard: Path) -> set[str]:
     return {str(p.relative_to(shard)) for p in shard.rglob(f"*{BLOCK_SUFFIX}")}
 
 
 @pytest.mark.slow
-def test_tp2_restores_tp2_and_tp1_misses(tiny: TinyModel, tmp_path: Path) -> None:
+def test_tp2_restores_tp2_and_tp1_misses(tiny: TinyModel, tmp_path: Path,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
     assert tiny.kv_heads == 2  # one per rank
     nvme = tmp_path / "nvme"
     first = _answer(_start(tiny.path, nvme, "tp2-a", 2, "write"))
@@ -86,10 +109,14 @@ def test_tp2_restores_tp2_and_tp1_misses(tiny: TinyModel, tmp_path: Path) -> Non
     for name in of_b:  # rank 1's shard of B is lost; rank 0's is all there
         (rank1 / name).unlink()
 
-    # Two engines at once (each start is mostly imports and process spawns): a TP = 2 reader,
-    # and a TP = 1 engine (another layout) that finds none of it and writes its own blocks.
-    second, single = (_answer(engine) for engine in (
-        _start(tiny.path, nvme, "tp2-b", 2, "read"), _start(tiny.path, nvme, "tp1", 1, "read")))
+    # Two engines at once (each start is mostly imports and process spawns): a TP = 2 reader in
+    # processes of its own, and meanwhile, in this process (vLLM is imported here already), a
+    # TP = 1 engine (another layout) that finds none of it and writes its own blocks.
+    reader = _start(tiny.path, nvme, "tp2-b", 2, "read")
+    try:
+        single = _single_rank_here(tiny.path, nvme, monkeypatch)
+    finally:
+        second = _answer(reader)
     assert second["cached"] == [BLOCKS * 32, 0]
     assert second["tokens"] == first["tokens"]
     assert single["cached"] == [0, 0]
@@ -123,9 +150,8 @@ def _main(model: str, nvme: str, name: str, tp: str, mode: str) -> None:
 
     prompts = [TokensPrompt(prompt_token_ids=p)
                for p in random_prompts(2, BLOCKS * 32 + 5, seed=PROMPT_SEED)]
-    # TP = 1 runs its one rank in the engine's process ("uni"); TP = 2 a process per rank.
-    llm = LLM(model=model, tensor_parallel_size=int(tp),
-              distributed_executor_backend="mp" if int(tp) > 1 else "uni",
+    # A process per rank.
+    llm = LLM(model=model, tensor_parallel_size=int(tp), distributed_executor_backend="mp",
               kv_transfer_config=kv_transfer_config(
                   {"nvme": {"path": nvme, "bytes": 64 << 20}, "name": name}),
               **ENGINE_DEFAULTS)
