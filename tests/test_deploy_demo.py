@@ -34,6 +34,7 @@ import pytest
 
 from deploy.demo import DemoOptions, demo_cluster, run_scenario
 from deploy.local.cluster import LocalCluster
+from deploy.local.probes import wait_until
 from deploy.observability.prometheus import PrometheusServer, prometheus_binary
 from deploy.observability.promql import (
     ALERTS,
@@ -77,8 +78,16 @@ def demo(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[
         cluster.start(report.say)
         prometheus = None
         if prometheus_binary() is not None:
+            jobs = scrape_jobs(cluster)
             prometheus = stack.enter_context(PrometheusServer(
-                base / "prometheus", scrape_jobs(cluster), rule_files=[ALERTS]))
+                base / "prometheus", jobs, rule_files=[ALERTS]))
+            # Every target scraped once before the story starts, so its series cover all of
+            # it: on a loaded machine the first scrapes lag the server's start by seconds, and
+            # the story can be over in 8 s.
+            targets = sum(len(job.targets) for job in jobs)
+            up = prometheus.targets_up
+            wait_until(lambda: len(up()) == targets and all(up().values()), timeout=30,
+                       what="Prometheus scraping every target")
         started = time.time()
         run_scenario(cluster, options, report)
         yield DemoRun(cluster, prometheus, report, output, started, time.time())
@@ -137,6 +146,10 @@ def test_everything_the_dashboard_and_alerts_read_is_exported(demo: DemoRun,
     # vLLM an endpoint it connected to instead of binding: none ever arrived).
     indexed = prometheus.query("sum(kvkeep_router_kv_event_blocks_total)")
     assert float(indexed[0]["value"][1]) > 0
+    # Drawn from the scrapes until a rate window (the renderer's 10 s) past the scenario's end:
+    # the demo's story can be over in 8 s, and a rate panel then has no point inside it yet.
+    end = demo.ended + 15
+    time.sleep(max(0.0, end - time.time()))
     picture = tmp_path / "dashboard.png"
-    drawn = render_dashboard(DASHBOARD, prometheus, demo.started, demo.ended, picture)
-    assert drawn >= 30 and picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    drawn = render_dashboard(DASHBOARD, prometheus, demo.started, end, picture)
+    assert drawn >= 30 and picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", drawn
