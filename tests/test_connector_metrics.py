@@ -2,14 +2,17 @@
 cannot be reproduced are refused.
 
 The metrics tests scrape a REAL vLLM OpenAI server (deploy/local/vllm_server.py) started with the
-connector over a real kvstore daemon, in both engine modes (the engine core inside the API
-server, and in a process of its own): after a save, a restore, and a restore whose blocks rotted
-on the daemon's disk, every family holds real values on vLLM's own `/metrics`.
+connector over a real kvstore daemon, in both of the engine core's modes (`in-process`: the
+model runner, so the connector's worker half, in the engine core's process beside its scheduler
+half; `multiprocess`: in a worker process of its own; `vllm serve` runs the engine core apart
+from its API server either way): after a save, a restore, and a restore whose blocks rotted on
+the daemon's disk, every family holds real values on vLLM's own `/metrics`.
 """
 
 from __future__ import annotations
 
 import json
+import signal
 import typing
 from collections.abc import Iterator
 from pathlib import Path
@@ -231,5 +234,7 @@ def test_connector_metrics_on_vllms_own_endpoint(
         assert m.value("vllm:prompt_tokens_total", model_name="tiny") > 0
         assert scrape(daemon_metrics).value("kvkeep_store_corrupt_blocks_total",
                                             tier="nvme") >= 1
+        # Started through `kvkeep serve-vllm` (exec'd): SIGTERM is vLLM's, and so is the exit.
+        assert server.process.stop(60.0) in (0, -signal.SIGTERM)
     finally:
         server.kill()

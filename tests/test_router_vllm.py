@@ -25,6 +25,7 @@ import pytest
 from deploy.local.cluster import ClusterSpec, LocalCluster, Worker
 from deploy.local.engines import EngineSettings
 from deploy.local.services import free_port
+from deploy.serve_vllm import VLLM_SERVER_MODULE
 from router.config import RouterConfig, StaticWorker
 from router.front.api import Endpoint, parse_request
 from router.indexer.keys import text_prefix_keys
@@ -102,6 +103,17 @@ def direct_chat(server: Worker, messages: list[dict[str, str]], max_tokens: int)
                          "ignore_eos": True})
     r.raise_for_status()
     return str(r.json()["choices"][0]["message"]["content"])
+
+
+def test_workers_are_vllms_server_execd_by_kvkeep_serve_vllm(cluster: Cluster) -> None:
+    """Each worker was started as `kvkeep serve-vllm ...` (deploy.local.engines.vllm_argv):
+    the pid started is now vLLM's server module, exec'd, nothing of kvkeep's CLI left (so
+    signals reach vLLM and its exit status is the command's; tests/test_serve_vllm.py)."""
+    for worker in cluster.local.workers.values():
+        assert worker.server.argv[3] == "serve-vllm"
+        cmdline = Path(f"/proc/{worker.server.pid}/cmdline").read_bytes().split(b"\0")
+        assert VLLM_SERVER_MODULE.encode() in cmdline, cmdline
+        assert b"kvstore.commands" not in cmdline and b"serve-vllm" not in cmdline
 
 
 def test_openai_client_through_the_router(cluster: Cluster) -> None:

