@@ -115,8 +115,11 @@ def test_tp2_restores_tp2_and_tp1_misses(tiny: TinyModel, tmp_path: Path,
     reader = _start(tiny.path, nvme, "tp2-b", 2, "read")
     try:
         single = _single_rank_here(tiny.path, nvme, monkeypatch)
-    finally:
-        second = _answer(reader)
+    except BaseException:
+        reader.kill()
+        reader.wait()
+        raise
+    second = _answer(reader)
     assert second["cached"] == [BLOCKS * 32, 0]
     assert second["tokens"] == first["tokens"]
     assert single["cached"] == [0, 0]
