@@ -94,7 +94,7 @@ def demo(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[
 
 
 def test_demo_passes_every_check_with_tls(demo: DemoRun) -> None:
-    assert "TLS on" in demo.log(), demo.log()
+    assert "TLS on" in demo.output.getvalue(), demo.log()
     failed = [c for c in demo.report.checks if not c.passed]
     assert not failed and demo.report.passed, (failed, demo.log())
     names = {c.name for c in demo.report.checks}
