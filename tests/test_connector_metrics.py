@@ -235,6 +235,6 @@ def test_connector_metrics_on_vllms_own_endpoint(
         assert scrape(daemon_metrics).value("kvkeep_store_corrupt_blocks_total",
                                             tier="nvme") >= 1
         # Started through `kvkeep serve-vllm` (exec'd): SIGTERM is vLLM's, and so is the exit.
-        assert server.process.stop(60.0) in (0, -signal.SIGTERM)
+        assert server.stop(grace_s=60.0) in (0, -signal.SIGTERM)
     finally:
         server.kill()

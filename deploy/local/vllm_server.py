@@ -74,9 +74,9 @@ class VllmServer:
         """SIGKILL the API server and its engine core at once: the node is gone."""
         self.process.kill()
 
-    def stop(self) -> None:
-        """SIGTERM (vLLM drains), then SIGKILL after a grace period."""
-        self.process.stop(15.0)
+    def stop(self, grace_s: float = 15.0) -> int | None:
+        """SIGTERM (vLLM drains), then SIGKILL after `grace_s`; the exit status."""
+        return self.process.stop(grace_s)
 
 
 def start_vllm(model_dir: Path | str, log_dir: Path, *, name: str = "tiny",
