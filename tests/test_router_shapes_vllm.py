@@ -313,8 +313,9 @@ def sent(shape: str, got: Streamed) -> str:
 
 def _answer(shape: str, message: dict[str, Any]) -> str:
     """An unstreamed answer's counterpart of `sent`."""
-    return message["tool_calls"][0]["function"]["arguments"] if shape.startswith("tool") \
-        else message["content"]
+    if shape.startswith("tool"):
+        return str(message["tool_calls"][0]["function"]["arguments"])
+    return str(message["content"])
 
 
 def _streamed_calls(got: Streamed) -> list[tuple[str, str]]:
