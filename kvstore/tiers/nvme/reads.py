@@ -1,5 +1,5 @@
-"""The nvme tier's read of one block file: the header, then only the byte range of the wanted
-segments, verified where a bad file can still be deleted (by the tier, on CorruptBlock)."""
+"""The nvme tier's read of one block from its pack: the header, then only the byte range of the
+wanted segments, verified where a bad block can still be dropped (by the tier, on CorruptBlock)."""
 
 from __future__ import annotations
 
@@ -20,13 +20,13 @@ _local = threading.local()
 def read_block(fd: int, digest: bytes, entry: IndexEntry, layers: LayerRange | None,
                out: Buffer | None, *, deadline: float | None, drop_page_cache: bool
                ) -> BlockRead:
-    """Read and verify a block (or the segments of `layers`) from an open file, straight into
+    """Read and verify a block (or the segments of `layers`) from its open pack, straight into
     the first bytes of `out` when given; the result is marked verified, so neither the store
     nor decoding hashes it again. Raises CorruptBlock, DeadlineExceeded, OSError, and
     ValueError when `out` is too small or `layers` goes past the block's layers."""
     header_view = _header_buffer(entry.header_size)
-    if os.preadv(fd, [header_view], 0) != entry.header_size:
-        raise CorruptBlock("block file shorter than its header")
+    if os.preadv(fd, [header_view], entry.offset) != entry.header_size:
+        raise CorruptBlock("pack ends inside a block's header")
     header = FrameHeader.unpack(header_view)
     if header.frame_size != entry.size or header.key_digest != digest:
         raise CorruptBlock("block header disagrees with the index")
@@ -40,10 +40,10 @@ def read_block(fd: int, digest: bytes, entry: IndexEntry, layers: LayerRange | N
         if len(view) < length:
             raise ValueError(f"out buffer holds {len(view)} bytes, the read needs {length}")
         target = view[:length]
-    if read_into(fd, target, start, deadline=deadline) != length:
-        raise CorruptBlock("block file is truncated")
+    if read_into(fd, target, entry.offset + start, deadline=deadline) != length:
+        raise CorruptBlock("pack ends inside a block")
     if drop_page_cache:
-        drop_cache(fd)
+        drop_cache(fd, entry.offset, entry.size)
     return BlockRead(header, wanted, target).verified_for(digest)
 
 
