@@ -28,6 +28,7 @@ from kvstore.tiers.memory.host import HostTier
 from kvstore.tiers.nvme.tier import NvmeTier
 from kvstore.tiers.remote.tier import RemoteTier
 from tests.blockframes import block_key, make_frame
+from tests.disk_damage import flip_byte, wait_on_disk
 
 LAYERS, SEGMENT = 4, 8192
 NO_PROMOTION = StoreConfig(promote=False, get_deadline_s=10.0)
@@ -237,16 +238,11 @@ def test_a_remote_hit_is_hashed_once_in_this_process(daemons: list[DaemonProcess
 
 
 def _corrupt_on_disk(daemon: DaemonProcess, key: BlockKey) -> None:
-    """Flip a payload byte of the daemon's file of `key`; restarted, so its RAM copy is gone."""
-    deadline = time.monotonic() + 10
-    while not list(daemon.data_dir.glob(f"blocks/**/{key.digest.hex()}*")):
-        assert time.monotonic() < deadline, "the daemon never wrote the block to disk"
-        time.sleep(0.05)
+    """Flip a payload byte of the daemon's disk copy of `key`; restarted, so its RAM copy is
+    gone."""
+    wait_on_disk(daemon.data_dir, key.digest)
     daemon.terminate()
-    (path,) = daemon.data_dir.glob(f"blocks/**/{key.digest.hex()}*")
-    data = bytearray(path.read_bytes())
-    data[-10] ^= 0xFF
-    path.write_bytes(bytes(data))
+    flip_byte(daemon.data_dir, key.digest, -10)
     daemon.spawn()
     daemon.wait_healthy()
 

@@ -214,6 +214,9 @@ class NvmeTier:
             try:
                 result = read_block(fd, digest, entry, layers, out, deadline=deadline,
                                     drop_page_cache=self._drop_cache)
+                if result is None:  # no frame there any more: gone, as a deleted file was
+                    self._forget(digest, entry)
+                    return None
             except CorruptBlock:
                 if self._discard_corrupt(digest, entry):
                     raise
@@ -476,7 +479,8 @@ class NvmeTier:
     def _forget(self, digest: bytes, entry: IndexEntry) -> None:
         with self._lock:
             self._misses += 1
-            self._index.remove(digest, expected=entry)
+            if self._index.remove(digest, expected=entry) is not None:
+                self._packs.remove(entry.pack, entry.offset, entry.size)
 
     def _count_error(self) -> None:
         with self._lock:
