@@ -8,9 +8,11 @@ import os
 import time
 from pathlib import Path
 
+from kvstore.tiers.nvme.packs import aligned
 from kvstore.tiers.nvme.recovery import find_block, pack_blocks
 
-__all__ = ["digests_on_disk", "wait_on_disk", "flip_byte", "flip_every_frame", "erase"]
+__all__ = ["digests_on_disk", "wait_on_disk", "flip_byte", "flip_every_frame", "erase",
+           "rewrite"]
 
 
 def digests_on_disk(data_dir: Path) -> list[bytes]:
@@ -44,6 +46,20 @@ def erase(data_dir: Path, digest: bytes) -> None:
     fd = os.open(path, os.O_WRONLY)
     try:
         os.pwrite(fd, bytes(size), offset)
+    finally:
+        os.close(fd)
+
+
+def rewrite(data_dir: Path, digest: bytes, frame: bytes) -> None:
+    """Write `frame` in place of a block's frame on disk (no larger than the pages the block
+    had): what whoever can write the disk could do."""
+    found = find_block(data_dir, digest)
+    assert found is not None, f"{digest.hex()} is not on {data_dir}'s disk"
+    path, offset, size = found
+    assert aligned(len(frame)) <= aligned(size), "a frame larger than the block's place"
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.pwrite(fd, frame, offset)
     finally:
         os.close(fd)
 

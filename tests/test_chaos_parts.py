@@ -59,10 +59,11 @@ def test_corrupted_block_files_are_never_served_as_valid(tmp_path: Path) -> None
         assert all(client.put(scope, [(k.block_hash, frames[k.digest])], timeout=5.0)
                    for k in keys)
         _wait(lambda: _drained(daemon.address))
+        places = {k.digest: find_block(daemon.data_dir, k.digest) for k in keys}
         corrupted = corrupt_blocks("d1", daemon.data_dir, 8, random.Random(0))
         assert len(corrupted) == 8 and {c.where for c in corrupted} == {"payload", "header"}
         for c in corrupted:  # the frames on disk really differ from what was stored
-            found = find_block(daemon.data_dir, c.key.digest)
+            found = places[c.key.digest]
             assert found is not None
             path, offset, size = found
             with path.open("rb") as f:

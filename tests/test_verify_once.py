@@ -190,14 +190,11 @@ def test_host_pages_flipped_in_memory_are_a_miss_and_the_next_tier_serves(
         assert store.stats().corrupt == 2 and store.stats().misses == 1
 
 
-def test_an_nvme_file_flipped_on_disk_is_a_miss(tmp_path: Path) -> None:
+def test_a_block_flipped_on_disk_is_a_miss(tmp_path: Path) -> None:
     with TieredStore([NvmeTier(tmp_path / "nvme", 16 << 20)], config=NO_PROMOTION) as store:
         frames = put_frames(store, 2)
         (key, _), (intact, expected) = frames.items()
-        (path,) = (tmp_path / "nvme").glob(f"**/{key.digest.hex()}*")
-        data = bytearray(path.read_bytes())
-        data[-3] ^= 0x01
-        path.write_bytes(bytes(data))
+        flip_byte(tmp_path / "nvme", key.digest, -3, 0x01)
         assert store.get(key) is None
         assert store.tiers[0].contains([key]) == [False]
         get_and_decode(store, intact, expected)

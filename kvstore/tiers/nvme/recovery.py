@@ -107,9 +107,14 @@ def pack_records(fd: int) -> Iterator[tuple[int, FrameHeader, int]]:
 
 
 def pack_blocks(root: Path) -> Iterator[tuple[Path, int, FrameHeader]]:
-    """(pack path, offset, header) of every frame in the packs under a data directory, oldest
-    pack first: for tools and tests (a tier may be writing meanwhile)."""
-    packs = root / PACKS_DIR
+    """(pack path, offset, header) of every frame in the packs of every nvme tier at or under
+    `root` (a daemon's data directory, say), each tier's oldest pack first: for tools and
+    tests (a tier may be writing meanwhile)."""
+    for packs in sorted(p for p in root.rglob(PACKS_DIR) if p.is_dir()):
+        yield from _blocks_of(packs)
+
+
+def _blocks_of(packs: Path) -> Iterator[tuple[Path, int, FrameHeader]]:
     serials = sorted(s for s in (pack_serial(p.name) for p in packs.glob("*")) if s is not None)
     for serial in serials:
         path = packs / pack_name(serial)
