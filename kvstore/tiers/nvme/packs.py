@@ -98,7 +98,16 @@ def free_range(fd: int, offset: int, length: int) -> bool:
 
 class PackFiles:
     """The packs of one data directory: which is active, how far it is written, and how many
-    blocks (committed, and placed but not yet committed) each still holds."""
+    blocks (committed, and placed but not yet committed) each still holds.
+
+    Bookkeeping runs under the tier's lock; the disk work it decides (punching the holes of
+    removed blocks, unlinking empty packs) is queued and done by `release`, which the tier
+    calls after letting go of its lock: a hole punch waits on the filesystem's journal
+    (0.37 ms a 256 KiB block here, 0.16 for runs of 32), and readers and writers must not wait
+    behind it. The queued ranges are merged where they touch, so an LRU eviction of blocks
+    written one after the other is one punch. Nothing can be placed in a freed range again
+    (packs only grow), so doing this late is safe.
+    """
 
     def __init__(self, dir_fd: int, *, durable: bool, serials: Iterable[int] = ()) -> None:
         self.dir_fd = dir_fd
@@ -108,16 +117,10 @@ class PackFiles:
         self._next = max(self._live, default=0) + 1
         self._active = -1
         self._end = 0
+        self._frees: list[tuple[int, int, int]] = []  # (serial, offset, length)
+        self._unlinks: list[int] = []
         self.holes_unsupported = False
         self.free_errors = 0
-
-    @property
-    def count(self) -> int:
-        """Pack files on disk."""
-        return len(self._live)
-
-    def name(self, serial: int) -> str:
-        return pack_name(serial)
 
     def place(self, size: int) -> Location:
         """Where the next frame of `size` bytes goes; starts a pack when the active one is full
@@ -137,7 +140,7 @@ class PackFiles:
     def abandon(self, serial: int, offset: int, size: int) -> None:
         """A placed frame was not written whole: free what of it reached the disk."""
         self._pending[serial] -= 1
-        self._free(serial, offset, size)
+        self._frees.append((serial, offset, aligned(size)))
         self._unlink_if_empty(serial)
 
     def loaded(self, serial: int) -> None:
@@ -147,17 +150,47 @@ class PackFiles:
     def remove(self, serial: int, offset: int, size: int) -> None:
         """A committed block left the index: free its pages, and its pack once empty."""
         self._live[serial] -= 1
-        self._free(serial, offset, size)
+        self._frees.append((serial, offset, aligned(size)))
         self._unlink_if_empty(serial)
 
     def free_stale(self, serial: int, offset: int, size: int) -> None:
         """Free an older copy of a block the start-up scan found twice (the later one counts)."""
-        self._free(serial, offset, size)
+        self._frees.append((serial, offset, aligned(size)))
 
     def drop_empty(self) -> None:
         """Unlink every pack without blocks (after the start-up scan)."""
         for serial in list(self._live):
             self._unlink_if_empty(serial)
+
+    def take_work(self) -> tuple[list[tuple[int, int, int]], list[int]]:
+        """The frees and unlinks queued since the last call, for `release` (under the lock)."""
+        work = (self._frees, self._unlinks)
+        self._frees, self._unlinks = [], []
+        return work
+
+    def release(self, work: tuple[list[tuple[int, int, int]], list[int]]) -> None:
+        """Do the disk work `take_work` handed over (outside the tier's lock). A failure is
+        logged and counted (`free_errors`): the blocks are already out of the index, so they
+        are never served from here; at worst the next start finds one again, a verified
+        frame."""
+        frees, unlinks = work
+        gone = set(unlinks)
+        runs: list[tuple[int, int, int, list[int]]] = []  # serial, offset, length, frame starts
+        for serial, offset, length in sorted(f for f in frees if f[0] not in gone):
+            if runs and runs[-1][0] == serial and runs[-1][1] + runs[-1][2] == offset:
+                last = runs[-1]
+                runs[-1] = (serial, last[1], last[2] + length, [*last[3], offset])
+            else:
+                runs.append((serial, offset, length, [offset]))
+        for serial, offset, length, starts in runs:
+            self._free(serial, offset, length, starts)
+        for serial in unlinks:
+            try:
+                os.unlink(pack_name(serial), dir_fd=self.dir_fd)
+            except FileNotFoundError:
+                continue
+            except OSError as exc:  # its blocks are all gone: only the disk space is lost
+                self._free_failed(serial, exc)
 
     def _start_pack(self) -> None:
         serial = self._next
@@ -172,10 +205,9 @@ class PackFiles:
         if previous >= 0:
             self._unlink_if_empty(previous)
 
-    def _free(self, serial: int, offset: int, size: int) -> None:
-        """Make a frame unfindable and give back its pages where the filesystem can. A failure
-        is logged and counted (`free_errors`): the block is already out of the index, so it is
-        never served from here; at worst the next start finds it again, a verified frame."""
+    def _free(self, serial: int, offset: int, length: int, starts: list[int]) -> None:
+        """Make the frames starting at `starts` in a range unfindable, and give back the
+        range's pages where the filesystem can."""
         try:
             fd = os.open(pack_name(serial), os.O_WRONLY | os.O_CLOEXEC, dir_fd=self.dir_fd)
         except FileNotFoundError:
@@ -184,10 +216,12 @@ class PackFiles:
             self._free_failed(serial, exc)
             return
         try:
-            if self.holes_unsupported or not free_range(fd, offset, aligned(size)):
+            if self.holes_unsupported or not free_range(fd, offset, length):
                 self.holes_unsupported = True
-                # The scan must not find the frame again: zero its first page.
-                os.pwrite(fd, bytes(min(RECORD_ALIGN, size)), offset)
+                # The scan must not find these frames again: zero each one's first page.
+                zeros = bytes(RECORD_ALIGN)
+                for start in starts:
+                    os.pwrite(fd, zeros, start)
         except OSError as exc:
             self._free_failed(serial, exc)
         finally:
@@ -203,9 +237,4 @@ class PackFiles:
             return
         del self._live[serial]
         self._pending.pop(serial, None)
-        try:
-            os.unlink(pack_name(serial), dir_fd=self.dir_fd)
-        except FileNotFoundError:
-            return
-        except OSError as exc:  # its blocks are all gone: only the disk space is lost
-            self._free_failed(serial, exc)
+        self._unlinks.append(serial)

@@ -126,8 +126,10 @@ class NvmeTier:
             for entry in found.stale:
                 self._packs.free_stale(entry.pack, entry.offset, entry.size)
             # a smaller budget than last time: shed the oldest blocks now
-            self._unlink_victims(self._index.evict_to(byte_budget))
+            self._free_victims(self._index.evict_to(byte_budget))
             self._packs.drop_empty()
+            work = self._packs.take_work()
+        self._packs.release(work)
         self._corrupt = found.report.invalid_removed - len(found.stale)
         self._errors = found.report.unreadable
         self._manifests = ManifestFiles(
@@ -256,7 +258,7 @@ class NvmeTier:
         with self._operation(), self._lock:
             victims = [(key.digest, entry) for key in keys
                        if (entry := self._index.remove(key.digest)) is not None]
-            self._unlink_victims(victims)
+            self._free_victims(victims)
         return len(victims)
 
     def put_manifest(self, record: SessionRecord) -> None:
@@ -341,6 +343,7 @@ class NvmeTier:
         written: list[_Written] = []
         error: OSError | None = None
         fds: dict[int, int] = {}  # pack -> this window's own write fd (its own file offset)
+        spans: dict[int, tuple[int, int]] = {}  # pack -> the range this window wrote in it
         try:
             for i, (digest, view, header_size) in enumerate(window, offset):
                 try:
@@ -358,6 +361,8 @@ class NvmeTier:
                             pack_name(entry.pack), os.O_WRONLY | os.O_CLOEXEC,
                             dir_fd=self._layout.packs_dir)
                     os.lseek(fd, entry.offset, os.SEEK_SET)
+                    start, _ = spans.get(entry.pack, (entry.offset, entry.offset))
+                    spans[entry.pack] = (start, entry.offset + len(view))
                     self._write(fd, view)
                 except OSError as exc:
                     error = self._write_failed(digest, entry, exc) or error
@@ -368,7 +373,9 @@ class NvmeTier:
                 try:
                     if self._durable:
                         os.fdatasync(fd)
-                    drop_cache(fd)  # the RAM tier is the cache: no second copy in pages
+                    start, stop = spans.get(pack, (0, 0))
+                    if stop > start:  # the RAM tier is the cache: no second copy in pages
+                        drop_cache(fd, start, stop - start)
                 except OSError as exc:
                     failed_packs[pack] = exc
         finally:
@@ -401,7 +408,7 @@ class NvmeTier:
                 self._rejected += 1
                 return Admission.REJECTED, None
             admission, victims = self._index.reserve(digest, size)
-            self._unlink_victims(victims)
+            self._free_victims(victims)
             if admission is Admission.REJECTED:
                 self._rejected += 1
             if admission is not Admission.RESERVED:
@@ -434,12 +441,11 @@ class NvmeTier:
 
     # ------------------------------------------------------------------------------ plumbing
 
-    def _unlink_victims(self, victims: list[tuple[bytes, IndexEntry]]) -> None:
-        """Free the pages of blocks dropped from the index. Caller holds the lock."""
+    def _free_victims(self, victims: list[tuple[bytes, IndexEntry]]) -> None:
+        """Queue the pages of blocks dropped from the index to be freed (by `_operation`, once
+        the lock is released). Caller holds the lock."""
         for _, entry in victims:
             self._packs.remove(entry.pack, entry.offset, entry.size)
-        if victims:
-            self._space.freed()
 
     def _discard_corrupt(self, digest: bytes, entry: IndexEntry) -> bool:
         """Drop a block that failed verification; False if it had left the index while it
@@ -509,6 +515,10 @@ class NvmeTier:
                     self._idle.notify_all()
                 removed = self._index.drain_removed()
                 listeners = self._removal_listeners if removed else []
+                work = self._packs.take_work()
+            self._packs.release(work)
+            if removed:
+                self._space.freed()
             for listener in listeners:
                 try:
                     listener(removed)
