@@ -14,6 +14,12 @@ Gets copy into a caller-provided, already-touched buffer and puts copy from one,
 connector does. nvme puts include the fsyncs that make them durable; nvme gets are cold (each
 file is evicted from the page cache before it is read).
 
+The `small` section is the nvme tier with 256 KiB blocks (LMCache's chunk size, a short vLLM
+block) written as the daemons' write-behind writes them, `put_many` of 16 at a time, durable,
+against this disk's rate for writing and fsyncing files of that size one by one (the floor of
+a tier that keeps a file per block, as this one does), and the start-up scan of what it wrote.
+Reported, with no target.
+
 The `reads` section is the store's read path as the connector uses it: `TieredStore.get` of a
 host hit and of an nvme hit (page cache warm, so the CPU work shows rather than the disk), alone
 and followed by decoding every layer. Each read is verified once (the nvme tier hashes its own
@@ -53,6 +59,7 @@ from kvstore.tiers.nvme.tier import NvmeTier
 
 LAYERS, TOKENS, HEADS, HEAD_SIZE = 32, 32, 8, 128
 LAYER_SHAPE = (2, TOKENS, HEADS, HEAD_SIZE)
+SMALL_TOKENS = 2  # 32 layers x 2 x 2 tokens x 8 heads x 128 x fp16 = 256 KiB
 KV_BYTES = LAYERS * 2 * TOKENS * HEADS * HEAD_SIZE * 2  # fp16
 
 
@@ -68,17 +75,17 @@ def _rate(nbytes: int, run: Callable[[int], None], count: int, repeats: int) -> 
     return statistics.median(rates)
 
 
-def _blocks(count: int) -> tuple[list[BlockKey], list[bytes]]:
-    fingerprint = ModelFingerprint("bench", "random", "float16", LAYERS, HEADS, HEAD_SIZE, TOKENS,
+def _blocks(count: int, tokens: int = TOKENS) -> tuple[list[BlockKey], list[bytes]]:
+    fingerprint = ModelFingerprint("bench", "random", "float16", LAYERS, HEADS, HEAD_SIZE, tokens,
                                    "bench-2thd", "raw")
     rng = np.random.default_rng(0)
     keys, frames = [], []
     for i in range(count):
         key = BlockKey.of(fingerprint, Namespace("bench"), i.to_bytes(8, "little") * 4)
-        layers = [rng.standard_normal(LAYER_SHAPE, dtype=np.float32).astype(np.float16)
-                  for _ in range(LAYERS)]
+        layers = [rng.standard_normal((2, tokens, HEADS, HEAD_SIZE), dtype=np.float32)
+                  .astype(np.float16) for _ in range(LAYERS)]
         keys.append(key)
-        frames.append(encode_block(layers, codec="raw", key=key, token_count=TOKENS,
+        frames.append(encode_block(layers, codec="raw", key=key, token_count=tokens,
                                    layout_id="bench-2thd", compression="none"))
     return keys, frames
 
@@ -159,6 +166,33 @@ def _nvme(directory: Path, keys: list[BlockKey], frames: list[bytes], repeats: i
     return {"nvme_put_gbps": statistics.median(puts), "nvme_get_gbps": statistics.median(gets)}
 
 
+def _small(directory: Path, count: int, repeats: int) -> dict[str, float]:
+    """256 KiB blocks: durable put_many in 16s, the per-file write+fsync floor, the scan."""
+    keys, frames = _blocks(count, SMALL_TOKENS)
+    nbytes = sum(len(f) for f in frames)
+    puts, scans = [], []
+    for _ in range(repeats):
+        with tempfile.TemporaryDirectory(dir=directory) as tmp:
+            root = Path(tmp) / "nvme"
+            with NvmeTier(root, 2 * nbytes) as tier:
+                start = time.perf_counter()
+                for i in range(0, count, 16):
+                    if not all(tier.put_many(list(zip(keys[i:i + 16], frames[i:i + 16],
+                                                      strict=True)))):
+                        raise RuntimeError("nvme tier refused a block during the benchmark")
+                puts.append(nbytes / (time.perf_counter() - start) / 1e9)
+            start = time.perf_counter()
+            with NvmeTier(root, 2 * nbytes) as tier:
+                scans.append((time.perf_counter() - start) / count)
+                if tier.stats().blocks != count:
+                    raise RuntimeError("the start-up scan lost a block during the benchmark")
+    floor = disk_write_fsync_gbps(directory, len(frames[0]), count, repeats)
+    put = statistics.median(puts)
+    return {"frame_bytes": len(frames[0]), "nvme_put_many_gbps": put,
+            "disk_write_fsync_per_file_gbps": floor, "put_many_vs_per_file_fsync": put / floor,
+            "scan_us_per_block": 1e6 * statistics.median(scans)}
+
+
 def _store_reads(directory: Path, keys: list[BlockKey], frames: list[bytes], repeats: int
                  ) -> dict[str, float]:
     out = bytearray(len(frames[0]))
@@ -207,6 +241,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     tiers = {**_host(keys, frames, repeats), **_nvme(directory, keys, frames, repeats)}
     progress("the store: verified reads and decodes")
     reads = _store_reads(directory, keys, frames, repeats)
+    progress("nvme: 256 KiB blocks, durable put_many and the start-up scan")
+    small = _small(directory, 64 if args.quick else 256, repeats)
     memcpy = baseline["memcpy_gbps"]
     ratios = {
         "host_get_vs_memcpy": tiers["host_get_gbps"] / memcpy,
@@ -220,7 +256,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                "nvme_get_vs_cold_read": 0.7}
     met = {name: ratios[name] >= target for name, target in targets.items()}
     met["int8_rel_rms_error"] = codec["int8_rel_rms_error"] <= 0.01
-    return {"baseline": baseline, "codec": codec, "tiers": tiers, "reads": reads,
+    return {"baseline": baseline, "codec": codec, "tiers": tiers, "reads": reads, "small": small,
             "ratios": ratios,
             "targets": targets, "targets_met": met,
             "block": {"layers": LAYERS, "tokens": TOKENS, "kv_heads": HEADS,
@@ -230,7 +266,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 def render(results: dict[str, Any]) -> str:
     lines = [f"{'figure':34s} {'GB/s':>8s}"]
-    for section in ("baseline", "codec", "tiers", "reads"):
+    for section in ("baseline", "codec", "tiers", "reads", "small"):
         for name, value in results[section].items():
             lines.append(f"{section + '.' + name:34s} {value:8.3f}")
     lines.append("")

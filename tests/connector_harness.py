@@ -219,3 +219,19 @@ def block_hashes(token_ids: Sequence[int], block_size: int = BLOCK_SIZE) -> list
             sha256, parent, token_ids[start:start + block_size], None)  # type: ignore[arg-type]
         hashes.append(parent)
     return hashes
+
+
+def block_files(data_dir: Path, storage_name: str) -> list[Path]:
+    """The nvme tier's file(s) for a block key."""
+    return [p for p in data_dir.rglob(f"{storage_name}*") if p.is_file()]
+
+
+def corrupt_every_frame(data_dir: Path) -> int:
+    """Flip one byte inside the payload (past the header) of every nvme block file under
+    `data_dir`, so every stored frame fails its checksum; returns how many files."""
+    files = [p for p in data_dir.rglob("*.kvb") if p.is_file()]
+    for path in files:
+        raw = bytearray(path.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        path.write_bytes(bytes(raw))
+    return len(files)

@@ -15,6 +15,7 @@ import torch
 from tests.connector_harness import (
     BLOCK_SIZE,
     Result,
+    block_files,
     block_hashes,
     generate,
     kv_transfer_config,
@@ -23,7 +24,6 @@ from tests.connector_harness import (
     scheduler_connector,
     worker_connector,
 )
-from tests.disk_damage import erase, flip_byte
 from tests.models import TinyModel
 
 pytestmark = pytest.mark.slow
@@ -60,10 +60,17 @@ def test_corrupt_and_vanished_blocks_are_recomputed(tiny: TinyModel, tmp_path: P
     with open_engine(tiny.path, config) as llm:
         _same_tokens(generate(llm, PROMPTS, MAX_TOKENS), reference)
     with open_engine(tiny.path, config) as llm:
-        # Damage the blocks on disk after the new engine indexed them: its lookups still see
-        # them, so the failures surface while loading, the hard case.
-        flip_byte(data, _keys(llm, PROMPTS[0])[1].digest, -100, 0x5A)
-        erase(data, _keys(llm, PROMPTS[1])[2].digest)
+        # Damage the files after the new engine indexed them: its lookups still see the blocks,
+        # so the failures surface while loading, the hard case.
+        corrupt = block_files(data, _keys(llm, PROMPTS[0])[1].storage_name)
+        vanished = block_files(data, _keys(llm, PROMPTS[1])[2].storage_name)
+        assert len(corrupt) == 1 and len(vanished) == 1
+        with open(corrupt[0], "r+b") as f:
+            f.seek(-100, 2)
+            byte = f.read(1)
+            f.seek(-100, 2)
+            f.write(bytes([byte[0] ^ 0x5A]))
+        vanished[0].unlink()
 
         results = generate(llm, PROMPTS, MAX_TOKENS)
         _same_tokens(results, reference)

@@ -123,13 +123,13 @@ def test_fp8_cache_restores_bit_exact_and_another_format_misses(tiny: Any,
     from vllm import SamplingParams
 
     from tests.connector_harness import (
+        corrupt_every_frame,
         kv_transfer_config,
         open_engine,
         random_prompts,
         scheduler_connector,
         worker_connector,
     )
-    from tests.disk_damage import flip_every_frame
 
     prompts = random_prompts(2, [150, 170], seed=23)
     sampling = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
@@ -164,7 +164,7 @@ def test_fp8_cache_restores_bit_exact_and_another_format_misses(tiny: Any,
     assert all(r[2] == 0 for r in other)
 
     # Every stored frame corrupted: nothing is restored, vLLM recomputes, same outputs.
-    assert flip_every_frame(tmp_path / "nvme") > 0
+    assert corrupt_every_frame(tmp_path / "nvme") > 0
     with open_engine(tiny.path, kv_transfer_config(store("corrupt")),
                      kv_cache_dtype="fp8_e4m3") as llm:
         recomputed = run(llm)

@@ -33,9 +33,7 @@ import pytest
 import torch
 
 from deploy.local.probes import wait_until
-from kvstore.tiers.nvme.recovery import find_block
 from tests.connector_harness import kv_transfer_config
-from tests.disk_damage import flip_byte
 
 BS = 16
 WINDOW = 40  # tokens: a sliding layer attends to at most 40 positions (under 3 blocks)
@@ -285,10 +283,11 @@ def test_a_corrupt_block_of_one_group_fails_the_request_and_vllm_recomputes(
         request = second.add("b", PROMPT)
         hasher_hashes = request.block_hashes
         key = BlockKey.of(sliding_fp, Namespace("default"), bytes(hasher_hashes[3]))
-        found = find_block(store, key.digest)
-        assert found is not None
-        flip_byte(store, key.digest, found[2] // 2, 0x5A)
-        damaged = _content(found)
+        (path,) = store.rglob(f"{key.digest.hex()}.kvb")
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0x5A
+        damaged = bytes(data)
+        path.write_bytes(damaged)
         second.run("b")
         assert second.failed_recving == {"b"}
         assert [load.run.group for load in second.loads] == [0, 1]  # one attempt only
@@ -297,9 +296,9 @@ def test_a_corrupt_block_of_one_group_fails_the_request_and_vllm_recomputes(
         assert request.num_output_tokens == MAX_TOKENS
         # The store drops the damaged copy on its reading thread, after the load's failure is
         # reported: wait for it rather than race it. The recompute may then save the block
-        # again (the saver asks the store, which no longer has it), at another place: what
-        # must be gone is the damaged one.
-        wait_until(lambda: _content(found) != damaged, timeout=10,
+        # again (the saver asks the store, which no longer has it), so the path may hold a
+        # fresh copy: what must be gone is the damaged one.
+        wait_until(lambda: _content(path) != damaged, timeout=10,
                    what="the damaged copy's deletion")
     from kvstore.tiers.nvme.tier import NvmeTier
     reopened = NvmeTier(store, 256 << 20)
@@ -310,13 +309,9 @@ def test_a_corrupt_block_of_one_group_fails_the_request_and_vllm_recomputes(
         reopened.close()
 
 
-def _content(where: tuple[Path, int, int]) -> bytes | None:
-    """The bytes at a block's place on disk (None once its pack is gone)."""
-    path, offset, size = where
+def _content(path: Path) -> bytes | None:
     try:
-        with path.open("rb") as f:
-            f.seek(offset)
-            return f.read(size)
+        return path.read_bytes()
     except FileNotFoundError:
         return None
 

@@ -22,6 +22,7 @@ from connectors.vllm.layouts import check_codec, mla_layout
 from kvstore.errors import ConfigError
 from tests.connector_harness import (
     GreedyOutputs,
+    corrupt_every_frame,
     generate,
     greedy_outputs,
     kv_transfer_config,
@@ -30,7 +31,6 @@ from tests.connector_harness import (
     scheduler_connector,
     worker_connector,
 )
-from tests.disk_damage import flip_every_frame
 from tests.models import build_tiny_deepseek_v2
 
 MLA_BLOCK = 16  # the CPU MLA decode kernel's only block size
@@ -114,7 +114,7 @@ def test_mla_latent_restores_bit_exact_in_a_fresh_engine(mla_model: Path,
 
     # Every stored frame corrupted: nothing is restored, vLLM recomputes the whole prompt, and
     # the outputs are the computing engine's (the same full-prefill kernels), bit for bit.
-    assert flip_every_frame(data) > 0
+    assert corrupt_every_frame(data) > 0
     with open_engine(mla_model, kv_transfer_config(_store(data, "corrupt")),
                      **MLA_ENGINE) as llm:
         recomputed = _run(llm, PROMPTS)

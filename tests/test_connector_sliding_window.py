@@ -33,13 +33,13 @@ import torch
 from tests.connector_harness import (
     GreedyOutputs,
     block_hashes,
+    corrupt_every_frame,
     greedy_outputs,
     kv_transfer_config,
     open_engine,
     random_prompts,
     worker_connector,
 )
-from tests.disk_damage import flip_every_frame
 from tests.models import build_tiny_gemma3, build_tiny_gpt_oss, build_tiny_mistral
 
 pytestmark = pytest.mark.slow
@@ -177,7 +177,7 @@ def test_a_fresh_engine_restores_a_sliding_window_model_exactly(
         return
     # One model is enough for the corrupt path (the same code for every layout): a flipped
     # byte in every stored frame fails its checksum, nothing is restored, vLLM recomputes.
-    assert flip_every_frame(data) > 0
+    assert corrupt_every_frame(data) > 0
     with open_engine(model, kv_transfer_config(_store(data, f"{name}-corrupt")),
                      **ENGINE) as llm:
         recomputed = _run(llm, PROMPTS)
@@ -230,7 +230,7 @@ def test_with_the_hybrid_kv_cache_manager_on_each_group_restores_exactly(
     assert restored == [(t, lp, _restorable(p))
                         for (t, lp, _), p in zip(reference, PROMPTS, strict=True)]
 
-    assert flip_every_frame(data) > 0
+    assert corrupt_every_frame(data) > 0
     with open_engine(model, kv_transfer_config(_store(data, f"{name}-hma-corrupt")),
                      **HMA_ON) as llm:
         recomputed = _run(llm, PROMPTS)

@@ -30,6 +30,7 @@ import pytest
 from connectors.vllm.config import ConnectorConfig
 from connectors.vllm.connector import _per_rank_store
 from connectors.vllm.layouts import cpu_layout
+from kvstore.tiers.nvme.recovery import BLOCK_SUFFIX
 from tests.connector_harness import (
     ENGINE_DEFAULTS,
     generate,
@@ -37,7 +38,6 @@ from tests.connector_harness import (
     open_engine,
     random_prompts,
 )
-from tests.disk_damage import digests_on_disk, erase
 from tests.models import TinyModel
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,8 +90,7 @@ def _single_rank_here(model: Path, nvme: Path, monkeypatch: pytest.MonkeyPatch
 
 
 def _block_files(shard: Path) -> set[str]:
-    """The key digests (hex) of the blocks on a rank's shard's disk."""
-    return {digest.hex() for digest in digests_on_disk(shard)}
+    return {str(p.relative_to(shard)) for p in shard.rglob(f"*{BLOCK_SUFFIX}")}
 
 
 @pytest.mark.slow
@@ -108,7 +107,7 @@ def test_tp2_restores_tp2_and_tp1_misses(tiny: TinyModel, tmp_path: Path,
     assert len(of_a) == len(of_b) == BLOCKS
     assert len(_block_files(nvme / "tp0of2")) == 2 * BLOCKS
     for name in of_b:  # rank 1's shard of B is lost; rank 0's is all there
-        erase(rank1, bytes.fromhex(name))
+        (rank1 / name).unlink()
 
     # Two engines at once (each start is mostly imports and process spawns): a TP = 2 reader in
     # processes of its own, and meanwhile, in this process (vLLM is imported here already), a
@@ -165,7 +164,7 @@ def _main(model: str, nvme: str, name: str, tp: str, mode: str) -> None:
     # a random model's greedy tokens may differ.
     outs = llm.generate(prompts[:1], params, use_tqdm=False)
     if mode == "write":
-        # Rank 1's blocks once A's saves have reached the disk: the test tells B's apart
+        # Rank 1's block files once A's saves have reached the disk: the test tells B's apart
         # by them.
         rank1 = Path(nvme) / "tp1of2"
         give_up = time.monotonic() + 120

@@ -20,7 +20,6 @@ from kvstore.errors import ConfigError, TierError
 from kvstore.net.daemon_client import DaemonClient
 from kvstore.net.scope import scope_of
 from tests.blockframes import block_key, corrupt, make_frame
-from tests.disk_damage import flip_every_frame
 from tests.metrics_scrape import scrape, wait_for_sample
 
 T = 10.0
@@ -96,10 +95,15 @@ def test_block_traffic_on_both_fronts_is_counted(tmp_path: Path) -> None:
         grpc_client.close()
         tcp_client.close()
 
-        # A block that rots on disk: a miss, counted as corrupt where it was found.
+        # A block whose file rots on disk: a miss, counted as corrupt where it was found.
         assert daemon.terminate() == 0
-        flipped = flip_every_frame(daemon.data_dir)
-        assert flipped >= 10
+        files = sorted(p for p in (daemon.data_dir / "blocks").rglob("*") if p.is_file()
+                       and p.stat().st_size > 60000)
+        assert len(files) >= 10
+        for path in files:
+            data = bytearray(path.read_bytes())
+            data[len(data) // 2] ^= 0x40
+            path.write_bytes(bytes(data))
         daemon.spawn()
         daemon.wait_healthy()
         client = DaemonClient("m1", daemon.address)
@@ -107,7 +111,7 @@ def test_block_traffic_on_both_fronts_is_counted(tmp_path: Path) -> None:
             assert client.get(scope, block_key(i).block_hash, timeout=T) is None
         client.close()
         after = scrape(url)
-        assert after.value("kvkeep_store_corrupt_blocks_total", tier="nvme") == flipped
+        assert after.value("kvkeep_store_corrupt_blocks_total", tier="nvme") == len(files)
         assert after.value("kvkeep_daemon_misses_total") == 80
     finally:
         daemon.close_clients()

@@ -25,7 +25,6 @@ from deploy.local.services import EtcdServer
 from kvstore.errors import ConfigError, InvalidKey
 from kvstore.frame import BlockRead
 from kvstore.keys import Namespace
-from tests.disk_damage import flip_byte
 
 # Objects of one byte, one page, a typical LMCache chunk slice, and one that spans several
 # 4 MiB wire chunks with an odd tail.
@@ -282,7 +281,10 @@ def test_a_corrupt_block_is_a_miss_never_wrong_bytes(tmp_path: Path) -> None:
             time.sleep(0.05)  # the daemon's write-behind to disk
         daemon.close_clients()
         daemon.terminate()
-        flip_byte(daemon.data_dir, key.digest, -10)  # in the payload; the header stays valid
+        (path,) = daemon.data_dir.glob(f"blocks/**/{key.digest.hex()}*")
+        raw = bytearray(path.read_bytes())
+        raw[-10] ^= 0xFF  # one payload bit; the header stays valid
+        path.write_bytes(bytes(raw))
         daemon.spawn()  # its RAM copy is gone: reads come from the damaged file
         daemon.wait_healthy()
         deadline = time.monotonic() + 10

@@ -1,15 +1,14 @@
 """Crash safety of the nvme tier: SIGKILL a writer at random moments, restart it, then check.
 
-What a kill can interrupt: a put between its write into a pack and its index entry, a
-put_many at any phase, a delete (a hole being punched), a manifest write, the start-up scan
-itself. After every restart the scan must have freed no duplicate and found every pack
-readable, and at the end every block present must verify and equal what was written for its
-key, every acknowledged block that was not deleted must be present, manifests must never have
-rolled back, and the store must accept new writes.
+What a kill can interrupt: a put between temp-file creation and rename, a put_many at any phase,
+a delete, a manifest write, the start-up scan itself. After every restart the scan must find no
+invalid file under a final name (a partial block would be one), and at the end every block
+present must verify and equal what was written for its key, every acknowledged block that was
+not deleted must be present, manifests must never have rolled back, and the store must accept
+new writes.
 
-SIGKILL loses no page cache, so this proves the pack protocol (a block is indexed once whole,
-a torn tail is skipped) and the recovery scan, not the ordering against power loss (that rests
-on fdatasync before the index entry and read verification).
+SIGKILL loses no page cache, so this proves the rename protocol and the recovery scan, not the
+fsync ordering against power loss (that rests on fdatasync-before-rename and read verification).
 """
 
 from __future__ import annotations
@@ -93,7 +92,7 @@ def test_sigkill_at_random_moments_never_leaves_partial_or_wrong_blocks(tmp_path
             proc.send_signal(signal.SIGKILL)
             proc.communicate()
 
-    # No restart found a block twice or a pack it could not read.
+    # Every restart found nothing invalid under a final name: kills left only temp files.
     assert all(r["invalid_removed"] == 0 and r["unreadable"] == 0 for r in reports), reports
     interrupted_writes = sum(r["temp_removed"] for r in reports)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import subprocess
 import tempfile
 import threading
@@ -25,21 +26,11 @@ from kvstore.errors import (
     TierError,
     TierUnavailable,
 )
-from kvstore.frame import (
-    BlockRead,
-    CodecId,
-    Compression,
-    DType,
-    FrameHeader,
-    LayerRange,
-    build_frame,
-)
+from kvstore.frame import BlockRead, CodecId, Compression, DType, LayerRange, build_frame
 from kvstore.keys import BlockHash, BlockKey, Namespace, SessionKey, validate_session_id
 from kvstore.manifest import SessionManifest
 from kvstore.tiers.base import Tier
 from kvstore.tiers.nvme import durable_files
-from kvstore.tiers.nvme.packs import PACK_SUFFIX
-from kvstore.tiers.nvme.recovery import find_block, pack_blocks
 from kvstore.tiers.nvme.tier import NvmeTier
 
 FP = bytes(range(16))
@@ -63,15 +54,8 @@ def payload_of(frame: bytes, layers: LayerRange | None = None) -> bytes:
     return bytes(BlockRead.from_frame(frame, layers).payload)
 
 
-def stored(root: Path) -> list[tuple[Path, int, FrameHeader]]:
-    """Every frame the packs under `root` hold, found as the start-up scan finds them."""
-    return list(pack_blocks(root))
-
-
-def located(root: Path, key: BlockKey) -> tuple[Path, int, int]:
-    found = find_block(root, key.digest)
-    assert found is not None, f"{key.storage_name} is not on disk"
-    return found
+def block_files(root: Path) -> list[Path]:
+    return sorted((root / "blocks").rglob("*.kvb"))
 
 
 def temp_files(root: Path) -> list[Path]:
@@ -117,7 +101,7 @@ def test_put_is_idempotent(tier: NvmeTier) -> None:
     assert tier.put(k, frame_for(k))
     assert tier.put(k, frame_for(k))
     assert tier.stats().puts == 1
-    assert len(stored(tier.data_dir)) == 1
+    assert len(block_files(tier.data_dir)) == 1
 
 
 def test_get_into_caller_buffer_is_a_view_of_it(tier: NvmeTier) -> None:
@@ -205,7 +189,7 @@ def test_invalid_frames_are_refused_and_leave_nothing(tier: NvmeTier) -> None:
         tier.put(k, flipped)
     with pytest.raises(InvalidFrame):  # one bad frame refuses the whole batch
         tier.put_many([(other, frame_for(other)), (k, flipped)])
-    assert tier.stats().blocks == 0 and not stored(tier.data_dir)
+    assert tier.stats().blocks == 0 and not block_files(tier.data_dir)
     assert not temp_files(tier.data_dir)
 
 
@@ -245,11 +229,11 @@ def test_corrupt_block_is_deleted_counted_and_raised(tier: NvmeTier, where: str)
     tier.put(k, f)
     header = BlockRead.from_frame(f).header
     offset = header.header_size + 100 if where == "segment" else 30
-    path, at, _ = located(tier.data_dir, k)
-    _flip(path, at + offset)
+    (path,) = block_files(tier.data_dir)
+    _flip(path, offset)
     with pytest.raises(CorruptBlock):
         tier.get(k, out=bytearray(len(f)))
-    assert not stored(tier.data_dir)  # its pages freed: a restart cannot find it either
+    assert not path.exists()
     assert tier.contains([k]) == [False]
     assert tier.get(k) is None
     s = tier.stats()
@@ -261,35 +245,30 @@ def test_corruption_outside_the_read_range_is_not_read(tier: NvmeTier) -> None:
     f = frame_for(k)
     tier.put(k, f)
     header = BlockRead.from_frame(f).header
-    path, at, _ = located(tier.data_dir, k)
-    _flip(path, at + header.segments[3].offset + 5)
+    (path,) = block_files(tier.data_dir)
+    _flip(path, header.segments[3].offset + 5)
     got = tier.get(k, LayerRange(0, 3))  # verified: everything it returns is intact
     assert got is not None and bytes(got.payload) == payload_of(f, LayerRange(0, 3))
     with pytest.raises(CorruptBlock):
         tier.get(k, LayerRange(3, 4))
 
 
-def test_frame_of_another_key_in_a_blocks_place_is_corrupt(tier: NvmeTier) -> None:
+def test_frame_of_another_key_under_a_name_is_corrupt(tier: NvmeTier) -> None:
     a, b = key_of(11), key_of(12)
     tier.put(a, frame_for(a))
     tier.put(b, frame_for(b))
-    (path, at_a, size), (_, at_b, _) = located(tier.data_dir, a), located(tier.data_dir, b)
-    with open(path, "r+b") as fh:  # same size: only the key binding can tell
-        fh.seek(at_a)
-        frame_a = fh.read(size)
-        fh.seek(at_b)
-        fh.write(frame_a)
+    path_a, path_b = (tier.data_dir / "blocks" / f"{k.digest[0] % 64:02x}" /
+                      f"{k.storage_name}.kvb" for k in (a, b))
+    shutil.copyfile(path_a, path_b)  # same size: only the key binding can tell
     with pytest.raises(CorruptBlock):
         tier.get(b)
-    assert located(tier.data_dir, a)[1] == at_a and find_block(tier.data_dir, b.digest) is None
-    got = tier.get(a)
-    assert got is not None and got.to_frame() == frame_for(a)
+    assert path_a.exists() and not path_b.exists()
 
 
-def test_pack_removed_behind_our_back_is_a_miss(tier: NvmeTier) -> None:
+def test_file_removed_behind_our_back_is_a_miss(tier: NvmeTier) -> None:
     k = key_of(13)
     tier.put(k, frame_for(k))
-    path, _, _ = located(tier.data_dir, k)
+    (path,) = block_files(tier.data_dir)
     path.unlink()
     assert tier.get(k) is None
     assert tier.stats().blocks == 0
@@ -308,7 +287,7 @@ def test_lru_eviction_within_budget(root: Path) -> None:
         assert t.contains(keys[:4]) == [True, False, True, True]
         assert t.put(keys[4], frame_for(keys[4]))
         assert t.contains(keys) == [True, False, False, True, True]
-        assert len(stored(root)) == 3  # the evicted blocks' pages are freed
+        assert len(block_files(root)) == 3
         assert t.stats().bytes_used == 3 * size
         big = key_of(99)
         assert not t.put(big, frame_for(big, seg=4 * SEG))  # larger than the whole budget
@@ -323,79 +302,41 @@ def test_recovery_rebuilds_index_and_cleans_up(root: Path) -> None:
     with NvmeTier(root, 1 << 20) as t:
         for k in keys:
             t.put(k, frame_for(k))
-    leftover = root / "manifests" / "00" / ".abc.kvm.1.1.tmp"
-    leftover.write_bytes(b"half a manifest")
-    where = {k: located(root, k) for k in keys}
-    _flip(where[keys[2]][0], where[keys[2]][1] + 20)  # header no longer verifies
-    path, at_4, size = where[keys[4]]
-    with open(path, "r+b") as fh:  # keys[4]'s frame where keys[3]'s was: found twice
-        fh.seek(at_4)
-        frame_4 = fh.read(size)
-        fh.seek(where[keys[3]][1])
-        fh.write(frame_4)
-    os.truncate(path, where[keys[5]][1] + size - 10)  # a torn tail: keys[5] ends past it
-    foreign = root / "packs" / "README"
+    shard = root / "blocks" / f"{keys[0].digest[0] % 64:02x}"
+    leftovers = [shard / f".{keys[0].storage_name}.kvb.123.4.tmp",
+                 root / "manifests" / "00" / ".abc.kvm.1.1.tmp"]
+    for p in leftovers:
+        p.write_bytes(b"half a block")
+    paths = {k: shard.parent / f"{k.digest[0] % 64:02x}" / f"{k.storage_name}.kvb" for k in keys}
+    data = paths[keys[1]].read_bytes()
+    paths[keys[1]].write_bytes(data[:-10])  # truncated: size disagrees with the header
+    _flip(paths[keys[2]], 20)  # header no longer verifies
+    shutil.copyfile(paths[keys[4]], paths[keys[3]])  # bound to another key than its name
+    foreign = shard / "README"
     foreign.write_text("not ours")
     with NvmeTier(root, 1 << 20) as t:
         r = t.recovery
-        assert (r.blocks, r.temp_removed, r.invalid_removed) == (3, 1, 1)
-        assert t.contains(keys) == [True, True, False, False, True, False]
-        assert t.stats().corrupt == 0  # a copy found twice is not corruption
-        for k in (keys[0], keys[1], keys[4]):
+        assert (r.blocks, r.temp_removed, r.invalid_removed) == (3, 2, 3)
+        assert t.contains(keys) == [True, False, False, False, True, True]
+        assert t.stats().corrupt == 3
+        for k in (keys[0], keys[4], keys[5]):
             got = t.get(k)
             assert got is not None and got.to_frame() == frame_for(k)
-        assert foreign.exists() and not leftover.exists()
-        assert located(root, keys[4])[1] == at_4  # the older copy was freed
-        assert t.put(keys[5], frame_for(keys[5]))
-        got = t.get(keys[5])
-        assert got is not None and got.to_frame() == frame_for(keys[5])
-    with NvmeTier(root, 1 << 20) as t:  # a restart writes to a pack of its own
-        assert t.contains(keys) == [True, True, False, False, True, True]
-        assert len({p for p, _, _ in stored(root)}) == 2
-
-
-def test_block_files_of_the_layout_before_packs_are_moved_into_packs(root: Path) -> None:
-    keys = [key_of(i) for i in range(5)]
-    for k in keys:
-        shard = root / "blocks" / f"{k.digest[0] % 64:02x}"
-        shard.mkdir(parents=True, exist_ok=True)
-        (shard / f"{k.storage_name}.kvb").write_bytes(frame_for(k))
-    bad = root / "blocks" / f"{keys[0].digest[0] % 64:02x}" / f"{keys[0].storage_name}.kvb"
-    bad.write_bytes(frame_for(keys[1]))  # bound to another key than its name
-    (bad.parent / f".{keys[0].storage_name}.kvb.1.2.tmp").write_bytes(b"half")
-    with NvmeTier(root, 1 << 20) as t:
-        assert t.contains(keys) == [False, True, True, True, True]
-        for k in keys[1:]:
-            got = t.get(k)
-            assert got is not None and got.to_frame() == frame_for(k)
-        assert not (root / "blocks").exists()
-        assert {h.key_digest for _, _, h in stored(root)} == {k.digest for k in keys[1:]}
-    with NvmeTier(root, 1 << 20) as t:
-        assert t.contains(keys) == [False, True, True, True, True]
+        assert foreign.exists() and not any(p.exists() for p in leftovers)
+        assert t.put(keys[1], frame_for(keys[1]))
 
 
 def test_recovery_with_a_smaller_budget_drops_the_oldest(root: Path) -> None:
     keys = [key_of(i) for i in range(4)]
     size = len(frame_for(keys[0]))
     with NvmeTier(root, 1 << 20) as t:
-        for k in keys:
+        for n, k in enumerate(keys):
             t.put(k, frame_for(k))
+            path = next(p for p in block_files(root) if p.stem == k.storage_name)
+            os.utime(path, ns=(n * 10**9, n * 10**9))  # mtimes are coarse; make order explicit
     with NvmeTier(root, 2 * size) as t:
         assert t.contains(keys) == [False, False, True, True]
-        assert len(stored(root)) == 2
-
-
-def test_a_pack_whose_blocks_are_all_gone_is_removed(root: Path) -> None:
-    keys = [key_of(i) for i in range(3)]
-    with NvmeTier(root, 1 << 20) as t:
-        for k in keys:
-            t.put(k, frame_for(k))
-    with NvmeTier(root, 1 << 20) as t:  # a second pack, for what this start writes
-        assert t.put(key_of(9), frame_for(key_of(9)))
-        assert len(list((root / "packs").glob(f"*{PACK_SUFFIX}"))) == 2
-        assert t.delete(keys) == 3
-        assert len(list((root / "packs").glob(f"*{PACK_SUFFIX}"))) == 1
-        assert [h.key_digest for _, _, h in stored(root)] == [key_of(9).digest]
+        assert len(block_files(root)) == 2
 
 
 def test_one_owner_per_directory(root: Path) -> None:
@@ -537,7 +478,7 @@ def test_injected_disk_full_stops_admission_and_keeps_reads(root: Path) -> None:
         assert not t.put(keys[3], frame_for(keys[3]))  # refused without touching the disk
         assert writes.calls == calls
         assert t.put(keys[0], frame_for(keys[0]))  # already stored: still True
-        assert not temp_files(root) and len(stored(root)) == 2
+        assert not temp_files(root) and len(block_files(root)) == 2
         got = t.get(keys[1])
         assert got is not None and got.to_frame() == frame_for(keys[1])
         assert t.stats().rejected_puts == 2 and t.stats().errors == 0
@@ -570,7 +511,7 @@ def test_other_write_errors_raise_and_leave_nothing(root: Path) -> None:
             t.put(key_of(1), frame_for(key_of(1)))
         assert t.put_many([(key_of(2), frame_for(key_of(2)))]) == [False]
         assert t.admitting and t.stats().errors == 2
-        assert not temp_files(root) and not stored(root)
+        assert not temp_files(root) and not block_files(root)
         writes.failing = False
         assert t.put(key_of(1), frame_for(key_of(1)))
 
@@ -605,7 +546,7 @@ def test_real_disk_full_on_a_tiny_tmpfs(tiny_tmpfs: Path) -> None:
             stored.append(k)
         assert 2 <= len(stored) < len(keys) and not t.admitting
         assert not temp_files(root)
-        assert len(list(pack_blocks(root))) == len(stored)
+        assert len(block_files(root)) == len(stored)
         assert not t.put(keys[-1], frames[-1])
         for k in stored:  # reads keep working on a full disk
             got = t.get(k)
@@ -670,7 +611,7 @@ def test_concurrent_readers_writers_deleters(root: Path) -> None:
         assert not failures, failures[:5]
         assert s.corrupt == 0 and s.errors == 0 and s.hits > 50 and s.puts > 50
         assert s.bytes_used <= 20 * size
-        on_disk = [h.key_digest for _, _, h in stored(root)]
-        assert sorted(on_disk) == sorted(k.digest for k in keys if t.contains([k])[0])
-        assert s.bytes_used == sum(h.frame_size for _, _, h in stored(root))
+        on_disk = {p.stem for p in block_files(root)}
+        assert on_disk == {k.storage_name for k in keys if t.contains([k])[0]}
+        assert s.bytes_used == sum(p.stat().st_size for p in block_files(root))
         assert not temp_files(root)

@@ -25,7 +25,6 @@ from kvstore.tiers.remote.placement import place, rank, rank_many
 from kvstore.tiers.remote.resilience import BreakerState, CircuitBreaker, RetryPolicy
 from kvstore.tiers.remote.tier import RemoteConfig, RemoteTier
 from tests.blockframes import block_key, make_frame, session_key
-from tests.disk_damage import flip_byte
 
 T = 10.0
 
@@ -203,7 +202,10 @@ def test_read_repair_of_a_missing_and_a_corrupt_copy(daemons: list[DaemonProcess
         primary = by_id[tier.placement(key)[0]]
         time.sleep(0.5)  # the write-behind to disk
         primary.terminate()
-        flip_byte(primary.data_dir, key.digest, -10)
+        (path,) = primary.data_dir.glob(f"blocks/**/{key.digest.hex()}*")
+        data = bytearray(path.read_bytes())
+        data[-10] ^= 0xFF
+        path.write_bytes(bytes(data))
         primary.spawn()
         primary.wait_healthy()
         repairs = tier.counters().repairs

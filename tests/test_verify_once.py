@@ -28,7 +28,6 @@ from kvstore.tiers.memory.host import HostTier
 from kvstore.tiers.nvme.tier import NvmeTier
 from kvstore.tiers.remote.tier import RemoteTier
 from tests.blockframes import block_key, make_frame
-from tests.disk_damage import flip_byte, wait_on_disk
 
 LAYERS, SEGMENT = 4, 8192
 NO_PROMOTION = StoreConfig(promote=False, get_deadline_s=10.0)
@@ -190,11 +189,14 @@ def test_host_pages_flipped_in_memory_are_a_miss_and_the_next_tier_serves(
         assert store.stats().corrupt == 2 and store.stats().misses == 1
 
 
-def test_a_block_flipped_on_disk_is_a_miss(tmp_path: Path) -> None:
+def test_an_nvme_file_flipped_on_disk_is_a_miss(tmp_path: Path) -> None:
     with TieredStore([NvmeTier(tmp_path / "nvme", 16 << 20)], config=NO_PROMOTION) as store:
         frames = put_frames(store, 2)
         (key, _), (intact, expected) = frames.items()
-        flip_byte(tmp_path / "nvme", key.digest, -3, 0x01)
+        (path,) = (tmp_path / "nvme").glob(f"**/{key.digest.hex()}*")
+        data = bytearray(path.read_bytes())
+        data[-3] ^= 0x01
+        path.write_bytes(bytes(data))
         assert store.get(key) is None
         assert store.tiers[0].contains([key]) == [False]
         get_and_decode(store, intact, expected)
@@ -235,11 +237,16 @@ def test_a_remote_hit_is_hashed_once_in_this_process(daemons: list[DaemonProcess
 
 
 def _corrupt_on_disk(daemon: DaemonProcess, key: BlockKey) -> None:
-    """Flip a payload byte of the daemon's disk copy of `key`; restarted, so its RAM copy is
-    gone."""
-    wait_on_disk(daemon.data_dir, key.digest)
+    """Flip a payload byte of the daemon's file of `key`; restarted, so its RAM copy is gone."""
+    deadline = time.monotonic() + 10
+    while not list(daemon.data_dir.glob(f"blocks/**/{key.digest.hex()}*")):
+        assert time.monotonic() < deadline, "the daemon never wrote the block to disk"
+        time.sleep(0.05)
     daemon.terminate()
-    flip_byte(daemon.data_dir, key.digest, -10)
+    (path,) = daemon.data_dir.glob(f"blocks/**/{key.digest.hex()}*")
+    data = bytearray(path.read_bytes())
+    data[-10] ^= 0xFF
+    path.write_bytes(bytes(data))
     daemon.spawn()
     daemon.wait_healthy()
 

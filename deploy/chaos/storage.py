@@ -1,14 +1,14 @@
 """Disk faults on a daemon's data dir, and the probe that says whether corrupt KV was served.
 
-Corruption flips bytes in place in a daemon's newest blocks on disk (frames in its nvme tier's
-pack files, found as the tier's start-up scan finds them): 64 bytes in the middle of the
-payload, or for every fourth block one byte of the header. The original frame and the block's
-full key are kept, so that at the end of the run `probe_corrupted` can ask every daemon for
-every corrupted block through the project's own client and check what comes back, as the
-connector would: a miss, or a frame that fails verification (the client drops it), is safe; a
-frame that passes verification but differs from the original is corrupt KV served. The full
-key comes from the daemon's key catalog (`keys.log`), read at corruption time from a copy, so
-the live daemon's file is never touched; only blocks the catalog names are corrupted.
+Corruption flips bytes in place in a daemon's newest block files (`blocks/<shard>/*.kvb`, one
+frame per file): 64 bytes in the middle of the payload, or for every fourth block one byte of
+the header. The original frame and the block's full key are kept, so that at the end of the run
+`probe_corrupted` can ask every daemon for every corrupted block through the project's own
+client and check what comes back, as the connector would: a miss, or a frame that fails
+verification (the client drops it), is safe; a frame that passes verification but differs from
+the original is corrupt KV served. The full key comes from the daemon's key catalog
+(`keys.log`), read at corruption time from a copy, so the live daemon's file is never touched;
+only blocks the catalog names are corrupted.
 """
 
 from __future__ import annotations
@@ -78,38 +78,44 @@ def free_disk(data_dir: Path) -> None:
 
 def corrupt_blocks(daemon: str, data_dir: Path, count: int, rng: random.Random
                    ) -> list[CorruptedBlock]:
-    """Flip bytes in up to `count` of the newest blocks on disk; returns what was done."""
+    """Flip bytes in up to `count` of the newest block files; returns what was done."""
     from kvstore.frame import BlockRead
-    from kvstore.tiers.nvme.recovery import pack_blocks
 
     keys = _catalog_keys([data_dir])
+    files = []
+    for path in data_dir.rglob("*.kvb"):
+        try:
+            files.append((path.stat().st_mtime, path))
+        except FileNotFoundError:
+            continue  # evicted meanwhile
+    files.sort(reverse=True)
     done: list[CorruptedBlock] = []
-    for path, at, header in reversed(list(pack_blocks(data_dir))):
+    for _mtime, path in files:
         if len(done) == count:
             break
-        key = keys.get(header.key_digest)
+        key = keys.get(bytes.fromhex(path.stem))
         if key is None:
             continue  # written before its catalog entry, or being deleted
         try:
-            fd = os.open(path, os.O_RDWR)
-        except FileNotFoundError:
-            continue  # its pack emptied meanwhile
+            original = path.read_bytes()
+            read = BlockRead.from_frame(original)
+        except (OSError, CorruptBlock, ValueError):
+            continue  # being replaced, or already damaged
+        header_end = len(original) - len(read.payload)
+        where = "header" if len(done) % 4 == 3 else "payload"
+        if where == "payload" and len(read.payload) > _FLIP:
+            offset = header_end + rng.randrange(len(read.payload) - _FLIP)
+            patch = bytes(b ^ 0xFF for b in original[offset:offset + _FLIP])
+        else:
+            where = "header"
+            offset = rng.randrange(max(1, header_end))
+            patch = bytes([original[offset] ^ 0x5A])
         try:
-            original = os.pread(fd, header.frame_size, at)
-            try:
-                read = BlockRead.from_frame(original)
-            except (CorruptBlock, ValueError):
-                continue  # freed meanwhile, or already damaged
-            header_end = len(original) - len(read.payload)
-            where = "header" if len(done) % 4 == 3 else "payload"
-            if where == "payload" and len(read.payload) > _FLIP:
-                offset = header_end + rng.randrange(len(read.payload) - _FLIP)
-                patch = bytes(b ^ 0xFF for b in original[offset:offset + _FLIP])
-            else:
-                where = "header"
-                offset = rng.randrange(max(1, header_end))
-                patch = bytes([original[offset] ^ 0x5A])
-            os.pwrite(fd, patch, at + offset)
+            fd = os.open(path, os.O_WRONLY)
+        except FileNotFoundError:
+            continue
+        try:
+            os.pwrite(fd, patch, offset)
         finally:
             os.close(fd)
         done.append(CorruptedBlock(daemon, key, original, where))

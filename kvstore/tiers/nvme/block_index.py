@@ -21,13 +21,10 @@ __all__ = ["IndexEntry", "Admission", "BlockIndex"]
 
 @dataclass(frozen=True, slots=True)
 class IndexEntry:
-    """What the tier knows of a stored block without touching the disk: its frame's size and
-    header size, and where it lies (the pack's serial and the frame's offset in it)."""
+    """What the tier knows of a stored block without touching the disk."""
 
     size: int
     header_size: int
-    pack: int
-    offset: int
 
 
 class Admission(enum.Enum):
@@ -77,9 +74,8 @@ class BlockIndex:
             self._entries.move_to_end(digest)
         return entry
 
-    def reserve(self, digest: bytes, size: int
-                ) -> tuple[Admission, list[tuple[bytes, IndexEntry]]]:
-        """Admit `size` bytes for `digest`; returns the admission and the evicted blocks."""
+    def reserve(self, digest: bytes, size: int) -> tuple[Admission, list[bytes]]:
+        """Admit `size` bytes for `digest`; returns the admission and the evicted digests."""
         if self.lookup(digest) is not None or digest in self._inflight:
             return Admission.PRESENT, []
         if size + self._reserved > self._budget:
@@ -111,14 +107,14 @@ class BlockIndex:
         self._removed.append(digest)
         return entry
 
-    def evict_to(self, limit: int) -> list[tuple[bytes, IndexEntry]]:
-        """Drop least recently used blocks until used bytes <= limit; returns them."""
-        victims: list[tuple[bytes, IndexEntry]] = []
+    def evict_to(self, limit: int) -> list[bytes]:
+        """Drop least recently used blocks until used bytes <= limit; returns their digests."""
+        victims: list[bytes] = []
         while self._used > limit and self._entries:
             digest, entry = self._entries.popitem(last=False)
             self._used -= entry.size
-            victims.append((digest, entry))
-        self._removed.extend(digest for digest, _ in victims)
+            victims.append(digest)
+        self._removed.extend(victims)
         self.evicted += len(victims)
         return victims
 
