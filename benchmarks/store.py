@@ -18,10 +18,10 @@ The `small` section is the nvme tier with 256 KiB blocks (LMCache's chunk size, 
 block) written as the daemons' write-behind writes them, `put_many` of 16 at a time, durable,
 against this disk's rate for writing and fsyncing files of that size one by one (the floor of
 a tier that keeps a file per block, as this one does), and the start-up scan of what it wrote.
-Reported, with no target.
+Its rates are GB/s of frame bytes, the bytes its floor writes. Reported, with no target.
 
 The `reads` section is the store's read path as the connector uses it: `TieredStore.get` of a
-host hit and of an nvme hit (page cache warm, so the CPU work shows rather than the disk), alone
+host hit and of an nvme hit (a disk read: the tier drops each block's pages once read), alone
 and followed by decoding every layer. Each read is verified once (the nvme tier hashes its own
 reads, the store the host tier's; decoding hashes neither), so `get + decode` costs a copy and
 a hash over `get`'s figure, no more. Reported, with no target.

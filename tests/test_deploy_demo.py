@@ -86,8 +86,12 @@ def demo(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[
             # the story can be over in 8 s.
             targets = sum(len(job.targets) for job in jobs)
             up = prometheus.targets_up
-            wait_until(lambda: len(up()) == targets and all(up().values()), timeout=30,
-                       what="Prometheus scraping every target")
+
+            def all_up() -> bool:
+                states = up()
+                return len(states) == targets and all(states.values())
+
+            wait_until(all_up, timeout=30, what="Prometheus scraping every target")
         started = time.time()
         run_scenario(cluster, options, report)
         yield DemoRun(cluster, prometheus, report, output, started, time.time())

@@ -344,7 +344,7 @@ class KillWhenAllReach:
         self.past = past or {}
         self.act = cluster.freeze if freeze else cluster.kill
         self.counts: dict[str, int] = {}
-        self.sent: dict[str, int] = {}
+        self.sent_chars: dict[str, int] = {}
         self.lock = threading.Lock()
         self.killed = False
         self.responses: Events | None = None
@@ -357,7 +357,7 @@ class KillWhenAllReach:
             with self.lock:
                 self.counts[shape] = got.chunks
                 if isinstance(got, Streamed):
-                    self.sent[shape] = len(sent(shape, got))
+                    self.sent_chars[shape] = len(sent(shape, got))
         return on_chunk
 
     def snapshot(self) -> dict[str, int]:
@@ -368,7 +368,7 @@ class KillWhenAllReach:
         with self.lock:
             return len(self.counts) == len(self.shapes) \
                 and min(self.counts.values()) >= self.chunks \
-                and all(self.sent.get(shape, 0) > n for shape, n in self.past.items())
+                and all(self.sent_chars.get(shape, 0) > n for shape, n in self.past.items())
 
 
 def run_streams(cluster: Cluster, shapes: tuple[str, ...], sids: dict[str, str],
