@@ -141,6 +141,9 @@ class _Scenario:
         self.killed_at: float | None = None
         self._gone_watch: threading.Thread | None = None
         self._gone_at: float | None = None
+        # The survivor's engine counters from before the kill: the failover's prefetch can
+        # land, and be published by a step of the resumed stream, before Bob's turn begins.
+        self._survivor_before_kill: EngineCache | None = None
 
     def run(self) -> None:
         try:
@@ -206,6 +209,7 @@ class _Scenario:
         r.say(f"reference answer computed first: one unbroken non-streamed request of "
               f"{o.stream_tokens} tokens, salted so that it shares no KV with the session")
         engine_before, store_before = self._counters(self.survivor)
+        self._survivor_before_kill = engine_before
 
         def kill_midway(chunks: int) -> None:
             if chunks >= o.kill_after_chunks and self.killed_at is None:
@@ -262,9 +266,11 @@ class _Scenario:
         r.step(f"{self.bob.session_id}'s next turn, a moment later: to {self.survivor} with a "
                "restore hint; his KV was prefetched from the kvstore daemons into its RAM "
                "when the router rebound him")
-        # The prefetch counter reaches /metrics with an engine step: the reference answer
-        # (its own request, under its own cache salt) may be the step that publishes it.
-        early, _ = self._counters(self.survivor)
+        # The hint is written when the lease expires, while Alice's resumed stream may still be
+        # running on the survivor: the prefetch's reads and the step that publishes its counter
+        # can come before this turn, or (with the reference answer's or this turn's steps)
+        # after. Counting from before the kill catches every case.
+        early = self._survivor_before_kill
         reference = reference_answer(self.router, self.bob.messages_for(BOB[1]),
                                      o.later_tokens)
         engine_before, store_before = self._counters(self.survivor)
