@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from deploy.local.daemons import DaemonProcess, start_daemon
 from deploy.local.services import free_port
 from kvstore.cluster.discovery import DaemonInfo
+from kvstore.daemon.auth import TokenTable
 from kvstore.daemon.budgets import DaemonLimits
 from kvstore.daemon.catalog import KeyCatalog
 from kvstore.daemon.config import DaemonConfig
@@ -51,12 +52,15 @@ from kvstore.net.tcp_protocol import (
     OP_GET_MANY,
     OP_LOOKUP,
     OP_PUT,
+    OP_PUT_MANY,
     REPLY_HEAD,
     REQUEST_HEAD,
     decode_batch_body,
+    decode_put_item,
     decode_reply_head,
     decode_request_head,
     encode_batch,
+    encode_put_many,
     encode_reply,
     encode_request,
     recv_exact,
@@ -141,6 +145,42 @@ def test_requests_round_trip_and_bad_heads_are_refused() -> None:
     with pytest.raises(ValueError):  # a PUT with a layer range
         decode_request_head(encode_request(OP_PUT, SCOPE, b"h", b"", layers=LayerRange(0, 1),
                                            body_len=1)[:44])
+
+
+def test_put_many_requests_round_trip_and_bad_ones_are_refused() -> None:
+    frames = [b"f" * 10, b"g" * 3]
+    parts = encode_put_many(SCOPE, [(b"a", memoryview(frames[0])),
+                                    (b"h" * 64, memoryview(frames[1]))], b"tok")
+    raw = b"".join(parts)
+    head = decode_request_head(raw[:tp.REQUEST_HEAD.size])
+    assert (head.op, head.token_len, head.hash_len, head.layers) == (OP_PUT_MANY, 3, 0, None)
+    body = raw[tp.REQUEST_HEAD.size + head.tail_len:]
+    assert head.body_len == len(body) == 2 * tp.PUT_ITEM_HEAD.size + 13
+    item = tp.PUT_ITEM_HEAD.size
+    assert decode_put_item(body[:item]) == (10, b"a")
+    assert body[item:item + 10] == frames[0]
+    assert decode_put_item(body[item + 10:2 * item + 10]) == (3, b"h" * 64)
+    # the frames go out as the caller's buffers, not copies
+    assert [bytes(p) for p in parts[2::2]] == frames and isinstance(parts[2], memoryview)
+    good = bytearray(raw[:tp.REQUEST_HEAD.size])
+    for offset, value in [(10, 1), (11, 1), (12, 1), (16, 2)]:  # hash, flags, layers
+        bad = bytearray(good)
+        bad[offset] = value
+        with pytest.raises(ValueError):
+            decode_request_head(bad)
+    for body_len in (0, tp.PUT_ITEM_HEAD.size):  # not even one item with a byte of frame
+        bad = bytearray(good)
+        bad[20:28] = body_len.to_bytes(8, "little")
+        with pytest.raises(ValueError):
+            decode_request_head(bad)
+    for broken in (tp.PUT_ITEM_HEAD.pack(1, 0, b""), tp.PUT_ITEM_HEAD.pack(1, 65, b"x" * 64),
+                   tp.PUT_ITEM_HEAD.pack(1, 1, b"ab")):  # no hash, too long, padding not zero
+        with pytest.raises(ValueError):
+            decode_put_item(broken)
+    for blocks in ([], [(b"", memoryview(b"x"))], [(b"x" * 65, memoryview(b"x"))],
+                   [(b"x", memoryview(b"x"))] * (tp.MAX_PUT_MANY_BLOCKS + 1)):
+        with pytest.raises(ValueError):
+            encode_put_many(SCOPE, blocks, b"")
 
 
 @pytest.mark.parametrize("op", [OP_LOOKUP, OP_GET_MANY])
@@ -333,14 +373,14 @@ def test_data_listen_configuration(tmp_path: Path) -> None:
 
 @contextlib.contextmanager
 def in_process_daemon(tmp_path: Path, *, ram: int = 256 << 20,
-                      front: dict[str, float] | None = None, **limits: object
-                      ) -> Iterator[tuple[BlockServiceCore, TcpFront, str]]:
+                      front: dict[str, float] | None = None, tokens: TokenTable | None = None,
+                      **limits: object) -> Iterator[tuple[BlockServiceCore, TcpFront, str]]:
     """A daemon's core and TCP front in this process (RAM only, `limits` over the scaled
     defaults, `front` for TcpFront): for what a test must reach into, such as a tenant's read
     budget held from outside, or the front's connection limits."""
     store = TieredStore([HostTier(ram)])
     catalog = KeyCatalog(tmp_path / "keys.log")
-    core = BlockServiceCore("local", store, catalog, tokens=None, limits=dataclasses.replace(
+    core = BlockServiceCore("local", store, catalog, tokens=tokens, limits=dataclasses.replace(
         DaemonLimits.scaled(ram, ram), **limits))  # type: ignore[arg-type]
     server = TcpFront(core, "127.0.0.1", **(front or {}))  # type: ignore[arg-type]
     try:
@@ -577,7 +617,139 @@ def test_a_daemon_without_get_many_is_sent_single_gets(tmp_path: Path,
         for _ in range(2):
             reads = c.get_into(SCOPE, items, timeout=T)
             assert [r.to_frame() if r else None for r in reads] == frames
-        assert asked == [OP_PUT] * 3 + [OP_GET_MANY] + [OP_GET] * 6
+        assert asked == [OP_PUT_MANY] + [OP_GET_MANY] + [OP_GET] * 6
+        c.close()
+
+
+def put_many_request(blocks: list[tuple[int, bytes]], *, token: bytes = b"",
+                     namespace: Namespace = NAMESPACE) -> bytes:
+    scope = Scope(FINGERPRINT.digest, namespace)
+    return b"".join(encode_put_many(
+        scope, [(block_key(i, namespace).block_hash, memoryview(f)) for i, f in blocks], token))
+
+
+def test_put_many_stores_each_block_as_a_put_and_answers_each_in_order(
+        tmp_path: Path) -> None:
+    """PUT_MANY: one reply per block, in order, after the last; a refused block (corrupt,
+    another key's frame, too short for a header) is refused alone and its neighbours are
+    stored; the connection stays in step. Items that break the framing end it, after the
+    replies of the blocks already taken."""
+    with in_process_daemon(tmp_path) as (core, _, address):
+        keys = [block_key(i) for i in range(4000, 4006)]
+        frames = [make_frame(k, layers=2, segment_bytes=30_000 + 7 * i)
+                  for i, k in enumerate(keys)]
+        sent = [(4000, frames[0]), (4001, corrupt(frames[1])), (4002, frames[3]),
+                (4003, frames[3]), (4004, b"KVKB"), (4005, frames[5])]
+        before = core.counters()
+        host, port = address.rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=T) as sock:
+            sock.sendall(put_many_request(sent))
+            got = read_replies(sock, len(sent))
+            assert [(h.status, h.result, h.close) for h, _, _ in got] == [
+                (OK, True, False), (RefusalReason.INVALID_ARGUMENT, False, False),
+                (RefusalReason.INVALID_ARGUMENT, False, False), (OK, True, False),
+                (RefusalReason.INVALID_ARGUMENT, False, False), (OK, True, False)]
+            # still in step: a GET on the same connection is answered
+            sock.sendall(encode_request(OP_GET, SCOPE, keys[3].block_hash, b""))
+            ((head, _, _),) = read_replies(sock, 1)
+            assert (head.status, head.result) == (OK, True)
+            # An item whose frame runs past the body: the blocks before it are answered, then
+            # one refusal with the close flag.
+            raw = bytearray(put_many_request([(4010, make_frame(block_key(4010))),
+                                              (4011, make_frame(block_key(4011)))]))
+            second = raw.rindex(tp.PUT_ITEM_HEAD.pack(
+                len(make_frame(block_key(4011))), len(block_key(4011).block_hash),
+                block_key(4011).block_hash))
+            raw[second:second + 8] = (10 << 20).to_bytes(8, "little")
+            sock.sendall(raw)
+            got = read_replies(sock, 2)
+            assert [(h.status, h.result, h.close) for h, _, _ in got] == [
+                (OK, True, False), (RefusalReason.INVALID_ARGUMENT, False, True)]
+            assert b"do not fill the body" in got[1][1]
+            assert sock.recv(1) == b""
+        after = core.counters()
+        assert after.puts - before.puts == 4
+        assert after.invalid_puts - before.invalid_puts == 4
+        c = TcpBlockTransport("l", address)
+        assert c.lookup(SCOPE, [k.block_hash for k in keys], timeout=T) == [
+            True, False, False, True, False, True]
+        assert c.lookup(SCOPE, [block_key(i).block_hash for i in (4010, 4011)],
+                        timeout=T) == [True, False]
+        for i in (0, 3, 5):
+            read = c.get(SCOPE, keys[i].block_hash, timeout=T)
+            assert read is not None and read.to_frame() == frames[i]
+        c.close()
+
+
+def test_put_many_refused_whole_is_answered_once_and_stores_nothing(tmp_path: Path) -> None:
+    """Another tenant's scope, no token, a draining daemon: one refusal with the close flag
+    (the body read and dropped first, so the client reads the answer), nothing stored."""
+    tokens = TokenTable({TOKEN_A: ["tenant-a"]})
+    with in_process_daemon(tmp_path, tokens=tokens) as (core, _, address):
+        other = Namespace("tenant-b", "s")
+        blocks = [(4100 + i, make_frame(block_key(4100 + i, other), segment_bytes=200_000))
+                  for i in range(3)]
+        for request, status in [
+                (put_many_request(blocks, token=TOKEN_A.encode(), namespace=other),
+                 RefusalReason.PERMISSION_DENIED),
+                (put_many_request(blocks, namespace=other), RefusalReason.UNAUTHENTICATED)]:
+            got = replies(exchange(address, request))
+            assert [(h.status, h.close) for h, _ in got] == [(status, True)]
+        core.start_draining()
+        mine = [(4200, make_frame(block_key(4200)))]
+        got = replies(exchange(address, put_many_request(mine, token=TOKEN_A.encode())))
+        assert [(h.status, h.close) for h, _ in got] == [(RefusalReason.UNAVAILABLE, True)]
+        assert core.counters().puts == 0
+        c = TcpBlockTransport("l", address, token=TOKEN_A)
+        assert c.lookup(SCOPE, [block_key(4200).block_hash], timeout=T) == [False]
+        c.close()
+
+
+def test_a_daemon_without_put_many_is_sent_single_puts(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A daemon of an older release answers PUT_MANY as an unknown op and closes, reading
+    only a few MiB of the body: a window larger than that loses its connection before the
+    answer. Either way the window is sent again as single PUTs, and only those from then on;
+    a daemon that took one PUT_MANY is never sent single PUTs."""
+    from kvstore.daemon import tcp_front
+
+    asked: list[int] = []
+
+    def older(raw: bytes | bytearray | memoryview) -> tp.Request:
+        asked.append(raw[5])
+        if raw[5] == OP_PUT_MANY:
+            raise ValueError(f"unknown op {raw[5]}")
+        return decode_request_head(raw)
+
+    with in_process_daemon(tmp_path) as (_, _, address):
+        for frame_bytes in (20_000, 3_000_000):  # a window of 60 KB, and of 9 MB
+            monkeypatch.setattr(tcp_front, "decode_request_head", older)
+            asked.clear()
+            c = TcpBlockTransport("l", address)
+            first = 4300 if frame_bytes < 1_000_000 else 4400
+            keys = [block_key(i) for i in range(first, first + 6)]
+            frames = [make_frame(k, layers=1, segment_bytes=frame_bytes) for k in keys]
+            for window in (slice(0, 3), slice(3, 6)):
+                assert c.put(SCOPE, [(k.block_hash, f) for k, f in
+                                     zip(keys[window], frames[window], strict=True)],
+                             timeout=T) == [True] * 3
+            assert asked[0] == OP_PUT_MANY and asked[1:] == [OP_PUT] * 6, asked
+            reads = c.get_into(SCOPE, [(k.block_hash, None) for k in keys], timeout=T)
+            assert [r.to_frame() if r else None for r in reads] == frames
+            c.close()
+        # A daemon that knows PUT_MANY: one request per window, and a later failure of one is
+        # the caller's error, not a reason to fall back.
+        monkeypatch.undo()
+        c = TcpBlockTransport("l", address)
+        keys = [block_key(i) for i in range(4500, 4503)]
+        assert c.put(SCOPE, [(k.block_hash, make_frame(k)) for k in keys], timeout=T) == \
+            [True] * 3
+        monkeypatch.setattr(tcp_front, "decode_request_head", older)
+        asked.clear()
+        with pytest.raises(TierError, match="INVALID_ARGUMENT"):
+            c.put(SCOPE, [(block_key(4503).block_hash, make_frame(block_key(4503)))],
+                  timeout=T)
+        assert asked == [OP_PUT_MANY]
         c.close()
 
 
@@ -944,7 +1116,11 @@ def _valid_requests() -> list[bytes]:
             encode_request(OP_GET, SCOPE, key.block_hash, b"", layers=LayerRange(0, 2)),
             encode_request(OP_GET, SCOPE, key.block_hash, b""),
             b"".join(encode_batch(OP_LOOKUP, SCOPE, [key.block_hash, b"other"], b"")),
-            b"".join(encode_batch(OP_GET_MANY, SCOPE, [b"other", key.block_hash], b""))]
+            b"".join(encode_batch(OP_GET_MANY, SCOPE, [b"other", key.block_hash], b"")),
+            # A batch's blocks are stored independently: a base of two valid blocks, cut in
+            # the second, stores the first. So one valid block, and two that never verify.
+            put_many_request([(100, frame)]),
+            put_many_request([(100, b"KVKB"), (101, frame[:-1])])]
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow,

@@ -8,7 +8,8 @@ copies). A PUT is received straight into the host-tier pages the core reserved f
 GET is sent straight from the block's pages (`socket.sendmsg` of the core's pieces), so a block
 crosses the wire with one kernel copy each way. A GET_MANY is served as its GETs would be, one
 reply per block in order, but its request is parsed, authenticated and budgeted once, and its
-replies go out several to a sendmsg (`_GetReplies`).
+replies go out several to a sendmsg (`_GetReplies`); a PUT_MANY likewise, its blocks each
+admitted and stored as a PUT, its replies sent together after the last block.
 
 Timeouts (slowloris): a connection that has not had a request authenticated must send one,
 whole, within `preauth_timeout` seconds of opening (or of its last request); a request with a
@@ -46,13 +47,17 @@ from kvstore.net.limits import MAX_FRAME_BYTES
 from kvstore.net.refusal import OK, Refusal, RefusalReason
 from kvstore.net.scope import Scope
 from kvstore.net.tcp_protocol import (
+    MAX_PUT_MANY_BLOCKS,
     OP_GET,
     OP_GET_MANY,
     OP_LOOKUP,
     OP_PUT,
+    OP_PUT_MANY,
+    PUT_ITEM_HEAD,
     REQUEST_HEAD,
     Request,
     decode_batch_body,
+    decode_put_item,
     decode_request_head,
     encode_reply,
     recv_exact,
@@ -67,8 +72,9 @@ _DISCARD_BYTES = 1 << 20
 # A refused PUT's body is read and dropped (the connection stays in step) up to this size, a
 # client's pipelining window (tcp_transport.py); past it the connection is closed instead.
 _DISCARD_MAX_BYTES = 64 << 20
+# Metrics' method labels. A PUT_MANY is a Put, as a gRPC Put stream of several blocks is.
 _OP_NAMES = {OP_GET: "Get", OP_GET_MANY: "GetMany", OP_LOOKUP: "Lookup",
-             OP_PUT: "Put"}  # metrics' method labels
+             OP_PUT: "Put", OP_PUT_MANY: "Put"}
 # A GET_MANY's replies go out together up to these bounds (one sendmsg for several blocks),
 # each block's pages pinned and its bytes held against its tenant's read budget until sent.
 # Small enough that the client parses the first blocks while the daemon gathers the next:
@@ -459,6 +465,8 @@ class TcpFront:
                     refused = self._get_many(conn, request, tail, deadline)
                 elif request.op == OP_LOOKUP:
                     self._lookup(conn, request, tail, deadline)
+                elif request.op == OP_PUT_MANY:
+                    refused = self._put_many(conn, request, tail, deadline)
                 else:
                     self._put(conn, request, tail)
                 if refused is not None:
@@ -608,6 +616,86 @@ class TcpFront:
             # thread, which holds no other tenant's work.
             admitted = incoming.commit()
         send_parts(sock, [encode_reply(OK, result=admitted)])
+
+    def _put_many(self, conn: _Connection, request: Request, tail: bytearray,
+                  deadline: float) -> RefusalReason | None:
+        """Each block of the body stored (or refused) as a PUT; one PUT reply per block, sent
+        together at the end (tcp_protocol.py: PUT_MANY). Returns the first block's refusal.
+        A refusal of the request itself is answered once and ends the connection (the count
+        of replies it is owed is not known before its body is parsed); its body is read and
+        dropped first when small enough, so that the client gets to read the answer (no token,
+        or an unknown one: never read)."""
+        sock, core = conn.sock, self._core
+        replies: list[bytes] = []
+        refused: RefusalReason | None = None
+        with contextlib.ExitStack() as holding:
+            try:
+                scope, _ = self._scope(conn, request, tail)
+                core.admit_put_call()
+                holding.enter_context(core.put_stream(scope, conn.principal))
+            except Refusal as refusal:
+                if request.body_len <= _DISCARD_MAX_BYTES:
+                    self._discard(sock, request.body_len)
+                raise _Close(refusal) from None
+            item = bytearray(PUT_ITEM_HEAD.size)
+            recv_exact(sock, memoryview(item), deadline)
+            left = request.body_len - len(item)
+            try:
+                while True:
+                    try:
+                        size, block_hash = decode_put_item(item)
+                    except ValueError as exc:
+                        core.count(invalid_puts=1)
+                        raise _Close(Refusal(RefusalReason.INVALID_ARGUMENT,
+                                             f"bad PUT_MANY item: {exc}")) from None
+                    if size > left or 0 < left - size < len(item) or (
+                            left > size and len(replies) == MAX_PUT_MANY_BLOCKS - 1):
+                        core.count(invalid_puts=1)
+                        raise _Close(Refusal(RefusalReason.INVALID_ARGUMENT,
+                                             "PUT_MANY items do not fill the body, or are "
+                                             f"more than {MAX_PUT_MANY_BLOCKS}"))
+                    left -= size
+                    # The next block's head is read with this block's frame (one scatter read).
+                    after = [memoryview(item)] if left else []
+                    reply = self._put_item(sock, scope, conn.principal, block_hash, size,
+                                           after)
+                    replies.append(reply[0])
+                    if reply[1] is not None and refused is None:
+                        refused = reply[1]
+                    if not left:
+                        break
+                    left -= len(item)
+            except _Close:
+                send_parts(sock, replies)  # the blocks already taken, then the close
+                raise
+        send_parts(sock, replies)
+        return refused
+
+    def _put_item(self, sock: socket.socket, scope: Scope, principal: Principal | None,
+                  block_hash: bytes, size: int, after: list[memoryview]
+                  ) -> tuple[bytes, RefusalReason | None]:
+        """One PUT_MANY block, received (with `after`, the next item's head) and stored:
+        its encoded reply and its refusal, if refused. A refused block's frame is dropped
+        unread into the store (or ends the connection when too big to read)."""
+        core = self._core
+        try:
+            with core.begin_put(scope, block_hash, size, principal) as incoming:
+                sock.settimeout(core.limits.put_idle_s)
+                recv_into_pieces(sock, [*incoming.pieces, *after], incoming.deadline)
+                core.count(put_bytes_received=size)
+                try:
+                    admitted = incoming.commit()
+                except Refusal as refusal:  # the frame is in: the batch is still in step
+                    return encode_reply(refusal.reason, message=refusal.message), \
+                        refusal.reason
+        except Refusal as refusal:  # not admitted: its frame is read and dropped
+            if size > _DISCARD_MAX_BYTES:
+                raise _Close(refusal) from None
+            self._discard(sock, size)
+            if after:
+                recv_exact(sock, after[0], time.monotonic() + core.limits.put_deadline(0))
+            return encode_reply(refusal.reason, message=refusal.message), refusal.reason
+        return encode_reply(OK, result=admitted), None
 
     def _discard(self, sock: socket.socket, size: int) -> None:
         buf = memoryview(bytearray(min(size, _DISCARD_BYTES)))

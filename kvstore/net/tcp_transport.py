@@ -2,9 +2,8 @@
 
 A small pool of connections per daemon; each call takes one (or opens one) and gives it back
 only after a complete exchange. A connection that saw any error or timeout is closed, never
-reused. Batches of puts are pipelined: a window of requests goes out back to back, then its
-replies are read. A batch of gets is one GET_MANY request per window (pipelined single GETs
-to a daemon that predates it).
+reused. A batch of puts is one PUT_MANY request per window, and a batch of gets one GET_MANY
+(pipelined single PUTs and GETs to a daemon that predates them).
 """
 
 from __future__ import annotations
@@ -27,15 +26,18 @@ from kvstore.net.limits import MAX_FRAME_BYTES
 from kvstore.net.refusal import OK, client_error
 from kvstore.net.scope import Scope
 from kvstore.net.tcp_protocol import (
+    MAX_PUT_MANY_BLOCKS,
     MAX_TOKEN_BYTES,
     OP_GET,
     OP_GET_MANY,
     OP_LOOKUP,
     OP_PUT,
+    OP_PUT_MANY,
     REPLY_HEAD,
     Reply,
     decode_reply_head,
     encode_batch,
+    encode_put_many,
     encode_request,
     recv_whole,
     send_parts,
@@ -45,9 +47,10 @@ from kvstore.tiers.base import Buffer
 
 __all__ = ["TcpBlockTransport", "LookupUnsupported"]
 
-# A pipelined put window: the replies of this many requests wait in the client's receive buffer
+# A window of blocks: one PUT_MANY (or GET_MANY) request. To a daemon that predates PUT_MANY
+# the window's single PUTs are pipelined, and their replies wait in the client's receive buffer
 # (32 bytes each) while it sends, so a window must not outgrow that buffer.
-_WINDOW_BLOCKS = 256
+_WINDOW_BLOCKS = MAX_PUT_MANY_BLOCKS
 _WINDOW_BYTES = 64 << 20
 
 
@@ -79,6 +82,7 @@ class TcpBlockTransport:
         self._lock = threading.Lock()
         self._closed = False
         self._get_many = True  # until the daemon answers GET_MANY as an unknown op
+        self._put_many: bool | None = None  # known once a PUT_MANY succeeds or cannot
 
     @property
     def kind(self) -> str:
@@ -156,28 +160,59 @@ class TcpBlockTransport:
 
     def put(self, scope: Scope, blocks: Sequence[tuple[bytes, FrameBytes]], *,
             timeout: float) -> list[bool]:
-        """Store whole frames, pipelined: a window of requests goes out back to back and then
-        its replies are read, so a batch of small blocks costs one round trip per window, not
-        per block. One flag per block; raises the first refusal (after the rest of its window
-        was answered: each block is stored whole or not at all, independently)."""
+        """Store whole frames, a window of blocks a PUT_MANY request (pipelined single PUTs to
+        a daemon that predates it), so a batch of small blocks costs one round trip per
+        window, not per block. One flag per block; raises the first refusal (after the rest
+        of its window was answered: each block is stored whole or not at all,
+        independently)."""
         what = f"put to {self.node_id}"
         deadline = time.monotonic() + timeout
         done: list[bool] = []
-        window: list[bytes | memoryview] = []
-        count = size = 0
+        window: list[tuple[bytes, memoryview]] = []
+        size = 0
         for i, (block_hash, frame) in enumerate(blocks):
             view = _flat(frame)
             if len(view) > MAX_FRAME_BYTES:
                 raise TierError(f"{what}: RESOURCE_EXHAUSTED: frame of {len(view)} bytes "
                                 f"exceeds {MAX_FRAME_BYTES}")
-            window += [encode_request(OP_PUT, scope, block_hash, self._token,
-                                      body_len=len(view)), view]
-            count, size = count + 1, size + len(view)
-            if count == _WINDOW_BLOCKS or size >= _WINDOW_BYTES or i == len(blocks) - 1:
-                results = self._exchange(what, OP_PUT, window, count, [], deadline)
-                done.extend(r is True for r in results)
-                window, count, size = [], 0, 0
+            window.append((block_hash, view))
+            size += len(view)
+            if len(window) == _WINDOW_BLOCKS or size >= _WINDOW_BYTES or i == len(blocks) - 1:
+                done.extend(r is True for r in self._put_window(what, scope, window, deadline))
+                window, size = [], 0
         return done
+
+    def _put_window(self, what: str, scope: Scope, window: list[tuple[bytes, memoryview]],
+                    deadline: float) -> list[BlockRead | bool | bytes | None]:
+        """One PUT_MANY for the window, or pipelined PUTs to a daemon that predates it.
+
+        An older daemon answers PUT_MANY as an unknown op and closes the connection, reading
+        only a few MiB of the body first: a larger window may then lose the connection before
+        that answer arrives. So until a PUT_MANY has succeeded once, a window whose PUT_MANY
+        fails either way is sent again as single PUTs, and if those succeed the daemon is
+        taken to predate PUT_MANY."""
+        if self._put_many is not False:
+            try:
+                parts = encode_put_many(scope, window, self._token)
+            except ValueError as exc:
+                raise TierError(f"{what}: {exc}") from None
+            try:
+                results = self._exchange(what, OP_PUT_MANY, parts, len(window), [], deadline)
+            except TierError as exc:
+                if self._put_many or not (_unknown_op(exc)
+                                          or isinstance(exc, TransportUnreachable)):
+                    raise
+            else:
+                self._put_many = True
+                return results
+        parts = []
+        for block_hash, view in window:
+            parts += [encode_request(OP_PUT, scope, block_hash, self._token,
+                                     body_len=len(view)), view]
+        results = self._exchange(what, OP_PUT, parts, len(window), [], deadline)
+        if self._put_many is None:
+            self._put_many = False
+        return results
 
     def close(self) -> None:
         with self._lock:
@@ -270,7 +305,7 @@ class TcpBlockTransport:
                     if not keep:
                         raise _Refusal(refused, False)
                     results.append(None)
-                elif op == OP_PUT:
+                elif op in (OP_PUT, OP_PUT_MANY):
                     results.append(reply.result)
                 elif op == OP_LOOKUP:
                     results.append(bytes(payload))
@@ -335,7 +370,7 @@ def _check_shape(op: int, reply: Reply, what: str) -> None:
     if reply.status != OK:
         return
     has_data = bool(reply.header_len or reply.payload_len)
-    if op == OP_PUT and has_data:
+    if op in (OP_PUT, OP_PUT_MANY) and has_data:
         raise CorruptBlock(f"{what}: a put reply carrying data")
     if op == OP_LOOKUP and (reply.header_len or not reply.result):
         raise CorruptBlock(f"{what}: a lookup reply with a frame header")
