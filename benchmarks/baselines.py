@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 __all__ = ["median_gbps", "memcpy_gbps", "disk_write_fsync_gbps", "disk_cold_read_gbps",
-           "tcp_loopback_gbps", "drop_file_cache", "gemm_gflops"]
+           "file_create_us", "tcp_loopback_gbps", "drop_file_cache", "gemm_gflops"]
 
 
 def median_gbps(nbytes: int, run: Callable[[], object], repeats: int = 5) -> float:
@@ -68,6 +68,25 @@ def disk_write_fsync_gbps(directory: Path, block_bytes: int = 4 << 20, blocks: i
                     os.close(fd)
 
         return median_gbps(block_bytes * blocks, run, repeats)
+
+
+def file_create_us(directory: Path, files: int = 256) -> float:
+    """Microseconds to create one empty file (O_CREAT | O_EXCL, by directory fd) in a fresh
+    directory: the fixed cost of a tier that keeps a file per block, before any byte is
+    written. Machines differ by 10x and more here: an ext4 without a journal (this one's root)
+    skips every inode freed in the last minutes one by one when it allocates a new one
+    (`recently_deleted` under `find_inode_bit`, perf), so its cost follows how many files
+    were deleted lately near the directory."""
+    with tempfile.TemporaryDirectory(dir=directory) as tmp:
+        dir_fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            started = time.perf_counter()
+            for i in range(files):
+                os.close(os.open(f"f{i}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644,
+                                 dir_fd=dir_fd))
+            return (time.perf_counter() - started) / files * 1e6
+        finally:
+            os.close(dir_fd)
 
 
 def disk_cold_read_gbps(directory: Path, block_bytes: int = 4 << 20, blocks: int = 64,

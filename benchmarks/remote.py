@@ -26,7 +26,8 @@ EXISTS), and the p50 of a one-key lookup over each transport beside one EXISTS. 
                        "get_over_redis": {...}, "put_over_redis": {...},
                        "kvkeep_lookup_1000_p99_ms": f, "redis_exists_1000_p99_ms": f, ...},
      "batched_256KiB": {"nothing": {"kvkeep_gbps": f, "redis_mget_gbps": f,
-                                    "kvkeep_over_redis": f},
+                                    "kvkeep_over_redis": f, "kvkeep_put_gbps": f,
+                                    "redis_mset_gbps": f, "put_over_redis": f},
                         "busy_thread": {...}},
      "settings": {...}}
 
@@ -50,7 +51,9 @@ median of per-round ratios. The kvkeep daemons' figures for the same sizes are `
 
 `batched_256KiB` is a batch of 32 blocks of 256 KiB (one LMCache load task's worth) read in
 one call, the remote tier's `get_into` (one GET_MANY request) against redis-py's MGET of 32
-values of 256 KiB, alternated round by round: alone, and beside a Python thread in this
+values of 256 KiB, and written in one call, `put_many` (one PUT_MANY request; the daemon
+writes every block behind to its disk, redis keeps it in RAM) against MSET, alternated round
+by round: alone, and beside a Python thread in this
 process that never waits (as LMCache's or vLLM's own threads can be beside the store's
 client). Beside it, every system call that releases the interpreter lock costs a wait to
 take it back, so that row measures how few each client makes.
@@ -251,7 +254,8 @@ def _measure(redis_port: int, address: str, daemon_pid: int, total: int, repeats
                                 statistics.fmean(p[name] for p in pair))
                     tcp_samples.append(tcp_loopback_gbps(4 << 20, 16, 1))
         tier = tiers["tcp"]
-        progress(f"{BATCH} x 256 KiB batched reads: alone and beside a busy Python thread")
+        progress(f"{BATCH} x 256 KiB batched reads and writes: alone and beside a busy Python "
+                 "thread")
         batched = _measure_batched(client, tier, stat, repeats)
         # A batched lookup of 1,000 keys, all present; redis answers the same question with a
         # pipeline of 1,000 EXISTS. Interleaved, like the rest.
@@ -308,9 +312,10 @@ def _measure(redis_port: int, address: str, daemon_pid: int, total: int, repeats
 def _measure_batched(client: Any, tier: RemoteTier, stat: DaemonClient, repeats: int
                      ) -> dict[str, dict[str, float]]:
     """BATCH x 256 KiB read as one batch (`RemoteTier.get_into`: one GET_MANY request; redis-py:
-    one MGET), alone and beside a Python thread that never waits, as LMCache's or vLLM's own
-    threads in the reader's process can be: both clients then wait for the interpreter lock
-    after each system call that released it, so the figure says how few they make."""
+    one MGET) and written as one (`put_many`: one PUT_MANY; MSET), alone and beside a Python
+    thread that never waits, as LMCache's or vLLM's own threads in the caller's process can
+    be: both clients then wait for the interpreter lock after each system call that released
+    it, so the figure says how few they make."""
     keys = [_key("batch", i) for i in range(BATCH)]
     frames = [(k, _frame(k, BATCH_BLOCK_BYTES)) for k in keys]
     if not all(tier.put_many(frames)):
@@ -329,7 +334,17 @@ def _measure_batched(client: Any, tier: RemoteTier, stat: DaemonClient, repeats:
         if any(value is None for value in client.mget(names)):
             raise RuntimeError("redis lost a value")
 
-    works: dict[str, Callable[[], None]] = {"kvkeep": kvkeep, "redis_mget": redis_mget}
+    values = {name: os.urandom(BATCH_BLOCK_BYTES) for name in names}
+
+    def kvkeep_put() -> None:  # the same blocks again, as the put rows above
+        if not all(tier.put_many(frames)):
+            raise RuntimeError("the daemon did not admit a block")
+
+    def redis_mset() -> None:
+        client.mset(values)
+
+    works: dict[str, Callable[[], None]] = {"kvkeep": kvkeep, "redis_mget": redis_mget,
+                                            "kvkeep_put": kvkeep_put, "redis_mset": redis_mset}
     result: dict[str, dict[str, float]] = {}
     for beside in ("nothing", "busy_thread"):
         stop = threading.Event()
@@ -352,7 +367,13 @@ def _measure_batched(client: Any, tier: RemoteTier, stat: DaemonClient, repeats:
             "redis_mget_gbps": statistics.median(samples["redis_mget"]),
             "kvkeep_over_redis": statistics.median(
                 ours / theirs for ours, theirs in zip(samples["kvkeep"], samples["redis_mget"],
-                                                      strict=True))}
+                                                      strict=True)),
+            "kvkeep_put_gbps": statistics.median(samples["kvkeep_put"]),
+            "redis_mset_gbps": statistics.median(samples["redis_mset"]),
+            "put_over_redis": statistics.median(
+                ours / theirs for ours, theirs in zip(samples["kvkeep_put"],
+                                                      samples["redis_mset"], strict=True))}
+        _settle(stat)  # the puts' writes behind, before the next setting's rounds
     tier.delete(keys)
     client.delete(*names)
     return result
@@ -620,10 +641,13 @@ def _table(result: dict[str, object]) -> str:
                     for label in SIZES))
     batched = result["batched_256KiB"]
     assert isinstance(batched, dict)
-    add(f"{BATCH} x 256 KiB as one batch (kvkeep get_into / redis-py MGET, GB/s, medians):")
+    add(f"{BATCH} x 256 KiB as one batch (kvkeep get_into / redis-py MGET, and put_many / "
+        "MSET, GB/s, medians):")
     for beside, figures in batched.items():
-        add(f"  beside {beside.replace('_', ' ')}: kvkeep {figures['kvkeep_gbps']:.2f}, "
-            f"redis {figures['redis_mget_gbps']:.2f}, ratio {figures['kvkeep_over_redis']:.2f}")
+        add(f"  beside {beside.replace('_', ' ')}: get kvkeep {figures['kvkeep_gbps']:.2f}, "
+            f"redis {figures['redis_mget_gbps']:.2f}, ratio {figures['kvkeep_over_redis']:.2f}; "
+            f"put kvkeep {figures['kvkeep_put_gbps']:.2f}, redis "
+            f"{figures['redis_mset_gbps']:.2f}, ratio {figures['put_over_redis']:.2f}")
     cluster = result["redis_cluster"]
     assert isinstance(cluster, dict)
     add("Redis Cluster (3 masters + 3 replicas), GB/s, medians; ratio: median of per-round "

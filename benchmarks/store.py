@@ -18,7 +18,9 @@ The `small` section is the nvme tier with 256 KiB blocks (LMCache's chunk size, 
 block) written as the daemons' write-behind writes them, `put_many` of 16 at a time, durable,
 against this disk's rate for writing and fsyncing files of that size one by one (the floor of
 a tier that keeps a file per block, as this one does), and the start-up scan of what it wrote.
-Its rates are GB/s of frame bytes, the bytes its floor writes. Reported, with no target.
+Its rates are GB/s of frame bytes, the bytes its floor writes. Beside them, what creating one
+empty file costs on this disk (`file_create_us`), the fixed part of both. Reported, with no
+target.
 
 The `reads` section is the store's read path as the connector uses it: `TieredStore.get` of a
 host hit and of an nvme hit (a disk read: the tier drops each block's pages once read), alone
@@ -44,6 +46,7 @@ from benchmarks.baselines import (
     disk_cold_read_gbps,
     disk_write_fsync_gbps,
     drop_file_cache,
+    file_create_us,
     memcpy_gbps,
 )
 from benchmarks.cli import run_benchmark
@@ -190,7 +193,8 @@ def _small(directory: Path, count: int, repeats: int) -> dict[str, float]:
     put = statistics.median(puts)
     return {"frame_bytes": len(frames[0]), "nvme_put_many_gbps": put,
             "disk_write_fsync_per_file_gbps": floor, "put_many_vs_per_file_fsync": put / floor,
-            "scan_us_per_block": 1e6 * statistics.median(scans)}
+            "scan_us_per_block": 1e6 * statistics.median(scans),
+            "file_create_us": file_create_us(directory, count)}
 
 
 def _store_reads(directory: Path, keys: list[BlockKey], frames: list[bytes], repeats: int

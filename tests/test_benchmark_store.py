@@ -20,6 +20,8 @@ def test_store_benchmark_quick_writes_complete_json(tmp_path: Path) -> None:
         "tiers": {"host_put_gbps", "host_get_gbps", "nvme_put_gbps", "nvme_get_gbps"},
         "reads": {"host_store_get_gbps", "host_store_get_decode_gbps", "nvme_store_get_gbps",
                   "nvme_store_get_decode_gbps"},
+        "small": {"nvme_put_many_gbps", "disk_write_fsync_per_file_gbps", "scan_us_per_block",
+                  "file_create_us"},
     }
     for section, names in expected.items():
         assert set(results[section]) >= names

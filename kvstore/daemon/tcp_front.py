@@ -16,8 +16,9 @@ whole, within `preauth_timeout` seconds of opening (or of its last request); a r
 missing or unknown token is answered and the connection closed. An authenticated connection
 may idle `idle_timeout` seconds between requests, and each request's head must arrive within
 `request_timeout`, however its bytes trickle in. A PUT's body must arrive by the deadline the
-core gives it (kvstore/daemon/budgets.py), with no gap longer than the put idle timeout; a PUT
-holds one of its tenant's put streams while its body arrives. At `max_connections`, a new
+core gives it (kvstore/daemon/budgets.py), with no gap longer than the put idle timeout (each
+block of a PUT_MANY likewise); a PUT holds one of its tenant's put streams while its body
+arrives, a PUT_MANY one for all its blocks. At `max_connections`, a new
 connection takes the place of the longest idle one (unauthenticated first), so idle
 connections never lock clients out. Connections that have not authenticated yet are capped
 apart (`max_unauthenticated`; at the cap the oldest of them goes, busy or not: one byte no
