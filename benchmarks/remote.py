@@ -321,7 +321,8 @@ def _measure_batched(client: Any, tier: RemoteTier, stat: DaemonClient, repeats:
     if not all(tier.put_many(frames)):
         raise RuntimeError("the daemon did not admit a block")
     names = [f"bench:batch:{i}" for i in range(BATCH)]
-    client.mset({name: os.urandom(BATCH_BLOCK_BYTES) for name in names})
+    values = {name: os.urandom(BATCH_BLOCK_BYTES) for name in names}
+    client.mset(values)
     _settle(stat)
     outs: list[Buffer | None] = [bytearray(b"\1" * len(frame)) for _, frame in frames]
     nbytes = sum(len(frame) for _, frame in frames)
@@ -333,8 +334,6 @@ def _measure_batched(client: Any, tier: RemoteTier, stat: DaemonClient, repeats:
     def redis_mget() -> None:
         if any(value is None for value in client.mget(names)):
             raise RuntimeError("redis lost a value")
-
-    values = {name: os.urandom(BATCH_BLOCK_BYTES) for name in names}
 
     def kvkeep_put() -> None:  # the same blocks again, as the put rows above
         if not all(tier.put_many(frames)):

@@ -591,22 +591,29 @@ def test_get_many_under_a_short_read_budget(tmp_path: Path) -> None:
         c.close()
 
 
-def test_a_daemon_without_get_many_is_sent_single_gets(tmp_path: Path,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """A daemon of an older release answers GET_MANY as an unknown op (INVALID_ARGUMENT, then
-    it closes the connection): the client sends that window again as single pipelined GETs,
-    and only single GETs from then on."""
+def older_daemon(monkeypatch: pytest.MonkeyPatch, unknown: int) -> list[int]:
+    """Make the in-process daemon answer op `unknown` as a daemon of an older release would
+    (unknown op: INVALID_ARGUMENT, then it closes); returns the ops it is asked, in order."""
     from kvstore.daemon import tcp_front
 
     asked: list[int] = []
 
     def older(raw: bytes | bytearray | memoryview) -> tp.Request:
         asked.append(raw[5])
-        if raw[5] == OP_GET_MANY:
+        if raw[5] == unknown:
             raise ValueError(f"unknown op {raw[5]}")
         return decode_request_head(raw)
 
     monkeypatch.setattr(tcp_front, "decode_request_head", older)
+    return asked
+
+
+def test_a_daemon_without_get_many_is_sent_single_gets(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A daemon of an older release answers GET_MANY as an unknown op (INVALID_ARGUMENT, then
+    it closes the connection): the client sends that window again as single pipelined GETs,
+    and only single GETs from then on."""
+    asked = older_daemon(monkeypatch, OP_GET_MANY)
     with in_process_daemon(tmp_path) as (_, _, address):
         c = TcpBlockTransport("l", address)
         keys = [block_key(i) for i in range(3200, 3203)]
@@ -711,20 +718,9 @@ def test_a_daemon_without_put_many_is_sent_single_puts(tmp_path: Path,
     only a few MiB of the body: a window larger than that loses its connection before the
     answer. Either way the window is sent again as single PUTs, and only those from then on;
     a daemon that took one PUT_MANY is never sent single PUTs."""
-    from kvstore.daemon import tcp_front
-
-    asked: list[int] = []
-
-    def older(raw: bytes | bytearray | memoryview) -> tp.Request:
-        asked.append(raw[5])
-        if raw[5] == OP_PUT_MANY:
-            raise ValueError(f"unknown op {raw[5]}")
-        return decode_request_head(raw)
-
     with in_process_daemon(tmp_path) as (_, _, address):
         for frame_bytes in (20_000, 3_000_000):  # a window of 60 KB, and of 9 MB
-            monkeypatch.setattr(tcp_front, "decode_request_head", older)
-            asked.clear()
+            asked = older_daemon(monkeypatch, OP_PUT_MANY)
             c = TcpBlockTransport("l", address)
             first = 4300 if frame_bytes < 1_000_000 else 4400
             keys = [block_key(i) for i in range(first, first + 6)]
@@ -744,8 +740,7 @@ def test_a_daemon_without_put_many_is_sent_single_puts(tmp_path: Path,
         keys = [block_key(i) for i in range(4500, 4503)]
         assert c.put(SCOPE, [(k.block_hash, make_frame(k)) for k in keys], timeout=T) == \
             [True] * 3
-        monkeypatch.setattr(tcp_front, "decode_request_head", older)
-        asked.clear()
+        asked = older_daemon(monkeypatch, OP_PUT_MANY)
         with pytest.raises(TierError, match="INVALID_ARGUMENT"):
             c.put(SCOPE, [(block_key(4503).block_hash, make_frame(block_key(4503)))],
                   timeout=T)

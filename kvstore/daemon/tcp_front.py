@@ -469,7 +469,7 @@ class TcpFront:
                 elif request.op == OP_PUT_MANY:
                     refused = self._put_many(conn, request, tail, deadline)
                 else:
-                    self._put(conn, request, tail)
+                    refused = self._put(conn, request, tail)
                 if refused is not None:
                     call.code = refused
             except _Close as closing:
@@ -587,7 +587,8 @@ class TcpFront:
         send_parts(sock, [encode_reply(OK, result=True, payload_len=len(present)),
                           bytes(present)])
 
-    def _put(self, conn: _Connection, request: Request, tail: bytearray) -> None:
+    def _put(self, conn: _Connection, request: Request, tail: bytearray
+             ) -> RefusalReason | None:
         sock, core = conn.sock, self._core
         size = request.body_len
         if size > MAX_FRAME_BYTES:  # refused, and too big to read and discard: the end
@@ -601,22 +602,14 @@ class TcpFront:
                 scope, block_hash = self._scope(conn, request, tail)
                 core.admit_put_call()
                 holding.enter_context(core.put_stream(scope, conn.principal))
-                incoming = holding.enter_context(core.begin_put(scope, block_hash, size,
-                                                                conn.principal))
             except Refusal as refusal:
                 if size > _DISCARD_MAX_BYTES:  # not worth reading: end the connection
                     raise _Close(refusal) from None
                 self._discard(sock, size)  # keep the connection in step
                 raise
-            # A client gone mid-body, or too slow for the deadline: nothing stored, the
-            # connection dropped, the budgets given back.
-            sock.settimeout(core.limits.put_idle_s)
-            recv_into_pieces(sock, incoming.pieces, incoming.deadline)
-            core.count(put_bytes_received=size)
-            # Waits for the disk if it is behind (back-pressure) on this connection's own
-            # thread, which holds no other tenant's work.
-            admitted = incoming.commit()
-        send_parts(sock, [encode_reply(OK, result=admitted)])
+            reply, refused = self._put_item(sock, scope, conn.principal, block_hash, size, [])
+        send_parts(sock, [reply])
+        return refused
 
     def _put_many(self, conn: _Connection, request: Request, tail: bytearray,
                   deadline: float) -> RefusalReason | None:
@@ -675,15 +668,19 @@ class TcpFront:
     def _put_item(self, sock: socket.socket, scope: Scope, principal: Principal | None,
                   block_hash: bytes, size: int, after: list[memoryview]
                   ) -> tuple[bytes, RefusalReason | None]:
-        """One PUT_MANY block, received (with `after`, the next item's head) and stored:
-        its encoded reply and its refusal, if refused. A refused block's frame is dropped
-        unread into the store (or ends the connection when too big to read)."""
+        """One block of a PUT or a PUT_MANY, received (with `after`: a PUT_MANY's next item
+        head) and stored: its encoded reply and its refusal, if refused. A refused block's
+        frame is dropped unread into the store (or ends the connection when too big to read).
+        A client gone mid-body, or too slow for its deadline, drops the connection: nothing
+        stored, the budgets given back."""
         core = self._core
         try:
             with core.begin_put(scope, block_hash, size, principal) as incoming:
                 sock.settimeout(core.limits.put_idle_s)
                 recv_into_pieces(sock, [*incoming.pieces, *after], incoming.deadline)
                 core.count(put_bytes_received=size)
+                # Waits for the disk if it is behind (back-pressure) on this connection's own
+                # thread, which holds no other tenant's work.
                 try:
                     admitted = incoming.commit()
                 except Refusal as refusal:  # the frame is in: the batch is still in step

@@ -288,11 +288,7 @@ def encode_batch(op: int, scope: Scope, block_hashes: Sequence[bytes], token: by
             raise ValueError(f"block hash of {len(block_hash)} bytes; 1-{MAX_HASH_BYTES}")
         body.append(len(block_hash))
         body += block_hash
-    tenant = scope.namespace.tenant.encode()
-    salt = scope.namespace.salt.encode()
-    head = REQUEST_HEAD.pack(MAGIC_REQUEST, VERSION, op, len(token), len(tenant),
-                             len(salt), 0, 0, 0, 0, len(body), scope.fingerprint)
-    return [b"".join((head, token, tenant, salt)), bytes(body)]
+    return [_body_request_head(op, scope, token, len(body)), bytes(body)]
 
 
 def decode_batch_body(body: bytes | bytearray | memoryview) -> list[bytes]:
@@ -325,12 +321,17 @@ def encode_put_many(scope: Scope, blocks: Sequence[tuple[bytes, memoryview]], to
             raise ValueError(f"block hash of {len(block_hash)} bytes; 1-{MAX_HASH_BYTES}")
         parts += [PUT_ITEM_HEAD.pack(len(frame), len(block_hash), block_hash), frame]
         body_len += PUT_ITEM_HEAD.size + len(frame)
+    parts[0] = _body_request_head(OP_PUT_MANY, scope, token, body_len)
+    return parts
+
+
+def _body_request_head(op: int, scope: Scope, token: bytes, body_len: int) -> bytes:
+    """The head, token, tenant and salt of a request whose hashes are in its body."""
     tenant = scope.namespace.tenant.encode()
     salt = scope.namespace.salt.encode()
-    head = REQUEST_HEAD.pack(MAGIC_REQUEST, VERSION, OP_PUT_MANY, len(token), len(tenant),
-                             len(salt), 0, 0, 0, 0, body_len, scope.fingerprint)
-    parts[0] = b"".join((head, token, tenant, salt))
-    return parts
+    head = REQUEST_HEAD.pack(MAGIC_REQUEST, VERSION, op, len(token), len(tenant), len(salt),
+                             0, 0, 0, 0, body_len, scope.fingerprint)
+    return b"".join((head, token, tenant, salt))
 
 
 def decode_put_item(raw: bytes | bytearray | memoryview) -> tuple[int, bytes]:
