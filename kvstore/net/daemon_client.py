@@ -195,16 +195,18 @@ class DaemonClient:
                                      timeout=_left(deadline, what))
 
     def get_into(self, scope: Scope, items: Sequence[tuple[bytes, Buffer | None]], *,
-                 timeout: float) -> list[BlockRead | None]:
-        """Whole blocks, each payload into its buffer where large enough; unverified, None per
-        miss. Pipelined over the data plane (one round trip per window of blocks); over gRPC,
-        one call per block."""
+                 timeout: float, digests: Sequence[bytes] = ()) -> list[BlockRead | None]:
+        """Whole blocks, each payload into its buffer where large enough; None per miss.
+        Pipelined over the data plane (one round trip per window of blocks; with `digests`,
+        each read verified as it arrives: `TcpBlockTransport.get_into`); over gRPC, one call
+        per block, unverified."""
         deadline = time.monotonic() + timeout
         what = f"get from {self.node_id}"
         transport = self.block_transport(deadline)
         if isinstance(transport, TcpBlockTransport):
             try:
-                return transport.get_into(scope, items, timeout=_left(deadline, what))
+                return transport.get_into(scope, items, timeout=_left(deadline, what),
+                                          digests=digests)
             except TransportUnreachable as exc:
                 self._unreachable(transport, exc)
         return [self._grpc_blocks.get(scope, block_hash, out=out, timeout=_left(deadline, what))

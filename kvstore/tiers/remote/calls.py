@@ -38,15 +38,17 @@ def lookup_call(peers: PeerSet, node: str, keys: list[BlockKey], deadline: float
 def get_into_call(peers: PeerSet, node: str, keys: list[BlockKey], outs: list[Buffer | None],
                   deadline: float) -> Callable[[], list[BlockRead | None]]:
     """Whole blocks from one daemon, batched (its client's `get_into`: one GET_MANY request a
-    window over the data plane), each payload into its buffer; per key the unverified read or
-    None."""
+    window over the data plane), each payload into its buffer; per key the read or None. Reads
+    over the data plane come back verified for their keys where they passed (checked as they
+    arrive), others unverified: the tier verifies what is not marked."""
     def call() -> list[BlockRead | None]:
         peer = peers.checked(node)
         reads: list[BlockRead | None] = [None] * len(keys)
         for scope, idx in group_by_scope(keys).items():
             timeout = call_timeout(deadline, peers.config.call_timeout)
             got = peers.guard(peer, peer.client.get_into, scope,
-                              [(keys[i].block_hash, outs[i]) for i in idx], timeout=timeout)
+                              [(keys[i].block_hash, outs[i]) for i in idx], timeout=timeout,
+                              digests=[keys[i].digest for i in idx])
             for i, read in zip(idx, got, strict=True):
                 reads[i] = read
         return reads
