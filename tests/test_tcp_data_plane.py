@@ -557,6 +557,37 @@ def test_get_many_answers_every_hash_in_order_in_one_request(tmp_path: Path) -> 
         c.close()
 
 
+def test_reads_verified_as_they_arrive_come_back_marked_and_bad_ones_unmarked(
+        tmp_path: Path) -> None:
+    """With the keys' digests, `get_into` verifies each read as it lands (checksums and key
+    binding) and marks it; a corrupt copy, or a read asked for another key's digest, comes
+    back unmarked for the caller's own check to find, and the rest of the batch is unharmed."""
+    with in_process_daemon(tmp_path) as (core, _, address):
+        c = TcpBlockTransport("l", address)
+        keys = [block_key(i) for i in range(4100, 4104)]
+        frames = [make_frame(k, layers=3, segment_bytes=50_000) for k in keys]
+        assert c.put(SCOPE, list(zip([k.block_hash for k in keys], frames, strict=True)),
+                     timeout=T) == [True] * 4
+        host = core._store.tiers[0]
+        assert isinstance(host, HostTier)
+        entry = host._index[keys[1].digest]  # white box: a bit flips in the daemon's RAM
+        host._page_views[entry.pages[0]][3000] ^= 0x04
+        digests = [k.digest for k in keys]
+        digests[3] = keys[0].digest  # asked for under another key's digest
+        reads = c.get_into(SCOPE, [(k.block_hash, None) for k in keys], timeout=T,
+                           digests=digests)
+        assert [r is not None and r.verified for r in reads] == [True, False, True, False]
+        assert reads[0] is not None and reads[0].to_frame() == frames[0]
+        assert reads[1] is not None and reads[3] is not None
+        with pytest.raises(CorruptBlock):
+            reads[1].verified_for(keys[1].digest)  # what the remote tier does with it
+        assert reads[3].verified_for(keys[3].digest).to_frame() == frames[3]
+        # Without digests nothing is marked (the caller verifies).
+        plain = c.get_into(SCOPE, [(keys[2].block_hash, None)], timeout=T)
+        assert plain[0] is not None and not plain[0].verified
+        c.close()
+
+
 def reads_given_back(core: BlockServiceCore) -> dict[str, tuple[int, int]]:
     """The reads still held once the daemon's threads are past their sends (a client can
     read the last reply before the thread that sent it gives its budget back)."""
