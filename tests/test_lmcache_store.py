@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from connectors.lmcache import keys as lmcache_keys
 from connectors.lmcache.config import PluginSettings
 from connectors.lmcache.frames import frame_size, matches_object, write_frame
 from connectors.lmcache.install import install_stubs
@@ -110,6 +111,23 @@ def test_ranks_and_groups_of_one_model_share_a_scope() -> None:
     assert len({(k.fingerprint, k.namespace) for k in keys}) == 1
     assert len({k.digest for k in keys}) == 12
     assert mapper.key(ObjectRef(b"\x01", "m2", 0)).fingerprint != keys[0].fingerprint
+
+
+def test_remembered_keys_are_the_mapped_ones_and_bounded(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The mapper's memo gives exactly what mapping afresh gives, keeps at most
+    MAPPED_KEYS_KEPT (oldest out first), and an unhashable chunk hash is mapped each time."""
+    monkeypatch.setattr(lmcache_keys, "MAPPED_KEYS_KEPT", 4)
+    mapper, fresh = ScopeMapper("t", "r"), ScopeMapper("t", "r")
+    refs = [ObjectRef(bytes([i]) * 20, "m", i % 3, i % 2, "s" if i % 4 else "")
+            for i in range(10)]
+    for ref in refs + refs[::-1]:
+        key = mapper.key(ref)
+        assert key == fresh._map(ref) and key.digest == fresh._map(ref).digest
+        assert len(mapper._keys) <= 4
+    assert list(mapper._keys) == refs[3::-1]  # the last four mapped, in mapping order
+    unhashable = ObjectRef(bytearray(b"\x07" * 20), "m", 1)  # type: ignore[arg-type]
+    assert mapper.key(unhashable) == mapper.key(ObjectRef(b"\x07" * 20, "m", 1))
 
 
 def test_frame_of_an_object_verifies_and_is_bound_to_its_key() -> None:

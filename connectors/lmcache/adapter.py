@@ -49,7 +49,6 @@ from lmcache.v1.platform import create_event_notifier  # type: ignore[import-not
 
 from connectors.lmcache import config as _config_module
 from connectors.lmcache.config import PluginSettings
-from connectors.lmcache.keys import ObjectRef
 from connectors.lmcache.store import ObjectStore
 
 __all__ = ["KVKeepL2Adapter", "KVKeepL2AdapterConfig"]
@@ -168,7 +167,7 @@ class KVKeepL2Adapter(L2AdapterInterface):  # type: ignore[misc, unused-ignore]
         if not keys or self._closed:
             return
         try:
-            outcome = self._objects.delete([_ref(k) for k in keys])
+            outcome = self._objects.delete(keys)
         except Exception:
             _log.exception("kvkeep LMCache plugin: delete failed")
             return
@@ -188,7 +187,7 @@ class KVKeepL2Adapter(L2AdapterInterface):  # type: ignore[misc, unused-ignore]
     def debug_has_key(self, key: ObjectKey) -> bool:
         """Whether the daemons hold `key`, asked synchronously: the hook LMCache's
         storage-manager tests poll on an adapter (its mock has the same)."""
-        return not self._closed and self._objects.lookup([_ref(key)]) == [True]
+        return not self._closed and self._objects.lookup([key]) == [True]
 
     def report_status(self) -> dict[str, Any]:
         return {"is_healthy": (not self._closed) and self._objects.healthy(),
@@ -213,7 +212,7 @@ class KVKeepL2Adapter(L2AdapterInterface):  # type: ignore[misc, unused-ignore]
         result = L2StoreResult(False, 0)
         try:
             payloads = [obj.byte_array for obj in objects]
-            outcome = self._objects.store([_ref(k) for k in keys], payloads)
+            outcome = self._objects.store(keys, payloads)
             fresh: list[ObjectKey] = []
             sizes: list[int] = []
             with self._lock:
@@ -235,7 +234,7 @@ class KVKeepL2Adapter(L2AdapterInterface):  # type: ignore[misc, unused-ignore]
     def _lookup(self, task: L2TaskId, keys: list[ObjectKey]) -> None:
         bitmap = Bitmap(len(keys))
         try:
-            found = self._objects.lookup([_ref(k) for k in keys])
+            found = self._objects.lookup(keys)
             with self._lock:
                 for i, (key, hit) in enumerate(zip(keys, found, strict=True)):
                     if hit:
@@ -252,7 +251,7 @@ class KVKeepL2Adapter(L2AdapterInterface):  # type: ignore[misc, unused-ignore]
     def _load(self, task: L2TaskId, keys: list[ObjectKey], objects: list[MemoryObj]) -> None:
         bitmap = Bitmap(len(keys))
         try:
-            loaded = self._objects.load([_ref(k) for k in keys],
+            loaded = self._objects.load(keys,
                                         [obj.byte_array for obj in objects])
             hits = [key for key, ok in zip(keys, loaded, strict=True) if ok]
             for i, ok in enumerate(loaded):
@@ -281,7 +280,3 @@ class KVKeepL2Adapter(L2AdapterInterface):  # type: ignore[misc, unused-ignore]
         if self._closed:
             raise RuntimeError("the kvkeep L2 adapter is closed")
         pool.submit(fn, task, *args)
-
-def _ref(key: ObjectKey) -> ObjectRef:
-    return ObjectRef(chunk_hash=key.chunk_hash, model_name=key.model_name, kv_rank=key.kv_rank,
-                     object_group_id=key.object_group_id, cache_salt=key.cache_salt)

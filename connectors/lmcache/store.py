@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from connectors.lmcache.config import PluginSettings
 from connectors.lmcache.frames import address_of, byte_view, frame_size, matches_object, write_frame
-from connectors.lmcache.keys import ObjectRef, ScopeMapper
+from connectors.lmcache.keys import ObjectName, ScopeMapper
 from connectors.lmcache.transport import MAX_FRAME_BYTES, BlockStore, connect
 from kvstore.errors import KVKeepError
 from kvstore.frame import BlockRead
@@ -87,7 +87,7 @@ class ObjectStore:
 
     # -- the three operations -------------------------------------------------------------
 
-    def store(self, refs: Sequence[ObjectRef], payloads: Sequence[Buffer]) -> StoreOutcome:
+    def store(self, refs: Sequence[ObjectName], payloads: Sequence[Buffer]) -> StoreOutcome:
         if len(refs) != len(payloads):
             raise ValueError(f"{len(refs)} keys for {len(payloads)} objects")
         held = [False] * len(refs)
@@ -105,7 +105,7 @@ class ObjectStore:
             self._put_batch_of(batch, keys, views, held, written)
         return StoreOutcome(tuple(held), tuple(written))
 
-    def lookup(self, refs: Sequence[ObjectRef]) -> list[bool]:
+    def lookup(self, refs: Sequence[ObjectName]) -> list[bool]:
         keys = self._keys(refs, "lookup")
         found = [False] * len(refs)
         valid = [i for i, key in enumerate(keys) if key is not None]
@@ -116,7 +116,7 @@ class ObjectStore:
         self._count("lookup_misses", len(refs) - hits)
         return found
 
-    def load(self, refs: Sequence[ObjectRef], outs: Sequence[Buffer]) -> list[bool]:
+    def load(self, refs: Sequence[ObjectName], outs: Sequence[Buffer]) -> list[bool]:
         """Fill each writable `outs[i]` with object `refs[i]`; False where it is a miss (then
         `outs[i]` holds undefined bytes and must not be used)."""
         if len(refs) != len(outs):
@@ -141,7 +141,7 @@ class ObjectStore:
         self._count("load_misses", len(refs) - hits)
         return loaded
 
-    def delete(self, refs: Sequence[ObjectRef]) -> list[bool] | None:
+    def delete(self, refs: Sequence[ObjectName]) -> list[bool] | None:
         """Remove objects from every daemon that may hold them; True where one was held.
         None when the delete itself failed (then some may still be held)."""
         keys = self._keys(refs, "delete")
@@ -186,7 +186,7 @@ class ObjectStore:
 
     # -- private --------------------------------------------------------------------------
 
-    def _keys(self, refs: Sequence[ObjectRef], what: str) -> list[BlockKey | None]:
+    def _keys(self, refs: Sequence[ObjectName], what: str) -> list[BlockKey | None]:
         keys: list[BlockKey | None] = []
         for ref in refs:
             try:
