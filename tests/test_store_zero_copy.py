@@ -145,6 +145,44 @@ def test_store_borrow_verifies_and_drops_a_corrupt_copy(store: TieredStore) -> N
     assert read is not None and read.to_frame() == frame
 
 
+@pytest.mark.parametrize("recheck", [0.0, 0.3])
+def test_a_lent_copy_is_checked_after_its_first_send_then_at_most_every_recheck(
+        tmp_path: Path, recheck: float) -> None:
+    """`check_borrowed` hashes a lent block the first time, then skips it for `lent_recheck_s`
+    (0: never skips): a copy corrupted in RAM meanwhile is found at the next check, dropped,
+    and the disk's good copy read instead."""
+    store = TieredStore([host(), NvmeTier(tmp_path / "nvme", 64 << 20)],
+                        config=StoreConfig(lent_recheck_s=recheck))
+    try:
+        key = block_key(7)
+        frame = make_frame(key, layers=4, segment_bytes=50_000)
+        assert store.put(key, frame) and store.flush(10)
+
+        def send_once() -> bool:
+            lent = store.borrow(key, verify=False)
+            assert lent is not None
+            try:
+                return store.check_borrowed(key, lent)
+            finally:
+                lent.release()
+
+        assert send_once()
+        tier = store.tiers[0]
+        assert isinstance(tier, HostTier)
+        tier._page_views[tier._index[key.digest].pages[-1]][5] ^= 0x01  # white box: a bit flips
+        if recheck:
+            assert send_once()  # checked a moment ago: not hashed again
+            time.sleep(recheck + 0.05)
+        assert not send_once()
+        assert tier.contains([key]) == [False]
+        read = store.get(key)
+        assert read is not None and read.to_frame() == frame
+        assert store.flush(10)  # the get promotes the disk's copy back into RAM ...
+        assert send_once()  # ... which is good
+    finally:
+        store.close()
+
+
 # -- reserve / begin_put / commit_put ----------------------------------------------------------
 
 

@@ -25,6 +25,11 @@ class StoreConfig:
     nice, per thread): on a node short of cores, write-behind then takes the CPU the request
     threads leave, instead of slowing puts that do not wait for it (back-pressure still bounds
     the backlog). 0 leaves them alone.
+    lent_recheck_s: a block lent from the first tier unverified (a daemon sends GETs straight
+    from its RAM) is checked against its checksums after it is sent, so that a copy corrupted
+    in RAM is dropped; each block once, then at most every `lent_recheck_s`. Readers verify
+    every block themselves, so this bounds how long a corrupt copy keeps being offered (and
+    refused), not whether wrong bytes are used. 0: after every send.
     """
 
     get_deadline_s: float = 0.5
@@ -36,6 +41,7 @@ class StoreConfig:
     background_deadline_s: float = 5.0
     promote: bool = True
     writer_nice: int = 0
+    lent_recheck_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.get_deadline_s <= 0 or self.background_deadline_s <= 0:
@@ -44,5 +50,6 @@ class StoreConfig:
             raise ConfigError("write_queue_depth, writer_threads and write_batch must be >= 1")
         if not 0 <= self.writer_nice <= 19:
             raise ConfigError("writer_nice must be 0-19")
-        if self.read_priority_max_wait_s < 0 or self.manifest_enqueue_timeout_s < 0:
+        if (self.read_priority_max_wait_s < 0 or self.manifest_enqueue_timeout_s < 0
+                or self.lent_recheck_s < 0):
             raise ConfigError("wait times cannot be negative")
