@@ -128,6 +128,8 @@ def test_remembered_keys_are_the_mapped_ones_and_bounded(
     assert list(mapper._keys) == refs[3::-1]  # the last four mapped, in mapping order
     unhashable = ObjectRef(bytearray(b"\x07" * 20), "m", 1)  # type: ignore[arg-type]
     assert mapper.key(unhashable) == mapper.key(ObjectRef(b"\x07" * 20, "m", 1))
+    writable = ObjectRef(memoryview(bytearray(b"\x07" * 20)), "m", 1)  # type: ignore[arg-type]
+    assert mapper.key(writable) == mapper.key(unhashable)
 
 
 def test_frame_of_an_object_verifies_and_is_bound_to_its_key() -> None:

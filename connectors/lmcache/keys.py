@@ -106,7 +106,8 @@ class ScopeMapper:
         """The block key of one object; raises InvalidKey for an unusable LMCache key."""
         try:
             key = self._keys.get(ref)
-        except TypeError:  # an unhashable chunk hash (a bytearray): mapped every time
+        except (TypeError, ValueError):  # an unhashable chunk hash (a bytearray, a writable
+            # memoryview): mapped every time
             return self._map(ref)
         if key is None:
             key = self._map(ref)
