@@ -183,6 +183,29 @@ def test_a_lent_copy_is_checked_after_its_first_send_then_at_most_every_recheck(
         store.close()
 
 
+def test_a_lent_layer_range_passing_its_check_does_not_excuse_the_whole_block(
+        tmp_path: Path) -> None:
+    store = TieredStore([host(), NvmeTier(tmp_path / "nvme", 64 << 20)],
+                        config=StoreConfig(lent_recheck_s=60.0))
+    try:
+        key = block_key(8)
+        assert store.put(key, make_frame(key, layers=4, segment_bytes=50_000))
+        assert store.flush(10)
+        tier = store.tiers[0]
+        assert isinstance(tier, HostTier)
+        tier._page_views[tier._index[key.digest].pages[-1]][5] ^= 0x01  # in the last layer
+        first = store.borrow(key, LayerRange(0, 1), verify=False)
+        assert first is not None
+        assert store.check_borrowed(key, first)  # layer 0 is intact
+        first.release()
+        whole = store.borrow(key, verify=False)
+        assert whole is not None
+        assert not store.check_borrowed(key, whole)  # checked: the range excused nothing
+        whole.release()
+    finally:
+        store.close()
+
+
 # -- reserve / begin_put / commit_put ----------------------------------------------------------
 
 

@@ -318,9 +318,10 @@ class TieredStore:
         return block
 
     def check_borrowed(self, key: BlockKey, block: BorrowedBlock) -> bool:
-        """Verify a block lent with `verify=False` (before releasing it), unless it passed
-        within `lent_recheck_s` (StoreConfig). A copy that fails is deleted from the first
-        tier, as `get` would, so the next read finds a good copy below or misses; False then.
+        """Verify a block lent with `verify=False` (before releasing it), unless the whole
+        block passed within `lent_recheck_s` (StoreConfig). A copy that fails is deleted from
+        the first tier, as `get` would, so the next read finds a good copy below or misses;
+        False then.
 
         Why not every time: hashing each block after each send cost a daemon 43 % of its
         connection thread's time serving 4 MiB GETs from RAM (py-spy), once per read of a hot
@@ -336,7 +337,7 @@ class TieredStore:
                 self._lent_checked.pop(key.digest, None)
             self._calls.discard(0, key)
             return False
-        if recheck:
+        if recheck and block.layers == block.header.all_layers:  # a range checked its own
             with self._lent_lock:  # iterating for the oldest must not race another insert
                 self._lent_checked.pop(key.digest, None)
                 while len(self._lent_checked) >= _LENT_CHECKS_KEPT:
