@@ -31,6 +31,7 @@ import hashlib
 import json
 import re
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -96,7 +97,7 @@ class ScopeMapper:
     model_revision: str = ""
     _fingerprints: dict[str, bytes] = field(default_factory=dict, repr=False)
     _namespaces: dict[str, Namespace] = field(default_factory=dict, repr=False)
-    _keys: dict[ObjectName, BlockKey] = field(default_factory=dict, repr=False)
+    _keys: OrderedDict[ObjectName, BlockKey] = field(default_factory=OrderedDict, repr=False)
     _inserting: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
@@ -111,10 +112,10 @@ class ScopeMapper:
             return self._map(ref)
         if key is None:
             key = self._map(ref)
-            with self._inserting:  # iterating for the oldest must not race another insert
-                while len(self._keys) >= MAPPED_KEYS_KEPT:
-                    del self._keys[next(iter(self._keys))]
+            with self._inserting:
                 self._keys[ref] = key
+                while len(self._keys) > MAPPED_KEYS_KEPT:
+                    self._keys.popitem(last=False)
         return key
 
     def _map(self, ref: ObjectName) -> BlockKey:

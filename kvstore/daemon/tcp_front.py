@@ -598,10 +598,7 @@ class TcpFront:
                 raise _Close(refusal) from None
         with contextlib.ExitStack() as holding:
             try:
-                # No token, or an unknown one: _Close (the body is never read).
-                scope, block_hash = self._scope(conn, request, tail)
-                core.admit_put_call()
-                holding.enter_context(core.put_stream(scope, conn.principal))
+                scope, block_hash = self._open_put(conn, request, tail, holding)
             except Refusal as refusal:
                 if size > _DISCARD_MAX_BYTES:  # not worth reading: end the connection
                     raise _Close(refusal) from None
@@ -610,6 +607,16 @@ class TcpFront:
             reply, refused = self._put_item(sock, scope, conn.principal, block_hash, size, [])
         send_parts(sock, [reply])
         return refused
+
+    def _open_put(self, conn: _Connection, request: Request, tail: bytearray,
+                  holding: contextlib.ExitStack) -> tuple[Scope, bytes]:
+        """A PUT's or PUT_MANY's scope (and block hash), the call admitted, one of its tenant's
+        put streams held in `holding`; raises Refusal (no token or an unknown one: _Close, and
+        the body is never read)."""
+        scope, block_hash = self._scope(conn, request, tail)
+        self._core.admit_put_call()
+        holding.enter_context(self._core.put_stream(scope, conn.principal))
+        return scope, block_hash
 
     def _put_many(self, conn: _Connection, request: Request, tail: bytearray,
                   deadline: float) -> RefusalReason | None:
@@ -624,9 +631,7 @@ class TcpFront:
         refused: RefusalReason | None = None
         with contextlib.ExitStack() as holding:
             try:
-                scope, _ = self._scope(conn, request, tail)
-                core.admit_put_call()
-                holding.enter_context(core.put_stream(scope, conn.principal))
+                scope, _ = self._open_put(conn, request, tail, holding)
             except Refusal as refusal:
                 if request.body_len <= _DISCARD_MAX_BYTES:
                     self._discard(sock, request.body_len)

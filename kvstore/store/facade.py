@@ -42,6 +42,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -118,7 +119,7 @@ class TieredStore:
         self._writes = WriteBehind(self._calls, self._config)
         self._replicated = ReplicatedPuts(self._calls, self._writes)
         # Key digest -> when its lent copy last passed `check_borrowed`, oldest first.
-        self._lent_checked: dict[bytes, float] = {}
+        self._lent_checked: OrderedDict[bytes, float] = OrderedDict()
         self._lent_lock = threading.Lock()
 
     @classmethod
@@ -328,7 +329,8 @@ class TieredStore:
         block rather than once per block."""
         now = time.monotonic()
         recheck = self._config.lent_recheck_s
-        if recheck and now - self._lent_checked.get(key.digest, -recheck) < recheck:
+        checked = self._lent_checked.get(key.digest)
+        if recheck and checked is not None and now - checked < recheck:
             return True
         try:
             verify_pieces(block.header, block.layers, block.pieces)
@@ -338,11 +340,11 @@ class TieredStore:
             self._calls.discard(0, key)
             return False
         if recheck and block.layers == block.header.all_layers:  # a range checked its own
-            with self._lent_lock:  # iterating for the oldest must not race another insert
-                self._lent_checked.pop(key.digest, None)
-                while len(self._lent_checked) >= _LENT_CHECKS_KEPT:
-                    del self._lent_checked[next(iter(self._lent_checked))]
+            with self._lent_lock:
                 self._lent_checked[key.digest] = now
+                self._lent_checked.move_to_end(key.digest)
+                while len(self._lent_checked) > _LENT_CHECKS_KEPT:
+                    self._lent_checked.popitem(last=False)
         return True
 
     def put(self, key: BlockKey, frame: FrameBytes, *, computed_at: float | None = None
