@@ -52,11 +52,14 @@ def test_block_traffic_on_both_fronts_is_counted(tmp_path: Path) -> None:
                 client.put(scope, [(block_key(500).block_hash, bad)], timeout=T)
         assert tcp_client.data_plane_address is not None  # the TCP front really served it
 
-        # A refused call is counted by the gRPC front's interceptor as the handler unwinds,
-        # which can be after the client has its status: wait for those counts too.
+        # A refused call is counted by the gRPC front's interceptor as the handler unwinds, and
+        # a data plane request once its reply is sent: either can be after the client has its
+        # status. Wait for those counts too.
         m = wait_for_sample(url, lambda s: s.value("kvkeep_daemon_pending_writes") == 0 and all(
             s.value("kvkeep_daemon_put_refusals_total", front=front,
-                    reason="INVALID_ARGUMENT") >= 1 for front in ("grpc", "tcp")))
+                    reason="INVALID_ARGUMENT") >= 1 for front in ("grpc", "tcp"))
+            and s.value("kvkeep_daemon_requests_total", front="tcp", rpc="Put",
+                        code="INVALID_ARGUMENT") >= 1)
         # Every block is on disk, or was evicted from RAM before the writer got to it.
         assert m.value("kvkeep_daemon_tier_blocks", tier="nvme") + m.value(
             "kvkeep_store_write_behind_dropped_total", reason="source_gone") == 80
