@@ -81,7 +81,7 @@ EVERY_KEY: dict[str, Any] = {
     "inflight_put_bytes": "256MiB", "put_idle_timeout": 12.5, "idle_timeout": 60,
     "preauth_timeout": 3, "data_listen": "off", "metrics_listen": "0.0.0.0:7402",
     "backpressure_timeout": 20, "write_queue_depth": 512, "max_pending_writes": 32,
-    "max_pending_bytes": "96MiB",
+    "max_pending_bytes": "96MiB", "writer_quiet": 0.02, "writer_defer_max": 2.5,
     "tenant_read_streams": 16, "tenant_read_bytes": "32MiB", "get_min_rate": "2MiB",
     "tenant_max_blocks": 100000, "tenant_manifest_share": 0.5,
     "max_unauth_connections": 16, "max_connections_per_ip": 64, "grpc_max_streams": 128,
@@ -203,7 +203,8 @@ def test_a_key_out_of_range_is_refused_by_its_name(tmp_path: Path) -> None:
                          ({"tenant_put_share": 1.5}, r"`\$.tenant_put_share`"),
                          ({"tenant_manifest_share": 0.0}, r"`\$.tenant_manifest_share`"),
                          ({"drain_timeout": -1.0}, r"`\$.drain_timeout`"),
-                         ({"idle_timeout": 0.0}, r"`\$.idle_timeout`")):
+                         ({"idle_timeout": 0.0}, r"`\$.idle_timeout`"),
+                         ({"writer_quiet": -0.1}, r"`\$.writer_quiet`")):
         with pytest.raises(ConfigError, match=where):
             _settings(tmp_path, {**REQUIRED, **given})
     with pytest.raises(ConfigError, match=r"the command line: .*`\$.workers`"):
@@ -213,6 +214,9 @@ def test_a_key_out_of_range_is_refused_by_its_name(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="must be >= 1"):
         DaemonConfig(listen="127.0.0.1:1", data_dir=tmp_path, mem_budget=1, disk_budget=1,
                      node_id="n", replicas=0)
+    with pytest.raises(ConfigError, match="--writer-defer-max"):
+        DaemonConfig(listen="127.0.0.1:1", data_dir=tmp_path, mem_budget=1, disk_budget=1,
+                     node_id="n", writer_defer_max=-1.0)
 
 
 def test_json_files_and_bad_files(tmp_path: Path) -> None:

@@ -105,6 +105,8 @@ class DaemonSettings(RegistrySettings, frozen=True, kw_only=True):
     write_queue_depth: Count | None = None
     max_pending_writes: Count | None = None
     max_pending_bytes: Size | None = None
+    writer_quiet: Wait | None = None
+    writer_defer_max: Wait | None = None
     tenant_read_streams: Count | None = None
     tenant_read_bytes: Size | None = None
     get_min_rate: Size | None = None
@@ -224,6 +226,14 @@ class DaemonConfig:
     crash of the daemon can lose: 256 MiB is the 64 blocks of 4 MiB the block mark alone once
     allowed. A mark in blocks alone held 256 KiB puts to 16 MiB ahead, which a burst of small
     objects filled at once (LMCache's benchmark: every ack then waited for the disk)."""
+    writer_quiet: float = 0.005
+    """Seconds without a get or put before the write-behind starts its next batch
+    (StoreConfig.writer_quiet_s): a burst of puts or gets runs without the disk writer beside
+    it on the same cores and interpreter lock. 0: the writer never waits."""
+    writer_defer_max: float = 1.0
+    """The longest a queued copy waits for that quiet (StoreConfig.writer_defer_max_s): how far
+    durable copies may lag behind acks under traffic that never pauses, besides the
+    back-pressure marks, which stop any waiting."""
     tenant_read_streams: int = 32
     """Reads (gRPC Get calls, TCP GETs) one tenant may have in progress (M1)."""
     tenant_read_bytes: int | None = None
@@ -266,6 +276,8 @@ class DaemonConfig:
             raise ConfigError("--replicas, --lease-ttl and --workers must be >= 1")
         if self.rereplicate_after < 0 or self.drain_timeout < 0:
             raise ConfigError("--rereplicate-after and --drain-timeout cannot be negative")
+        if self.writer_quiet < 0 or self.writer_defer_max < 0:
+            raise ConfigError("--writer-quiet and --writer-defer-max cannot be negative")
         if min(self.put_idle_timeout, self.idle_timeout, self.preauth_timeout,
                self.catalog_prune_s) <= 0 or self.tenant_put_streams < 1:
             raise ConfigError("timeouts and --tenant-put-streams must be positive")
@@ -344,6 +356,11 @@ def add_budget_arguments(p: argparse.ArgumentParser) -> None:
                    help="write-behind depth in blocks past which acks wait for the disk")
     p.add_argument("--max-pending-bytes",
                    help="write-behind bytes past which acks wait for the disk (e.g. 256MiB)")
+    p.add_argument("--writer-quiet", type=float,
+                   help="seconds without a get or put before the write-behind starts a batch "
+                   "(0: at once)")
+    p.add_argument("--writer-defer-max", type=float,
+                   help="the longest seconds a queued disk copy waits for that quiet")
     p.add_argument("--tenant-read-streams", type=int,
                    help="reads one tenant may have in progress")
     p.add_argument("--tenant-read-bytes",

@@ -519,7 +519,7 @@ class BlockServiceCore:
 
     def lookup(self, keys: list[BlockKey]) -> list[bool]:
         self.count(lookups=1)
-        return store_contains(self._store, keys)
+        return self._store.holds(keys)  # a caller's: the write-behind gives way to it
 
     def delete(self, keys: list[BlockKey]) -> int:
         try:
@@ -577,7 +577,9 @@ class BlockServiceCore:
 
 
 def store_contains(store: TieredStore, keys: list[BlockKey]) -> list[bool]:
-    """Which keys some tier holds: one batched `contains` per tier, asking only for misses."""
+    """Which keys some tier holds: one batched `contains` per tier, asking only for misses.
+    For the daemon's own background work (replication, the catalog's check at start): unlike
+    `TieredStore.holds`, which callers' lookups use, it does not hold the write-behind back."""
     found = [False] * len(keys)
     for tier in store.tiers:
         ask = [i for i, hit in enumerate(found) if not hit]

@@ -77,7 +77,8 @@ def open_daemon_store(config: DaemonConfig, metrics: StoreMetrics | None = None
     # being served (the write-behind never delays an ack unless the back-pressure mark is hit).
     store = TieredStore.from_specs(specs, config=StoreConfig(
         get_deadline_s=10.0, write_queue_depth=config.write_queue_depth, write_batch=16,
-        writer_nice=10), metrics=metrics)
+        writer_nice=10, writer_quiet_s=config.writer_quiet,
+        writer_defer_max_s=config.writer_defer_max), metrics=metrics)
     for tier in store.tiers:  # one tenant's manifests cannot evict everyone's (M7)
         limit = getattr(tier, "limit_manifests_per_tenant", None)
         if callable(limit):

@@ -30,6 +30,15 @@ class StoreConfig:
     in RAM is dropped; each block once, then at most every `lent_recheck_s`. Readers verify
     every block themselves, so this bounds how long a corrupt copy keeps being offered (and
     refused), not whether wrong bytes are used. 0: after every send.
+    writer_quiet_s, writer_defer_max_s: the write-behind gives way to the store's callers. A
+    writer holds its next batch back until no get or put has come for `writer_quiet_s`, but a
+    job at most `writer_defer_max_s` after it was queued, and not at all while anyone waits
+    for the writer (a flush, a put held by back-pressure, a delete) or while the queue is half
+    full. Bursty callers (an engine's saves at the end of a prefill, its loads at the start of
+    the next request) then get the CPU and the interpreter lock while they are there, and the
+    disk work runs in the gaps; a caller that never pauses delays each copy by
+    `writer_defer_max_s`, which is how far durable copies may then lag behind (measured by
+    `copy_lag_seconds`). 0 (the default): writers start at once.
     """
 
     get_deadline_s: float = 0.5
@@ -42,6 +51,8 @@ class StoreConfig:
     promote: bool = True
     writer_nice: int = 0
     lent_recheck_s: float = 10.0
+    writer_quiet_s: float = 0.0
+    writer_defer_max_s: float = 1.0
 
     def __post_init__(self) -> None:
         if self.get_deadline_s <= 0 or self.background_deadline_s <= 0:
@@ -51,5 +62,6 @@ class StoreConfig:
         if not 0 <= self.writer_nice <= 19:
             raise ConfigError("writer_nice must be 0-19")
         if (self.read_priority_max_wait_s < 0 or self.manifest_enqueue_timeout_s < 0
-                or self.lent_recheck_s < 0):
+                or self.lent_recheck_s < 0 or self.writer_quiet_s < 0
+                or self.writer_defer_max_s < 0):
             raise ConfigError("wait times cannot be negative")

@@ -188,6 +188,7 @@ class TieredStore:
         if outs is not None and len(outs) != len(keys):
             raise ConfigError(f"get_many: {len(keys)} keys but {len(outs)} output buffers")
         self._check_open()
+        self._calls.foreground()
         deadline = self.deadline(deadline)
         reads: list[BlockRead | None] = [None] * len(keys)
         pending = list(range(len(keys)))
@@ -291,6 +292,7 @@ class TieredStore:
         first and hash while the client receives, instead of hashing on the critical path.
         """
         self._check_open()
+        self._calls.foreground()
         tier = self._lender
         if tier is None:
             return None
@@ -358,6 +360,7 @@ class TieredStore:
         timed from it (`copy_lag_seconds`).
         """
         self._check_open()
+        self._calls.foreground()
         born = time.monotonic() if computed_at is None else computed_at
         view, header = checked_frame(frame, key.digest)
         admitted = self._calls.put(0, key, view)
@@ -406,6 +409,7 @@ class TieredStore:
         `put`, which handles each of those cases. evict=False: free pages only (see
         `SupportsReserve`)."""
         self._check_open()
+        self._calls.foreground()
         tier = self.tiers[0]
         if not isinstance(tier, SupportsReserve):
             return None
@@ -466,6 +470,7 @@ class TieredStore:
         it, the one a `get` reads it from, or -1 (what a restore-or-recompute decision
         prices)."""
         self._check_open()
+        self._calls.foreground()
         deadline = self.deadline(deadline)
         found = [-1] * len(keys)
         for index, tier in enumerate(self.tiers):

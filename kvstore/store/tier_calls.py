@@ -52,6 +52,8 @@ class TierCalls:
         metrics.declare_tiers(self.names)
         self._reads = threading.Condition()
         self._reads_in_flight = [0] * len(self.tiers)
+        self.last_foreground = float("-inf")
+        """`time.monotonic()` of the latest get or put a caller made (`foreground`)."""
 
     def __len__(self) -> int:
         return len(self.tiers)
@@ -140,6 +142,12 @@ class TierCalls:
                 self._reads_in_flight[index] -= 1
                 if self._reads_in_flight[index] == 0:
                     self._reads.notify_all()
+
+    def foreground(self) -> None:
+        """A caller's get or put is being served now: the write-behind holds its next batch
+        back until the store has been quiet for a moment (WriteBehind, `writer_quiet_s`). One
+        float stored, no lock: called on every get and put."""
+        self.last_foreground = time.monotonic()
 
     def yield_to_reads(self, index: int, max_wait: float) -> None:
         """Wait while reads are in flight on tier `index`, for at most `max_wait` seconds."""

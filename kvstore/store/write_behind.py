@@ -8,7 +8,10 @@ writer threads that carry them out.
   job holds a copy; until then the first tier holds the block, `SupportsHold`, so that no
   eviction loses a block a put acknowledged), gives way to reads in flight on the target (at most
   `read_priority_max_wait_s` per batch, so it cannot starve), and writes up to `write_batch`
-  blocks at a time, as one `put_many` where the tier has it. Each copy a target acknowledges
+  blocks at a time, as one `put_many` where the tier has it. It starts a batch once the store's
+  callers have paused (`writer_quiet_s`, at most `writer_defer_max_s` after the job was
+  queued; StoreConfig): on a node short of cores, a burst of puts or gets runs alone, and the
+  disk work fills the gap after it. Each copy a target acknowledges
   is timed from the block's computation (`BlockCopy.computed_at`) into `copy_lag_seconds`:
   the window in which a dying node takes KV with it.
 - A `ManifestCopy` writes a session manifest to every lower tier.
@@ -75,6 +78,8 @@ class WriteBehind:
         # Keys of the batches writers are working on right now (read back, written, undone).
         self._writing: dict[_JobKey, int] = {}
         self._job_bytes: dict[int, int] = {}  # seq -> bytes, for the block jobs queued
+        self._queued_at: dict[int, float] = {}  # seq -> time.monotonic() it was queued
+        self._waiting = 0  # threads in wait_pending / wait_unwritten: no holding back then
         self._queued_bytes = 0
         self._dropped = 0
         # (at_most, wake): one-shot calls for waiters that cannot block a thread (an event
@@ -159,6 +164,7 @@ class WriteBehind:
                 if nbytes:
                     self._job_bytes[job.seq] = nbytes
                     self._queued_bytes += nbytes
+                self._queued_at[job.seq] = time.monotonic()
                 self._pending += 1
                 self._pending_keys[key] = self._pending_keys.get(key, 0) + 1
                 self._calls.metrics.write_queue_depth.set(self._pending)
@@ -211,9 +217,16 @@ class WriteBehind:
     def wait_unwritten(self, keys: Sequence[_JobKey]) -> bool:
         """Wait until no writer holds any of `keys` (at most `background_deadline_s`)."""
         with self._state:
-            return not self._writing or self._state.wait_for(
-                lambda: not any(key in self._writing for key in keys),
-                self._config.background_deadline_s)
+            if not self._writing:
+                return True
+            self._waiting += 1
+            self._state.notify_all()  # a writer holding its batch back (_give_way) goes now
+            try:
+                return self._state.wait_for(
+                    lambda: not any(key in self._writing for key in keys),
+                    self._config.background_deadline_s)
+            finally:
+                self._waiting -= 1
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued job is done; False if `timeout` ran out."""
@@ -224,7 +237,14 @@ class WriteBehind:
         ran out. Woken as each batch finishes, not by polling: a put's ack that waits for the
         disk goes as soon as the disk has caught up."""
         with self._state:
-            return self._state.wait_for(lambda: self._pending <= at_most, timeout)
+            if self._pending <= at_most:
+                return True
+            self._waiting += 1
+            self._state.notify_all()  # a writer holding its batch back (_give_way) goes now
+            try:
+                return self._state.wait_for(lambda: self._pending <= at_most, timeout)
+            finally:
+                self._waiting -= 1
 
     def when_pending_at_most(self, at_most: int, wake: Callable[[], None]
                              ) -> Callable[[], None]:
@@ -237,6 +257,7 @@ class WriteBehind:
         with self._state:
             if self._pending > at_most:
                 self._watchers.append(watcher)
+                self._state.notify_all()  # a writer holding its batch back goes now
                 return lambda: self._unwatch(watcher)
         wake()
         return lambda: None
@@ -303,6 +324,7 @@ class WriteBehind:
         first = self._queue.get()
         if first is None:
             return [], True
+        self._give_way(first)  # more jobs queue meanwhile: the batch fills
         batch = [first]
         while len(batch) < self._config.write_batch:
             try:
@@ -313,6 +335,31 @@ class WriteBehind:
                 return batch, True
             batch.append(job)
         return batch, False
+
+    def _give_way(self, job: Job) -> None:
+        """Hold the next batch back while the store's callers are busy (StoreConfig's
+        `writer_quiet_s`): until they have paused that long, `job` has waited
+        `writer_defer_max_s` since it was queued, someone waits for the writer, or the queue
+        is half full (a full one drops copies, which the daemon must then refuse to ack)."""
+        quiet = self._config.writer_quiet_s
+        if quiet <= 0:
+            return
+        with self._state:
+            give_up_at = (self._queued_at.get(job.seq, time.monotonic())
+                          + self._config.writer_defer_max_s)
+            while True:
+                now = time.monotonic()
+                calm = now - self._calls.last_foreground
+                if calm >= quiet or now >= give_up_at or self._urgent():
+                    return
+                # Woken early by a waiter (wait_pending, wait_unwritten, a watcher).
+                self._state.wait(min(quiet - calm, give_up_at - now))
+
+    def _urgent(self) -> bool:
+        """Someone waits for the writer, or the queue is half full. Caller holds _state."""
+        return bool(self._closed or self._waiting or self._watchers
+                    or 2 * self._pending > self._config.write_queue_depth
+                    or 2 * self._queued_bytes > self.max_queued_bytes)
 
     def _run_batch(self, batch: list[Job], scratch: list[bytearray]) -> None:
         jobs: list[BlockJob] = []
@@ -426,6 +473,7 @@ class WriteBehind:
     def _job_done(self, job: Job) -> None:
         with self._state:
             self._queued_bytes -= self._job_bytes.pop(job.seq, 0)
+            self._queued_at.pop(job.seq, None)
             self._pending -= 1
             left = self._pending_keys.get(job.key, 0) - 1
             if left > 0:
