@@ -183,6 +183,40 @@ def test_a_lent_copy_is_checked_after_its_first_send_then_at_most_every_recheck(
         store.close()
 
 
+def test_a_block_received_in_place_counts_as_checked_for_its_first_sends(
+        tmp_path: Path) -> None:
+    """`commit_put` follows the caller's verification of the very pages it publishes (the
+    daemon's receive path), so the first sends within `lent_recheck_s` do not hash the block
+    again; a bit that flips later is still found once the window has passed."""
+    store = TieredStore([host(), NvmeTier(tmp_path / "nvme", 64 << 20)],
+                        config=StoreConfig(lent_recheck_s=0.3))
+    try:
+        key = block_key(9)
+        frame = make_frame(key, layers=4, segment_bytes=50_000)
+        pending = store.begin_put(key, len(frame))
+        assert pending is not None
+        fill(pending.pieces, frame)
+        assert store.commit_put(pending, BlockRead.from_frame(frame).header)
+        assert store.flush(10)
+        tier = store.tiers[0]
+        assert isinstance(tier, HostTier)
+        tier._page_views[tier._index[key.digest].pages[-1]][5] ^= 0x01  # white box: a flip
+        lent = store.borrow(key, verify=False)
+        assert lent is not None
+        assert store.check_borrowed(key, lent)  # received a moment ago: not hashed again
+        lent.release()
+        time.sleep(0.35)
+        lent = store.borrow(key, verify=False)
+        assert lent is not None
+        assert not store.check_borrowed(key, lent)  # the window passed: found and dropped
+        lent.release()
+        assert tier.contains([key]) == [False]
+        read = store.get(key)
+        assert read is not None and read.to_frame() == frame
+    finally:
+        store.close()
+
+
 def test_a_lent_layer_range_passing_its_check_does_not_excuse_the_whole_block(
         tmp_path: Path) -> None:
     store = TieredStore([host(), NvmeTier(tmp_path / "nvme", 64 << 20)],
