@@ -227,7 +227,7 @@ class DaemonConfig:
     allowed. A mark in blocks alone held 256 KiB puts to 16 MiB ahead, which a burst of small
     objects filled at once (LMCache's benchmark: every ack then waited for the disk)."""
     writer_quiet: float = 0.005
-    """Seconds without a get or put before the write-behind starts its next batch
+    """Seconds without a get, put or lookup before the write-behind starts its next batch
     (StoreConfig.writer_quiet_s): a burst of puts or gets runs without the disk writer beside
     it on the same cores and interpreter lock. 0: the writer never waits."""
     writer_defer_max: float = 1.0
@@ -357,7 +357,8 @@ def add_budget_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-pending-bytes",
                    help="write-behind bytes past which acks wait for the disk (e.g. 256MiB)")
     p.add_argument("--writer-quiet", type=float,
-                   help="seconds without a get or put before the write-behind starts a batch "
+                   help="seconds without a get, put or lookup before the write-behind starts a "
+                   "batch "
                    "(0: at once)")
     p.add_argument("--writer-defer-max", type=float,
                    help="the longest seconds a queued disk copy waits for that quiet")

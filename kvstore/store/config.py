@@ -31,14 +31,14 @@ class StoreConfig:
     every block themselves, so this bounds how long a corrupt copy keeps being offered (and
     refused), not whether wrong bytes are used. 0: after every send.
     writer_quiet_s, writer_defer_max_s: the write-behind gives way to the store's callers. A
-    writer holds its next batch back until no get or put has come for `writer_quiet_s`, but a
-    job at most `writer_defer_max_s` after it was queued, and not at all while anyone waits
-    for the writer (a flush, a put held by back-pressure, a delete) or while the queue is half
-    full. Bursty callers (an engine's saves at the end of a prefill, its loads at the start of
-    the next request) then get the CPU and the interpreter lock while they are there, and the
-    disk work runs in the gaps; a caller that never pauses delays each copy by
-    `writer_defer_max_s`, which is how far durable copies may then lag behind (measured by
-    `copy_lag_seconds`). 0 (the default): writers start at once.
+    writer holds its next batch back until no get, put or lookup has come for
+    `writer_quiet_s`, but a job at most `writer_defer_max_s` after it was queued, and not at
+    all while anyone waits for the writer (a flush, a put held by back-pressure, a delete) or
+    while the queue is half full. Bursty callers (an engine's saves at the end of a prefill,
+    its loads at the start of the next request) then get the CPU and the interpreter lock
+    while they are there, and the disk work runs in the gaps; a caller that never pauses
+    delays each copy by `writer_defer_max_s`, which is how far durable copies may then lag
+    behind (measured by `copy_lag_seconds`). 0 (the default): writers start at once.
     """
 
     get_deadline_s: float = 0.5

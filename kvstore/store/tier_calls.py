@@ -53,7 +53,7 @@ class TierCalls:
         self._reads = threading.Condition()
         self._reads_in_flight = [0] * len(self.tiers)
         self.last_foreground = float("-inf")
-        """`time.monotonic()` of the latest get or put a caller made (`foreground`)."""
+        """`time.monotonic()` of the latest get, put or lookup a caller made (`foreground`)."""
 
     def __len__(self) -> int:
         return len(self.tiers)
@@ -144,9 +144,9 @@ class TierCalls:
                     self._reads.notify_all()
 
     def foreground(self) -> None:
-        """A caller's get or put is being served now: the write-behind holds its next batch
-        back until the store has been quiet for a moment (WriteBehind, `writer_quiet_s`). One
-        float stored, no lock: called on every get and put."""
+        """A caller's get, put or lookup is being served now: the write-behind holds its next
+        batch back until the store has been quiet for a moment (WriteBehind, `writer_quiet_s`).
+        One float stored, no lock: called on every one of them."""
         self.last_foreground = time.monotonic()
 
     def yield_to_reads(self, index: int, max_wait: float) -> None:
