@@ -6,6 +6,7 @@ fronts call exactly these; test_daemon*.py and test_tcp_data_plane.py drive them
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from kvstore.keys import Namespace
 from kvstore.net.limits import MAX_FRAME_BYTES, MAX_KEYS_PER_CALL
 from kvstore.net.refusal import Refusal, RefusalReason
 from kvstore.net.scope import Scope
-from kvstore.store import TieredStore
+from kvstore.store import StoreConfig, TieredStore
 from kvstore.tiers.memory.host import HostTier
 from kvstore.tiers.nvme.tier import NvmeTier
 from tests.blockframes import FINGERPRINT, NAMESPACE, block_key, corrupt, make_frame
@@ -135,7 +136,16 @@ def test_draining_refuses_new_puts_and_keeps_serving_reads(tmp_path: Path,
 
 
 def test_a_corrupt_page_lent_out_is_dropped_and_the_disk_copy_served(
-        tmp_path: Path, store: TieredStore) -> None:
+        tmp_path: Path) -> None:
+    # The put's own check of the received pages counts for `lent_recheck_s`: a short one here,
+    # and the flip below is looked for once it has passed.
+    store = TieredStore([HostTier(32 << 20), NvmeTier(tmp_path / "nvme", 64 << 20)],
+                        config=StoreConfig(lent_recheck_s=0.2))
+    with store:
+        _corrupt_page_dropped(tmp_path, store)
+
+
+def _corrupt_page_dropped(tmp_path: Path, store: TieredStore) -> None:
     core = make_core(tmp_path, store, tokens=None)
     key = block_key(5, Namespace("tenant-a"))
     frame = make_frame(key, segment_bytes=100_000)
@@ -145,6 +155,7 @@ def test_a_corrupt_page_lent_out_is_dropped_and_the_disk_copy_served(
     assert isinstance(host, HostTier)
     entry = host._index[key.digest]  # white box: a bit flips in the daemon's RAM
     host._page_views[entry.pages[-1]][7] ^= 0x10
+    time.sleep(0.25)
     lent = core.open_read(key, None)
     assert lent is not None
     assert not lent.finish()  # checked after use: corrupt, and dropped from RAM

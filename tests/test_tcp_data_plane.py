@@ -70,7 +70,7 @@ from kvstore.net.tcp_protocol import (
 )
 from kvstore.net.tcp_transport import LookupUnsupported, TcpBlockTransport
 from kvstore.net.transport import TransportUnreachable
-from kvstore.store import TieredStore
+from kvstore.store import StoreConfig, TieredStore
 from kvstore.tiers.memory.host import HostTier
 from kvstore.tiers.nvme.tier import NvmeTier
 from tests.blockframes import FINGERPRINT, NAMESPACE, block_key, corrupt, make_frame
@@ -457,7 +457,10 @@ def test_a_stopped_server_refuses_and_a_stalled_request_times_out(
 
 def test_a_corrupt_copy_in_ram_is_caught_by_the_client_and_dropped_by_the_daemon(
         tmp_path: Path) -> None:
-    store = TieredStore([HostTier(64 << 20), NvmeTier(tmp_path / "nvme", 64 << 20)])
+    # The put's check of the pages it was received into counts for `lent_recheck_s`: a short
+    # one here, and the flip below is looked for once it has passed.
+    store = TieredStore([HostTier(64 << 20), NvmeTier(tmp_path / "nvme", 64 << 20)],
+                        config=StoreConfig(lent_recheck_s=0.2))
     catalog = KeyCatalog(tmp_path / "keys.log")
     core = BlockServiceCore("local", store, catalog, tokens=None)
     server = TcpFront(core, "127.0.0.1")
@@ -471,6 +474,7 @@ def test_a_corrupt_copy_in_ram_is_caught_by_the_client_and_dropped_by_the_daemon
         assert isinstance(host, HostTier)
         entry = host._index[key.digest]  # white box: a bit flips in the daemon's RAM
         host._page_views[entry.pages[-1]][7] ^= 0x10
+        time.sleep(0.25)
         bad = c.get(SCOPE, key.block_hash, timeout=T)
         assert bad is not None
         with pytest.raises(CorruptBlock):
