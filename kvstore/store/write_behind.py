@@ -88,7 +88,7 @@ class WriteBehind:
         self._writing: dict[_JobKey, int] = {}
         self._job_bytes: dict[int, int] = {}  # seq -> bytes, for the block jobs queued
         self._queued_at: dict[int, float] = {}  # seq -> time.monotonic() it was queued
-        self._waiting = 0  # threads in wait_pending / wait_unwritten: no holding back then
+        self._waiting = 0  # threads in `_wait_for`: no holding back then
         self._queued_bytes = 0
         self._dropped = 0
         # (at_most, wake): one-shot calls for waiters that cannot block a thread (an event
@@ -173,7 +173,8 @@ class WriteBehind:
                 if nbytes:
                     self._job_bytes[job.seq] = nbytes
                     self._queued_bytes += nbytes
-                self._queued_at[job.seq] = time.monotonic()
+                if self._config.writer_quiet_s:  # what `_give_way` bounds its wait by
+                    self._queued_at[job.seq] = time.monotonic()
                 self._pending += 1
                 self._pending_keys[key] = self._pending_keys.get(key, 0) + 1
                 self._calls.metrics.write_queue_depth.set(self._pending)
@@ -226,16 +227,9 @@ class WriteBehind:
     def wait_unwritten(self, keys: Sequence[_JobKey]) -> bool:
         """Wait until no writer holds any of `keys` (at most `background_deadline_s`)."""
         with self._state:
-            if not self._writing:
-                return True
-            self._waiting += 1
-            self._state.notify_all()  # a writer holding its batch back (_give_way) goes now
-            try:
-                return self._state.wait_for(
-                    lambda: not any(key in self._writing for key in keys),
-                    self._config.background_deadline_s)
-            finally:
-                self._waiting -= 1
+            return not self._writing or self._wait_for(
+                lambda: not any(key in self._writing for key in keys),
+                self._config.background_deadline_s)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued job is done; False if `timeout` ran out."""
@@ -246,14 +240,19 @@ class WriteBehind:
         ran out. Woken as each batch finishes, not by polling: a put's ack that waits for the
         disk goes as soon as the disk has caught up."""
         with self._state:
-            if self._pending <= at_most:
-                return True
-            self._waiting += 1
-            self._state.notify_all()  # a writer holding its batch back (_give_way) goes now
-            try:
-                return self._state.wait_for(lambda: self._pending <= at_most, timeout)
-            finally:
-                self._waiting -= 1
+            return self._wait_for(lambda: self._pending <= at_most, timeout)
+
+    def _wait_for(self, done: Callable[[], bool], timeout: float | None) -> bool:
+        """`_state.wait_for`, counted as a wait on the writer: a writer holding its batch back
+        (`_give_way`) goes at once. Caller holds _state."""
+        if done():
+            return True
+        self._waiting += 1
+        self._state.notify_all()
+        try:
+            return self._state.wait_for(done, timeout)
+        finally:
+            self._waiting -= 1
 
     def when_pending_at_most(self, at_most: int, wake: Callable[[], None]
                              ) -> Callable[[], None]:
@@ -336,7 +335,7 @@ class WriteBehind:
             return [], True
         whole = self._give_way(first)  # more jobs queue meanwhile: the batch fills
         batch = [first]
-        size = self._bytes_of(first)
+        size = 0 if whole else self._bytes_of(first)
         while len(batch) < self._config.write_batch and (whole or size < _BATCH_BYTES):
             try:
                 job = self._queue.get_nowait()
@@ -345,7 +344,7 @@ class WriteBehind:
             if job is None:
                 return batch, True
             batch.append(job)
-            size += self._bytes_of(job)
+            size += 0 if whole else self._bytes_of(job)
         return batch, False
 
     def _bytes_of(self, job: Job) -> int:
